@@ -1,0 +1,4 @@
+from freetoken_py.cli import main
+
+if __name__ == "__main__":
+    main()

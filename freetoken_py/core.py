@@ -1,0 +1,103 @@
+"""Requests, sampling parameters and outputs: the vocabulary shared by llm.py, the scheduler,
+the engine and (later) the server."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from freetoken_py.errors import FreetokenError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt + output
+    presence_penalty: float = 0.0  # OpenAI style, over output
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise FreetokenError(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: int = field(default_factory=lambda: next(_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    max_len: int = 0  # prompt + output may not exceed this (context window); set by the scheduler
+    generator: object | None = None  # torch.Generator when seeded
+    # timings (perf_counter seconds)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request (or, when streaming, the state after the latest step)."""
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    new_text: str = ""  # text added by the latest step (streaming)
+    new_token_ids: list[int] = field(default_factory=list)
+    ttft_s: float | None = None
+    total_s: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

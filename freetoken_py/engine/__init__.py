@@ -1,0 +1,1 @@
+"""Model + KV cache + sampler: `ModelRunner.forward_batch(batch)`; owns no queues."""

@@ -1,0 +1,50 @@
+"""ModelRunner: one forward pass over a batch of scheduled chunks -> logits of the rows to sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken_py.core import Request
+from freetoken_py.kvcache import KVCache
+from freetoken_py.layers.attention import AttentionMetadata, build_seq_attention
+from freetoken_py.models.moe_transformer import MoeTransformer
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute tokens [req.num_computed, req.num_computed + num_new) of `req`."""
+    req: Request
+    num_new: int
+
+    @property
+    def samples(self) -> bool:  # the chunk reaches the newest token, whose logits pick the next one
+        return self.req.num_computed + self.num_new == self.req.num_tokens
+
+
+class ModelRunner:
+    def __init__(self, model: MoeTransformer, num_pages: int, page_size: int):
+        a = model.args
+        self.model = model
+        self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, model.dtype)
+
+    def forward_batch(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Runs every chunk in one forward; returns fp32 logits [num_sampling_chunks, V] in chunk order."""
+        ids, positions, slots, seqs, sample_rows = [], [], [], [], []
+        row = 0
+        for ch in chunks:
+            req, start = ch.req, ch.req.num_computed
+            tokens = req.all_token_ids[start:start + ch.num_new]
+            ids.extend(tokens)
+            positions.extend(range(start, start + ch.num_new))
+            slots.append(self.cache.slots(req.page_table, start, start + ch.num_new))
+            seqs.append(build_seq_attention(self.cache, req.page_table, start, ch.num_new, row,
+                                            self.model.args.sliding_window))
+            row += ch.num_new
+            if ch.samples:
+                sample_rows.append(row - 1)
+        meta = AttentionMetadata(torch.cat(slots), seqs)
+        hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.cache)  # [T, D]
+        for ch in chunks:
+            ch.req.num_computed += ch.num_new
+        return self.model.logits(hidden[sample_rows])  # [S, V]

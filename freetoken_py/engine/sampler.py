@@ -1,0 +1,51 @@
+"""Token sampling: penalties, temperature, top-k, top-p, min-p; per-request seeded generators."""
+from __future__ import annotations
+
+import torch
+
+from freetoken_py.core import Request, SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """logits: [V] fp32 (modified copy returned)."""
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits = logits.clone()
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[0]).float()
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def filter_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """probs: [V], sorted handling for top-k / top-p, then min-p. Returns unnormalised probs."""
+    if p.min_p > 0:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
+    if p.top_k > 0 or p.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        if p.top_k > 0:
+            keep[p.top_k:] = False
+        if p.top_p < 1.0:
+            cum = torch.cumsum(sorted_p, 0) / sorted_p.sum()
+            keep &= (cum - sorted_p / sorted_p.sum()) < p.top_p  # keep the token that crosses top_p
+        probs = torch.zeros_like(probs).scatter_(0, idx, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
+    return probs
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    """logits: [B, V] fp32, one row per request. Returns one token id per request."""
+    out: list[int] = []
+    for row, req in zip(logits, reqs):
+        p = req.params
+        row = apply_penalties(row, req)
+        if p.greedy:
+            out.append(int(torch.argmax(row)))
+            continue
+        probs = torch.softmax(row / p.temperature, dim=-1)
+        probs = filter_probs(probs, p)
+        out.append(int(torch.multinomial(probs, 1, generator=req.generator)))
+    return out

@@ -1,0 +1,59 @@
+"""Paged attention over the KV cache (CPU/torch path).
+
+The batch is a flat list of tokens from several requests (varlen). For every request the new
+tokens' K/V are written to their slots, then its whole context is gathered from the pages and
+attended to with SDPA. Masks are built once per batch (`AttentionMetadata`) and reused by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from freetoken_py.kvcache import KVCache
+
+
+@dataclass
+class SeqAttention:
+    q_start: int  # first row of this request in the batch
+    q_end: int
+    ctx_slots: torch.Tensor  # [ctx] slots of the keys this request may see (window applied)
+    mask: torch.Tensor | None  # [n_q, ctx] True = attend; None = every key visible
+
+
+@dataclass
+class AttentionMetadata:
+    new_slots: torch.Tensor  # [T] slot of each new token
+    seqs: list[SeqAttention]
+
+
+def build_seq_attention(cache: KVCache, page_table: list[int], start: int, num_new: int,
+                        q_start: int, sliding_window: int | None) -> SeqAttention:
+    """Positions [start, start+num_new) are new; keys are positions [lo, start+num_new)."""
+    end = start + num_new
+    lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+    slots = cache.slots(page_table, lo, end)
+    mask = None
+    if num_new > 1:
+        q_pos = torch.arange(start, end)[:, None]  # [n, 1]
+        k_pos = torch.arange(lo, end)[None, :]  # [1, ctx]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+    return SeqAttention(q_start, q_start + num_new, slots, mask)
+
+
+def paged_attention(cache: KVCache, layer: int, meta: AttentionMetadata, q: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [T, Hq, hd]; k, v: [T, Hkv, hd] (new tokens). Returns [T, Hq*hd]."""
+    cache.write(layer, meta.new_slots, k, v)
+    out = torch.empty_like(q)
+    for seq in meta.seqs:
+        kc, vc = cache.read(layer, seq.ctx_slots)  # [ctx, Hkv, hd]
+        qs = q[seq.q_start:seq.q_end].transpose(0, 1)  # [Hq, n, hd]
+        o = F.scaled_dot_product_attention(
+            qs, kc.to(q.dtype).transpose(0, 1), vc.to(q.dtype).transpose(0, 1),
+            attn_mask=seq.mask, scale=scale, enable_gqa=True)  # [Hq, n, hd]
+        out[seq.q_start:seq.q_end] = o.transpose(0, 1)
+    return out.flatten(1)

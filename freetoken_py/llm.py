@@ -1,0 +1,202 @@
+"""The offline facade: load a model, add requests, step the engine, read outputs.
+
+`LLM.step()` is nano-vllm's loop: schedule -> forward_batch -> sample -> postprocess (stop
+conditions, detokenization). `freetoken run`, the benches and the tests use this class.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from freetoken_py.config import EngineConfig
+from freetoken_py.core import FinishReason, Request, RequestOutput, SamplingParams
+from freetoken_py.engine.runner import ModelRunner
+from freetoken_py.engine.sampler import sample
+from freetoken_py.errors import ContextLengthError, FreetokenError
+from freetoken_py.kvcache import KVCache, PageAllocator
+from freetoken_py.models.loader import load_model, read_generation_defaults
+from freetoken_py.scheduler.scheduler import Scheduler
+from freetoken_py.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Stream:
+    """Per-request text state: detokenizer plus how much text has been handed out."""
+    detok: IncrementalDetokenizer | None
+    emitted: int = 0
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, model: str | Path, **overrides):
+        self.config = EngineConfig(model=str(model), **overrides)
+        model_dir = Path(self.config.model)
+        self.model = load_model(model_dir, self.config.dtype, self.config.show_progress)
+        self.args = self.model.args
+        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
+        self.generation = read_generation_defaults(model_dir)
+        self.max_model_len = self.config.max_model_len or self.args.max_position_embeddings
+        num_pages = self._num_pages()
+        self.runner = ModelRunner(self.model, num_pages, self.config.page_size)
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens)
+        self._streams: dict[int, _Stream] = {}
+
+    # ---- sizing -------------------------------------------------------------------------
+    def _num_pages(self) -> int:
+        a, c = self.args, self.config
+        per_page = KVCache.bytes_per_page(a.num_layers, c.page_size, a.num_kv_heads, a.head_dim, self.model.dtype)
+        budget = c.kv_cache_bytes
+        if budget == 0:  # enough for every sequence at full length, capped at 1/8 of free RAM
+            want = c.max_num_seqs * self.max_model_len * per_page // c.page_size
+            budget = min(want, psutil.virtual_memory().available // 8)
+        return max(2, budget // per_page)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.config.page_size
+
+    # ---- requests -----------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise FreetokenError("this model directory has no tokenizer.json; pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise FreetokenError("this model directory has no tokenizer.json; chat needs one")
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, tools=tools))
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise FreetokenError("the prompt is empty")
+        if any(not 0 <= t < self.args.vocab_size for t in ids):
+            raise FreetokenError(f"prompt token ids must be in [0, {self.args.vocab_size})")
+        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        if len(ids) >= limit:
+            raise ContextLengthError(
+                f"prompt has {len(ids)} tokens but the context limit is {limit} "
+                f"(model {self.max_model_len}, KV cache {self.kv_capacity_tokens}); shorten the prompt "
+                "or raise --max-model-len / --kv-cache-gb")
+        if params.stop and self.tokenizer is None:
+            raise FreetokenError("stop strings need a tokenizer")
+        req = Request(ids, params, arrival_time=time.perf_counter())
+        req.max_len = min(limit, len(ids) + params.max_tokens)
+        if params.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+        self._streams[req.request_id] = _Stream(detok)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        if not req.finished:
+            req.finish_reason = FinishReason.ABORT
+            req.finish_time = time.perf_counter()
+            self.scheduler.finish(req)
+
+    # ---- the loop -----------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration. Returns an output for each request that produced a token."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.has_work:
+                raise FreetokenError("KV cache too small to make progress; raise --kv-cache-gb")
+            return []
+        logits = self.runner.forward_batch(chunks)
+        sampled = [c.req for c in chunks if c.req.num_computed == c.req.num_tokens]
+        tokens = sample(logits, sampled)
+        return [self._postprocess(req, tok) for req, tok in zip(sampled, tokens)]
+
+    def _postprocess(self, req: Request, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        req.output_token_ids.append(token)
+        req.first_token_time = req.first_token_time or now
+        st = self._streams[req.request_id]
+        st.new_token_ids.append(token)
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.generation.eos_token_ids):
+            req.finish_reason = FinishReason.STOP
+            req.stop_reason = token if token in p.stop_token_ids else None
+        else:
+            if st.detok is not None:
+                st.detok.push(token)
+            self._check_stop_strings(req, st)
+        if req.finish_reason is None and (len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= req.max_len):
+            req.finish_reason = FinishReason.LENGTH
+        if req.finished:
+            req.finish_time = now
+            self.scheduler.finish(req)
+        return self._output(req, st)
+
+    def _check_stop_strings(self, req: Request, st: _Stream) -> None:
+        if not req.params.stop or st.detok is None:
+            return
+        text = st.detok.text
+        longest = max(map(len, req.params.stop))
+        window_start = max(0, st.emitted - longest)
+        hits = [(text.find(s, window_start), s) for s in req.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            i, s = min(hits)
+            st.detok.text = text[:i]
+            req.finish_reason, req.stop_reason = FinishReason.STOP, s
+
+    def _output(self, req: Request, st: _Stream) -> RequestOutput:
+        text = st.detok.text if st.detok else ""
+        visible = len(text)
+        if not req.finished and req.params.stop:  # hold back what could be the start of a stop string
+            visible = max(st.emitted, len(text) - max(map(len, req.params.stop)) + 1)
+        new_text, st.emitted = text[st.emitted:visible], visible
+        new_ids, st.new_token_ids = st.new_token_ids, []
+        if req.finished:
+            self._streams.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
+            text=text[:visible], finish_reason=req.finish_reason.value if req.finished else None,
+            stop_reason=req.stop_reason, new_text=new_text, new_token_ids=new_ids,
+            ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+            total_s=(req.finish_time - req.arrival_time) if req.finish_time else None)
+
+    # ---- conveniences -------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[int, RequestOutput] = {}
+        while any(not r.finished for r in reqs):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r.request_id] for r in reqs]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        req = self.add_request(prompt, params)
+        try:
+            while not req.finished:
+                for out in self.step():
+                    if out.request_id == req.request_id:
+                        yield out
+        finally:
+            self.abort(req)
+
+    def default_sampling(self, **overrides) -> SamplingParams:
+        """generation_config.json's sampling defaults, overridden by explicit (non-None) values."""
+        values = {k: v for k, v in self.generation.sampling.items() if k in ("temperature", "top_p", "top_k")}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return dataclasses.replace(SamplingParams(), **values)

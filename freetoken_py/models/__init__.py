@@ -1,0 +1,29 @@
+"""One module per Hugging Face `model_type`, found through a lazy registry.
+
+A model module exposes `SCHEME` (a WeightScheme: its checkpoint tensor names) and
+`parse_config(ConfigReader) -> ModelArgs`. Nothing is imported until a model of that type loads.
+"""
+from __future__ import annotations
+
+import importlib
+
+from freetoken_py.errors import UnsupportedModelError
+
+# model_type -> module under freetoken_py.models
+_REGISTRY = {
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
+    "olmoe": "olmoe",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def model_module(model_type: str):
+    name = _REGISTRY.get(model_type)
+    if name is None:
+        raise UnsupportedModelError(f"config.json: model_type '{model_type}' is not supported "
+                                    f"(supported: {', '.join(supported_model_types())})")
+    return importlib.import_module(f"freetoken_py.models.{name}")

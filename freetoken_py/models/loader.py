@@ -1,0 +1,69 @@
+"""Load a checkpoint directory into a ready-to-run `MoeTransformer`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from freetoken_py.errors import ModelLoadError
+from freetoken_py.models import model_module
+from freetoken_py.models.args import ConfigReader, ModelArgs
+from freetoken_py.models.checkpoint import TensorReader, list_checkpoint_tensors, read_json
+from freetoken_py.models.moe_transformer import MoeTransformer
+from freetoken_py.models.weights import load_weights, validate
+from freetoken_py.utils.progress import progress_bar
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    sampling: dict  # temperature / top_p / top_k from generation_config.json, if any
+
+
+def resolve_dtype(name: str, stored: str) -> torch.dtype:
+    if name == "auto":
+        # bf16/fp16 checkpoints compute in bf16 on CPU (fp16 matmuls are slow there); fp32 stays fp32.
+        return torch.float32 if stored == "F32" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype '{name}' (choose auto, float32, bfloat16, float16)")
+    return _DTYPES[name]
+
+
+def read_model_args(model_dir: Path) -> ModelArgs:
+    cfg = read_json(model_dir / "config.json")
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str):
+        raise ModelLoadError(f"{model_dir / 'config.json'}: missing 'model_type'")
+    return model_module(model_type).parse_config(ConfigReader(cfg, model_dir / "config.json"))
+
+
+def read_generation_defaults(model_dir: Path) -> GenerationDefaults:
+    cfg = read_json(model_dir / "config.json")
+    path = model_dir / "generation_config.json"
+    gen = read_json(path) if path.exists() else {}
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    sampling = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen and gen.get("do_sample", True)}
+    return GenerationDefaults(eos_ids, gen.get("bos_token_id", cfg.get("bos_token_id")), sampling)
+
+
+def load_model(model_dir: Path | str, dtype: str = "auto", show_progress: bool = True) -> MoeTransformer:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory")
+    args = read_model_args(model_dir)
+    scheme = model_module(args.model_type).SCHEME
+    tensors = list_checkpoint_tensors(model_dir)
+    validate(args, scheme, tensors, model_dir)
+    stored = tensors["model.embed_tokens.weight"].dtype
+    torch_dtype = resolve_dtype(dtype, stored)
+    reader = TensorReader(tensors)
+    with progress_bar(f"Loading {model_dir.name}", total=args.num_layers, enabled=show_progress) as advance:
+        weights = load_weights(args, scheme, reader, torch_dtype, progress=advance)
+    reader.close()
+    return MoeTransformer(args, weights, torch_dtype)

@@ -1,0 +1,74 @@
+"""The decoder forward pass shared by every supported MoE family.
+
+Differences between families live in `ModelArgs` (qk-norm kind, clip_qkv, sliding window, dense
+layers, router renormalisation) and in each model file's `WeightScheme`; this file has none of
+their names.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken_py.kvcache import KVCache
+from freetoken_py.layers.attention import AttentionMetadata, paged_attention
+from freetoken_py.layers.moe import ExpertExecutor, TorchExpertExecutor, softmax_topk_route
+from freetoken_py.layers.norm import rms_norm
+from freetoken_py.layers.rotary import RotaryEmbedding, apply_rotary
+from freetoken_py.models.args import ModelArgs
+from freetoken_py.models.weights import LayerWeights, ModelWeights
+
+
+class MoeTransformer:
+    def __init__(self, args: ModelArgs, weights: ModelWeights, dtype: torch.dtype,
+                 experts: ExpertExecutor | None = None):
+        self.args = args
+        self.weights = weights
+        self.dtype = dtype
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling_factor)
+        self.scale = args.head_dim ** -0.5
+        self.experts = experts or TorchExpertExecutor([lw.w13 for lw in weights.layers],
+                                                      [lw.w2 for lw in weights.layers])
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCache) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final-normed hidden states [T, D]."""
+        h = self.weights.embed[input_ids]  # [T, D]
+        cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, hd]
+        for i, lw in enumerate(self.weights.layers):
+            x = rms_norm(h, lw.input_norm, self.args.rms_norm_eps)
+            h = h + self._attention(i, lw, x, cos, sin, meta, cache)
+            x = rms_norm(h, lw.post_norm, self.args.rms_norm_eps)
+            h = h + (self._moe(i, lw, x) if lw.router is not None else self._mlp(lw, x))
+        return rms_norm(h, self.weights.final_norm, self.args.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] -> fp32 logits [N, V]."""
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, cos, sin, meta, cache) -> torch.Tensor:
+        a = self.args
+        T = x.shape[0]
+        q, k, v = F.linear(x, lw.wq, lw.bq), F.linear(x, lw.wk, lw.bk), F.linear(x, lw.wv, lw.bv)
+        if a.qk_norm == "full":  # OLMoE: norm over the whole projection, before clipping
+            q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        q = q.view(T, a.num_heads, a.head_dim)  # [T, Hq, hd]
+        k = k.view(T, a.num_kv_heads, a.head_dim)  # [T, Hkv, hd]
+        v = v.view(T, a.num_kv_heads, a.head_dim)
+        if a.qk_norm == "head":  # Qwen3: per-head norm
+            q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = paged_attention(cache, i, meta, q, k, v, self.scale)  # [T, Hq*hd]
+        return F.linear(o, lw.wo, lw.bo)
+
+    def _moe(self, i: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(x, lw.router)  # [T, E]
+        ids, weights = softmax_topk_route(router_logits, self.args.top_k, self.args.norm_topk_prob)
+        return self.experts(i, x, ids, weights)
+
+    @staticmethod
+    def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, lw.mlp_w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, lw.mlp_w2)

@@ -1,0 +1,153 @@
+"""Checkpoint tensor names -> the engine's weight layout, with validation against the config.
+
+A model file describes its names with a `WeightScheme`; this module derives the expected tensor
+set and shapes from (ModelArgs, WeightScheme), rejects a checkpoint that differs (naming the file
+and tensor), and loads tensors into `ModelWeights` with experts stacked as `[E, ...]` banks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from freetoken_py.errors import ModelLoadError
+from freetoken_py.models.args import ModelArgs
+from freetoken_py.models.checkpoint import SUPPORTED_DTYPES, TensorInfo, TensorReader
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    layer: str = "model.layers.{i}."
+    router: str = "mlp.gate.weight"
+    expert: str = "mlp.experts.{e}."
+    expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    dense_mlp: str = "mlp."
+    ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # [E, D]
+    w13: torch.Tensor | None = None  # [E, 2I, D] routed experts (gate rows then up rows)
+    w2: torch.Tensor | None = None  # [E, D, I]
+    mlp_w13: torch.Tensor | None = None  # [2I, D] dense layer
+    mlp_w2: torch.Tensor | None = None  # [D, I]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, D]
+    final_norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
+    layers: list[LayerWeights] = field(default_factory=list)
+
+
+def _attention_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
+    q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    shapes = {"self_attn.q_proj.weight": (q_out, a.hidden_size), "self_attn.k_proj.weight": (kv_out, a.hidden_size),
+              "self_attn.v_proj.weight": (kv_out, a.hidden_size), "self_attn.o_proj.weight": (a.hidden_size, q_out),
+              "input_layernorm.weight": (a.hidden_size,), "post_attention_layernorm.weight": (a.hidden_size,)}
+    if a.attention_bias:
+        shapes.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
+                       "self_attn.v_proj.bias": (kv_out,), "self_attn.o_proj.bias": (a.hidden_size,)})
+    if a.qk_norm == "head":
+        shapes.update({"self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)})
+    elif a.qk_norm == "full":
+        shapes.update({"self_attn.q_norm.weight": (q_out,), "self_attn.k_norm.weight": (kv_out,)})
+    return shapes
+
+
+def _mlp_shapes(a: ModelArgs, s: WeightScheme, sparse: bool) -> dict[str, tuple[int, ...]]:
+    g, u, d = s.expert_proj
+    if not sparse:
+        i = a.intermediate_size
+        return {f"{s.dense_mlp}gate_proj.weight": (i, a.hidden_size), f"{s.dense_mlp}up_proj.weight": (i, a.hidden_size),
+                f"{s.dense_mlp}down_proj.weight": (a.hidden_size, i)}
+    i = a.moe_intermediate_size
+    shapes = {s.router: (a.num_experts, a.hidden_size)}
+    for e in range(a.num_experts):
+        p = s.expert.format(e=e)
+        shapes.update({f"{p}{g}.weight": (i, a.hidden_size), f"{p}{u}.weight": (i, a.hidden_size),
+                       f"{p}{d}.weight": (a.hidden_size, i)})
+    return shapes
+
+
+def expected_shapes(a: ModelArgs, s: WeightScheme) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size), "model.norm.weight": (a.hidden_size,)}
+    if not a.tie_word_embeddings:
+        shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
+    for i in range(a.num_layers):
+        prefix = s.layer.format(i=i)
+        for name, shape in {**_attention_shapes(a), **_mlp_shapes(a, s, a.sparse_layers[i])}.items():
+            shapes[prefix + name] = shape
+    return shapes
+
+
+def validate(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], model_dir: Path) -> None:
+    expected = expected_shapes(a, s)
+    for name, shape in expected.items():
+        info = tensors.get(name)
+        if info is None:
+            raise ModelLoadError(f"{model_dir}: missing tensor '{name}' (expected shape {list(shape)})")
+        if info.shape != shape:
+            raise ModelLoadError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, "
+                                 f"config.json implies {list(shape)}")
+        if info.dtype not in SUPPORTED_DTYPES:
+            raise ModelLoadError(f"{info.file}: tensor '{name}' has dtype {info.dtype}; supported: "
+                                 f"{', '.join(SUPPORTED_DTYPES)} (quantized checkpoints are not supported yet)")
+    tied_head = a.tie_word_embeddings and "lm_head.weight" in tensors
+    for name, info in tensors.items():
+        if name not in expected and not name.endswith(s.ignored_suffixes) and not tied_head:
+            raise ModelLoadError(f"{info.file}: unexpected tensor '{name}' (does config.json match the weights?)")
+
+
+def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: torch.dtype,
+                 progress=None) -> ModelWeights:
+    def get(name: str) -> torch.Tensor:
+        return reader.get(name).to(dtype).contiguous()
+
+    embed = get("model.embed_tokens.weight")
+    weights = ModelWeights(embed=embed, final_norm=get("model.norm.weight"),
+                           lm_head=embed if a.tie_word_embeddings else get("lm_head.weight"))
+    for i in range(a.num_layers):
+        weights.layers.append(_load_layer(a, s, i, get))
+        if progress is not None:
+            progress()
+    return weights
+
+
+def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
+    p = s.layer.format(i=i)
+    opt = (lambda n: get(p + n)) if a.attention_bias else (lambda n: None)
+    lw = LayerWeights(
+        input_norm=get(p + "input_layernorm.weight"), post_norm=get(p + "post_attention_layernorm.weight"),
+        wq=get(p + "self_attn.q_proj.weight"), wk=get(p + "self_attn.k_proj.weight"),
+        wv=get(p + "self_attn.v_proj.weight"), wo=get(p + "self_attn.o_proj.weight"),
+        bq=opt("self_attn.q_proj.bias"), bk=opt("self_attn.k_proj.bias"),
+        bv=opt("self_attn.v_proj.bias"), bo=opt("self_attn.o_proj.bias"))
+    if a.qk_norm != "none":
+        lw.q_norm, lw.k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
+    if a.sparse_layers[i]:
+        g, u, d = s.expert_proj
+        lw.router = get(p + s.router)
+        experts = [p + s.expert.format(e=e) for e in range(a.num_experts)]
+        lw.w13 = torch.stack([torch.cat([get(f"{x}{g}.weight"), get(f"{x}{u}.weight")]) for x in experts])
+        lw.w2 = torch.stack([get(f"{x}{d}.weight") for x in experts])
+    else:
+        m = p + s.dense_mlp
+        lw.mlp_w13 = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+        lw.mlp_w2 = get(m + "down_proj.weight")
+    return lw

@@ -1,0 +1,1 @@
+"""Request queues, admission, chunked prefill, preemption. Imports kvcache and core, never engine."""

@@ -1,0 +1,115 @@
+"""tokenizer.json via the `tokenizers` library, chat templates rendered in Jinja's sandbox,
+and incremental detokenization for streaming."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from freetoken_py.errors import FreetokenError, ModelLoadError
+from freetoken_py.models.checkpoint import read_json
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise ModelLoadError(f"{model_dir}: no tokenizer.json (needed for text prompts; "
+                                 "pass token ids through the Python API instead)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: cannot parse tokenizer ({str(exc).splitlines()[0]})") from None
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = read_json(cfg_path) if cfg_path.exists() else {}
+        self.chat_template = cfg.get("chat_template")
+        jinja_path = model_dir / "chat_template.jinja"
+        if not self.chat_template and jinja_path.exists():
+            self.chat_template = jinja_path.read_text(encoding="utf-8")
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token is not None
+        self._compiled = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos:
+            bos = self.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **extra) -> str:
+        if not self.chat_template:
+            raise FreetokenError("this model has no chat template (tokenizer_config.json has no "
+                                 "'chat_template'); run without --chat")
+        if self._compiled is None:
+            self._compiled = _sandbox().from_string(self.chat_template)
+        try:
+            return self._compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        except FreetokenError:
+            raise
+        except Exception as exc:
+            raise FreetokenError(f"chat template failed: {exc}") from None
+
+
+def _sandbox():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise FreetokenError(f"chat template: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas without re-decoding everything (vLLM's
+    prefix/read-offset scheme); holds back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-5:])  # context so decoders that strip a leading space behave
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

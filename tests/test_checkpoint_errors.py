@@ -1,0 +1,144 @@
+"""Malformed checkpoints give one-line errors that name the file and the tensor."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from freetoken_py.errors import ModelLoadError, UnsupportedModelError
+from freetoken_py.models.loader import load_model
+
+
+@pytest.fixture
+def ckpt(checkpoint_factory, tmp_path):
+    src = checkpoint_factory("qwen3_moe")
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(path, mutate):
+    tensors = load_file(path)
+    mutate(tensors)
+    save_file(tensors, path)
+
+
+def _load_error(path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path, "float32", show_progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_truncated_safetensors(ckpt):
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    msg = _load_error(ckpt)
+    assert "model.safetensors" in msg and "truncated" in msg and "'" in msg  # names the tensor
+
+
+def test_truncated_header(ckpt):
+    f = ckpt / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    assert "model.safetensors" in _load_error(ckpt)
+
+
+def test_wrong_shape(ckpt):
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    _rewrite(ckpt / "model.safetensors", lambda t: t.__setitem__(name, torch.zeros(47, 64)))
+    msg = _load_error(ckpt)
+    assert name in msg and "[47, 64]" in msg and "[48, 64]" in msg and "model.safetensors" in msg
+
+
+def test_missing_tensor(ckpt):
+    name = "model.layers.0.self_attn.k_norm.weight"
+    _rewrite(ckpt / "model.safetensors", lambda t: t.pop(name))
+    msg = _load_error(ckpt)
+    assert "missing tensor" in msg and name in msg
+
+
+def test_extra_tensor(ckpt):
+    _rewrite(ckpt / "model.safetensors", lambda t: t.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
+    msg = _load_error(ckpt)
+    assert "model.layers.0.mystery.weight" in msg and "model.safetensors" in msg
+
+
+def test_unsupported_dtype(ckpt):
+    name = "model.norm.weight"
+    _rewrite(ckpt / "model.safetensors", lambda t: t.__setitem__(name, torch.zeros(64, dtype=torch.int32)))
+    msg = _load_error(ckpt)
+    assert name in msg and "I32" in msg
+
+
+def test_bad_config_missing_key(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["num_experts_per_tok"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    msg = _load_error(ckpt)
+    assert "config.json" in msg and "num_experts_per_tok" in msg
+
+
+def test_config_not_json(ckpt):
+    (ckpt / "config.json").write_text("{not json")
+    assert "config.json" in _load_error(ckpt)
+
+
+def test_config_shape_mismatch_is_reported_against_weights(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 50
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    msg = _load_error(ckpt)
+    assert "config.json implies" in msg
+
+
+def test_unknown_architecture_lists_supported(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["model_type"] = "llama4_ultra"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(ckpt, "float32", show_progress=False)
+    msg = str(info.value)
+    assert "llama4_ultra" in msg and "qwen3_moe" in msg and "mixtral" in msg and "olmoe" in msg
+
+
+def test_sharded_index_names_missing_shard(checkpoint_factory, tmp_path):
+    src = checkpoint_factory("qwen3_moe", dtype=torch.bfloat16, max_shard_size="100KB")
+    dst = tmp_path / "sharded"
+    shutil.copytree(src, dst)
+    shard = sorted(dst.glob("*.safetensors"))[-1]
+    shard.unlink()
+    msg = _load_error(dst)
+    assert shard.name in msg
+
+
+def test_pickle_checkpoints_are_refused(tmp_path, checkpoint_factory):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(checkpoint_factory("qwen3_moe") / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    msg = _load_error(d)
+    assert "safetensors" in msg
+
+
+def test_cli_reports_one_line_and_exit_code_2(ckpt):
+    (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", 10**9))
+    proc = subprocess.run([sys.executable, "-m", "freetoken_py", "run", "hello", "--model", str(ckpt)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("freetoken: error:") and "model.safetensors" in lines[-1]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_missing_model_dir(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "freetoken_py", "run", "hi", "--model", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
