@@ -55,13 +55,18 @@ def run(
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, float32, bfloat16, float16."),
     max_model_len: int = typer.Option(0, "--max-model-len", min=0, help="Context limit (0 = the model's)."),
     kv_cache_gb: float = typer.Option(0.0, "--kv-cache-gb", min=0.0, help="KV cache size (0 = auto)."),
+    backend: str = typer.Option("auto", "--backend", help="auto, cpu (numba kernels) or torch (reference)."),
+    expert_dtype: str = typer.Option("auto", "--expert-dtype",
+                                     help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
+    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
 ) -> None:
     """Generate text from a prompt, or chat interactively when no prompt is given."""
     from freetoken_py.cli_run import RunOptions, run_main
 
     opts = RunOptions(
         model_dir=_resolve_model(model), prompt=prompt, chat=chat, system=system, as_json=as_json, dtype=dtype,
-        max_model_len=max_model_len, kv_cache_bytes=int(kv_cache_gb * 2**30),
+        max_model_len=max_model_len, kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend,
+        expert_dtype=expert_dtype, threads=threads,
         sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                       repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ())))
     run_main(opts)

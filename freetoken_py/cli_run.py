@@ -21,14 +21,20 @@ class RunOptions:
     dtype: str
     max_model_len: int
     kv_cache_bytes: int
+    backend: str = "auto"
+    expert_dtype: str = "auto"
+    threads: int = 0
     sampling: dict = field(default_factory=dict)
 
 
 def run_main(opts: RunOptions) -> None:
+    from freetoken_py.kernels import configure_threads
     from freetoken_py.llm import LLM
 
-    llm = LLM(opts.model_dir, dtype=opts.dtype, max_model_len=opts.max_model_len,
-              kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4, show_progress=not opts.as_json)
+    configure_threads(opts.threads or None)
+    llm = LLM(opts.model_dir, dtype=opts.dtype, max_model_len=opts.max_model_len, backend=opts.backend,
+              expert_dtype=opts.expert_dtype, kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
+              show_progress=not opts.as_json)
     params = llm.default_sampling(**opts.sampling)
     if opts.prompt is None:
         if opts.as_json:

@@ -38,6 +38,12 @@ class LLM:
         self.config = EngineConfig(model=str(model), **overrides)
         model_dir = Path(self.config.model)
         self.model = load_model(model_dir, self.config.dtype, self.config.show_progress)
+        self.backend = self._resolve_backend()
+        if self.backend == "cpu":
+            from freetoken_py.engine.cpu_backend import use_cpu_kernels
+
+            expert = None if self.config.expert_dtype == "auto" else self.config.expert_dtype
+            use_cpu_kernels(self.model, expert, self.config.expert_group_size)
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.generation = read_generation_defaults(model_dir)
@@ -48,6 +54,11 @@ class LLM:
         self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
         self._streams: dict[int, _Stream] = {}
+
+    def _resolve_backend(self) -> str:
+        if self.config.backend != "auto":
+            return self.config.backend
+        return "torch" if torch.cuda.is_available() else "cpu"  # the GPU tiers are the residency issue
 
     # ---- sizing -------------------------------------------------------------------------
     def _num_pages(self) -> int:

@@ -28,7 +28,7 @@ def _configs():
                                            head_dim=16)),
         # sparse step 2 and no renormalisation
         "qwen3_moe_step2": (Qwen3MoeConfig, dict(common, num_hidden_layers=4, intermediate_size=96,
-                                                 moe_intermediate_size=48, num_experts=8, decoder_sparse_step=2,
+                                                 moe_intermediate_size=64, num_experts=8, decoder_sparse_step=2,
                                                  norm_topk_prob=False)),
         "mixtral": (MixtralConfig, dict(common, num_hidden_layers=2, intermediate_size=64, num_local_experts=6)),
         "mixtral_swa": (MixtralConfig, dict(common, num_hidden_layers=2, intermediate_size=64,

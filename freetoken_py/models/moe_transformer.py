@@ -33,7 +33,7 @@ class MoeTransformer:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 cache: KVCache) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final-normed hidden states [T, D]."""
-        h = self.weights.embed[input_ids]  # [T, D]
+        h = self.weights.embed[input_ids].to(self.dtype)  # [T, D]
         cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, hd]
         for i, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.input_norm, self.args.rms_norm_eps)
@@ -44,12 +44,13 @@ class MoeTransformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> fp32 logits [N, V]."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return self.weights.lm_head(hidden).float()
 
     def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, cos, sin, meta, cache) -> torch.Tensor:
         a = self.args
         T = x.shape[0]
-        q, k, v = F.linear(x, lw.wq, lw.bq), F.linear(x, lw.wk, lw.bk), F.linear(x, lw.wv, lw.bv)
+        q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        q, k, v = lw.qkv(x).split([q_out, kv_out, kv_out], dim=-1)
         if a.qk_norm == "full":  # OLMoE: norm over the whole projection, before clipping
             q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
         if a.clip_qkv is not None:
@@ -61,14 +62,14 @@ class MoeTransformer:
             q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = paged_attention(cache, i, meta, q, k, v, self.scale)  # [T, Hq*hd]
-        return F.linear(o, lw.wo, lw.bo)
+        return lw.o(o)
 
     def _moe(self, i: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        router_logits = F.linear(x, lw.router)  # [T, E]
+        router_logits = lw.router(x)  # [T, E]
         ids, weights = softmax_topk_route(router_logits, self.args.top_k, self.args.norm_topk_prob)
         return self.experts(i, x, ids, weights)
 
     @staticmethod
     def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, lw.mlp_w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, lw.mlp_w2)
+        gate, up = lw.mlp13(x).chunk(2, dim=-1)
+        return lw.mlp2(F.silu(gate) * up)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from freetoken_py.errors import ModelLoadError
+from freetoken_py.layers.linear import TorchLinear
 from freetoken_py.models.args import ModelArgs
 from freetoken_py.models.checkpoint import SUPPORTED_DTYPES, TensorInfo, TensorReader
 
@@ -28,30 +29,25 @@ class WeightScheme:
 
 @dataclass
 class LayerWeights:
+    """One decoder layer. Linear layers are callables (TorchLinear or KernelLinear)."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
-    bq: torch.Tensor | None = None
-    bk: torch.Tensor | None = None
-    bv: torch.Tensor | None = None
-    bo: torch.Tensor | None = None
+    qkv: object  # fused q, k, v projections: [Hq*hd + 2*Hkv*hd, D]
+    o: object  # [D, Hq*hd]
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    router: torch.Tensor | None = None  # [E, D]
+    router: object | None = None  # [E, D]
     w13: torch.Tensor | None = None  # [E, 2I, D] routed experts (gate rows then up rows)
     w2: torch.Tensor | None = None  # [E, D, I]
-    mlp_w13: torch.Tensor | None = None  # [2I, D] dense layer
-    mlp_w2: torch.Tensor | None = None  # [D, I]
+    mlp13: object | None = None  # dense layer: [2I, D] gate rows then up rows
+    mlp2: object | None = None  # [D, I]
 
 
 @dataclass
 class ModelWeights:
     embed: torch.Tensor  # [V, D]
     final_norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
+    lm_head: object  # [V, D] (wraps the embedding itself when tied)
     layers: list[LayerWeights] = field(default_factory=list)
 
 
@@ -121,7 +117,7 @@ def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: tor
 
     embed = get("model.embed_tokens.weight")
     weights = ModelWeights(embed=embed, final_norm=get("model.norm.weight"),
-                           lm_head=embed if a.tie_word_embeddings else get("lm_head.weight"))
+                           lm_head=TorchLinear(embed if a.tie_word_embeddings else get("lm_head.weight")))
     for i in range(a.num_layers):
         weights.layers.append(_load_layer(a, s, i, get))
         if progress is not None:
@@ -130,24 +126,25 @@ def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: tor
 
 
 def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
-    p = s.layer.format(i=i)
-    opt = (lambda n: get(p + n)) if a.attention_bias else (lambda n: None)
+    p = s.layer.format(i=i) + "self_attn."
+    qkv_w = torch.cat([get(f"{p}{x}_proj.weight") for x in "qkv"])
+    qkv_b = torch.cat([get(f"{p}{x}_proj.bias") for x in "qkv"]) if a.attention_bias else None
     lw = LayerWeights(
-        input_norm=get(p + "input_layernorm.weight"), post_norm=get(p + "post_attention_layernorm.weight"),
-        wq=get(p + "self_attn.q_proj.weight"), wk=get(p + "self_attn.k_proj.weight"),
-        wv=get(p + "self_attn.v_proj.weight"), wo=get(p + "self_attn.o_proj.weight"),
-        bq=opt("self_attn.q_proj.bias"), bk=opt("self_attn.k_proj.bias"),
-        bv=opt("self_attn.v_proj.bias"), bo=opt("self_attn.o_proj.bias"))
+        input_norm=get(s.layer.format(i=i) + "input_layernorm.weight"),
+        post_norm=get(s.layer.format(i=i) + "post_attention_layernorm.weight"),
+        qkv=TorchLinear(qkv_w, qkv_b),
+        o=TorchLinear(get(p + "o_proj.weight"), get(p + "o_proj.bias") if a.attention_bias else None))
     if a.qk_norm != "none":
-        lw.q_norm, lw.k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
+        lw.q_norm, lw.k_norm = get(p + "q_norm.weight"), get(p + "k_norm.weight")
+    p = s.layer.format(i=i)
     if a.sparse_layers[i]:
         g, u, d = s.expert_proj
-        lw.router = get(p + s.router)
+        lw.router = TorchLinear(get(p + s.router))
         experts = [p + s.expert.format(e=e) for e in range(a.num_experts)]
         lw.w13 = torch.stack([torch.cat([get(f"{x}{g}.weight"), get(f"{x}{u}.weight")]) for x in experts])
         lw.w2 = torch.stack([get(f"{x}{d}.weight") for x in experts])
     else:
         m = p + s.dense_mlp
-        lw.mlp_w13 = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-        lw.mlp_w2 = get(m + "down_proj.weight")
+        lw.mlp13 = TorchLinear(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+        lw.mlp2 = TorchLinear(get(m + "down_proj.weight"))
     return lw

@@ -1,0 +1,180 @@
+"""Shared pieces of the bench scripts: the locally built benchmark model, bytes-per-token
+arithmetic, the DRAM roofline from the probe, and llama.cpp (llama-cpp-python) as the peer.
+
+Nothing here downloads weights: models are built with transformers' classes (random weights) and
+converted with llama.cpp's own convert_hf_to_gguf.py from the llama-cpp-python source package.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = Path(os.environ.get("FREETOKEN_BENCH_DIR", REPO / "bench" / "_work"))
+DEMO = REPO / "freetoken_py" / "data" / "demo_model"
+
+# ~0.49B-parameter qwen3_moe from the issues: hidden 1024, 8 layers, 64 experts, top-8, width 256
+QWEN3_05B = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=64, intermediate_size=2816, moe_intermediate_size=256,
+                 num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+                 rope_theta=1e6, tie_word_embeddings=False)
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def build_qwen3_moe(out: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """Random-weight checkpoint written by transformers' save_pretrained, with the demo tokenizer."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    log(f"building {out.name} (random weights, {dtype})")
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(**QWEN3_05B)
+    with torch.device("cpu"):
+        model = Qwen3MoeForCausalLM(cfg)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (DEMO / name).exists():
+            shutil.copy(DEMO / name, out / name)
+    return out
+
+
+def bytes_per_token(args, bytes_per_weight: float) -> dict:
+    """Weights read for one decode token: attention, router, top-k experts, lm_head (+ norms)."""
+    d, hd = args.hidden_size, args.head_dim
+    attn = d * hd * (2 * args.num_heads + 2 * args.num_kv_heads)
+    experts = dense = router = 0
+    for sparse in args.sparse_layers:
+        if sparse:
+            router += args.num_experts * d
+            experts += args.top_k * 3 * d * args.moe_intermediate_size
+        else:
+            dense += 3 * d * args.intermediate_size
+    weights = args.num_layers * attn + router + experts + dense + args.vocab_size * d
+    return {"weights_per_token": weights, "bytes_per_token": weights * bytes_per_weight}
+
+
+def dram_gbps() -> tuple[float, str]:
+    """DRAM read bandwidth (all cores) from the machine profile; a quick numpy figure if unavailable."""
+    try:
+        from freetoken_py.hw import get_profile
+
+        prof = get_profile(progress=False)
+        return prof.figure("dram_read_all_cores").gbps, "freetoken probe (dram_read_all_cores)"
+    except Exception as exc:  # the probe is optional for the bench
+        import numpy as np
+
+        buf = np.ones(256 * 2**20 // 8)
+        t = time.perf_counter()
+        for _ in range(4):
+            buf.sum()
+        return 4 * buf.nbytes / (time.perf_counter() - t) / 1e9, f"numpy single-thread sum (probe unavailable: {exc})"
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------
+
+def llama_cpp_source() -> Path:
+    """llama.cpp's source tree as shipped in the installed llama-cpp-python's sdist (for the converter)."""
+    import llama_cpp
+
+    version = llama_cpp.__version__
+    root = WORK / f"llama_cpp_python-{version}"
+    if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        WORK.mkdir(parents=True, exist_ok=True)
+        log(f"fetching llama-cpp-python {version} sdist for convert_hf_to_gguf.py")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                        f"llama-cpp-python=={version}", "-d", str(WORK)], check=True)
+        with tarfile.open(next(WORK.glob(f"llama_cpp_python-{version}.tar.gz"))) as tar:
+            tar.extractall(WORK, filter="data")
+    return root / "vendor" / "llama.cpp"
+
+
+_CONVERT = """
+import sys
+sys.path.insert(0, {src!r})
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"  # synthetic tokenizer: same split regex
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", {outtype!r}, "--outfile", {out!r}]
+convert_hf_to_gguf.main()
+"""
+
+
+def convert_to_gguf(model_dir: Path, outtype: str) -> Path:
+    out = model_dir.parent / f"{model_dir.name}-{outtype}.gguf"
+    if not out.exists():
+        src = llama_cpp_source()
+        log(f"converting {model_dir.name} to GGUF {outtype} with llama.cpp's convert_hf_to_gguf.py")
+        code = _CONVERT.format(src=str(src), model=str(model_dir), outtype=outtype, out=str(out))
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    return out
+
+
+def quantize_gguf(src: Path, ftype_name: str) -> Path:
+    """Quantize a GGUF with llama.cpp's own quantizer (e.g. ftype_name='Q4_0')."""
+    import ctypes
+
+    import llama_cpp
+
+    out = src.with_name(src.stem.rsplit("-", 1)[0] + f"-{ftype_name.lower()}.gguf")
+    if not out.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+        params.nthread = os.cpu_count() or 2
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize failed ({rc})")
+    return out
+
+
+class LlamaCppPeer:
+    def __init__(self, gguf: Path, threads: int, n_ctx: int = 2048):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def prefill_tps(self, prompt: list[int]) -> float:
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(prompt)
+        return len(prompt) / (time.perf_counter() - t)
+
+    def decode_tps(self, prompt: list[int], num_tokens: int) -> float:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        tok = prompt[-1]
+        t = time.perf_counter()
+        for _ in range(num_tokens):
+            self.llm.eval([tok])
+            tok = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        return num_tokens / (time.perf_counter() - t)
+
+    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        out = []
+        for _ in range(num_tokens):
+            tok = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+            out.append(tok)
+            self.llm.eval([tok])
+        return out
+
+
+def emit(result: dict) -> None:
+    print(json.dumps(result), flush=True)

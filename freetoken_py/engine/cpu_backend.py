@@ -1,0 +1,75 @@
+"""Switch a loaded model to the numba CPU path: every linear layer becomes a `KernelLinear`, every
+MoE layer's experts an `ExpertBank`, activations fp32.
+
+Conversion runs one layer at a time and drops the torch copies as it goes, so peak memory stays
+near one layer above the final footprint; quantised expert formats (int8 / int4) never keep the
+higher-precision copy.
+"""
+from __future__ import annotations
+
+import torch
+
+from freetoken_py.errors import FreetokenError
+from freetoken_py.layers.linear import KernelLinear, TorchLinear
+from freetoken_py.models.moe_transformer import MoeTransformer
+
+EXPERT_FORMATS = ("bf16", "fp32", "int8", "int4")
+
+
+class KernelExpertExecutor:
+    """Routed experts through `freetoken_py.kernels.moe_experts` (fp32 in, fp32 out)."""
+
+    def __init__(self, banks: list, activation: str = "silu"):
+        self.banks = banks  # per layer: ExpertBank or None (dense layer)
+        self.activation = activation
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from freetoken_py.kernels import moe_experts
+
+        return moe_experts(self.banks[layer], x.float(), ids, weights.float(), activation=self.activation)
+
+
+def weight_format(dtype: torch.dtype) -> str:
+    """Dense weights keep their stored precision: bf16 stays bf16; fp32 and fp16 run as fp32."""
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def _kernel(lin: TorchLinear, fmt: str) -> KernelLinear:
+    return KernelLinear(lin.weight, lin.bias, fmt)
+
+
+def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, group_size: int = 32,
+                    progress=None) -> None:
+    from freetoken_py.kernels import ExpertBank
+
+    dense_fmt = weight_format(model.dtype)
+    expert_format = expert_format or dense_fmt
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert format must be one of {EXPERT_FORMATS}")
+    a = model.args
+    if expert_format == "int4" and (a.hidden_size % group_size or a.moe_intermediate_size % group_size):
+        raise FreetokenError(f"int4 experts need hidden size ({a.hidden_size}) and expert width "
+                             f"({a.moe_intermediate_size}) divisible by the group size {group_size}")
+    w = model.weights
+    banks = []
+    for lw in w.layers:
+        lw.qkv, lw.o = _kernel(lw.qkv, dense_fmt), _kernel(lw.o, dense_fmt)
+        lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
+        if lw.q_norm is not None:
+            lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
+        if lw.w13 is not None:
+            lw.router = _kernel(lw.router, dense_fmt)
+            inter = lw.w13.shape[1] // 2
+            banks.append(ExpertBank.from_weights(lw.w13[:, :inter], lw.w13[:, inter:], lw.w2,
+                                                 fmt=expert_format, group_size=group_size))
+            lw.w13 = lw.w2 = None
+        else:
+            lw.mlp13, lw.mlp2 = _kernel(lw.mlp13, dense_fmt), _kernel(lw.mlp2, dense_fmt)
+            banks.append(None)
+        if progress is not None:
+            progress()
+    w.lm_head = _kernel(w.lm_head, dense_fmt)
+    w.final_norm = w.final_norm.float()
+    model.experts = KernelExpertExecutor(banks)
+    model.dtype = torch.float32  # activations; the embedding rows are widened on lookup
+    model.expert_format = expert_format

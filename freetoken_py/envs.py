@@ -1,0 +1,25 @@
+"""Every environment variable freetoken reads is declared here, and read lazily.
+
+Nothing is read at import time: call the accessor when the value is needed, so a test (or a
+long-running server) sees the environment as it is at that moment. To add a variable, add its
+name and one-line meaning to ``ENV_VARS`` and an accessor below.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_VARS: dict[str, str] = {
+    "FREETOKEN_CACHE_DIR": "Directory for freetoken's caches (hardware profile, ...). "
+    "Default: $XDG_CACHE_HOME/freetoken, else ~/.cache/freetoken.",
+}
+
+
+def cache_dir() -> Path:
+    """The user cache directory (not created here)."""
+    explicit = os.environ.get("FREETOKEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "freetoken"

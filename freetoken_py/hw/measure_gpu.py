@@ -1,0 +1,141 @@
+"""CUDA figures: PCIe both ways (pinned / pageable), VRAM copy, the expert copy path, the GPU
+expert kernel, and PCIe streaming while the CPU expert kernel runs.
+
+Everything here needs `torch.cuda.is_available()`; callers check it first. Times come from CUDA
+events on the stream that does the work, so Python overhead is not counted as transfer time.
+The concurrent figure queues all its copies on a side stream up front: the DMA engine keeps
+streaming while the CPU kernel holds the GIL, which is how a real decode step overlaps them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from freetoken_py.hw.profile import Figure
+
+GB = 1e9
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def timed_gpu(fn: Callable[[], None], nbytes: int, reps: int, stream: Any = None) -> list[float]:
+    """GB/s of `reps` calls of fn, each timed by CUDA events on `stream`."""
+    torch = _torch()
+    stream = stream or torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        fn()                                   # warm-up: allocator, first-touch of pages
+        stream.synchronize()
+        samples = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            samples.append(nbytes / (start.elapsed_time(end) / 1e3) / GB)
+    return samples
+
+
+def pcie_copy(direction: str, pinned: bool, nbytes: int, reps: int, device: int = 0) -> list[float]:
+    """H2D ("h2d") or D2H ("d2h") copies of `nbytes`, from pinned or pageable host memory."""
+    torch = _torch()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    if direction == "h2d":
+        fn = lambda: dev.copy_(host, non_blocking=pinned)   # noqa: E731
+    else:
+        fn = lambda: host.copy_(dev, non_blocking=pinned)   # noqa: E731
+    with torch.cuda.device(device):
+        return timed_gpu(fn, nbytes, reps)
+
+
+def vram_copy(nbytes: int, reps: int, device: int = 0) -> list[float]:
+    """Device-to-device copy; counts bytes read + bytes written (as CUDA's bandwidthTest does)."""
+    torch = _torch()
+    a = torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    b = torch.empty_like(a)
+    with torch.cuda.device(device):
+        return timed_gpu(lambda: b.copy_(a), 2 * nbytes, reps)
+
+
+def expert_gather(host_bank: Any, num_slots: int, top_k: int, reps: int, device: int = 0) -> list[float]:
+    """The expert streaming path: copy `top_k` routed experts per step from a pinned host bank
+    `[E, bytes_per_expert]` (uint8) into VRAM slots, one async copy per expert, rotating experts."""
+    torch = _torch()
+    num_experts, per_expert = host_bank.shape
+    slots = torch.empty((num_slots, per_expert), dtype=torch.uint8, device=f"cuda:{device}")
+    state = {"next": 0}
+
+    def step():
+        for k in range(top_k):
+            e = (state["next"] + k) % num_experts
+            slots[k % num_slots].copy_(host_bank[e], non_blocking=True)
+        state["next"] = (state["next"] + top_k) % num_experts
+
+    with torch.cuda.device(device):
+        return timed_gpu(step, top_k * per_expert, reps)
+
+
+def gpu_expert_step(gate: Any, up: Any, down: Any, top_k: int, reps: int) -> list[float]:
+    """Batch-1 SwiGLU experts from VRAM-resident bf16 weights (gate/up [E,I,D], down [E,D,I]),
+    top_k experts per step, rotated. There is no custom CUDA expert kernel yet: this is the torch
+    path the GPU executor uses until csrc/ provides one."""
+    torch = _torch()
+    num_experts = gate.shape[0]
+    x = torch.randn((1, gate.shape[2]), device=gate.device, dtype=gate.dtype)
+    per_expert = (gate[0].numel() + up[0].numel() + down[0].numel()) * gate.element_size()
+    state = {"next": 0}
+
+    def step():
+        out = torch.zeros_like(x)
+        for k in range(top_k):
+            e = (state["next"] + k) % num_experts
+            h = torch.nn.functional.silu(x @ gate[e].T) * (x @ up[e].T)     # [1, I]
+            out += (h @ down[e].T) / top_k                                 # [1, D]
+        state["next"] = (state["next"] + top_k) % num_experts
+
+    with torch.cuda.device(gate.device):
+        return timed_gpu(step, top_k * per_expert, reps)
+
+
+def concurrent_h2d_and_cpu(nbytes: int, copies: int, cpu_sample: Callable[[], float],
+                           device: int = 0) -> tuple[list[float], list[float]]:
+    """PCIe H2D (pinned) streaming while the CPU expert kernel runs, both contending for DRAM.
+
+    Queues `copies` async copies on a side stream, then takes CPU kernel samples (each returns
+    GB/s) until the stream drains. Returns (per-copy H2D GB/s, CPU kernel GB/s samples), both
+    measured over the same window.
+    """
+    torch = _torch()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    stream = torch.cuda.Stream(device=device)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(copies + 1)]
+    with torch.cuda.stream(stream):
+        dev.copy_(host, non_blocking=True)
+        stream.synchronize()
+        events[0].record(stream)
+        for i in range(copies):
+            dev.copy_(host, non_blocking=True)
+            events[i + 1].record(stream)
+    cpu: list[float] = []
+    while True:
+        gbps = cpu_sample()
+        busy = not stream.query()
+        if busy or not cpu:      # a sample that outlived the copies was only partly contended
+            cpu.append(gbps)
+        if not busy:
+            break
+    stream.synchronize()
+    pcie = [nbytes / (events[i].elapsed_time(events[i + 1]) / 1e3) / GB for i in range(copies)]
+    return pcie, cpu
+
+
+def figure(name: str, samples: list[float], method: str, params: dict, t0: float) -> Figure:
+    return Figure.from_samples(name, samples, method, params, time.perf_counter() - t0)

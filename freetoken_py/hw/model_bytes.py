@@ -1,0 +1,255 @@
+"""How a checkpoint's bytes split: dense vs experts, per layer, per expert, per decode token.
+
+Reads only the safetensors headers (8-byte little-endian length + JSON) and config.json — no
+tensor data — so it is instant even for a 600 GB checkpoint. Sizes come from `data_offsets`,
+which is exact for every dtype, quantized packings included.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from freetoken_py.errors import ModelLoadError
+
+MAX_HEADER_BYTES = 100 * 2**20   # safetensors' own limit
+CATEGORIES = ("embedding", "lm_head", "attention", "router", "dense_mlp", "shared_experts",
+              "routed_experts", "norm", "other")
+_LAYER = re.compile(r"\.(?:layers|h|blocks|block)\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_EMBED = re.compile(r"(^|\.)(embed_tokens|wte|tok_embeddings|word_embeddings)\.")
+_ROUTER = re.compile(r"\.(gate|router)\.")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    category: str
+    layer: Optional[int]
+    expert: Optional[int]
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    layer: int
+    by_category: dict[str, int]
+    num_experts: int              # routed experts in this layer (0: a dense layer)
+    bytes_per_expert: int
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(v for k, v in self.by_category.items() if k != "routed_experts")
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    model_dir: str
+    model_type: str
+    files: tuple[str, ...]
+    dtypes: dict[str, int]              # bytes per stored dtype
+    expert_dtype: Optional[str]         # most common dtype among routed-expert tensors
+    total_bytes: int
+    by_category: dict[str, int]
+    layers: tuple[LayerBytes, ...]
+    top_k: int
+    num_experts: int
+    vocab_size: int
+    tied_embeddings: bool
+    kv_bytes_per_token: int             # bf16 KV cache, all layers
+    per_token: dict[str, int] = field(default_factory=dict)   # bytes read per decode token
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        return self.by_category.get("routed_experts", 0)
+
+    @property
+    def per_token_bytes(self) -> int:
+        return sum(self.per_token.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["routed_expert_bytes"] = self.routed_expert_bytes
+        d["per_token_bytes"] = self.per_token_bytes
+        for layer in d["layers"]:
+            layer["dense_bytes"] = sum(v for k, v in layer["by_category"].items()
+                                       if k != "routed_experts")
+        return d
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of one safetensors file (ModelLoadError if it is not one)."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelLoadError(f"{path}: too short to be a safetensors file")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES:
+                raise ModelLoadError(f"{path}: header length {n} is not plausible for safetensors")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ModelLoadError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"--model {model_dir}: not a directory")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index}: no readable weight_map") from None
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shard {missing[0]} listed in the index is missing")
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"--model {model_dir}: no model.safetensors or "
+                         f"model.safetensors.index.json (only safetensors checkpoints are supported)")
+
+
+def load_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"--model {model_dir}: no config.json") from None
+    except (OSError, ValueError):
+        raise ModelLoadError(f"{path}: not valid JSON") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    # multimodal wrappers keep the language model's fields in text_config
+    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = 0) -> Any:
+    return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
+
+
+def classify(name: str) -> str:
+    if _EMBED.search(name):
+        return "embedding"
+    if name.startswith("lm_head.") or name == "output.weight":
+        return "lm_head"
+    if "shared_expert" in name:
+        return "shared_experts"
+    if ".experts." in name:                  # per-expert and fused layouts, Mixtral included
+        return "routed_experts"
+    if _ROUTER.search(name):
+        return "router"
+    if "attn" in name or "attention" in name:
+        return "attention"
+    if "norm" in name:
+        return "norm"
+    if any(k in name for k in (".mlp.", ".feed_forward.", ".ffn.")):
+        return "dense_mlp"
+    return "other"
+
+
+def tensor_infos(header: dict[str, Any], path: Path) -> list[TensorInfo]:
+    out = []
+    for name, meta in header.items():
+        try:
+            start, end = meta["data_offsets"]
+            dtype, shape = str(meta["dtype"]), tuple(int(s) for s in meta["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        layer, expert = _LAYER.search(name), _EXPERT.search(name)
+        out.append(TensorInfo(name, dtype, shape, int(end) - int(start), classify(name),
+                              int(layer.group(1)) if layer else None,
+                              int(expert.group(1)) if expert else None))
+    return out
+
+
+def _layers(tensors: list[TensorInfo], num_experts_cfg: int) -> tuple[LayerBytes, ...]:
+    by_layer: dict[int, Counter] = defaultdict(Counter)
+    expert_ids: dict[int, set] = defaultdict(set)
+    for t in tensors:
+        if t.layer is not None:
+            by_layer[t.layer][t.category] += t.nbytes
+            if t.category == "routed_experts" and t.expert is not None:
+                expert_ids[t.layer].add(t.expert)
+    layers = []
+    for i in sorted(by_layer):
+        routed = by_layer[i].get("routed_experts", 0)
+        n = len(expert_ids[i]) or (num_experts_cfg if routed else 0)   # fused layout: use config
+        layers.append(LayerBytes(i, {c: by_layer[i][c] for c in CATEGORIES if by_layer[i][c]},
+                                 n, routed // n if n else 0))
+    return tuple(layers)
+
+
+def kv_bytes_per_token(cfg: dict[str, Any], num_layers: int) -> int:
+    """bf16 KV cache bytes one token adds (MLA models cache the compressed latent)."""
+    if cfg.get("kv_lora_rank"):
+        per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+    else:
+        heads = int(_first(cfg, "num_attention_heads", default=0))
+        kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
+        head_dim = int(_first(cfg, "head_dim", default=0)) or (
+            int(_first(cfg, "hidden_size", default=0)) // max(heads, 1))
+        per_layer = 2 * kv_heads * head_dim
+    return 2 * per_layer * num_layers
+
+
+def per_token_bytes(by_category: dict[str, int], layers: tuple[LayerBytes, ...], top_k: int,
+                    embed_rows: int, tied: bool) -> dict[str, int]:
+    """Bytes one decode token reads: all dense weights, top_k experts per MoE layer, one
+    embedding row, and the whole lm_head (the embedding matrix again when tied)."""
+    dense = sum(v for k, v in by_category.items()
+                if k not in ("embedding", "lm_head", "routed_experts"))
+    emb = by_category.get("embedding", 0)
+    lm_head = by_category.get("lm_head", 0) or (emb if tied else 0)
+    experts = sum(min(top_k, layer.num_experts) * layer.bytes_per_expert for layer in layers)
+    return {"dense": dense, "routed_experts": experts,
+            "embedding_row": emb // embed_rows if embed_rows else 0, "lm_head": lm_head}
+
+
+def read_model_bytes(model_dir: Path) -> ModelBytes:
+    model_dir = Path(model_dir).expanduser()
+    files = checkpoint_files(model_dir)
+    cfg = load_config(model_dir)
+    tensors = [t for f in files for t in tensor_infos(read_header(f), f)]
+    if not tensors:
+        raise ModelLoadError(f"--model {model_dir}: the safetensors files hold no tensors")
+    top_k = int(_first(cfg, "num_experts_per_tok", "num_experts_per_token", "moe_topk",
+                       "experts_per_token", "top_k"))
+    num_experts = int(_first(cfg, "num_experts", "num_local_experts", "n_routed_experts",
+                             "moe_num_experts"))
+    by_category = Counter()
+    dtypes = Counter()
+    expert_dtypes = Counter()
+    for t in tensors:
+        by_category[t.category] += t.nbytes
+        dtypes[t.dtype] += t.nbytes
+        if t.category == "routed_experts":
+            expert_dtypes[t.dtype] += t.nbytes
+    layers = _layers(tensors, num_experts)
+    embed = [t for t in tensors if t.category == "embedding" and t.shape]
+    vocab = int(_first(cfg, "vocab_size", default=embed[0].shape[0] if embed else 0))
+    tied = bool(cfg.get("tie_word_embeddings", False)) and not by_category.get("lm_head")
+    num_layers = int(_first(cfg, "num_hidden_layers", "n_layer", default=len(layers)))
+    return ModelBytes(
+        model_dir=str(model_dir), model_type=str(cfg.get("model_type", "unknown")),
+        files=tuple(f.name for f in files), dtypes=dict(dtypes),
+        expert_dtype=expert_dtypes.most_common(1)[0][0] if expert_dtypes else None,
+        total_bytes=sum(by_category.values()), by_category=dict(by_category), layers=layers,
+        top_k=top_k, num_experts=num_experts, vocab_size=vocab, tied_embeddings=tied,
+        kv_bytes_per_token=kv_bytes_per_token(cfg, num_layers),
+        per_token=per_token_bytes(by_category, layers, top_k,
+                                  embed[0].shape[0] if embed else vocab, tied))

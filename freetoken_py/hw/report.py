@@ -1,0 +1,130 @@
+"""`freetoken probe`: the machine profile, what it means, and (with --model) where a model's
+bytes would live and how fast it could decode here. `build_report` makes one plain dict (the
+--json output); `render` prints the same content with rich.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+REPORT_VERSION = 1
+CPU_SHARE_WARN = 0.75     # below this, a CPU figure was throttled by other processes
+
+
+def run_probe(model_dir: Optional[Path] = None, as_json: bool = False,
+              reprofile: bool = False) -> None:
+    from freetoken_py.hw.runner import get_profile
+
+    model = None
+    if model_dir is not None:           # read the model first: a bad path fails in milliseconds
+        from freetoken_py.hw.model_bytes import read_model_bytes
+
+        model = read_model_bytes(Path(model_dir))
+    profile = get_profile(reprofile=reprofile, progress=sys.stderr.isatty())
+    data = build_report(profile, model)
+    if as_json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+    else:
+        render(data)
+
+
+def build_report(profile: Any, model: Any = None) -> dict[str, Any]:
+    from freetoken_py.hw.profile import profile_path
+
+    report = {
+        "report_version": REPORT_VERSION,
+        "machine_key": profile.key,
+        "cache_path": str(profile_path(profile.key)),
+        "gpu_available": bool(profile.gpu.gpus and profile.gpu.torch_cuda_available),
+        "gpu_status": profile.gpu.status,
+        "figures_gbps": {n: round(f.gbps, 3) for n, f in profile.figures.items()},
+        "profile": profile.to_dict(),
+        "notes": machine_notes(profile),
+        "model": None,
+    }
+    if model is not None:
+        from freetoken_py.hw.tiers import tier_plans
+
+        plans = tier_plans(model, profile)
+        report["model"] = {**model.to_dict(), "plans": [p.to_dict() for p in plans]}
+        report["notes"] += model_notes(model, plans)
+    return report
+
+
+def machine_notes(profile: Any) -> list[str]:
+    """What the figures mean, in plain sentences."""
+    notes = []
+    cpu, g = profile.cpu, profile.gbps
+    if not (profile.gpu.gpus and profile.gpu.torch_cuda_available):
+        notes.append(f"No usable GPU ({profile.gpu.status}). PCIe, VRAM and concurrent figures "
+                     f"are not measured; only the all-CPU plan applies.")
+    if cpu.topology_source.startswith("topology hidden"):
+        notes.append("CPU topology is hidden (container?): physical cores assumed = logical.")
+    if g("dram_read_all_cores") and g("dram_read_single_core"):
+        notes.append(f"Host DRAM reads {g('dram_read_all_cores'):.1f} GB/s with "
+                     f"{min(cpu.physical_cores, cpu.usable_cores)} cores, "
+                     f"{g('dram_read_single_core'):.1f} GB/s with one: the decode ceiling for "
+                     f"weights in host RAM.")
+    kernel = g("cpu_expert_bf16")
+    if kernel and g("dram_read_all_cores"):
+        notes.append(f"The CPU expert kernel (bf16, batch 1) streams {kernel:.1f} GB/s = "
+                     f"{kernel / g('dram_read_all_cores'):.0%} of the DRAM figure.")
+    pcie, cpu_c = g("pcie_h2d_pinned_concurrent"), g("cpu_expert_bf16_concurrent")
+    if pcie and cpu_c:
+        faster = "evaluating them on the CPU" if cpu_c > pcie else "streaming them over PCIe"
+        notes.append(f"While both run, PCIe H2D gives {pcie:.1f} GB/s and the CPU kernel "
+                     f"{cpu_c:.1f} GB/s: non-resident experts are cheaper by {faster}.")
+    starved = {n: f.params["cpu_share"] for n, f in profile.figures.items()
+               if f.params.get("cpu_share", 1.0) < CPU_SHARE_WARN}
+    if starved:
+        worst = min(starved.values())
+        notes.append(f"{len(starved)} CPU figure(s) were measured while other processes held the "
+                     f"cores (as little as {worst:.0%} of the CPU time the probe asked for): they "
+                     f"understate this machine; run `freetoken probe --reprofile` when it is quiet.")
+    missing_isa = [k for k in ("avx512f", "avx512_bf16", "avx512_vnni", "amx") if not cpu.isa.get(k)]
+    if missing_isa:
+        notes.append(f"ISA ({cpu.isa_source}) lacks {', '.join(missing_isa)}.")
+    return notes
+
+
+def model_notes(model: Any, plans: list) -> list[str]:
+    pt = model.per_token
+    notes = [f"Each decode token reads {size(model.per_token_bytes)}: dense {size(pt['dense'])}, "
+             f"experts {size(pt['routed_experts'])} (top-{model.top_k}), lm_head "
+             f"{size(pt['lm_head'])}, one embedding row {size(pt['embedding_row'])}."]
+    feasible = [p for p in plans if p.feasible]
+    if feasible:
+        best = max(feasible, key=lambda p: p.tokens_per_s)
+        notes.append(f"Best plan here: {best.name}, roofline {best.tokens_per_s:.1f} tokens/s.")
+    notes += [f"{p.name}: not possible here — {p.reason}." for p in plans if not p.feasible]
+    return notes
+
+
+def size(n: Optional[float]) -> str:
+    """Bytes for people: 1.50 GiB, 12.00 KiB, 384 B."""
+    if n is None:
+        return "?"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def render(data: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    from freetoken_py.hw import report_render as rr
+
+    console = Console()
+    prof = data["profile"]
+    console.print(rr.machine_table(prof))
+    console.print(rr.gpu_section(prof))
+    console.print(rr.figures_table(prof))
+    console.print(rr.cache_line(data))
+    if data["model"]:
+        console.print(rr.model_table(data["model"]))
+        console.print(rr.layers_table(data["model"]))
+        console.print(rr.plans_table(data["model"]))
+    console.print(rr.notes_panel(data["notes"]))

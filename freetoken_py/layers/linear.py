@@ -1,0 +1,49 @@
+"""Linear layers behind one call signature, so the forward pass does not care where the weights
+live: `TorchLinear` (the reference, any dtype) or `KernelLinear` (numba GEMV over bf16 / fp32 /
+int8 weights, fp32 activations)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight  # [N, K]
+        self.bias = bias
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class KernelLinear:
+    """Numba dense kernel; x is cast to fp32, the result is fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+        from freetoken_py.kernels import DenseWeight
+
+        self.dense = DenseWeight.from_tensor(weight, fmt=fmt)
+        self.bias = None if bias is None else bias.float()
+
+    @property
+    def out_features(self) -> int:
+        return self.dense.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.dense.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from freetoken_py.kernels import dense_linear
+
+        out = dense_linear(self.dense, x.float().contiguous())
+        out = torch.from_numpy(out) if not isinstance(out, torch.Tensor) else out
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,54 @@
+"""Imports go downward only (docs/architecture.md); `freetoken --help` does not pay for torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+# subpackage -> packages it must never import (directly or transitively)
+FORBIDDEN = {
+    "freetoken_py.kvcache": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
+    "freetoken_py.residency": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
+                               "freetoken_py.llm"],
+    "freetoken_py.models": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
+    "freetoken_py.layers": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
+    "freetoken_py.engine.runner": ["freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
+    "freetoken_py.scheduler.scheduler": ["freetoken_py.server", "freetoken_py.llm"],
+    "freetoken_py.kernels": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
+                             "freetoken_py.llm", "freetoken_py.models"],
+    "freetoken_py.hw": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
+}
+
+_BLOCKER = """
+import importlib, importlib.abc, sys
+forbidden = {forbidden!r}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if any(name == f or name.startswith(f + ".") for f in forbidden):
+            raise ImportError("layering violation: " + name)
+sys.meta_path.insert(0, Block())
+importlib.import_module({module!r})
+"""
+
+
+@pytest.mark.parametrize("module", sorted(FORBIDDEN))
+def test_imports_go_downward(module):
+    try:
+        __import__(module)
+    except ModuleNotFoundError:
+        pytest.skip(f"{module} does not exist yet")
+    code = _BLOCKER.format(forbidden=FORBIDDEN[module], module=module)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.strip().splitlines()[-1]
+
+
+def test_cli_import_is_light():
+    code = "import sys, freetoken_py.cli; print(','.join(m for m in ('torch', 'numba', 'transformers') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == ""
+
+
+def test_help_works():
+    proc = subprocess.run([sys.executable, "-m", "freetoken_py", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "run" in proc.stdout and "probe" in proc.stdout
