@@ -176,5 +176,49 @@ class LlamaCppPeer:
         return out
 
 
+# ---- engine adapters: (prefill_tps(prompt), decode_tps(prompt, n)) -----------------------------
+
+def freetoken_timers(llm):
+    from freetoken_py.core import SamplingParams
+
+    def prefill(prompt):
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0]
+        return len(prompt) / out.ttft_s
+
+    def decode(prompt, n):
+        out = llm.generate([prompt], SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))[0]
+        return n / (out.total_s - out.ttft_s)
+
+    return prefill, decode
+
+
+def transformers_timers(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+    def gen(prompt, new):
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=0)
+        return time.perf_counter() - t
+
+    def prefill(prompt):
+        return len(prompt) / gen(prompt, 1)
+
+    def decode(prompt, n):
+        return n / (gen(prompt, n + 1) - gen(prompt, 1))
+
+    return prefill, decode
+
+
+def llama_cpp_timers(gguf: Path, threads: int):
+    peer = LlamaCppPeer(gguf, threads)
+    return peer.prefill_tps, peer.decode_tps
+
+
+
 def emit(result: dict) -> None:
     print(json.dumps(result), flush=True)

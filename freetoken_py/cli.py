@@ -58,6 +58,8 @@ def run(
     backend: str = typer.Option("auto", "--backend", help="auto, cpu (numba kernels) or torch (reference)."),
     expert_dtype: str = typer.Option("auto", "--expert-dtype",
                                      help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
+    dense_dtype: str = typer.Option("auto", "--dense-dtype",
+                                    help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
 ) -> None:
     """Generate text from a prompt, or chat interactively when no prompt is given."""
@@ -66,7 +68,7 @@ def run(
     opts = RunOptions(
         model_dir=_resolve_model(model), prompt=prompt, chat=chat, system=system, as_json=as_json, dtype=dtype,
         max_model_len=max_model_len, kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend,
-        expert_dtype=expert_dtype, threads=threads,
+        expert_dtype=expert_dtype, dense_dtype=dense_dtype, threads=threads,
         sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                       repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ())))
     run_main(opts)

@@ -23,6 +23,7 @@ class RunOptions:
     kv_cache_bytes: int
     backend: str = "auto"
     expert_dtype: str = "auto"
+    dense_dtype: str = "auto"
     threads: int = 0
     sampling: dict = field(default_factory=dict)
 
@@ -33,7 +34,7 @@ def run_main(opts: RunOptions) -> None:
 
     configure_threads(opts.threads or None)
     llm = LLM(opts.model_dir, dtype=opts.dtype, max_model_len=opts.max_model_len, backend=opts.backend,
-              expert_dtype=opts.expert_dtype, kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
+              expert_dtype=opts.expert_dtype, dense_dtype=opts.dense_dtype, kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
               show_progress=not opts.as_json)
     params = llm.default_sampling(**opts.sampling)
     if opts.prompt is None:

@@ -42,8 +42,9 @@ class LLM:
         if self.backend == "cpu":
             from freetoken_py.engine.cpu_backend import use_cpu_kernels
 
-            expert = None if self.config.expert_dtype == "auto" else self.config.expert_dtype
-            use_cpu_kernels(self.model, expert, self.config.expert_group_size)
+            auto = lambda v: None if v == "auto" else v  # noqa: E731
+            use_cpu_kernels(self.model, auto(self.config.expert_dtype), self.config.expert_group_size,
+                            dense_format=auto(self.config.dense_dtype))
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.generation = read_generation_defaults(model_dir)

@@ -39,10 +39,10 @@ def _kernel(lin: TorchLinear, fmt: str) -> KernelLinear:
 
 
 def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, group_size: int = 32,
-                    progress=None) -> None:
+                    progress=None, dense_format: str | None = None) -> None:
     from freetoken_py.kernels import ExpertBank
 
-    dense_fmt = weight_format(model.dtype)
+    dense_fmt = dense_format or weight_format(model.dtype)
     expert_format = expert_format or dense_fmt
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert format must be one of {EXPERT_FORMATS}")

@@ -1,0 +1,107 @@
+"""CPU decode and prefill of freetoken's numba path at bf16 / int8 / int4, side by side with
+llama.cpp at bf16 / q8_0 / q4_0 on the same weights, same thread count, interleaved rounds.
+
+    python bench/cpu_decode.py [--rounds 3] [--decode-tokens 32] [--prompt-len 512] [--threads 2]
+
+Pairs: freetoken bf16 (all weights bf16)            <-> llama.cpp BF16 GGUF
+       freetoken int8 (experts + dense int8)        <-> llama.cpp Q8_0
+       freetoken int4 (experts int4 g32, dense int8) <-> llama.cpp Q4_0
+Prints one JSON line: per pair the median tokens/s, weights read per token, achieved GB/s, the
+fraction of the DRAM roofline (probe figure), and freetoken / llama.cpp ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+# precision -> (expert dtype, dense dtype, bytes per expert weight, bytes per dense weight, llama.cpp type)
+PAIRS = {
+    "bf16": ("bf16", "bf16", 2.0, 2.0, "bf16"),
+    "int8": ("int8", "int8", 1.0 + 4 / 256, 1.0 + 4 / 1024, "q8_0"),
+    "int4": ("int4", "int8", 0.5 + 4 / 32, 1.0 + 4 / 1024, "q4_0"),
+}
+
+
+def _bytes_per_token(args, expert_b: float, dense_b: float) -> float:
+    w = common.bytes_per_token(args, 1.0)["weights_per_token"]
+    experts = sum(args.sparse_layers) * args.top_k * 3 * args.hidden_size * args.moe_intermediate_size
+    return experts * expert_b + (w - experts) * dense_b
+
+
+def _gguf(model_dir: Path, kind: str) -> Path:
+    if kind in ("bf16", "q8_0"):
+        return common.convert_to_gguf(model_dir, kind)
+    return common.quantize_gguf(common.convert_to_gguf(model_dir, "bf16"), kind.upper())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precisions", default="bf16,int8,int4")
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from freetoken_py.kernels import configure_threads
+    from freetoken_py.llm import LLM
+
+    configure_threads(args.threads)
+    model_dir = common.build_qwen3_moe(common.WORK / "qwen3moe-0.5b-bf16")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 32000, (args.prompt_len,), generator=g).tolist()
+    short, n = prompt[:16], args.decode_tokens
+    precisions = args.precisions.split(",")
+
+    engines, bpt = {}, {}
+    for p in precisions:
+        expert, dense, eb, db, ggml = PAIRS[p]
+        llm = LLM(model_dir, dtype="bfloat16", backend="cpu", expert_dtype=expert, dense_dtype=dense,
+                  max_num_seqs=1, max_model_len=2048, show_progress=False)
+        engines[f"freetoken-{p}"] = common.freetoken_timers(llm)
+        bpt[p] = _bytes_per_token(llm.args, eb, db)
+        if not args.no_llama_cpp:
+            engines[f"llama.cpp-{ggml}"] = common.llama_cpp_timers(_gguf(model_dir, ggml), args.threads)
+    for prefill, decode in engines.values():  # warm-up: numba compile / page-in, untimed
+        prefill(prompt[:32])
+        decode(short, 2)
+
+    samples = {name: {"prefill": [], "decode": []} for name in engines}
+    for r in range(args.rounds):
+        for name, (prefill, decode) in engines.items():
+            samples[name]["decode"].append(decode(short, n))
+            samples[name]["prefill"].append(prefill(prompt))
+            common.log(f"round {r} {name}: decode {samples[name]['decode'][-1]:.1f} tok/s, "
+                       f"prefill {samples[name]['prefill'][-1]:.1f} tok/s")
+
+    dram, method = common.dram_gbps()
+    out = {"bench": "cpu_decode", "model": "qwen3_moe ~0.49B (hidden 1024, 8 layers, 64 experts, top-8, width 256)",
+           "threads": args.threads, "prompt_len": args.prompt_len, "decode_tokens": n, "rounds": args.rounds,
+           "dram_gbps": round(dram, 2), "dram_method": method, "precisions": {}}
+    for p in precisions:
+        ours = samples[f"freetoken-{p}"]
+        dec = common.median(ours["decode"])
+        row = {"decode_tps": round(dec, 2), "prefill_tps": round(common.median(ours["prefill"]), 1),
+               "bytes_per_token": round(bpt[p]), "decode_gbps": round(dec * bpt[p] / 1e9, 2),
+               "roofline_tps": round(dram * 1e9 / bpt[p], 1), "roofline_fraction": round(dec * bpt[p] / 1e9 / dram, 3),
+               "decode_samples": [round(x, 2) for x in ours["decode"]]}
+        peer = samples.get(f"llama.cpp-{PAIRS[p][4]}")
+        if peer:
+            pd, pp = common.median(peer["decode"]), common.median(peer["prefill"])
+            row["llama_cpp"] = {"type": PAIRS[p][4], "decode_tps": round(pd, 2), "prefill_tps": round(pp, 1),
+                                "decode_samples": [round(x, 2) for x in peer["decode"]]}
+            row["ratio_decode"] = round(dec / pd, 3)
+            row["ratio_prefill"] = round(common.median(ours["prefill"]) / pp, 3)
+        out["precisions"][p] = row
+    common.emit(out)
+
+
+if __name__ == "__main__":
+    main()

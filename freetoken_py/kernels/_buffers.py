@@ -1,0 +1,82 @@
+"""Page-aligned numpy buffers, the (weights, scales) storage of each format, host array plumbing."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from freetoken_py.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from freetoken_py.quant.int4 import check_group
+
+PAGE_BYTES = 4096
+
+
+def aligned_empty(shape, dtype, align: int = PAGE_BYTES) -> np.ndarray:
+    """Uninitialised C-contiguous array whose data starts on an `align`-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def row_layout(fmt: str, k: int, group_size: int) -> tuple[np.dtype, int, int]:
+    """(storage dtype, items per row, scales per row) of a [*, K] matrix in `fmt`."""
+    if fmt == "fp32":
+        return np.dtype(np.float32), k, 0
+    if fmt == "bf16":
+        return np.dtype(np.uint16), k, 0
+    if fmt == "int8":
+        return np.dtype(np.int8), k, 1
+    if fmt == "int4":
+        check_group(k, group_size)
+        if group_size % 32:
+            raise ValueError(f"int4 kernels need group_size a multiple of 32, got {group_size}")
+        return np.dtype(np.uint8), k // 2, k // group_size
+    raise ValueError(f"unknown weight format {fmt!r}; expected one of fp32, bf16, int8, int4")
+
+
+def empty_rows(fmt: str, lead: tuple, k: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Page-aligned (weights [*lead, items], scales [*lead, G]) for rows of K inputs."""
+    dtype, items, groups = row_layout(fmt, k, group_size)
+    return aligned_empty((*lead, items), dtype), aligned_empty((*lead, groups), np.float32)
+
+
+def encode_rows(w: torch.Tensor, fmt: str, group_size: int, w_out: np.ndarray, s_out: np.ndarray) -> None:
+    """Write w [N, K] (any float dtype) into w_out [N, items] / s_out [N, G] (see row_layout)."""
+    if fmt == "fp32":
+        w_out[...] = w.to(torch.float32).numpy()
+    elif fmt == "bf16":
+        w_out[...] = w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    elif fmt == "int8":
+        q, s = quantize_int8(w)
+        w_out[...] = q.numpy()
+        s_out[:, 0] = s.numpy()
+    else:
+        q, s = quantize_int4(w, group_size)
+        w_out[...] = q.numpy()
+        s_out[...] = s.numpy()
+
+
+def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) -> torch.Tensor:
+    """weights [..., N, items] + scales [..., N, G] -> float32 torch [..., N, K]."""
+    if fmt == "fp32":
+        return torch.from_numpy(w.copy())
+    if fmt == "bf16":
+        return torch.from_numpy((w.astype(np.uint32) << 16).view(np.float32))
+    if fmt == "int8":
+        return dequantize_int8(torch.from_numpy(w), torch.from_numpy(scales[..., 0]))
+    return dequantize_int4(torch.from_numpy(w), torch.from_numpy(scales), group_size)
+
+
+_TORCH_DTYPES = {np.float32: torch.float32, np.int64: torch.int64}
+
+
+def host_array(a, dtype) -> np.ndarray:
+    """A C-contiguous numpy array of `dtype` (zero-copy for a matching CPU tensor or array)."""
+    if isinstance(a, torch.Tensor):
+        if a.dtype != _TORCH_DTYPES[dtype] or not a.is_cpu:
+            a = a.to("cpu", _TORCH_DTYPES[dtype])
+        if a.requires_grad:
+            a = a.detach()
+        return (a if a.is_contiguous() else a.contiguous()).numpy()
+    return np.ascontiguousarray(a, dtype)

@@ -1,0 +1,146 @@
+"""numba kernels of the routed-expert MLP (see cpu_moe for the API and docs/kernels.md).
+
+Pairs: routing gives P = T * k (token, expert) pairs; pair p = t * k + j. ``group_pairs``
+counting-sorts them by expert::
+
+    order [P]      pair ids, grouped by expert
+    eids  [U]      the distinct experts hit, ascending
+    off   [U + 1]  pairs of eids[u] are order[off[u]:off[u + 1]]
+
+Both stages stream each routed expert's rows from memory once per call; the pairs of that expert
+are served 4 at a time per pass over a block of its rows (held in L1/L2), a lone pair by the
+single-token dot — T = 1 decode and grouped prefill are the same loops:
+
+    stage 1  prange over (expert, block of RB1 rows of I):  h[p, i] = act(gate_i . x_t, up_i . x_t)
+    stage 2  prange over blocks of RB2 rows of D (all experts): out[t, d] += w_p * (down_d . h_p)
+
+Stage 2 owns whole output rows, so the top-k sum needs no atomics and no extra pass.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from freetoken_py.kernels._dots import act, prepare, row_dot, row_dot4
+
+RB1 = 16   # gate/up rows per stage-1 task: 16 x (2 rows) x D bytes, small enough to balance 2 threads
+RB2 = 16   # down rows per stage-2 task
+
+
+@njit(fastmath=True, cache=True)
+def group_pairs(ids, num_experts):
+    """Counting sort of the flat expert ids [P] -> (order, eids, off); raises on an id outside [0, E)."""
+    counts = np.zeros(num_experts + 1, np.int64)
+    for p in range(ids.shape[0]):
+        if ids[p] < 0 or ids[p] >= num_experts:
+            raise ValueError("expert id out of range")
+        counts[ids[p] + 1] += 1
+    for e in range(num_experts):
+        counts[e + 1] += counts[e]
+    start = counts.copy()
+    order = np.empty(ids.shape[0], np.int64)
+    for p in range(ids.shape[0]):
+        e = ids[p]
+        order[start[e]] = p
+        start[e] += 1
+    num_u = 0
+    for e in range(num_experts):
+        if counts[e + 1] > counts[e]:
+            num_u += 1
+    eids = np.empty(num_u, np.int64)
+    off = np.empty(num_u + 1, np.int64)
+    u = 0
+    for e in range(num_experts):
+        if counts[e + 1] > counts[e]:
+            eids[u] = e
+            off[u] = counts[e]
+            u += 1
+    off[num_u] = ids.shape[0]
+    return order, eids, off
+
+
+@njit(fastmath=True, cache=True)
+def _chunk(pairs, q, k):
+    """Pairs q..q+3 (the last ones repeated past the end) and their tokens; a 2-3 pair tail is
+    padded so one row pass still serves it (the duplicate results are rewritten, not summed)."""
+    n = pairs.shape[0]
+    p0, p1, p2, p3 = pairs[q], pairs[min(q + 1, n - 1)], pairs[min(q + 2, n - 1)], pairs[min(q + 3, n - 1)]
+    return p0, p1, p2, p3, p0 // k, p1 // k, p2 // k, p3 // k
+
+
+@njit(fastmath=True, cache=True)
+def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h):
+    """h[p, i] for rows i0..i1 of one expert (w13 [2I, K]) and its pairs, 4 pairs per row pass."""
+    inter = w13.shape[0] // 2
+    n = pairs.shape[0]
+    for q in range(0, n, 4):
+        if n - q == 1:
+            p = pairs[q]
+            t = p // k
+            for i in range(i0, i1):
+                g = row_dot(w13[i], s13[i], xv[t], xg[t], hb)
+                u = row_dot(w13[inter + i], s13[inter + i], xv[t], xg[t], hb)
+                h[p, i] = act(kind, g, u)
+            continue
+        p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
+        for i in range(i0, i1):
+            g0, g1, g2, g3 = row_dot4(w13[i], s13[i], xv[t0], xv[t1], xv[t2], xv[t3],
+                                      xg[t0], xg[t1], xg[t2], xg[t3], hb)
+            u0, u1, u2, u3 = row_dot4(w13[inter + i], s13[inter + i], xv[t0], xv[t1], xv[t2], xv[t3],
+                                      xg[t0], xg[t1], xg[t2], xg[t3], hb)
+            h[p0, i] = act(kind, g0, u0)
+            h[p1, i] = act(kind, g1, u1)
+            h[p2, i] = act(kind, g2, u2)
+            h[p3, i] = act(kind, g3, u3)
+
+
+@njit(fastmath=True, cache=True)
+def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
+    """out[t, d0:d1] += sum over pairs of w_p * down_e[d] . h_p, for every routed expert."""
+    for u in range(eids.shape[0]):
+        e = eids[u]
+        pairs = order[off[u]:off[u + 1]]
+        n = pairs.shape[0]
+        for q in range(0, n, 4):
+            if n - q == 1:
+                p = pairs[q]
+                for d in range(d0, d1):
+                    out[p // k, d] += wts[p] * row_dot(w2[e, d], s2[e, d], hv[p], hg[p], hb)
+                continue
+            p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
+            c = min(n - q, 4)
+            for d in range(d0, d1):
+                y0, y1, y2, y3 = row_dot4(w2[e, d], s2[e, d], hv[p0], hv[p1], hv[p2], hv[p3],
+                                          hg[p0], hg[p1], hg[p2], hg[p3], hb)
+                out[t0, d] += wts[p0] * y0
+                out[t1, d] += wts[p1] * y1
+                if c > 2:
+                    out[t2, d] += wts[p2] * y2
+                if c > 3:
+                    out[t3, d] += wts[p3] * y3
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, out):
+    """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed."""
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1)          # pair p = t * k + j
+    wts = topk_weights.reshape(-1)
+    xv, xg = prepare(w13, x, gs)
+    inter = w13.shape[1] // 2
+    hidden = w2.shape[1]
+    order, eids, off = group_pairs(ids, w13.shape[0])
+    num_pairs = ids.shape[0]
+    h = np.empty((num_pairs, inter), np.float32)
+    nb1 = (inter + RB1 - 1) // RB1
+    for task in prange(eids.shape[0] * nb1):
+        u = task // nb1
+        i0 = (task - u * nb1) * RB1
+        e = eids[u]
+        _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
+                       min(inter, i0 + RB1), kind, gs // 2, h)
+    hv, hg = prepare(w2, h, gs)
+    nb2 = (hidden + RB2 - 1) // RB2
+    for task in prange(nb2):
+        d0 = task * RB2
+        _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, min(hidden, d0 + RB2), gs // 2, out)

@@ -1,0 +1,106 @@
+"""Dense weights for the non-expert part of decode (attention projections, router, lm_head).
+
+    dw = DenseWeight.from_tensor(w, fmt="bf16")     # w [N, K], once at load
+    y = dense_linear(dw, x)                          # x [T, K] float32 -> y [T, N] float32
+
+A numba kernel, parallel over blocks of output rows: each weight row is read once per call and
+multiplied with 4 tokens per pass (row_dot4), so T = 1 streams at memory speed and larger T is
+compute-bound at 45-65 GFLOP/s per core. Only fp32 weights at T >= 256 go to torch (a zero-copy
+view, MKL GEMM), where it measured 10-25% faster; bf16 would first need an fp32 copy of the
+weight, which costs more than it gains (measurements in docs/kernels.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows, host_array
+from freetoken_py.kernels._dots import FORMATS, prepare, row_dot, row_dot4
+
+ROWS_PER_TASK = 32         # output rows per prange task
+TORCH_MIN_TOKENS = 256     # from this many tokens, fp32 weights use torch's GEMM (docs/kernels.md)
+
+
+@dataclass(frozen=True, eq=False)
+class DenseWeight:
+    """A [N, K] weight in execution format: w [N, K] float32 | uint16 (bf16 bits) | int8, or
+    uint8 [N, K/2] (int4); s float32 [N, G] scales (G = 0, 1 for int8, K/group_size for int4)."""
+
+    fmt: str
+    group_size: int
+    w: np.ndarray
+    s: np.ndarray
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.w.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + self.s.nbytes
+
+    @classmethod
+    def from_tensor(cls, w, fmt: str = "bf16", group_size: int = 32) -> "DenseWeight":
+        """w [N, K] (torch, any float dtype) -> page-aligned weight in `fmt` (int4 needs K % group_size == 0)."""
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown dense format {fmt!r}; expected one of {FORMATS}")
+        w = w.detach().to("cpu") if isinstance(w, torch.Tensor) else torch.as_tensor(w)
+        if w.dim() != 2:
+            raise ValueError(f"DenseWeight expects a 2-D [N, K] weight, got shape {tuple(w.shape)}")
+        n, k = w.shape
+        wq, s = empty_rows(fmt, (n,), k, group_size)
+        chunk = 4096                                  # rows per conversion step: bounded temporaries
+        for r in range(0, n, chunk):
+            encode_rows(w[r:r + chunk], fmt, group_size, wq[r:r + chunk], s[r:r + chunk])
+        return cls(fmt, group_size, wq, s, k)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [N, K] as the kernel sees it, for references."""
+        return decode_rows(self.w, self.s, self.fmt, self.group_size)
+
+
+@njit(fastmath=True, cache=True)
+def _gemv_block(w, s, xv, xg, hb, n0, n1, out):
+    """out[:, n0:n1]: 4 tokens per pass over the rows (a 2-3 token tail padded with repeats)."""
+    num_t = xv.shape[0]
+    for t in range(0, num_t, 4):
+        if num_t - t == 1:
+            for n in range(n0, n1):
+                out[t, n] = row_dot(w[n], s[n], xv[t], xg[t], hb)
+            continue
+        t1, t2, t3 = min(t + 1, num_t - 1), min(t + 2, num_t - 1), min(t + 3, num_t - 1)
+        for n in range(n0, n1):
+            y0, y1, y2, y3 = row_dot4(w[n], s[n], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], hb)
+            out[t, n] = y0
+            out[t1, n] = y1
+            out[t2, n] = y2
+            out[t3, n] = y3
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def dense_rows(w, s, x, gs, out):
+    """out [T, N] = x [T, K] @ dequant(w).T, every weight row read once for all tokens."""
+    xv, xg = prepare(w, x, gs)
+    n = w.shape[0]
+    num_tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(num_tasks):
+        n0 = task * ROWS_PER_TASK
+        _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
+
+
+def dense_linear(dw: DenseWeight, x):
+    """x [T, K] float32 (torch or numpy) -> [T, N] float32 of the same kind."""
+    xs = host_array(x, np.float32)
+    if xs.ndim != 2 or xs.shape[1] != dw.in_features:
+        raise ValueError(f"x must be [T, {dw.in_features}], got shape {xs.shape}")
+    if xs.shape[0] >= TORCH_MIN_TOKENS and dw.fmt == "fp32":
+        out = (torch.from_numpy(xs) @ torch.from_numpy(dw.w).T).numpy()
+    else:
+        out = np.empty((xs.shape[0], dw.out_features), np.float32)
+        if xs.shape[0]:
+            dense_rows(dw.w, dw.s, xs, dw.group_size, out)
+    return torch.from_numpy(out) if isinstance(x, torch.Tensor) else out

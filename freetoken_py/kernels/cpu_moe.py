@@ -1,0 +1,111 @@
+"""CPU routed-expert execution: an `ExpertBank` per MoE layer and `moe_experts` to run it.
+
+    bank = ExpertBank.from_weights(gate, up, down, fmt="int4", group_size=32)   # once, at load
+    out = moe_experts(bank, x, topk_ids, topk_weights, activation="silu")       # every forward
+
+out[t] = sum_j w[t, j] * down_e(act(gate_e x_t) * (up_e x_t)), e = topk_ids[t, j], in fp32.
+The kernels (``_moe_kernels``) stream each routed expert's weights once per call, parallel over
+weight rows so both cores read memory; see docs/kernels.md for layouts and measurements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows, host_array
+from freetoken_py.kernels._dots import ACTIVATIONS, FORMATS
+from freetoken_py.kernels._moe_kernels import moe_rows
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertBank:
+    """One layer's routed experts in execution format (contiguous, page-aligned).
+
+    w13  [E, 2I, D]   gate rows 0..I-1 then up rows I..2I-1; float32 | uint16 (bf16 bits) | int8,
+                      or uint8 [E, 2I, D/2] for int4 (low nibble = even column, value + 8)
+    s13  float32 [E, 2I, G]   scales: G = 0 (fp32, bf16), 1 (int8, per row), D/group_size (int4)
+    w2   [E, D, I]    down rows, same encoding (uint8 [E, D, I/2] for int4)
+    s2   float32 [E, D, G']
+    """
+
+    fmt: str
+    group_size: int
+    w13: np.ndarray
+    s13: np.ndarray
+    w2: np.ndarray
+    s2: np.ndarray
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def inter(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def hidden(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.s13.nbytes + self.w2.nbytes + self.s2.nbytes
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return self.nbytes // self.num_experts
+
+    @classmethod
+    def from_weights(cls, gate, up, down, fmt: str = "bf16", group_size: int = 32) -> "ExpertBank":
+        """gate, up [E, I, D] and down [E, D, I] (torch, any float dtype) -> bank in `fmt`.
+
+        Converts one expert at a time, so no full-size high-precision copy is kept or made.
+        """
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
+        num_e, inter, hidden = gate.shape
+        if tuple(up.shape) != (num_e, inter, hidden) or tuple(down.shape) != (num_e, hidden, inter):
+            raise ValueError(f"expected gate/up [E, I, D] and down [E, D, I], got {tuple(gate.shape)}, "
+                             f"{tuple(up.shape)}, {tuple(down.shape)}")
+        w13, s13 = empty_rows(fmt, (num_e, 2 * inter), hidden, group_size)
+        w2, s2 = empty_rows(fmt, (num_e, hidden), inter, group_size)
+        for e in range(num_e):
+            encode_rows(_cpu(gate[e]), fmt, group_size, w13[e, :inter], s13[e, :inter])
+            encode_rows(_cpu(up[e]), fmt, group_size, w13[e, inter:], s13[e, inter:])
+            encode_rows(_cpu(down[e]), fmt, group_size, w2[e], s2[e])
+        return cls(fmt, group_size, w13, s13, w2, s2)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 fp32 [E, 2I, D], w2 fp32 [E, D, I]) as the kernels see them, for references."""
+        return (decode_rows(self.w13, self.s13, self.fmt, self.group_size),
+                decode_rows(self.w2, self.s2, self.fmt, self.group_size))
+
+
+def _cpu(t) -> torch.Tensor:
+    t = torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t
+    return t.detach().to("cpu")
+
+
+def moe_experts(bank: ExpertBank, x, topk_ids, topk_weights, activation: str = "silu"):
+    """x [T, D] float32 (torch or numpy), topk_ids [T, k] int, topk_weights [T, k] -> out [T, D].
+
+    Returns the kind of array x is (torch tensor or numpy array), float32. The decode hot path:
+    about 10 us of Python around the kernel, so argument checks are shape tests only (expert ids
+    are range-checked inside the kernel).
+    """
+    kind = ACTIVATIONS.get(activation)
+    if kind is None:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
+    xs = host_array(x, np.float32)
+    ids = host_array(topk_ids, np.int64)
+    wts = host_array(topk_weights, np.float32)
+    if xs.ndim != 2 or xs.shape[1] != bank.hidden or ids.ndim != 2 or ids.shape != wts.shape \
+            or ids.shape[0] != xs.shape[0]:
+        raise ValueError(f"shape mismatch: x {xs.shape} (bank hidden {bank.hidden}), topk_ids {ids.shape}, "
+                         f"topk_weights {wts.shape}")
+    out = np.zeros(xs.shape, np.float32)
+    if ids.size:
+        moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, xs, ids, wts, kind, bank.group_size, out)
+    return torch.from_numpy(out) if isinstance(x, torch.Tensor) else out

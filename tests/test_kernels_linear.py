@@ -1,0 +1,95 @@
+"""Dense GEMV kernel (freetoken_py.kernels.cpu_linear), thread configuration, lazy import.
+
+Reference: float64 torch matmul on the weight's own dequantized values (`dw.dequantized()`,
+checked here against torch's bf16 rounding and the int8 quant reference).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken_py.kernels import DenseWeight, configure_threads, dense_linear
+from freetoken_py.kernels.cpu_linear import TORCH_MIN_TOKENS
+from freetoken_py.quant import quantize_int8
+
+TOL = {"fp32": 1e-5, "bf16": 1e-5, "int8": 1e-4, "int4": 1e-4}
+
+
+def rel_err(out, ref):
+    return float((torch.as_tensor(out).double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("fmt, n, k", [("fp32", 19, 37), ("bf16", 19, 37), ("int8", 19, 37), ("int4", 70, 96),
+                                       ("bf16", 300, 256)])
+@pytest.mark.parametrize("num_t", [1, 2, 3, 5, TORCH_MIN_TOKENS + 3])
+def test_matches_torch_reference(fmt, n, k, num_t):
+    g = torch.Generator().manual_seed(n + num_t)
+    w = torch.randn(n, k, generator=g) * 0.1
+    dw = DenseWeight.from_tensor(w, fmt=fmt)
+    x = torch.randn(num_t, k, generator=g)
+    out = dense_linear(dw, x)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and tuple(out.shape) == (num_t, n)
+    assert rel_err(out, x.double() @ dw.dequantized().double().T) <= TOL[fmt]
+
+
+def test_stored_weights_are_the_format_encodings():
+    w = torch.randn(33, 40, generator=torch.Generator().manual_seed(0))
+    bf16 = DenseWeight.from_tensor(w, "bf16")
+    assert bf16.w.dtype == np.uint16 and torch.equal(bf16.dequantized(), w.bfloat16().float())
+    int8 = DenseWeight.from_tensor(w, "int8")
+    q, s = quantize_int8(w)
+    assert np.array_equal(int8.w, q.numpy()) and np.array_equal(int8.s[:, 0], s.numpy())
+    fp32 = DenseWeight.from_tensor(w.double(), "fp32")
+    assert torch.equal(fp32.dequantized(), w) and fp32.w.ctypes.data % 4096 == 0
+    assert (bf16.nbytes, int8.nbytes, fp32.nbytes) == (33 * 40 * 2, 33 * 40 + 33 * 4, 33 * 40 * 4)
+
+
+def test_numpy_in_numpy_out_and_bad_shapes():
+    dw = DenseWeight.from_tensor(torch.randn(8, 16), "fp32")
+    x = np.ones((2, 16), np.float32)
+    out = dense_linear(dw, x)
+    assert isinstance(out, np.ndarray) and np.allclose(out, x @ dw.w.T, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"\[T, 16\]"):
+        dense_linear(dw, np.ones((2, 15), np.float32))
+    with pytest.raises(ValueError, match="format"):
+        DenseWeight.from_tensor(torch.randn(8, 16), "fp16")
+    with pytest.raises(ValueError, match="2-D"):
+        DenseWeight.from_tensor(torch.randn(2, 8, 16), "bf16")
+
+
+def test_configure_threads_sets_numba_and_torch():
+    import numba
+
+    old_numba, old_torch = numba.get_num_threads(), torch.get_num_threads()
+    try:
+        assert configure_threads(1) == 1
+        assert numba.get_num_threads() == 1 and torch.get_num_threads() == 1
+        n = configure_threads()
+        assert n >= 1 and numba.get_num_threads() == n and torch.get_num_threads() == n
+        with pytest.raises(ValueError):
+            configure_threads(0)
+    finally:
+        numba.set_num_threads(old_numba)
+        torch.set_num_threads(old_torch)
+
+
+def test_import_is_lazy():
+    """Importing the package pulls in neither numba nor torch (so nothing can compile)."""
+    code = ("import sys, freetoken_py.kernels as k; "
+            "print(','.join(m for m in ('numba', 'torch') if m in sys.modules)); "
+            "print(sorted(k.__all__))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded, names = res.stdout.splitlines()
+    assert loaded == ""
+    assert names == str(sorted(["DenseWeight", "ExpertBank", "configure_threads", "dense_linear",
+                                "moe_experts", "warmup"]))
+
+
+def test_warmup_runs_every_path_of_a_format():
+    from freetoken_py.kernels import warmup
+
+    assert warmup(("bf16",)) > 0

@@ -1,0 +1,168 @@
+"""CPU expert kernels (freetoken_py.kernels.cpu_moe) against a plain torch reference.
+
+Reference: float64 torch on the bank's own dequantized weights (`bank.dequantized()`, itself
+checked against torch's bf16 rounding and the quant references), one expert at a time:
+out[t] = sum_j w[t, j] * down_e(act(gate_e x_t) * up_e x_t). Error is relative to the output norm.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freetoken_py.kernels import ExpertBank, moe_experts
+from freetoken_py.quant import quantize_int4, quantize_int8
+
+TOL = {"fp32": 1e-5, "bf16": 1e-5, "int8": 1e-4, "int4": 1e-4}
+
+
+def act_ref(g, u, activation):
+    if activation == "silu":
+        return torch.nn.functional.silu(g) * u
+    g = g.clamp(max=7.0)
+    return (u.clamp(-7.0, 7.0) + 1) * g * torch.sigmoid(1.702 * g)
+
+
+def moe_ref(bank, x, ids, w, activation):
+    w13, w2 = (t.double() for t in bank.dequantized())
+    x, w = torch.as_tensor(x).double(), torch.as_tensor(w).double()
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = w13[e] @ x[t]
+            out[t] += w[t, j] * (w2[e] @ act_ref(gu[:inter], gu[inter:], activation))
+    return out
+
+
+def rel_err(out, ref):
+    return float((torch.as_tensor(out).double() - ref).norm() / ref.norm())
+
+
+def random_experts(num_e, inter, hidden, seed, scale=0.1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_e, inter, hidden, generator=g) * scale,
+            torch.randn(num_e, inter, hidden, generator=g) * scale,
+            torch.randn(num_e, hidden, inter, generator=g) * scale)
+
+
+def routing(num_t, num_e, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_e, generator=g)[:k] for _ in range(num_t)])
+    return ids, torch.rand(num_t, k, generator=g)
+
+
+# (fmt, group_size, E, I, D): odd sizes for the formats that allow them; int4 needs D, I % group == 0
+SHAPES = [("fp32", 32, 6, 23, 37), ("bf16", 32, 6, 23, 37), ("int8", 32, 6, 23, 37),
+          ("int4", 32, 6, 96, 64), ("int4", 64, 5, 64, 128), ("int4", 128, 4, 128, 256)]
+
+
+@pytest.mark.parametrize("fmt, group_size, num_e, inter, hidden", SHAPES)
+@pytest.mark.parametrize("activation", ["silu", "gptoss"])
+@pytest.mark.parametrize("num_t, k", [(1, 1), (1, 4), (3, 2), (37, 3)])
+def test_matches_torch_reference(fmt, group_size, num_e, inter, hidden, activation, num_t, k):
+    bank = ExpertBank.from_weights(*random_experts(num_e, inter, hidden, seed=num_t), fmt=fmt,
+                                   group_size=group_size)
+    x = torch.randn(num_t, hidden, generator=torch.Generator().manual_seed(7)) * (8.0 if activation == "gptoss" else 1.0)
+    ids, w = routing(num_t, num_e, k, seed=k)
+    out = moe_experts(bank, x, ids, w, activation=activation)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and tuple(out.shape) == (num_t, hidden)
+    assert rel_err(out, moe_ref(bank, x, ids, w, activation)) <= TOL[fmt]
+
+
+def test_gptoss_clamps_are_exercised():
+    """x scaled so gate/up pre-activations pass +-7: silu and gptoss must then differ from the
+    unclamped formula, and the kernel must still match the clamped reference."""
+    bank = ExpertBank.from_weights(*random_experts(2, 16, 32, seed=3), fmt="fp32")
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)) * 30.0
+    gu = torch.einsum("oi,ti->to", bank.dequantized()[0][0], x)
+    assert (gu[:, :16] > 7).any() and (gu[:, 16:].abs() > 7).any()
+    ids, w = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
+    out = moe_experts(bank, x, ids, w, activation="gptoss")
+    assert rel_err(out, moe_ref(bank, x, ids, w, "gptoss")) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_duplicate_experts_across_and_within_tokens(fmt):
+    bank = ExpertBank.from_weights(*random_experts(4, 32, 64, seed=5), fmt=fmt)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[2, 2, 1]] * 5 + [[2, 0, 3]] * 4)     # expert 2 for every token, twice for some
+    w = torch.rand(9, 3, generator=torch.Generator().manual_seed(3))
+    assert rel_err(moe_experts(bank, x, ids, w), moe_ref(bank, x, ids, w, "silu")) <= TOL[fmt]
+
+
+def test_tokens_are_independent_of_batching():
+    """Each token's output is the same whether it runs alone (decode) or in a batch (grouped)."""
+    bank = ExpertBank.from_weights(*random_experts(8, 64, 96, seed=9), fmt="bf16")
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(4))
+    ids, w = routing(11, 8, 4, seed=4)
+    batched = moe_experts(bank, x, ids, w)
+    single = torch.cat([moe_experts(bank, x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(11)])
+    assert rel_err(batched, single.double()) <= 1e-6
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_t=st.integers(1, 12), k=st.integers(1, 4), inter=st.integers(1, 40), hidden=st.integers(1, 40),
+       seed=st.integers(0, 1000))
+def test_random_shapes_bf16(num_t, k, inter, hidden, seed):
+    num_e = 5
+    bank = ExpertBank.from_weights(*random_experts(num_e, inter, hidden, seed), fmt="bf16")
+    x = torch.randn(num_t, hidden, generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, num_e, (num_t, k), generator=torch.Generator().manual_seed(seed + 1))
+    w = torch.rand(num_t, k)
+    assert rel_err(moe_experts(bank, x, ids, w), moe_ref(bank, x, ids, w, "silu")) <= 1e-5
+
+
+def test_numpy_in_numpy_out_and_empty_batch():
+    bank = ExpertBank.from_weights(*random_experts(3, 16, 32, seed=1), fmt="int8")
+    x = np.random.default_rng(0).standard_normal((2, 32)).astype(np.float32)
+    ids, w = np.array([[0, 2], [1, 1]]), np.full((2, 2), 0.5, np.float32)
+    out = moe_experts(bank, x, ids, w)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    assert rel_err(out, moe_ref(bank, x, torch.from_numpy(ids), w, "silu")) <= 1e-4
+    empty = moe_experts(bank, torch.zeros(0, 32), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert tuple(empty.shape) == (0, 32)
+
+
+def test_bank_layout_and_contents():
+    gate, up, down = random_experts(3, 64, 96, seed=2)
+    for fmt, dtype, per_expert in [("fp32", np.float32, 3 * 64 * 96 * 4), ("bf16", np.uint16, 3 * 64 * 96 * 2),
+                                   ("int8", np.int8, 3 * 64 * 96 + (128 + 96) * 4),
+                                   ("int4", np.uint8, 3 * 64 * 96 // 2 + (128 * 96 // 32 + 96 * 64 // 32) * 4)]:
+        bank = ExpertBank.from_weights(gate.bfloat16(), up.bfloat16(), down.bfloat16(), fmt=fmt)
+        assert bank.fmt == fmt and bank.w13.dtype == dtype and bank.w2.dtype == dtype
+        assert bank.bytes_per_expert == per_expert and bank.nbytes == 3 * per_expert
+        for a in (bank.w13, bank.s13, bank.w2, bank.s2):
+            assert a.flags.c_contiguous and (a.size == 0 or a.ctypes.data % 4096 == 0)
+        w13, w2 = bank.dequantized()
+        assert tuple(w13.shape) == (3, 128, 96) and tuple(w2.shape) == (3, 96, 64)
+    fused = torch.cat([gate, up], dim=1)
+    bf16 = ExpertBank.from_weights(gate, up, down, fmt="bf16").dequantized()
+    assert torch.equal(bf16[0], fused.bfloat16().float()) and torch.equal(bf16[1], down.bfloat16().float())
+    int4 = ExpertBank.from_weights(gate, up, down, fmt="int4", group_size=32)
+    packed, scales = quantize_int4(fused, 32)
+    assert np.array_equal(int4.w13, packed.numpy()) and np.array_equal(int4.s13, scales.numpy())
+    int8 = ExpertBank.from_weights(gate, up, down, fmt="int8")
+    q, s = quantize_int8(down)
+    assert np.array_equal(int8.w2, q.numpy()) and np.array_equal(int8.s2[..., 0], s.numpy())
+
+
+def test_bad_inputs_raise_clear_errors():
+    gate, up, down = random_experts(2, 48, 64, seed=0)
+    with pytest.raises(ValueError, match="format"):
+        ExpertBank.from_weights(gate, up, down, fmt="fp8")
+    with pytest.raises(ValueError, match="divisible"):
+        ExpertBank.from_weights(gate, up, down, fmt="int4", group_size=32)     # I = 48
+    with pytest.raises(ValueError, match="gate/up"):
+        ExpertBank.from_weights(gate, up, down[:, :, :8], fmt="bf16")
+    bank = ExpertBank.from_weights(gate, up, down, fmt="bf16")
+    x, w = torch.zeros(1, 64), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="activation"):
+        moe_experts(bank, x, torch.zeros(1, 1, dtype=torch.long), w, activation="gelu")
+    with pytest.raises(ValueError, match="out of range"):
+        moe_experts(bank, x, torch.full((1, 1), 2), w)
+    with pytest.raises(ValueError, match="shape"):
+        moe_experts(bank, torch.zeros(1, 63), torch.zeros(1, 1, dtype=torch.long), w)
