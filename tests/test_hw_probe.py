@@ -183,11 +183,11 @@ def test_fused_experts_shared_expert_and_tied_embeddings(tmp_path):
 
 
 @pytest.mark.parametrize("setup, message", [
-    (lambda d: None, "no model.safetensors"),
-    (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 2**40)), "not plausible"),
-    (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{"), "not valid"),
+    (lambda d: None, r"no \*\.safetensors"),
+    (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 2**40)), "truncated or corrupt"),
+    (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{"), "not JSON"),
     (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {"x": "gone"}}'),
-     "missing"),
+     "does not exist"),
 ])
 def test_bad_checkpoints_raise_user_errors(tmp_path, setup, message):
     (tmp_path / "config.json").write_text("{}")

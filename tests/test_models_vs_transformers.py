@@ -9,10 +9,7 @@ import torch
 
 from conftest import ARCHS, random_prompt, reference_model
 from freetoken_py.core import SamplingParams
-from freetoken_py.engine.runner import ModelRunner
-from freetoken_py.kvcache import PageAllocator
 from freetoken_py.llm import LLM
-from freetoken_py.scheduler.scheduler import Scheduler
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

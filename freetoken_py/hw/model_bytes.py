@@ -6,17 +6,16 @@ which is exact for every dtype, quantized packings included.
 """
 from __future__ import annotations
 
-import json
 import re
-import struct
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from freetoken_py.errors import ModelLoadError
+from freetoken_py.models.checkpoint import TensorInfo as CheckpointTensor
+from freetoken_py.models.checkpoint import list_checkpoint_tensors, read_json
 
-MAX_HEADER_BYTES = 100 * 2**20   # safetensors' own limit
 CATEGORIES = ("embedding", "lm_head", "attention", "router", "dense_mlp", "shared_experts",
               "routed_experts", "norm", "other")
 _LAYER = re.compile(r"\.(?:layers|h|blocks|block)\.(\d+)\.")
@@ -83,57 +82,8 @@ class ModelBytes:
         return d
 
 
-def read_header(path: Path) -> dict[str, Any]:
-    """The JSON header of one safetensors file (ModelLoadError if it is not one)."""
-    try:
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ModelLoadError(f"{path}: too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER_BYTES:
-                raise ModelLoadError(f"{path}: header length {n} is not plausible for safetensors")
-            header = json.loads(f.read(n))
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ModelLoadError(f"{path}: safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise ModelLoadError(f"{path}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"--model {model_dir}: not a directory")
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise ModelLoadError(f"{index}: no readable weight_map") from None
-        missing = [n for n in names if not (model_dir / n).is_file()]
-        if missing:
-            raise ModelLoadError(f"{model_dir}: shard {missing[0]} listed in the index is missing")
-        return [model_dir / n for n in names]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ModelLoadError(f"--model {model_dir}: no model.safetensors or "
-                         f"model.safetensors.index.json (only safetensors checkpoints are supported)")
-
-
 def load_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"--model {model_dir}: no config.json") from None
-    except (OSError, ValueError):
-        raise ModelLoadError(f"{path}: not valid JSON") from None
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{path}: not a JSON object")
+    cfg = read_json(model_dir / "config.json")
     # multimodal wrappers keep the language model's fields in text_config
     return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
 
@@ -162,19 +112,10 @@ def classify(name: str) -> str:
     return "other"
 
 
-def tensor_infos(header: dict[str, Any], path: Path) -> list[TensorInfo]:
-    out = []
-    for name, meta in header.items():
-        try:
-            start, end = meta["data_offsets"]
-            dtype, shape = str(meta["dtype"]), tuple(int(s) for s in meta["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise ModelLoadError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        layer, expert = _LAYER.search(name), _EXPERT.search(name)
-        out.append(TensorInfo(name, dtype, shape, int(end) - int(start), classify(name),
-                              int(layer.group(1)) if layer else None,
-                              int(expert.group(1)) if expert else None))
-    return out
+def _tensor_info(t: CheckpointTensor) -> TensorInfo:
+    layer, expert = _LAYER.search(t.name), _EXPERT.search(t.name)
+    return TensorInfo(t.name, t.dtype, t.shape, t.nbytes, classify(t.name),
+                      int(layer.group(1)) if layer else None, int(expert.group(1)) if expert else None)
 
 
 def _layers(tensors: list[TensorInfo], num_experts_cfg: int) -> tuple[LayerBytes, ...]:
@@ -222,9 +163,15 @@ def per_token_bytes(by_category: dict[str, int], layers: tuple[LayerBytes, ...],
 
 def read_model_bytes(model_dir: Path) -> ModelBytes:
     model_dir = Path(model_dir).expanduser()
-    files = checkpoint_files(model_dir)
-    cfg = load_config(model_dir)
-    tensors = [t for f in files for t in tensor_infos(read_header(f), f)]
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"--model {model_dir}: not a directory")
+    try:
+        infos = list_checkpoint_tensors(model_dir)  # headers only; byte ranges checked against file sizes
+        cfg = load_config(model_dir)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"--model {exc}") from None
+    files = sorted({t.file for t in infos.values()})
+    tensors = [_tensor_info(t) for t in infos.values()]
     if not tensors:
         raise ModelLoadError(f"--model {model_dir}: the safetensors files hold no tensors")
     top_k = int(_first(cfg, "num_experts_per_tok", "num_experts_per_token", "moe_topk",
