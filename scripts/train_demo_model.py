@@ -1,0 +1,845 @@
+#!/usr/bin/env python3
+"""Train the tiny qwen3_moe demo model bundled in freetoken_py/data/demo_model/.
+
+Everything it learns from exists on every machine: the Python standard library's own
+source, plus synthetic chat transcripts (with tool calls) rendered by the model's own
+chat template.  No download.  See docs/demo_model.md for the numbers of the shipped run.
+
+    python scripts/train_demo_model.py --steps 600 --batch-size 4 --seq-len 512 \
+        --threads 1 --chat-frac 0.2 --out freetoken_py/data/demo_model
+
+Stages: corpus -> byte-level BPE tokenizer -> Qwen3MoeForCausalLM (transformers) -> bf16
+save -> a few sampled generations.  Fixed seeds; the corpus depends only on the Python
+version whose stdlib is read (the shipped model used CPython 3.11.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+# ---------------------------------------------------------------------------------------
+# Special tokens and chat template
+# ---------------------------------------------------------------------------------------
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Single tokens, but not "special": they are part of the visible model output.
+MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                 "<think>", "</think>"]
+
+# Qwen3-style ChatML.  Every tag trims whitespace itself ({%- -%}), so the output is the
+# same with or without trim_blocks/lstrip_blocks.  Needs only the `tojson` filter.
+CHAT_TEMPLATE = r"""
+{%- macro render_content(content) -%}
+{%- if content is not defined or content is none -%}
+{%- elif content is string -%}
+{{- content -}}
+{%- elif content is mapping -%}
+{{- content | tojson -}}
+{%- elif content is iterable -%}
+{%- for part in content -%}
+{%- if part is string -%}
+{{- part -}}
+{%- elif part.type == 'text' -%}
+{{- part.text -}}
+{%- endif -%}
+{%- endfor -%}
+{%- else -%}
+{{- content -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if messages and messages[0].role == 'system' -%}
+{{- render_content(messages[0].content) + '\n\n' -}}
+{%- endif -%}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+{%- for tool in tools -%}
+{{- '\n' + (tool | tojson) -}}
+{%- endfor -%}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif messages and messages[0].role == 'system' -%}
+{{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- set content = render_content(message.content) -%}
+{%- if message.role == 'system' -%}
+{%- if not loop.first -%}
+{{- '<|im_start|>system\n' + content + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- elif message.role == 'user' -%}
+{{- '<|im_start|>user\n' + content + '<|im_end|>\n' -}}
+{%- elif message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\n' + content -}}
+{%- if message.tool_calls -%}
+{%- for tool_call in message.tool_calls -%}
+{%- if not loop.first or content -%}
+{{- '\n' -}}
+{%- endif -%}
+{%- if tool_call.function is defined -%}
+{%- set call = tool_call.function -%}
+{%- else -%}
+{%- set call = tool_call -%}
+{%- endif -%}
+{{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' -}}
+{%- if call.arguments is string -%}
+{{- call.arguments -}}
+{%- else -%}
+{{- call.arguments | tojson -}}
+{%- endif -%}
+{{- '}\n</tool_call>' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
+{{- '<|im_start|>user' -}}
+{%- endif -%}
+{{- '\n<tool_response>\n' + content + '\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
+{{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+""".strip()
+
+# The Qwen2 / GPT-4-style split regex (llama.cpp's `qwen2` pre-tokenizer uses the same).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """Same as transformers' chat-template `tojson` (no HTML escaping)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def compile_template(source: str = CHAT_TEMPLATE):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment()
+    env.filters["tojson"] = tojson
+    return env.from_string(source)
+
+
+# ---------------------------------------------------------------------------------------
+# Code corpus: the standard library's own .py files
+# ---------------------------------------------------------------------------------------
+
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
+             "encodings", "pydoc_data"}  # tests are huge; encodings/pydoc_data are tables
+
+
+def stdlib_files() -> list[tuple[str, str]]:
+    """(relative path, text) of the stdlib's .py files, in sorted (deterministic) order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in SKIP_DIRS and not d.startswith("config-"))
+        for name in sorted(filenames):
+            # _sysconfigdata_* is machine-specific build data, not code.
+            if not name.endswith(".py") or name.startswith("_sysconfigdata"):
+                continue
+            path = Path(dirpath) / name
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if text.strip():
+                out.append((path.relative_to(root).as_posix(), text))
+    out.sort()
+    return out
+
+
+class CodeFacts:
+    """Facts mined from the stdlib ASTs that the synthetic chats talk about."""
+
+    def __init__(self, files: list[tuple[str, str]]):
+        self.functions = []   # (module, name, signature, doc first paragraph, source)
+        self.modules = []     # (module, doc first paragraph)
+        self.files = []       # (relpath, text, top-level classes, top-level functions)
+        self.dirs: dict[str, list[str]] = {}
+        for rel, text in files:
+            self._add_file(rel, text)
+        self.dir_names = sorted(d for d, v in self.dirs.items() if len(v) >= 3)
+
+    def _add_file(self, rel: str, text: str) -> None:
+        parts = rel.split("/")
+        self.dirs.setdefault("/".join(parts[:-1]) or ".", []).append(parts[-1])
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            return
+        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+        funcs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+        self.files.append((rel, text, classes, funcs))
+        lines = text.splitlines(keepends=True)
+        mdoc = first_paragraph(ast.get_docstring(tree))
+        if mdoc:
+            self.modules.append((module, mdoc))
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = first_paragraph(ast.get_docstring(node))
+            src = "".join(lines[node.lineno - 1:node.end_lineno]).rstrip()
+            if doc and src and len(src.splitlines()) <= 24 and len(src) <= 900:
+                sig = "(" + ast.unparse(node.args) + ")"
+                self.functions.append((module, node.name, sig, doc, src))
+
+
+def first_paragraph(doc: str | None) -> str:
+    if not doc:
+        return ""
+    para = doc.strip().split("\n\n")[0]
+    para = " ".join(line.strip() for line in para.splitlines())
+    return para if 20 <= len(para) <= 400 else ""
+
+
+# ---------------------------------------------------------------------------------------
+# Synthetic chats (OpenAI message shape), rendered by CHAT_TEMPLATE
+# ---------------------------------------------------------------------------------------
+
+def _fn(name, desc, props, required):
+    return {"type": "function", "function": {
+        "name": name, "description": desc,
+        "parameters": {"type": "object", "properties": props, "required": required}}}
+
+
+def _s(desc):
+    return {"type": "string", "description": desc}
+
+
+TOOLS = {
+    "read_file": [_fn(n, "Read a text file and return its contents.",
+                      {"path": _s("Path of the file to read.")}, ["path"])
+                  for n in ("read_file", "Read", "open_file")],
+    "write_file": [_fn(n, "Write text to a file, creating or overwriting it.",
+                       {"path": _s("Path of the file to write."),
+                        "content": _s("The full text to write.")}, ["path", "content"])
+                   for n in ("write_file", "Write")],
+    "list_dir": [_fn(n, "List the entries of a directory.",
+                     {"path": _s("Directory to list.")}, ["path"])
+                 for n in ("list_dir", "ls")],
+    "run_shell": [_fn(n, "Run a shell command and return its output.",
+                      {"command": _s("The command line to run.")}, ["command"])
+                  for n in ("run_shell", "bash", "Bash", "execute_command")],
+    "search": [_fn(n, "Search the web and return the top results.",
+                   {"query": _s("The search query.")}, ["query"])
+               for n in ("search", "web_search")],
+    "grep": [_fn(n, "Search files for a regular expression.",
+                 {"pattern": _s("The regular expression."),
+                  "path": _s("File or directory to search in.")}, ["pattern", "path"])
+             for n in ("grep", "Grep")],
+    "get_weather": [_fn("get_weather", "Get the current weather for a city.",
+                        {"city": _s("Name of the city."),
+                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                        ["city"])],
+    "calculate": [_fn(n, "Evaluate an arithmetic expression.",
+                      {"expression": _s("The expression, e.g. 2 * (3 + 4).")}, ["expression"])
+                  for n in ("calculate", "calculator")],
+}
+
+SYSTEM_PROMPTS = [None, None, "You are a helpful assistant.",
+                  "You are a helpful coding assistant.", "You are freetoken, a small local model.",
+                  "You are a concise assistant. Answer briefly.",
+                  "You are an expert Python programmer."]
+CITIES = ["Paris", "London", "Berlin", "Tokyo", "New York", "Madrid", "Rome", "Sydney", "Lisbon",
+          "Oslo", "Cairo", "Toronto", "Seoul", "Mumbai", "Nairobi", "Lima", "Zurich", "Vienna"]
+CONDITIONS = ["sunny", "cloudy", "partly cloudy", "rainy", "foggy", "windy", "snowing", "clear"]
+PROJECT_DIRS = ["src", "lib", "app", "pkg", "tools", "scripts", "utils", "core"]
+
+
+class ChatMaker:
+    """Builds one random conversation at a time; each returns (messages, tools or None)."""
+
+    def __init__(self, facts: CodeFacts, rng: random.Random):
+        self.f, self.rng = facts, rng
+        self.kinds = [(self.read_file, 14), (self.write_file, 8), (self.list_dir, 8),
+                      (self.shell, 12), (self.search, 7), (self.grep, 7), (self.weather, 10),
+                      (self.calc, 6), (self.two_step, 6), (self.parallel_weather, 4),
+                      (self.tools_but_text, 8), (self.python_qa, 30)]
+
+    def make(self):
+        fns, weights = zip(*self.kinds)
+        messages, tools = self.rng.choices(fns, weights)[0]()
+        system = self.rng.choice(SYSTEM_PROMPTS)
+        if system:
+            messages = [{"role": "system", "content": system}] + messages
+        if self.rng.random() < 0.15:
+            messages += self.thanks()
+        return messages, tools
+
+    # -- helpers ----------------------------------------------------------------------
+    def pick(self, seq):
+        return self.rng.choice(seq)
+
+    def toolset(self, *needed):
+        """The needed tools (one random name variant each) plus 0-2 distractors, shuffled."""
+        others = [k for k in TOOLS if k not in needed]
+        keys = list(needed) + self.rng.sample(others, self.rng.choice([0, 1, 1, 2]))
+        chosen = {k: self.pick(TOOLS[k]) for k in keys}
+        tools = list(chosen.values())
+        self.rng.shuffle(tools)
+        return tools, {k: t["function"]["name"] for k, t in chosen.items()}
+
+    def call(self, name, args, text=""):
+        as_string = self.rng.random() < 0.3  # clients send arguments as a JSON string too
+        fn = {"name": name, "arguments": json.dumps(args) if as_string else args}
+        msg = {"role": "assistant", "content": text or None,
+               "tool_calls": [{"id": f"call_{self.rng.randrange(16**8):08x}",
+                               "type": "function", "function": fn}]}
+        return msg
+
+    def preface(self):
+        return self.pick(["", "", "", "", "Let me check.", "I'll look that up.", "Sure."])
+
+    def project_path(self, rel):
+        name = rel.split("/")[-1]
+        return self.pick([name, f"{self.pick(PROJECT_DIRS)}/{name}", f"./{name}",
+                          f"/home/user/project/{self.pick(PROJECT_DIRS)}/{name}", rel])
+
+    def random_file(self):
+        return self.pick(self.f.files)
+
+    def thanks(self):
+        return [{"role": "user", "content": self.pick(["Thanks!", "Thank you.", "Great, thanks.",
+                                                       "Perfect.", "ok thanks"])},
+                {"role": "assistant", "content": self.pick([
+                    "You're welcome!", "Glad I could help.",
+                    "You're welcome. Let me know if you need anything else.", "Any time!"])}]
+
+    @staticmethod
+    def names(items, limit=6):
+        items = [f"`{x}`" for x in items[:limit]]
+        if len(items) <= 1:
+            return "".join(items)
+        return ", ".join(items[:-1]) + " and " + items[-1]
+
+    def describe_file(self, path, text, classes, funcs):
+        n = len(text.splitlines())
+        bits = []
+        if classes:
+            bits.append(f"the class{'es' if len(classes) > 1 else ''} {self.names(classes)}")
+        if funcs:
+            bits.append(f"the function{'s' if len(funcs) > 1 else ''} {self.names(funcs)}")
+        what = " and ".join(bits) if bits else "no top-level classes or functions"
+        return f"`{path}` is a Python module of {n} lines. It defines {what}."
+
+    # -- scenarios --------------------------------------------------------------------
+    def read_file(self):
+        rel, text, classes, funcs = self.random_file()
+        path = self.project_path(rel)
+        ask = self.pick(["Show me the contents of {p}.", "What's in {p}?", "Can you read {p}?",
+                         "Open {p} and tell me what it does.", "Please look at {p}.",
+                         "What does the file {p} define?", "Read {p} for me."]).format(p=path)
+        tools, names = self.toolset("read_file")
+        head = "\n".join(text.splitlines()[:self.rng.randint(6, 14)])
+        return [{"role": "user", "content": ask},
+                self.call(names["read_file"], {"path": path}, self.preface()),
+                {"role": "tool", "content": head},
+                {"role": "assistant", "content": self.describe_file(path, text, classes, funcs)}
+                ], tools
+
+    def write_file(self):
+        module, name, sig, doc, src = self.pick(self.f.functions)
+        path = self.pick([f"{name}.py", f"{self.pick(PROJECT_DIRS)}/{name}.py", "helpers.py",
+                          "utils.py", f"{module.split('.')[-1]}_extra.py"])
+        ask = self.pick(["Create {p} with a function `{n}` that does this: {d}",
+                         "Write a function `{n}` into {p}. {d}",
+                         "Please add a file {p} containing `{n}{s}`. Docstring: {d}"]
+                        ).format(p=path, n=name, d=doc, s=sig)
+        tools, names = self.toolset("write_file")
+        content = src + "\n"
+        return [{"role": "user", "content": ask},
+                self.call(names["write_file"], {"path": path, "content": content}),
+                {"role": "tool", "content": f"Wrote {len(content.encode())} bytes to {path}"},
+                {"role": "assistant", "content": f"I created `{path}` with the function "
+                                                 f"`{name}{sig}`."}], tools
+
+    def list_dir(self):
+        d = self.pick(self.f.dir_names)
+        entries = sorted(self.f.dirs[d])
+        path = self.pick([d, f"./{d}", f"{self.pick(PROJECT_DIRS)}/{d.split('/')[-1]}"])
+        if d == ".":
+            path = self.pick([".", "the current directory"])
+        ask = self.pick(["List the files in {p}.", "What files are in {p}?",
+                         "Show me what's inside {p}.", "ls {p}"]).format(p=path)
+        tools, names = self.toolset("list_dir")
+        arg = "." if path == "the current directory" else path
+        shown = entries[:30]
+        return [{"role": "user", "content": ask},
+                self.call(names["list_dir"], {"path": arg}, self.preface()),
+                {"role": "tool", "content": "\n".join(shown)},
+                {"role": "assistant", "content": f"`{arg}` contains {len(shown)} entries, "
+                                                 f"including {self.names(shown, 5)}."}], tools
+
+    def shell_case(self):
+        rel, text, _, _ = self.random_file()
+        path = self.project_path(rel)
+        n_lines = len(text.splitlines())
+        passed, secs = self.rng.randint(3, 180), self.rng.randint(5, 900) / 100
+        ver = f"3.{self.rng.randint(9, 13)}.{self.rng.randint(0, 9)}"
+        cases = [
+            ("Which Python version is installed?", "python --version", f"Python {ver}",
+             f"Python {ver} is installed."),
+            ("Run the tests.", "pytest -q", f"{passed} passed in {secs:.2f}s",
+             f"All {passed} tests passed in {secs:.2f} seconds."),
+            (f"How many lines does {path} have?", f"wc -l {path}", f"{n_lines} {path}",
+             f"`{path}` has {n_lines} lines."),
+            ("What is the current directory?", "pwd", "/home/user/project",
+             "The current directory is `/home/user/project`."),
+            (f"Run `python {path}`.", f"python {path}", "", "The script ran without output."),
+            ("Is git clean?", "git status --short", f" M {path}",
+             f"Not quite: `{path}` has uncommitted changes."),
+            (f"Delete the cache files in {self.pick(PROJECT_DIRS)}.",
+             "find . -name '__pycache__' -prune -exec rm -rf {} +", "",
+             "Done: the `__pycache__` directories are removed."),
+        ]
+        return self.pick(cases)
+
+    def shell(self):
+        ask, cmd, out, answer = self.shell_case()
+        if self.rng.random() < 0.2:
+            ask = f"Run `{cmd}`."
+        tools, names = self.toolset("run_shell")
+        return [{"role": "user", "content": ask},
+                self.call(names["run_shell"], {"command": cmd}, self.preface()),
+                {"role": "tool", "content": out or "(no output)"},
+                {"role": "assistant", "content": answer}], tools
+
+    def search(self):
+        module, mdoc = self.pick(self.f.modules)
+        q = self.pick(["python {m} module", "what is python {m}", "{m} python docs",
+                       "how to use {m} in python"]).format(m=module)
+        ask = self.pick(["Search the web for {q}.", "Look up \"{q}\".",
+                         "Can you find out what the Python module {m} is for?"]
+                        ).format(q=q, m=module)
+        tools, names = self.toolset("search")
+        results = [{"title": f"{module} — Python documentation",
+                    "url": f"https://docs.python.org/3/library/{module}.html", "snippet": mdoc}]
+        return [{"role": "user", "content": ask},
+                self.call(names["search"], {"query": q}, self.preface()),
+                {"role": "tool", "content": json.dumps(results, ensure_ascii=False)},
+                {"role": "assistant", "content": f"According to the Python documentation, "
+                                                 f"`{module}`: {mdoc}"}], tools
+
+    def grep(self):
+        module, name, sig, doc, src = self.pick(self.f.functions)
+        rel = module.replace(".", "/") + ".py"
+        d = self.pick(PROJECT_DIRS + ["."])
+        ask = self.pick(["Where is `{n}` defined?", "Find the definition of {n} in {d}.",
+                         "Search {d} for the function {n}."]).format(n=name, d=d)
+        lineno = self.rng.randint(10, 900)
+        hit = f"{d}/{rel}:{lineno}:def {name}{sig}:"
+        tools, names = self.toolset("grep")
+        return [{"role": "user", "content": ask},
+                self.call(names["grep"], {"pattern": f"def {name}\\b", "path": d}),
+                {"role": "tool", "content": hit},
+                {"role": "assistant", "content": f"`{name}` is defined in `{d}/{rel}` at line "
+                                                 f"{lineno}: `def {name}{sig}`."}], tools
+
+    def weather_result(self, city, unit):
+        t = self.rng.randint(-10, 35)
+        t = t if unit == "celsius" else round(t * 9 / 5 + 32)
+        return {"city": city, "temperature": t, "unit": unit,
+                "condition": self.pick(CONDITIONS)}
+
+    def weather_sentence(self, r):
+        sym = "°C" if r["unit"] == "celsius" else "°F"
+        return f"{r['temperature']}{sym} and {r['condition']} in {r['city']}"
+
+    def weather(self):
+        city = self.pick(CITIES)
+        unit = "fahrenheit" if self.rng.random() < 0.25 else "celsius"
+        ask = self.pick(["What's the weather in {c}?", "Is it cold in {c} right now?",
+                         "weather {c}", "How warm is it in {c} today?"]).format(c=city)
+        args = {"city": city}
+        if unit == "fahrenheit":
+            ask += " In Fahrenheit please."
+            args["unit"] = unit
+        tools, names = self.toolset("get_weather")
+        r = self.weather_result(city, unit)
+        return [{"role": "user", "content": ask},
+                self.call(names["get_weather"], args, self.preface()),
+                {"role": "tool", "content": json.dumps(r, ensure_ascii=False)},
+                {"role": "assistant", "content": f"It is currently {self.weather_sentence(r)}."}
+                ], tools
+
+    def parallel_weather(self):
+        a, b = self.rng.sample(CITIES, 2)
+        tools, names = self.toolset("get_weather")
+        ra, rb = self.weather_result(a, "celsius"), self.weather_result(b, "celsius")
+        msg = self.call(names["get_weather"], {"city": a})
+        msg["tool_calls"] += self.call(names["get_weather"], {"city": b})["tool_calls"]
+        return [{"role": "user", "content": f"Compare the weather in {a} and {b}."}, msg,
+                {"role": "tool", "content": json.dumps(ra, ensure_ascii=False)},
+                {"role": "tool", "content": json.dumps(rb, ensure_ascii=False)},
+                {"role": "assistant", "content": f"It is {self.weather_sentence(ra)}, and "
+                                                 f"{self.weather_sentence(rb)}."}], tools
+
+    def calc(self):
+        a, b = self.rng.randint(2, 999), self.rng.randint(2, 99)
+        op = self.pick(["+", "-", "*"])
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        expr = f"{a} {op} {b}"
+        ask = self.pick(["What is {e}?", "Calculate {e}.", "Compute {e} for me."]).format(e=expr)
+        tools, names = self.toolset("calculate")
+        return [{"role": "user", "content": ask},
+                self.call(names["calculate"], {"expression": expr}),
+                {"role": "tool", "content": str(value)},
+                {"role": "assistant", "content": f"{expr} = {value}."}], tools
+
+    def two_step(self):
+        """List a directory, then read one of its files."""
+        rel, text, classes, funcs = self.random_file()
+        d = "/".join(rel.split("/")[:-1]) or "."
+        tools, names = self.toolset("list_dir", "read_file")
+        path = rel
+        head = "\n".join(text.splitlines()[:12])
+        return [{"role": "user", "content": f"Look in {d} and tell me what "
+                                            f"{rel.split('/')[-1]} defines."},
+                self.call(names["list_dir"], {"path": d}),
+                {"role": "tool", "content": "\n".join(sorted(self.f.dirs[d])[:20])},
+                self.call(names["read_file"], {"path": path}),
+                {"role": "tool", "content": head},
+                {"role": "assistant", "content": self.describe_file(path, text, classes, funcs)}
+                ], tools
+
+    def tools_but_text(self):
+        messages, _ = self.python_qa()
+        tools, _ = self.toolset(self.pick(list(TOOLS)))
+        return messages, tools
+
+    def python_qa(self):
+        r = self.rng.random()
+        if r < 0.08:
+            greet = self.pick(["Hi!", "Hello", "hey", "Good morning!", "Who are you?"])
+            return [{"role": "user", "content": greet},
+                    {"role": "assistant", "content": self.pick([
+                        "Hello! How can I help you today?",
+                        "Hi! I am a small demo model. Ask me about Python.",
+                        "Hello! What would you like to do?"])}], None
+        if r < 0.25:
+            module, mdoc = self.pick(self.f.modules)
+            return [{"role": "user", "content": self.pick([
+                        "What is the `{m}` module for?", "What does the Python module {m} do?",
+                        "Explain {m} briefly."]).format(m=module)},
+                    {"role": "assistant", "content": f"`{module}`: {mdoc}"}], None
+        module, name, sig, doc, src = self.pick(self.f.functions)
+        if r < 0.6:
+            return [{"role": "user", "content": self.pick([
+                        "What does `{m}.{n}` do?", "Explain the function {n} from {m}.",
+                        "What is {m}.{n} used for?"]).format(m=module, n=name)},
+                    {"role": "assistant", "content": f"`{module}.{name}{sig}`: {doc}"}], None
+        return [{"role": "user", "content": self.pick([
+                    "Write a Python function `{n}`: {d}", "Implement {n}{s} in Python. {d}",
+                    "Show me how {m}.{n} is implemented."]).format(m=module, n=name, s=sig, d=doc)},
+                {"role": "assistant", "content": f"Here is `{name}`:\n\n```python\n{src}\n```"}
+                ], None
+
+
+def make_chats(facts: CodeFacts, num_chats: int, seed: int) -> list[str]:
+    """Render `num_chats` random conversations with CHAT_TEMPLATE."""
+    rng = random.Random(seed)
+    template = compile_template()
+    maker = ChatMaker(facts, rng)
+    out = []
+    for _ in range(num_chats):
+        messages, tools = maker.make()
+        out.append(template.render(messages=messages, tools=tools, add_generation_prompt=False))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers,
+                            processors, trainers)
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(MARKER_TOKENS), min_frequency=2, show_progress=False,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    def strip_markers(batch_size=256):
+        # Markers become single added tokens; don't spend merges on their spelling.
+        for i in range(0, len(texts), batch_size):
+            chunk = []
+            for t in texts[i:i + batch_size]:
+                for m in SPECIAL_TOKENS + MARKER_TOKENS:
+                    t = t.replace(m, " ")
+                chunk.append(t)
+            yield chunk
+
+    tok.train_from_iterator(strip_markers(), trainer=trainer, length=len(texts))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    return tok
+
+
+def tokenizer_config(tok, max_len: int) -> dict:
+    added = {}
+    for t in SPECIAL_TOKENS + MARKER_TOKENS:
+        added[str(tok.token_to_id(t))] = {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": t in SPECIAL_TOKENS}
+    return {
+        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": max_len,
+        "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": None}
+
+
+# ---------------------------------------------------------------------------------------
+# Training data sampler
+# ---------------------------------------------------------------------------------------
+
+class Batches:
+    """Rows of `seq_len` tokens: random windows of the code stream, or runs of whole chats
+    (a chat row always starts at a chat boundary, so tool prompts are seen from the top)."""
+
+    def __init__(self, code_ids, chat_ids, eot, seq_len, batch_size, chat_frac, seed):
+        import torch
+        self.code = torch.tensor(code_ids, dtype=torch.long)
+        self.chats = chat_ids
+        self.eot, self.seq_len, self.batch_size = eot, seq_len, batch_size
+        self.chat_frac = chat_frac
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def _chat_row(self):
+        import torch
+        i = int(torch.randint(len(self.chats), (1,), generator=self.gen))
+        row = []
+        while len(row) < self.seq_len:
+            row += self.chats[i % len(self.chats)] + [self.eot]
+            i += 1
+        return torch.tensor(row[:self.seq_len], dtype=torch.long)
+
+    def next(self):
+        import torch
+        rows = []
+        for _ in range(self.batch_size):
+            if float(torch.rand((), generator=self.gen)) < self.chat_frac:
+                rows.append(self._chat_row())
+            else:
+                s = int(torch.randint(len(self.code) - self.seq_len, (1,), generator=self.gen))
+                rows.append(self.code[s:s + self.seq_len])
+        return torch.stack(rows)  # [batch, seq_len]
+
+
+# ---------------------------------------------------------------------------------------
+# Model, training, saving
+# ---------------------------------------------------------------------------------------
+
+def build_model(args, vocab_size, ids):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, output_router_logits=True,
+        router_aux_loss_coef=args.aux_coef, bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def lr_at(step, args):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train(model, batches, args):
+    import torch
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    model.train()
+    t0, ema, tokens = time.time(), None, 0
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        x = batches.next()
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += x.numel()
+        aux = float(out.aux_loss.detach())
+        lm = float(out.loss.detach()) - args.aux_coef * aux
+        ema = lm if ema is None else 0.9 * ema + 0.1 * lm
+        if step % args.log_every == 0 or step == args.steps - 1:
+            el = time.time() - t0
+            print(f"step {step:5d}/{args.steps}  lm_loss {lm:.3f}  ema {ema:.3f}  "
+                  f"aux {aux:.3f}  lr {lr_at(step, args):.2e}  "
+                  f"{tokens / el:.0f} tok/s  {el:.0f}s", flush=True)
+    return ema, time.time() - t0, tokens
+
+
+def save(model, tok, out_dir: Path, ids, max_len):
+    import torch
+    from transformers import GenerationConfig
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    model.config.output_router_logits = False
+    model.config.use_cache = True
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        do_sample=True, temperature=0.7, top_p=0.9, top_k=20)
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    # transformers 5 writes rope_parameters / num_local_experts; hub checkpoints (and the
+    # llama.cpp converter) spell them rope_theta / num_experts.  Write both, same values.
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
+    cfg["num_experts"] = cfg["num_local_experts"]
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(tok, max_len), indent=2, ensure_ascii=False) + "\n")
+    keep = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"}
+    for p in out_dir.iterdir():
+        if p.name not in keep:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def sample(out_dir: Path, seed: int):
+    """A few generations from the saved checkpoint (what docs/demo_model.md shows)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    template = compile_template()
+    tools = [TOOLS["read_file"][0], TOOLS["run_shell"][0], TOOLS["get_weather"][0]]
+    prompts = {
+        "code": "import os\n\ndef ",
+        "code2": "class Stack:\n    def __init__(self):\n",
+        "tools-weather": template.render(messages=[
+            {"role": "user", "content": "What's the weather in Paris?"}],
+            tools=tools, add_generation_prompt=True),
+        "tools-read": template.render(messages=[
+            {"role": "user", "content": "Show me the contents of src/main.py."}],
+            tools=tools, add_generation_prompt=True),
+        "chat": template.render(messages=[
+            {"role": "user", "content": "What does `os.path.join` do?"}],
+            add_generation_prompt=True),
+    }
+    for name, prompt in prompts.items():
+        for greedy in (True, False):
+            torch.manual_seed(seed)
+            ids = tok(prompt, return_tensors="pt").input_ids
+            gen = model.generate(ids, max_new_tokens=80, do_sample=not greedy,
+                                 temperature=0.7, top_p=0.9, top_k=20)
+            text = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
+            print(f"--- {name} ({'greedy' if greedy else 'sampled T=0.7'}) ---\n"
+                  f"{prompt if name.startswith('code') else '[chat prompt]'}{text}\n", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("freetoken_py/data/demo_model"))
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--moe-intermediate", type=int, default=256)
+    ap.add_argument("--aux-coef", type=float, default=0.01)
+    ap.add_argument("--num-chats", type=int, default=6000)
+    ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; on a busy shared 2-core box 1 beat 2 by 3-5x")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--no-sample", action="store_true", help="skip the sample generations")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve when the box is shared
+    import torch
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    t_start = time.time()
+
+    files = stdlib_files()
+    facts = CodeFacts(files)
+    chats = make_chats(facts, args.num_chats, args.seed)
+    code_bytes = sum(len(t.encode()) for _, t in files)
+    chat_bytes = sum(len(c.encode()) for c in chats)
+    print(f"python {sys.version.split()[0]}: {len(files)} stdlib files, {code_bytes / 1e6:.2f} MB; "
+          f"{len(chats)} chats, {chat_bytes / 1e6:.2f} MB  ({time.time() - t_start:.0f}s)",
+          flush=True)
+
+    # The tokenizer sees all code plus about a fifth as many bytes of chats.
+    n_tok_chats = max(1, int(len(chats) * min(1.0, 0.25 * code_bytes / chat_bytes)))
+    tok = train_tokenizer([t for _, t in files] + chats[:n_tok_chats], args.vocab)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKER_TOKENS}
+    eot = ids["<|endoftext|>"]
+    code_ids = []
+    for enc in tok.encode_batch([text for _, text in files]):
+        code_ids += enc.ids + [eot]
+    chat_ids = [enc.ids for enc in tok.encode_batch(chats)]
+    n_chat = sum(map(len, chat_ids))
+    lens = sorted(map(len, chat_ids))
+    print(f"tokenizer: vocab {tok.get_vocab_size()}, special ids {ids}; code {len(code_ids)} tokens "
+          f"({code_bytes / len(code_ids):.2f} bytes/token), chats {n_chat} tokens "
+          f"(median {lens[len(lens) // 2]}, p90 {lens[9 * len(lens) // 10]}, max {lens[-1]})  "
+          f"({time.time() - t_start:.0f}s)", flush=True)
+
+    batches = Batches(code_ids, chat_ids, eot, args.seq_len, args.batch_size, args.chat_frac,
+                      args.seed)
+    model = build_model(args, tok.get_vocab_size(), ids)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters; training {args.steps} steps x "
+          f"{args.batch_size} x {args.seq_len} tokens", flush=True)
+    loss, train_s, tokens = train(model, batches, args)
+    save(model, tok, args.out, ids, max_len=4096)
+    size = sum(p.stat().st_size for p in args.out.iterdir())
+    print(f"final loss (EMA of LM loss) {loss:.3f}; trained on {tokens} tokens in {train_s:.0f}s; "
+          f"saved {size / 1e6:.1f} MB to {args.out}; total wall time "
+          f"{time.time() - t_start:.0f}s", flush=True)
+    if not args.no_sample:
+        sample(args.out, args.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The bundled demo model (freetoken_py/data/demo_model/): files, formats, template, loadability.
+
+Expectations are checked against independent references: the `tokenizers` library for the
+tokenizer round trip, jinja2's sandbox for the chat template, transformers for the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "freetoken_py" / "data" / "demo_model"
+REQUIRED = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"}
+OPTIONAL = {"chat_template.jinja"}
+MAX_BYTES = 30 * 1024 * 1024
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a text file and return its contents.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}]
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is in src/app.py?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "read_file", "arguments": {"path": "src/app.py"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "print('hi')"},
+    {"role": "assistant", "content": "It prints `hi`."},
+    {"role": "user", "content": "Now read setup.py."},
+    # OpenAI clients send the arguments as a JSON string: rendered verbatim.
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_2", "type": "function",
+         "function": {"name": "read_file", "arguments": "{\"path\": \"setup.py\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_2", "content": "from setuptools import setup"},
+]
+
+SNIPPET = (
+    "import os\n\n\ndef walk(root: str) -> list[str]:\n"
+    "    \"\"\"Return every file under *root* — sorted, “unicode” too: é ß 中文 🙂.\"\"\"\n"
+    "    out = []\n\tfor d, _, names in os.walk(root):   \n"
+    "        out += [os.path.join(d, n) for n in names if n != '']  # trailing  \r\n"
+    "    return sorted(out)\n\n\n\n")
+
+
+def _read_json(name):
+    return json.loads((DEMO_DIR / name).read_text(encoding="utf-8"))
+
+
+def _render(source, **kwargs):
+    """Render like the runtime: an immutable sandbox with only `tojson` added."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(**kwargs)
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    return env.from_string(source).render(messages=CONVERSATION, tools=TOOLS,
+                                          add_generation_prompt=True)
+
+
+def test_files_exist_and_fit_the_size_budget():
+    names = {p.name for p in DEMO_DIR.iterdir()}
+    assert REQUIRED <= names
+    assert names <= REQUIRED | OPTIONAL, f"leftover files: {names - REQUIRED - OPTIONAL}"
+    total = sum((DEMO_DIR / n).stat().st_size for n in names)
+    assert total <= MAX_BYTES, total
+
+
+def test_config_is_a_real_qwen3_moe():
+    cfg = _read_json("config.json")
+    assert cfg["model_type"] == "qwen3_moe"
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    assert num_experts > cfg["num_experts_per_tok"] >= 2
+    assert cfg["norm_topk_prob"] is True and cfg["tie_word_embeddings"] is False
+    assert cfg["mlp_only_layers"] == [] and cfg["decoder_sparse_step"] == 1
+
+
+def test_special_token_ids_agree_across_files():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    cfg, gen, tcfg = (_read_json(n) for n in
+                      ("config.json", "generation_config.json", "tokenizer_config.json"))
+    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    assert tok.get_vocab_size() == cfg["vocab_size"]
+    assert cfg["eos_token_id"] == im_end and cfg["bos_token_id"] == eot
+    assert gen["eos_token_id"] == [im_end, eot] and gen["pad_token_id"] == eot
+    assert tcfg["eos_token"] == "<|im_end|>" and tcfg["pad_token"] == "<|endoftext|>"
+    assert tcfg["bos_token"] is None and tcfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    added = {t["content"]: t["special"] for t in _read_json("tokenizer.json")["added_tokens"]}
+    assert added == {"<|endoftext|>": True, "<|im_start|>": True, "<|im_end|>": True,
+                     "<tool_call>": False, "</tool_call>": False, "<tool_response>": False,
+                     "</tool_response>": False, "<think>": False, "</think>": False}
+    for marker in added:  # each marker is one token, never split
+        assert tok.encode(f"x{marker}y").tokens[1] == marker
+
+
+def test_tokenizer_is_qwen2_style_byte_level_and_round_trips_code():
+    from tokenizers import Tokenizer
+
+    spec = _read_json("tokenizer.json")
+    pre = spec["pre_tokenizer"]["pretokenizers"]
+    assert [p["type"] for p in pre] == ["Split", "ByteLevel"]
+    assert spec["decoder"]["type"] == "ByteLevel" and spec["model"]["type"] == "BPE"
+    tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    ids = tok.encode(SNIPPET).ids
+    assert tok.decode(ids, skip_special_tokens=False) == SNIPPET
+    assert len(ids) < len(SNIPPET.encode()) / 2  # it learned merges, not just bytes
+
+
+def test_chat_template_renders_tools_calls_and_results_in_the_sandbox():
+    source = _read_json("tokenizer_config.json")["chat_template"]
+    text = _render(source)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools")
+    assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>" in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "read_file", "arguments": '
+            '{"path": "src/app.py"}}\n</tool_call><|im_end|>\n') in text
+    assert '{"name": "read_file", "arguments": {"path": "setup.py"}}' in text
+    assert ("<|im_start|>user\n<tool_response>\nprint('hi')\n</tool_response><|im_end|>\n"
+            in text)
+    assert text.count("<tool_call>\n") == 3  # two calls + the instruction in the system turn
+    assert text.count("<tool_response>") == 2
+    assert text.endswith("<|im_start|>assistant\n")
+    # transformers renders with trim_blocks/lstrip_blocks; the template must not care.
+    assert _render(source, trim_blocks=True, lstrip_blocks=True) == text
+
+
+def test_chat_template_without_tools_is_plain_chatml():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    source = _read_json("tokenizer_config.json")["chat_template"]
+    env = ImmutableSandboxedEnvironment()
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    text = env.from_string(source).render(
+        messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def _safetensors_header(path):
+    """The tensor table of a .safetensors file, read without torch (u64 length + JSON)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def test_checkpoint_uses_per_expert_bf16_tensors():
+    cfg = _read_json("config.json")
+    header = _safetensors_header(DEMO_DIR / "model.safetensors")
+    assert {t["dtype"] for t in header.values()} == {"BF16"}
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    for layer in range(cfg["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp."
+        assert header[prefix + "gate.weight"]["shape"] == [num_experts, hidden]
+        for e in range(num_experts):
+            assert header[f"{prefix}experts.{e}.gate_proj.weight"]["shape"] == [inter, hidden]
+            assert header[f"{prefix}experts.{e}.up_proj.weight"]["shape"] == [inter, hidden]
+            assert header[f"{prefix}experts.{e}.down_proj.weight"]["shape"] == [hidden, inter]
+    assert header["lm_head.weight"]["shape"] == [cfg["vocab_size"], hidden]  # untied
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32)
+
+
+def _logits(model, tok, text):
+    import torch
+
+    ids = torch.tensor([tok.encode(text).ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits  # [1, tokens, vocab]
+    return logits
+
+
+def test_transformers_loads_it_and_logits_are_finite(hf_model):
+    import torch
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    text = "import os\n\ndef main():\n"
+    logits = _logits(hf_model, tok, text)
+    assert logits.shape == (1, len(tok.encode(text).ids), tok.get_vocab_size())
+    assert torch.isfinite(logits).all()
+
+
+def test_it_opens_a_tool_call_when_tools_are_offered_and_only_then(hf_model):
+    """The point of the synthetic chats: greedy decoding starts with <tool_call> after a
+    tools prompt, and does not without tools (a retrain that loses this fails here)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    env = ImmutableSandboxedEnvironment()
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    template = env.from_string(_read_json("tokenizer_config.json")["chat_template"])
+    messages = [{"role": "user", "content": "What is in src/app.py?"}]
+    for tools, expect_call in ((TOOLS, True), (None, False)):
+        prompt = template.render(messages=messages, tools=tools, add_generation_prompt=True)
+        first = int(_logits(hf_model, tok, prompt)[0, -1].argmax())
+        assert (tok.id_to_token(first) == "<tool_call>") is expect_call, tok.id_to_token(first)
