@@ -158,3 +158,18 @@ def test_cpu_backend_bf16_and_quantized_experts(fmt, checkpoint_factory):
                                     log_target=True, reduction="batchmean").item()
     print(f"KL({fmt} || bf16) = {kl:.2e}")
     assert kl <= {"int8": 1e-5, "int4": 2e-3}[fmt]  # measured 3.3e-7 and 7.9e-5 here
+
+
+def test_fp16_checkpoint_auto_dtype_is_exact(checkpoint_factory):
+    """fp16 weights load as fp32 under dtype=auto (no lossy fp16 -> bf16 step): logits equal
+    transformers upcasting the same fp16 checkpoint."""
+    path = checkpoint_factory("olmoe", dtype=torch.float16)
+    prompt = random_prompt(10, seed=6)
+    llm = LLM(path, dtype="auto", show_progress=False)
+    assert llm.model.dtype == torch.float32
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        expected = reference_model(path, torch.float32).generate(
+            torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
+            pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == expected

@@ -27,8 +27,9 @@ class GenerationDefaults:
 
 def resolve_dtype(name: str, stored: str) -> torch.dtype:
     if name == "auto":
-        # bf16/fp16 checkpoints compute in bf16 on CPU (fp16 matmuls are slow there); fp32 stays fp32.
-        return torch.float32 if stored == "F32" else torch.bfloat16
+        # bf16 stays bf16; fp16 widens to fp32 (CPU fp16 math is slow and fp16 -> bf16 would drop
+        # mantissa bits); fp32 stays fp32.
+        return torch.bfloat16 if stored == "BF16" else torch.float32
     if name not in _DTYPES:
         raise ModelLoadError(f"unknown dtype '{name}' (choose auto, float32, bfloat16, float16)")
     return _DTYPES[name]
