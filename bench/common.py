@@ -27,6 +27,31 @@ QWEN3_05B = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_at
                  rope_theta=1e6, tie_word_embeddings=False)
 
 
+def bench_args(doc: str):
+    """The options every engine-level bench shares; callers add their own before parse_args()."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    return ap
+
+
+def setup(args) -> tuple[Path, list[int]]:
+    """Thread budget, the benchmark checkpoint, and a seeded random prompt of --prompt-len tokens."""
+    import torch
+
+    from freetoken_py.kernels import configure_threads
+
+    configure_threads(args.threads)
+    model_dir = build_qwen3_moe(WORK / "qwen3moe-0.5b-bf16")
+    g = torch.Generator().manual_seed(0)
+    return model_dir, torch.randint(0, QWEN3_05B["vocab_size"], (args.prompt_len,), generator=g).tolist()
+
+
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 

@@ -11,7 +11,6 @@ fraction of the DRAM roofline (probe figure), and freetoken / llama.cpp ratios.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -39,24 +38,12 @@ def _gguf(model_dir: Path, kind: str) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = common.bench_args(__doc__)
     ap.add_argument("--precisions", default="bf16,int8,int4")
-    ap.add_argument("--no-llama-cpp", action="store_true")
     args = ap.parse_args()
-
-    import torch
-
-    from freetoken_py.kernels import configure_threads
+    model_dir, prompt = common.setup(args)
     from freetoken_py.llm import LLM
 
-    configure_threads(args.threads)
-    model_dir = common.build_qwen3_moe(common.WORK / "qwen3moe-0.5b-bf16")
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 32000, (args.prompt_len,), generator=g).tolist()
     short, n = prompt[:16], args.decode_tokens
     precisions = args.precisions.split(",")
 

@@ -8,7 +8,6 @@ per token x tokens/s), the DRAM roofline from the probe, and ratios to the peers
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,29 +16,14 @@ import common  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = common.bench_args(__doc__)
     ap.add_argument("--backend", default="auto", help="freetoken backend: auto, cpu (numba) or torch")
-    ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
-
-    import torch
-
-    from freetoken_py.kernels import configure_threads
-
-    configure_threads(args.threads)
+    model_dir, prompt = common.setup(args)
     from freetoken_py.llm import LLM
 
-    model_dir = common.build_qwen3_moe(common.WORK / "qwen3moe-0.5b-bf16")
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 32000, (args.prompt_len,), generator=g).tolist()
-    short = prompt[:16]
-    n = args.decode_tokens
-
+    short, n = prompt[:16], args.decode_tokens
     ours = LLM(model_dir, dtype="bfloat16", max_num_seqs=1, max_model_len=2048, show_progress=False,
                backend=args.backend)
     engines = {"freetoken": common.freetoken_timers(ours)}
