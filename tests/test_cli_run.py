@@ -112,3 +112,16 @@ def test_context_length_error_before_allocation(demo):
     with pytest.raises(ContextLengthError, match="20 tokens"):
         small.add_request(list(range(20)))
     assert small.allocator.num_free == free
+
+
+def test_quantized_experts_from_the_cli_stay_close_to_bf16(demo):
+    """--expert-dtype int8: greedy tokens of the quantised run agree with the fp32 reference engine
+    on most positions (small models flip near-ties); a bad value is a one-line error."""
+    args = ["run", "import os\n", "--json", "--max-tokens", "16", "--temperature", "0"]
+    quant = freetoken(*args, "--expert-dtype", "int8", "--dense-dtype", "int8")
+    assert quant.returncode == 0, quant.stderr
+    ref = demo.generate(["import os\n"], SamplingParams(max_tokens=16, temperature=0))[0].token_ids
+    got = json.loads(quant.stdout)["token_ids"]
+    assert got[:4] == ref[:4]
+    bad = freetoken("run", "x", "--expert-dtype", "int3")
+    assert bad.returncode == 2 and "expert dtype must be" in bad.stderr and "Traceback" not in bad.stderr
