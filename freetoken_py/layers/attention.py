@@ -51,9 +51,21 @@ def paged_attention(cache: KVCache, layer: int, meta: AttentionMetadata, q: torc
     out = torch.empty_like(q)
     for seq in meta.seqs:
         kc, vc = cache.read(layer, seq.ctx_slots)  # [ctx, Hkv, hd]
+        kc, vc = kc.to(q.dtype).transpose(0, 1), vc.to(q.dtype).transpose(0, 1)  # [Hkv, ctx, hd]
+        if seq.q_end - seq.q_start == 1 and seq.mask is None:
+            out[seq.q_start] = _decode_attention(q[seq.q_start], kc, vc, scale)
+            continue
         qs = q[seq.q_start:seq.q_end].transpose(0, 1)  # [Hq, n, hd]
-        o = F.scaled_dot_product_attention(
-            qs, kc.to(q.dtype).transpose(0, 1), vc.to(q.dtype).transpose(0, 1),
-            attn_mask=seq.mask, scale=scale, enable_gqa=True)  # [Hq, n, hd]
+        o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=seq.mask, scale=scale, enable_gqa=True)
         out[seq.q_start:seq.q_end] = o.transpose(0, 1)
     return out.flatten(1)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token, every key visible: two bmm's over query groups (q head h reads kv head
+    h // group, as HF's repeat_kv). ~3x cheaper than SDPA's dispatch at decode sizes.
+    q: [Hq, hd]; k, v: [Hkv, ctx, hd]. Returns [Hq, hd]."""
+    num_kv = k.shape[0]
+    qg = q.reshape(num_kv, -1, q.shape[-1])  # [Hkv, group, hd]
+    probs = torch.softmax(torch.bmm(qg, k.transpose(1, 2)) * scale, dim=-1, dtype=torch.float)  # [Hkv, g, ctx]
+    return torch.bmm(probs.to(v.dtype), v).reshape(q.shape)
