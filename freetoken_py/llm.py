@@ -209,6 +209,6 @@ class LLM:
 
     def default_sampling(self, **overrides) -> SamplingParams:
         """generation_config.json's sampling defaults, overridden by explicit (non-None) values."""
-        values = {k: v for k, v in self.generation.sampling.items() if k in ("temperature", "top_p", "top_k")}
+        values = dict(self.generation.sampling)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return dataclasses.replace(SamplingParams(), **values)

@@ -44,6 +44,20 @@ def gbps(result: dict[str, Any]) -> dict[str, float]:
     return {n: f["gbps"] for n, f in result["figures"].items()}
 
 
+def gpu_select(names: tuple[str, ...]) -> Callable[[Any], tuple[list, dict]]:
+    """The probe selection of a CUDA-only script: its figures, or each one unavailable with the reason."""
+    def select(ctx):
+        from freetoken_py.hw.registry import gpu_selection
+
+        return gpu_selection(ctx, names)
+
+    return select
+
+
+def measure(select: Callable[[Any], tuple[list, dict]], quick: bool = False) -> dict[str, float]:
+    return gbps(run(select, quick=quick, progress=False))
+
+
 def main(select: Callable[[Any], tuple[list, dict]], argv: Optional[list[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     result = run(select, quick="--quick" in args)

@@ -18,7 +18,7 @@ def select(ctx):
 
 
 def measure(quick: bool = False) -> dict[str, float]:
-    return _common.gbps(_common.run(select, quick=quick, progress=False))
+    return _common.measure(select, quick)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,11 @@ NAMES = ("pcie_h2d_pinned", "pcie_h2d_pageable", "pcie_d2h_pinned", "pcie_d2h_pa
          "pcie_h2d_pinned_concurrent", "cpu_expert_bf16_concurrent")
 
 
-def select(ctx):
-    from freetoken_py.hw.registry import gpu_selection
-
-    return gpu_selection(ctx, NAMES)
+select = _common.gpu_select(NAMES)
 
 
 def measure(quick: bool = False) -> dict[str, float]:
-    return _common.gbps(_common.run(select, quick=quick, progress=False))
+    return _common.measure(select, quick)
 
 
 if __name__ == "__main__":

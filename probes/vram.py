@@ -13,14 +13,11 @@ except ImportError:                       # run as `python probes/vram.py`
 NAMES = ("vram_d2d", "gpu_expert_gather", "gpu_expert_kernel")
 
 
-def select(ctx):
-    from freetoken_py.hw.registry import gpu_selection
-
-    return gpu_selection(ctx, NAMES)
+select = _common.gpu_select(NAMES)
 
 
 def measure(quick: bool = False) -> dict[str, float]:
-    return _common.gbps(_common.run(select, quick=quick, progress=False))
+    return _common.measure(select, quick)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,14 @@ class KernelExpertExecutor:
     """Routed experts through `freetoken_py.kernels.moe_experts` (fp32 in, fp32 out)."""
 
     def __init__(self, banks: list, activation: str = "silu"):
-        self.banks = banks  # per layer: ExpertBank or None (dense layer)
-        self.activation = activation
-
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from freetoken_py.kernels import moe_experts
 
-        return moe_experts(self.banks[layer], x.float(), ids, weights.float(), activation=self.activation)
+        self.banks = banks  # per layer: ExpertBank or None (dense layer)
+        self.activation = activation
+        self._run = moe_experts
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self._run(self.banks[layer], x, ids, weights, activation=self.activation)  # casts to fp32 itself
 
 
 def weight_format(dtype: torch.dtype) -> str:
@@ -72,4 +73,3 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
     w.final_norm = w.final_norm.float()
     model.experts = KernelExpertExecutor(banks)
     model.dtype = torch.float32  # activations; the embedding rows are widened on lookup
-    model.expert_format = expert_format

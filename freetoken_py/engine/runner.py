@@ -30,20 +30,20 @@ class ModelRunner:
 
     def forward_batch(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Runs every chunk in one forward; returns fp32 logits [num_sampling_chunks, V] in chunk order."""
-        ids, positions, slots, seqs, sample_rows = [], [], [], [], []
+        ids, positions, seqs, sample_rows = [], [], [], []
         row = 0
         for ch in chunks:
             req, start = ch.req, ch.req.num_computed
             tokens = req.all_token_ids[start:start + ch.num_new]
             ids.extend(tokens)
             positions.extend(range(start, start + ch.num_new))
-            slots.append(self.cache.slots(req.page_table, start, start + ch.num_new))
             seqs.append(build_seq_attention(self.cache, req.page_table, start, ch.num_new, row,
                                             self.model.args.sliding_window))
             row += ch.num_new
             if ch.samples:
                 sample_rows.append(row - 1)
-        meta = AttentionMetadata(torch.cat(slots), seqs)
+        new_slots = torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])  # new tokens end each context
+        meta = AttentionMetadata(new_slots, seqs)
         hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.cache)  # [T, D]
         for ch in chunks:
             ch.req.num_computed += ch.num_new
