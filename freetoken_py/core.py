@@ -62,6 +62,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    cache_salt: str | None = None  # client-chosen namespace for prefix-cache sharing
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     max_len: int = 0  # prompt + output may not exceed this (context window); set by the scheduler
@@ -95,6 +97,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     new_text: str = ""  # text added by the latest step (streaming)
     new_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     ttft_s: float | None = None
     total_s: float | None = None
 

@@ -88,7 +88,8 @@ class LLM:
             raise FreetokenError("this model directory has no tokenizer.json; chat needs one")
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, tools=tools))
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> Request:
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         if not ids:
@@ -103,7 +104,7 @@ class LLM:
                 "or raise --max-model-len / --kv-cache-gb")
         if params.stop and self.tokenizer is None:
             raise FreetokenError("stop strings need a tokenizer")
-        req = Request(ids, params, arrival_time=time.perf_counter())
+        req = Request(ids, params, arrival_time=time.perf_counter(), cache_salt=cache_salt)
         req.max_len = min(limit, len(ids) + params.max_tokens)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
@@ -182,6 +183,7 @@ class LLM:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
             text=text[:visible], finish_reason=req.finish_reason.value if req.finished else None,
             stop_reason=req.stop_reason, new_text=new_text, new_token_ids=new_ids,
+            num_cached_tokens=req.num_cached_tokens,
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
             total_s=(req.finish_time - req.arrival_time) if req.finish_time else None)
 
