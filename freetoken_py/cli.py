@@ -61,6 +61,20 @@ def run(
     dense_dtype: str = typer.Option("auto", "--dense-dtype",
                                     help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (compute dtype), bf16 or fp8 "
+                                 "(e4m3: twice the tokens in the same memory)."),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache",
+                                         help="Do not reuse KV pages of earlier turns/requests."),
+    emulate_gpu: Optional[str] = typer.Option(None, "--emulate-gpu", help="Run the expert residency tiers on an "
+                                              "EMULATED accelerator with this hardware profile (rtx4060-laptop-8g, "
+                                              "rtx4090, rtx5090, rtx-pro-6000); times come from the profile."),
+    vram_budget_gb: float = typer.Option(0.0, "--vram-budget", min=0.0,
+                                         help="GB of expert slots for the residency tiers (0 = half the experts)."),
+    residency_policy: str = typer.Option("ours", "--residency-policy", help="ours, lru or static."),
+    stats: bool = typer.Option(False, "--stats", help="Print residency telemetry per layer (hit rate, PCIe bytes, "
+                               "CPU share, stall time, prefetch accuracy)."),
+    record_routing: Optional[Path] = typer.Option(None, "--record-routing",
+                                                  help="Write the routing trace (JSON lines) to this file."),
 ) -> None:
     """Generate text from a prompt, or chat interactively when no prompt is given."""
     from freetoken_py.cli_run import RunOptions, run_main
@@ -68,10 +82,71 @@ def run(
     opts = RunOptions(
         model_dir=_resolve_model(model), prompt=prompt, chat=chat, system=system, as_json=as_json, dtype=dtype,
         max_model_len=max_model_len, kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend,
-        expert_dtype=expert_dtype, dense_dtype=dense_dtype, threads=threads,
+        expert_dtype=expert_dtype, dense_dtype=dense_dtype, threads=threads, kv_dtype=kv_dtype,
+        prefix_cache=not no_prefix_cache, stats=stats,
+        residency=dict(residency="emulate" if emulate_gpu else "off", residency_profile=emulate_gpu or "rtx4090",
+                       vram_budget_bytes=int(vram_budget_gb * 1e9), residency_policy=residency_policy,
+                       record_routing=str(record_routing or "")),
         sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                       repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ())))
     run_main(opts)
+
+
+@app.command()
+def serve(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Hugging Face checkpoint directory "
+                                         "(default: the bundled demo model)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --api-key."),
+    port: int = typer.Option(8000, "--port", "-p", min=0, max=65535, help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key",
+                                          help="Require this key (x-api-key or Authorization: Bearer)."),
+    max_queue: int = typer.Option(64, "--max-queue", min=1,
+                                  help="Requests admitted at once (running + waiting); more get 429."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0.0,
+                                        help="On SIGTERM: seconds running requests may finish before they are aborted."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="Model id reported by /v1/models (default: folder name)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, float32, bfloat16, float16."),
+    max_model_len: int = typer.Option(0, "--max-model-len", min=0, help="Context limit (0 = the model's)."),
+    max_num_seqs: int = typer.Option(16, "--max-num-seqs", min=1, help="Sequences decoded together."),
+    kv_cache_gb: float = typer.Option(0.0, "--kv-cache-gb", min=0.0, help="KV cache size (0 = auto)."),
+    backend: str = typer.Option("auto", "--backend", help="auto, cpu (numba kernels) or torch (reference)."),
+    expert_dtype: str = typer.Option("auto", "--expert-dtype",
+                                     help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
+    dense_dtype: str = typer.Option("auto", "--dense-dtype",
+                                    help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8."),
+    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (compute dtype), bf16 or fp8."),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
+) -> None:
+    """Serve the model over HTTP: OpenAI (/v1/chat/completions) and Anthropic (/v1/messages) APIs."""
+    from freetoken_py.server.protocol import ServerLimits
+    from freetoken_py.server.serve import ServeOptions, serve_main
+
+    engine = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                  kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend, expert_dtype=expert_dtype,
+                  dense_dtype=dense_dtype, kv_dtype=kv_dtype, enable_prefix_cache=not no_prefix_cache)
+    serve_main(ServeOptions(model_dir=_resolve_model(model), host=host, port=port, api_key=api_key,
+                            max_queue=max_queue, model_name=served_model_name, threads=threads, engine=engine,
+                            limits=ServerLimits(drain_timeout_s=drain_timeout)))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(
+    ctx: typer.Context,
+    agent: str = typer.Argument(..., help="claude (Claude Code) or opencode (OpenCode)."),
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The running `freetoken serve`."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
+    max_output_tokens: Optional[int] = typer.Option(None, "--max-output-tokens", min=1,
+                                                    help="Output limit given to the agent (default: context/8)."),
+    agent_bin: Optional[str] = typer.Option(None, "--bin", help="Path of the agent's executable (default: PATH)."),
+    print_config: bool = typer.Option(False, "--print-config", help="Print the command, environment and files; "
+                                      "start nothing."),
+) -> None:
+    """Start a coding agent pointed at a running server. Extra arguments go to the agent."""
+    from freetoken_py.launch import launch_main
+
+    raise typer.Exit(launch_main(agent, url, api_key, ctx.args, max_output_tokens, agent_bin, print_config))
 
 
 @app.command()

@@ -25,6 +25,10 @@ class RunOptions:
     expert_dtype: str = "auto"
     dense_dtype: str = "auto"
     threads: int = 0
+    kv_dtype: str = "auto"
+    prefix_cache: bool = True
+    stats: bool = False
+    residency: dict = field(default_factory=dict)  # EngineConfig residency_* / record_routing overrides
     sampling: dict = field(default_factory=dict)
 
 
@@ -35,7 +39,24 @@ def run_main(opts: RunOptions) -> None:
     configure_threads(opts.threads or None)
     llm = LLM(opts.model_dir, dtype=opts.dtype, max_model_len=opts.max_model_len, backend=opts.backend,
               expert_dtype=opts.expert_dtype, dense_dtype=opts.dense_dtype, kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
-              show_progress=not opts.as_json)
+              show_progress=not opts.as_json, kv_dtype=opts.kv_dtype, enable_prefix_cache=opts.prefix_cache,
+              **opts.residency)
+    try:
+        _run(llm, opts)
+    finally:
+        llm.save_routing()
+        if opts.stats:
+            _print_residency(llm)
+
+
+def _print_residency(llm) -> None:
+    if llm.residency is None:
+        print("[--stats: the residency tiers are off; pass --emulate-gpu PROFILE]", file=sys.stderr)
+        return
+    print("\n".join(llm.residency.telemetry.format_lines()), file=sys.stderr)
+
+
+def _run(llm, opts: RunOptions) -> None:
     params = llm.default_sampling(**opts.sampling)
     if opts.prompt is None:
         if opts.as_json:
@@ -76,7 +97,8 @@ def _json_result(out: RequestOutput, t0: float) -> dict:
     return {
         "text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
         "finish_reason": out.finish_reason,
-        "timings": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+        "timings": {"prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
+                    "completion_tokens": len(out.token_ids),
                     "ttft_s": out.ttft_s, "total_s": out.total_s, "decode_tokens_per_s": _decode_rate(out),
                     "wall_s": time.perf_counter() - t0},
     }
@@ -85,7 +107,7 @@ def _json_result(out: RequestOutput, t0: float) -> dict:
 def _print_stats(out: RequestOutput) -> None:
     rate = _decode_rate(out)
     rate_s = f"{rate:.1f} tok/s" if rate else "n/a"
-    print(f"[prompt {len(out.prompt_token_ids)} tok | TTFT {out.ttft_s * 1000:.0f} ms | "
+    print(f"[prompt {len(out.prompt_token_ids)} tok ({out.num_cached_tokens} cached) | TTFT {out.ttft_s * 1000:.0f} ms | "
           f"decode {len(out.token_ids)} tok at {rate_s} | finish: {out.finish_reason}]", file=sys.stderr)
 
 

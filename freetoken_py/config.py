@@ -20,6 +20,14 @@ class EngineConfig:
     dense_dtype: str = "auto"  # cpu backend: attention/router/lm_head weights: auto (as loaded) | bf16 | fp32 | int8
     expert_group_size: int = 32  # int4 quantisation group (elements sharing one scale)
     show_progress: bool = True
+    kv_dtype: str = "auto"  # auto (the compute dtype) | bf16 | fp8 (e4m3, per-head scales fixed at warm-up)
+    enable_prefix_cache: bool = True  # share full KV pages of common prefixes across requests and turns
+    kv_integrity_check: bool = True  # page generation tags checked before every step (see kvcache/tags.py)
+    residency: str = "off"  # off | emulate (accelerator tier on CPU tensors, times from a profile) | cuda
+    residency_profile: str = "rtx4090"  # hand-built tier profile (residency/profiles.py)
+    residency_policy: str = "ours"  # ours | lru | static
+    vram_budget_bytes: int = 0  # expert slots; 0 = room for half the experts
+    record_routing: str = ""  # write the routing trace (JSON lines) here
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -33,5 +41,26 @@ class EngineConfig:
             raise FreetokenError(f"dense dtype must be auto, bf16, fp32 or int8 (got {self.dense_dtype!r})")
         if (self.expert_dtype != "auto" or self.dense_dtype != "auto") and self.backend == "torch":
             raise FreetokenError("--expert-dtype needs the cpu backend (the torch backend runs weights as stored)")
+        self._check_residency()
+        if self.kv_dtype not in ("auto", "bf16", "fp8"):
+            raise FreetokenError(f"kv dtype must be auto, bf16 or fp8 (got {self.kv_dtype!r})")
         if self.kv_cache_bytes < 0 or self.max_model_len < 0:
             raise FreetokenError("kv_cache_bytes and max_model_len must be >= 0")
+
+    def _check_residency(self) -> None:
+        if self.residency not in ("off", "emulate", "cuda"):
+            raise FreetokenError(f"residency must be off, emulate or cuda (got {self.residency!r})")
+        if self.residency == "off":
+            return
+        from freetoken_py.residency.profiles import PROFILES
+
+        if self.residency_profile not in PROFILES:
+            raise FreetokenError(f"unknown hardware profile {self.residency_profile!r}; "
+                                 f"choose one of {', '.join(PROFILES)}")
+        if self.residency_policy not in ("ours", "lru", "static"):
+            raise FreetokenError(f"residency policy must be ours, lru or static (got {self.residency_policy!r})")
+        if self.backend == "cpu" or self.expert_dtype != "auto":
+            raise FreetokenError("the residency tiers run the torch backend's expert weights; "
+                                 "drop --backend cpu / --expert-dtype")
+        if self.vram_budget_bytes < 0:
+            raise FreetokenError("vram budget must be >= 0")

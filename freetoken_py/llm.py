@@ -16,10 +16,13 @@ import torch
 
 from freetoken_py.config import EngineConfig
 from freetoken_py.core import FinishReason, Request, RequestOutput, SamplingParams
-from freetoken_py.engine.runner import ModelRunner
+from freetoken_py.engine.runner import ModelRunner, ScheduledChunk
 from freetoken_py.engine.sampler import sample
 from freetoken_py.errors import ContextLengthError, FreetokenError
 from freetoken_py.kvcache import KVCache, PageAllocator
+from freetoken_py.kvcache.pool import FP8
+from freetoken_py.kvcache.radix import RadixCache
+from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
 from freetoken_py.models.loader import load_model, read_generation_defaults
 from freetoken_py.scheduler.scheduler import Scheduler
 from freetoken_py.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -45,26 +48,91 @@ class LLM:
             auto = lambda v: None if v == "auto" else v  # noqa: E731
             use_cpu_kernels(self.model, auto(self.config.expert_dtype), self.config.expert_group_size,
                             dense_format=auto(self.config.dense_dtype))
+        self.residency = self._attach_residency()
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.generation = read_generation_defaults(model_dir)
         self.max_model_len = self.config.max_model_len or self.args.max_position_embeddings
+        self.kv_dtype = {"auto": self.model.dtype, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]
         num_pages = self._num_pages()
-        self.runner = ModelRunner(self.model, num_pages, self.config.page_size)
+        self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype)
         self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = RadixCache(self.allocator, self.config.page_size) if self.config.enable_prefix_cache else None
+        self.tracker = (IntegrityTracker if self.config.kv_integrity_check else NullTracker)(self.allocator)
+        self._model_identity = self._identity(model_dir)
         self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens)
+                                   self.config.max_num_batched_tokens, self.prefix_cache, self._cache_namespace,
+                                   self.tracker)
         self._streams: dict[int, _Stream] = {}
+        self._calibrate_kv()
+        self.routing_recorder = self._attach_recorder()
 
     def _resolve_backend(self) -> str:
         if self.config.backend != "auto":
             return self.config.backend
+        if self.config.residency != "off":
+            return "torch"  # the residency tiers take the torch expert weights
         return "torch" if torch.cuda.is_available() else "cpu"  # the GPU tiers are the residency issue
+
+    def _attach_residency(self):
+        """The expert residency tiers (residency/), when asked for; None otherwise."""
+        c = self.config
+        if c.residency == "off":
+            return None
+        if c.residency == "cuda" and not torch.cuda.is_available():
+            raise FreetokenError("residency=cuda needs a CUDA GPU; use --emulate-gpu PROFILE on this machine")
+        from freetoken_py.residency.attach import attach_residency
+
+        return attach_residency(self.model, c.residency, c.residency_profile, c.vram_budget_bytes, c.residency_policy)
+
+    def _attach_recorder(self):
+        if not self.config.record_routing:
+            return None
+        from freetoken_py.residency.stats import RoutingRecorder
+
+        a = self.model.args
+        self.model.experts = RoutingRecorder(self.model.experts, a.num_layers, a.num_experts, a.top_k,
+                                             source=str(self.config.model))
+        return self.model.experts
+
+    def save_routing(self) -> None:
+        """Write the recorded routing trace to `config.record_routing` (no-op when not recording)."""
+        if self.routing_recorder is not None:
+            try:
+                self.routing_recorder.trace.save(self.config.record_routing)
+            except OSError as exc:
+                raise FreetokenError(f"--record-routing {self.config.record_routing}: {exc.strerror}") from None
+
+    # ---- prefix cache namespace -----------------------------------------------------------
+    def _identity(self, model_dir: Path) -> tuple:
+        """Everything about the weights that changes K/V content."""
+        files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(model_dir.glob("*.safetensors")))
+        c = self.config
+        return (str(model_dir.resolve()), files, self.backend, str(self.model.dtype), c.expert_dtype, c.dense_dtype,
+                c.expert_group_size, getattr(c, "residency", None))
+
+    def _cache_namespace(self, req: Request):
+        """Cache key namespace: model identity, KV dtype and scales, client salt. None = not cacheable
+        (FP8 scales not calibrated yet; `_calibrate_kv` does that in the constructor)."""
+        scales = self.runner.cache.scales_fingerprint()
+        return None if scales is None else (self._model_identity, scales, req.cache_salt)
+
+    def _calibrate_kv(self, num_tokens: int = 64) -> None:
+        """FP8 KV: fix the per-head scales once, from a prefill of a fixed pseudo-random token set,
+        before any request (so no page is ever rescaled and the cache namespace never changes)."""
+        if not self.runner.cache.quantized:
+            return
+        n = min(num_tokens, self.kv_capacity_tokens - 1)
+        g = torch.Generator().manual_seed(0)
+        req = Request(torch.randint(0, self.args.vocab_size, (n,), generator=g).tolist(), SamplingParams())
+        req.page_table = self.allocator.allocate(-(-n // self.config.page_size))
+        self.runner.forward_batch([ScheduledChunk(req, n)])
+        self.allocator.release(req.page_table)
 
     # ---- sizing -------------------------------------------------------------------------
     def _num_pages(self) -> int:
         a, c = self.args, self.config
-        per_page = KVCache.bytes_per_page(a.num_layers, c.page_size, a.num_kv_heads, a.head_dim, self.model.dtype)
+        per_page = KVCache.bytes_per_page(a.num_layers, c.page_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
         budget = c.kv_cache_bytes
         if budget == 0:  # enough for every sequence at full length, capped at 1/8 of free RAM
             want = c.max_num_seqs * self.max_model_len * per_page // c.page_size
@@ -127,14 +195,37 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns an output for each request that produced a token."""
         chunks = self.scheduler.schedule()
+        aborted = self._check_integrity()  # after scheduling: covers the pages this step just allocated
+        chunks = [c for c in chunks if not c.req.finished]
         if not chunks:
-            if self.scheduler.has_work:
+            if self.scheduler.has_work and not aborted:
                 raise FreetokenError("KV cache too small to make progress; raise --kv-cache-gb")
-            return []
+            return aborted
         logits = self.runner.forward_batch(chunks)
+        self.scheduler.publish_prompts(chunks)
         sampled = [c.req for c in chunks if c.req.num_computed == c.req.num_tokens]
         tokens = sample(logits, sampled)
-        return [self._postprocess(req, tok) for req, tok in zip(sampled, tokens)]
+        return aborted + [self._postprocess(req, tok) for req, tok in zip(sampled, tokens)]
+
+    def _check_integrity(self) -> list[RequestOutput]:
+        """Abort every request whose recorded (page, tag) pairs no longer match; others go on."""
+        bad = self.tracker.check()
+        if not bad:
+            return []
+        live = {r.request_id: r for r in [*self.scheduler.running, *self.scheduler.waiting]}
+        outs = []
+        for rid, pages in bad.items():
+            req = live.get(rid)
+            if req is None:
+                self.tracker.forget(rid)
+                continue
+            req.finish_reason = FinishReason.ABORT
+            req.stop_reason = (f"KV integrity check failed: page(s) {pages} were freed or reassigned under this "
+                               "request; aborted instead of reading another request's cache")
+            req.finish_time = time.perf_counter()
+            self.scheduler.finish(req, publish=False)
+            outs.append(self._output(req, self._streams[rid]))
+        return outs
 
     def _postprocess(self, req: Request, token: int) -> RequestOutput:
         now = time.perf_counter()

@@ -16,6 +16,15 @@ FORBIDDEN = {
     "freetoken_py.kernels": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
                              "freetoken_py.llm", "freetoken_py.models"],
     "freetoken_py.hw": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
+    # simulate + attach import every residency module; models stay out too (attach.py is
+    # duck-typed on the loaded model)
+    **{f"freetoken_py.residency.{m}": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
+                                       "freetoken_py.llm", "freetoken_py.models"] for m in ("simulate", "attach")},
+    # the HTTP layer reaches the engine only through LLM, and imports llm itself lazily (in the loader)
+    **{f"freetoken_py.server.{m}": ["freetoken_py.kvcache", "freetoken_py.residency", "freetoken_py.engine",
+                                    "freetoken_py.scheduler", "freetoken_py.llm"]
+       for m in ("app", "serve", "async_engine", "openai_api", "anthropic_api", "chat", "protocol", "sse",
+                 "generation")},
 }
 
 _BLOCKER = """

@@ -23,10 +23,10 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: MoeTransformer, num_pages: int, page_size: int):
+    def __init__(self, model: MoeTransformer, num_pages: int, page_size: int, kv_dtype: torch.dtype | None = None):
         a = model.args
         self.model = model
-        self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, model.dtype)
+        self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype)
 
     def forward_batch(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Runs every chunk in one forward; returns fp32 logits [num_sampling_chunks, V] in chunk order."""

@@ -7,10 +7,17 @@ Layout of one layer's cache (K and V alike)::
     token pos -> page_table[pos // page_size], offset pos % page_size
 
 A request's page table is a plain list of page ids owned by the request; the allocator only hands
-out and takes back ids (with reference counts, so a prefix cache can share pages later).
+out and takes back ids (with reference counts, so the prefix cache can share pages). Every page
+carries a generation tag, bumped whenever the page is handed out or returned to the free list, so
+a holder can prove the page is still the one it was given (see tags.py).
+
+FP8 storage (`kv_dtype=torch.float8_e4m3fn`): values are stored as e4m3 bit patterns in uint8
+tensors (CPU index_copy_ has no float8 kernel) with one fp32 scale per (layer, kv head), calibrated
+from the first write to each layer and fixed afterwards, so a page never needs rescaling.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -25,6 +32,10 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refcount = [0] * num_pages
+        # [P] generation of each physical page; numpy owns the memory because a scalar update costs
+        # ~0.5 us there and ~50 us as a torch op; `tags` is a zero-copy torch view of the same array
+        self.tags_np = np.zeros(num_pages, dtype=np.int64)
+        self.tags = torch.from_numpy(self.tags_np)
 
     @property
     def num_free(self) -> int:
@@ -36,6 +47,7 @@ class PageAllocator:
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._refcount[p] = 1
+            self.tags_np[p] += 1
         return pages
 
     def share(self, pages: list[int]) -> None:
@@ -49,9 +61,15 @@ class PageAllocator:
             self._refcount[p] -= 1
             if self._refcount[p] == 0:
                 self._free.append(p)
+                self.tags_np[p] += 1  # a stale holder now fails its tag check even before reuse
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_MARGIN = 2.0  # scale = margin * first absmax / FP8_MAX: later tokens may run up to 2x larger
 
 
 class KVCache:
@@ -60,16 +78,34 @@ class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype):
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.quantized = dtype == FP8
+        storage = torch.uint8 if self.quantized else dtype
+        self.k = torch.zeros(shape, dtype=storage)
+        self.v = torch.zeros(shape, dtype=storage)
+        self.dtype = dtype
         self.page_size = page_size
         self.num_pages = num_pages
+        # [L, Hkv] fp32 scales; 0 = layer not calibrated yet (fp8 only)
+        self.k_scale = torch.zeros(num_layers, num_kv_heads)
+        self.v_scale = torch.zeros(num_layers, num_kv_heads)
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
-        elem = torch.empty(0, dtype=dtype).element_size()
+        elem = torch.empty(0, dtype=dtype).element_size()  # 1 for fp8: twice the pages of bf16
         return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+
+    @property
+    def calibrated(self) -> bool:
+        return not self.quantized or bool((self.k_scale[:, 0] > 0).all())
+
+    def scales_fingerprint(self) -> tuple | None:
+        """What the stored bytes mean: part of the prefix cache's namespace. None until calibrated."""
+        if not self.quantized:
+            return (str(self.dtype),)
+        if not self.calibrated:
+            return None
+        return (str(self.dtype), hash(self.k_scale.numpy().tobytes()), hash(self.v_scale.numpy().tobytes()))
 
     def slots(self, page_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot indices of token positions [start, end) of a request."""
@@ -78,8 +114,36 @@ class KVCache:
         return pages * self.page_size + pos % self.page_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+        """k, v: [T, Hkv, hd] in the compute dtype."""
+        if not self.quantized:
+            self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        if self.k_scale[layer, 0] == 0:  # first write to this layer: calibrate once, then fixed
+            self.k_scale[layer] = _calibrate(k)
+            self.v_scale[layer] = _calibrate(v)
+        self.k[layer].index_copy_(0, slots, _quantize(k, self.k_scale[layer]))
+        self.v[layer].index_copy_(0, slots, _quantize(v, self.v_scale[layer]))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        """K, V of `slots`: [ctx, Hkv, hd]; fp8 is dequantised to fp32."""
+        k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        if not self.quantized:
+            return k, v
+        return _dequantize(k, self.k_scale[layer]), _dequantize(v, self.v_scale[layer])
+
+
+def _calibrate(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, Hkv, hd] -> [Hkv] scale (absmax per head, with margin; never 0)."""
+    absmax = x.detach().float().abs().amax(dim=(0, 2))  # [Hkv]
+    return (absmax * FP8_MARGIN / FP8_MAX).clamp_min(1e-6)
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x: [T, Hkv, hd]; scale: [Hkv] -> uint8 e4m3 bit patterns (saturating)."""
+    y = (x.float() / scale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return y.to(FP8).view(torch.uint8)
+
+
+def _dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.view(FP8).float() * scale[None, :, None]  # [ctx, Hkv, hd]

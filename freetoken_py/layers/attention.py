@@ -3,6 +3,10 @@
 The batch is a flat list of tokens from several requests (varlen). For every request the new
 tokens' K/V are written to their slots, then its whole context is gathered from the pages and
 attended to with SDPA. Masks are built once per batch (`AttentionMetadata`) and reused by every layer.
+
+With an FP8 cache the tokens a step computes attend to their own K/V at full precision (they are
+the last rows of each context); everything earlier, including every decode step's history, is
+read back from FP8 and dequantised.
 """
 from __future__ import annotations
 
@@ -51,6 +55,9 @@ def paged_attention(cache: KVCache, layer: int, meta: AttentionMetadata, q: torc
     out = torch.empty_like(q)
     for seq in meta.seqs:
         kc, vc = cache.read(layer, seq.ctx_slots)  # [ctx, Hkv, hd]
+        if cache.quantized:  # the new tokens end the context: use their exact K/V
+            n = seq.q_end - seq.q_start
+            kc[-n:], vc[-n:] = k[seq.q_start:seq.q_end], v[seq.q_start:seq.q_end]
         kc, vc = kc.to(q.dtype).transpose(0, 1), vc.to(q.dtype).transpose(0, 1)  # [Hkv, ctx, hd]
         if seq.q_end - seq.q_start == 1 and seq.mask is None:
             out[seq.q_start] = _decode_attention(q[seq.q_start], kc, vc, scale)

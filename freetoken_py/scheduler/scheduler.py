@@ -4,18 +4,31 @@ Every request computes tokens [num_computed, num_tokens) and samples when it rea
 prefill, chunked prefill, decode and recompute-after-preemption are the same operation. A step
 takes running requests first (decodes cost one token of the budget), then admits waiting ones
 while the token budget, the sequence limit and the free pages allow.
+
+With a prefix cache, a request being admitted first takes the longest cached prefix of its
+tokens (whole pages, locked by `share`), starting at `num_computed = num_cached_tokens = N`; N
+stops short of the last token, whose logits must be computed. When pages run out, unlocked
+cached pages are evicted before any running request is preempted. Finished, aborted and
+preempted requests, and every request whose prompt has just been computed, publish their full
+pages to the cache. Every page a request gains is recorded with the integrity tracker.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable, Hashable
 
 from freetoken_py.core import Request
 from freetoken_py.engine.runner import ScheduledChunk
 from freetoken_py.kvcache import PageAllocator
+from freetoken_py.kvcache.radix import RadixCache
+from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_cache: RadixCache | None = None,
+                 namespace: Callable[[Request], Hashable | None] | None = None,
+                 tracker: IntegrityTracker | NullTracker | None = None):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -23,6 +36,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache = prefix_cache
+        # namespace(req) -> the cache key's namespace; None = do not cache this request
+        self.namespace = namespace or (lambda req: ("default", req.cache_salt))
+        self.tracker = tracker or NullTracker(allocator)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -36,16 +53,44 @@ class Scheduler:
 
     def _grow(self, req: Request, upto: int) -> bool:
         need = self._pages_needed(req, upto)
+        if need > self.allocator.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - self.allocator.num_free)  # cached pages go before requests
         if need > self.allocator.num_free:
             return False
-        req.page_table.extend(self.allocator.allocate(need))
+        pages = self.allocator.allocate(need)
+        req.page_table.extend(pages)
+        self.tracker.record(req.request_id, pages)
         return True
 
-    def _preempt(self, req: Request) -> None:
-        """Free the request's pages; it recomputes its tokens when readmitted."""
-        self.running.remove(req)
-        self.allocator.release(req.page_table)
+    def _match_prefix(self, req: Request) -> None:
+        """Start a request with no pages from the longest cached prefix of its tokens."""
+        ns = self.namespace(req) if self.prefix_cache is not None else None
+        if ns is None or req.page_table:
+            return
+        limit = (req.num_tokens - 1) // self.page_size * self.page_size  # keep >= 1 token to compute
+        m = self.prefix_cache.match(ns, req.all_token_ids[:limit])
+        if m.pages:
+            self.allocator.share(m.pages)
+            req.page_table = list(m.pages)
+            self.tracker.record(req.request_id, m.pages)
+        req.num_computed = m.num_tokens
+        if not req.output_token_ids:
+            req.num_cached_tokens = m.num_tokens
+
+    def _release(self, req: Request, publish: bool) -> None:
+        """Give back the request's pages (publishing its computed full pages to the cache first)."""
+        ns = self.namespace(req) if (publish and self.prefix_cache is not None) else None
+        if ns is not None:
+            self.prefix_cache.insert(ns, req.all_token_ids[:req.num_computed], req.page_table)
+        valid = self.tracker.valid_pages(req.request_id)
+        self.allocator.release(req.page_table if valid is None else valid)  # never free a page we lost
+        self.tracker.forget(req.request_id)
         req.page_table = []
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's pages; it recomputes its tokens (or re-matches them) when readmitted."""
+        self.running.remove(req)
+        self._release(req, publish=True)
         req.num_computed = 0
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -68,8 +113,11 @@ class Scheduler:
         chunks = [c for c in chunks if c.req in self.running]
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):
+                self._release(req, publish=False)  # give the matched pages back; retry next step
+                req.num_computed = 0
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -77,10 +125,20 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def finish(self, req: Request) -> None:
+    def publish_prompts(self, chunks: list[ScheduledChunk]) -> None:
+        """After a forward: cache the prompt pages of requests whose prefill just completed, so
+        requests arriving while they decode can share them."""
+        for ch in chunks:
+            req, n = ch.req, len(ch.req.prompt_token_ids)
+            ns = self.namespace(req) if self.prefix_cache is not None else None
+            if ns is not None and req.num_computed - ch.num_new < n <= req.num_computed:
+                self.prefix_cache.insert(ns, req.prompt_token_ids, req.page_table)
+
+    def finish(self, req: Request, publish: bool = True) -> None:
+        """Remove a finished or aborted request. publish=False for a request whose pages failed
+        the integrity check: nothing it computed is trusted, and only pages still its own are freed."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.allocator.release(req.page_table)
-        req.page_table = []
+        self._release(req, publish)

@@ -1,0 +1,168 @@
+"""Replay an agent conversation: time-to-first-token per turn with and without the prefix cache,
+against llama.cpp with its prompt cache, plus the integrity check's decode cost and FP8 capacity.
+
+    python bench/agent_replay.py [--turns 10] [--system-len 2000] [--call-len 50] [--result-len 250]
+                                 [--gen-tokens 8] [--decode-tokens 32] [--decode-batch 4] [--no-llama-cpp]
+
+The trace (seeded random token ids on the ~0.5B qwen3_moe of bench/common.py): a system prompt plus
+tool schemas of --system-len tokens, then each turn the request is the whole history; the engine
+generates --gen-tokens tokens, and the client appends its own rendering of the assistant's tool call
+(--call-len tokens, deliberately NOT the generated tokens, as agents re-serialise tool-call JSON)
+and a tool result (--result-len tokens). So every turn diverges from the cached generation right
+after the previous prompt: the cache can serve only whole pages before that point.
+
+Per turn: prompt length, cached tokens, TTFT with the cache, TTFT without it, the time to prefill
+only the new tokens (the uncached suffix as a stand-alone prompt, cache off: no context attention,
+so a strict baseline), and llama.cpp's TTFT (llama-cpp-python's `Llama.generate` reuses the longest
+common prefix of its previous evaluation, which is llama.cpp's prompt cache). Prints one JSON line.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def make_trace(args, vocab: int) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    return rand(args.system_len), [(rand(args.call_len), rand(args.result_len)) for _ in range(args.turns)]
+
+
+def _ttft(llm, prompt, n):
+    from freetoken_py.core import SamplingParams
+
+    out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+    return out.ttft_s, out.num_cached_tokens
+
+
+def _llama_ttft(peer, prompt, n) -> float:
+    t = time.perf_counter()
+    ttft = None
+    for i, _ in enumerate(peer.llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+        ttft = ttft or time.perf_counter() - t
+        if i + 1 >= n:
+            break
+    return ttft
+
+
+def replay(args, on, off, peer, system, turns) -> list[dict]:
+    history, rows = list(system), []
+    for t, (call, result) in enumerate(turns):
+        ttft_on, cached = _ttft(on, history, args.gen_tokens)
+        ttft_off, _ = _ttft(off, history, args.gen_tokens)
+        new_only, _ = _ttft(off, history[cached:], 1)
+        row = {"turn": t + 1, "prompt_tokens": len(history), "cached_tokens": cached,
+               "hit": cached > 0, "ttft_cache_s": round(ttft_on, 4), "ttft_nocache_s": round(ttft_off, 4),
+               "prefill_new_only_s": round(new_only, 4), "ratio_vs_new_only": round(ttft_on / new_only, 3)}
+        if peer is not None:
+            row["ttft_llama_cpp_s"] = round(_llama_ttft(peer, history, args.gen_tokens), 4)
+            row["ratio_vs_llama_cpp"] = round(ttft_on / row["ttft_llama_cpp_s"], 3)
+        common.log(str(row))
+        rows.append(row)
+        history += call + result
+    return rows
+
+
+def _set_integrity(llm, enabled: bool) -> None:
+    from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
+
+    llm.tracker = llm.scheduler.tracker = (IntegrityTracker if enabled else NullTracker)(llm.allocator)
+
+
+def integrity_cost(args, llm, context: list[int]) -> dict:
+    """Decode tok/s of a batch sharing the agent context, check on vs off, interleaved rounds;
+    plus the check's own time per step measured directly."""
+    from freetoken_py.core import SamplingParams
+
+    params = SamplingParams(max_tokens=args.decode_tokens + 1, temperature=0, ignore_eos=True)
+    prompts = [context + [i] for i in range(args.decode_batch)]
+    llm.generate(prompts, SamplingParams(max_tokens=1))  # cache the context: rounds measure decode
+    rates = {True: [], False: []}
+    for _ in range(args.rounds):
+        for enabled in (True, False):
+            _set_integrity(llm, enabled)
+            outs = llm.generate(prompts, params)
+            span = max(o.total_s for o in outs) - max(o.ttft_s for o in outs)
+            rates[enabled].append(args.decode_batch * args.decode_tokens / span)
+    _set_integrity(llm, True)
+    reqs = [llm.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True)) for p in prompts]
+    llm.step()  # all admitted, pages recorded
+    pages = sum(len(r.page_table) for r in reqs)
+    t = time.perf_counter()
+    for _ in range(200):
+        llm.tracker.check()
+    check_s = (time.perf_counter() - t) / 200
+    while llm.has_unfinished:
+        llm.step()
+    on, off = common.median(rates[True]), common.median(rates[False])
+    step_s = args.decode_batch / on
+    return {"decode_tps_check_on": round(on, 2), "decode_tps_check_off": round(off, 2),
+            "decode_cost_fraction": round(1 - on / off, 4), "samples_on": [round(x, 2) for x in rates[True]],
+            "samples_off": [round(x, 2) for x in rates[False]], "check_us_per_step": round(check_s * 1e6, 1),
+            "check_fraction_of_step": round(check_s / step_s, 5),
+            "pages_checked": pages}
+
+
+def _page_bytes(args, page_size: int, kv_dtype: str) -> int:
+    import torch
+
+    from freetoken_py.kvcache import KVCache
+    from freetoken_py.kvcache.pool import FP8
+
+    dt = {"bf16": torch.bfloat16, "fp8": FP8, "fp32": torch.float32}[kv_dtype]
+    return KVCache.bytes_per_page(args.num_layers, page_size, args.num_kv_heads, args.head_dim, dt)
+
+
+def fp8_capacity(llm, kv_bytes: int) -> dict:
+    """Tokens the engine's own page sizing fits into the same KV memory, bf16 vs fp8 pages."""
+    ps = llm.config.page_size
+    return {f"max_cached_tokens_{k}": kv_bytes // _page_bytes(llm.args, ps, k) * ps for k in ("bf16", "fp8")
+            } | {"kv_cache_bytes": kv_bytes}
+
+
+def main() -> None:
+    ap = common.bench_args(__doc__)
+    for flag, default in (("--turns", 10), ("--system-len", 2000), ("--call-len", 50), ("--result-len", 250),
+                          ("--gen-tokens", 8), ("--decode-batch", 4)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--kv-dtype", default="bf16", help="bf16 (as llama.cpp's f16 KV), fp8, or auto")
+    args = ap.parse_args()
+    model_dir, _ = common.setup(args)
+    from freetoken_py.llm import LLM
+
+    max_len = args.system_len + args.turns * (args.call_len + args.result_len) + args.gen_tokens + 64
+    from freetoken_py.models.loader import read_model_args
+
+    kv_bytes = 2 * (args.decode_batch + 1) * max_len // 16 * _page_bytes(read_model_args(model_dir), 16, "fp32")
+    make = lambda cache: LLM(model_dir, dtype="bfloat16", max_model_len=max_len, show_progress=False,  # noqa: E731
+                             backend=args.backend, enable_prefix_cache=cache, kv_cache_bytes=kv_bytes,
+                             kv_dtype=args.kv_dtype)
+    on, off = make(True), make(False)
+    peer = None if args.no_llama_cpp else common.LlamaCppPeer(common.convert_to_gguf(model_dir, "bf16"),
+                                                              args.threads, n_ctx=max_len)
+    system, turns = make_trace(args, on.args.vocab_size)
+    warm = [(t + 7) % on.args.vocab_size for t in system[:64]]  # not a prefix of the trace
+    _ttft(on, warm, 1), _ttft(off, warm, 1)  # warm-up (kernels compiled, caches touched)
+    rows = replay(args, on, off, peer, system, turns)
+    later = rows[1:]
+    result = {"bench": "agent_replay", "model": "qwen3_moe ~0.49B (bench/common.py)", "backend": on.backend,
+              "threads": args.threads, "turns": args.turns, "system_len": args.system_len,
+              "call_len": args.call_len, "result_len": args.result_len, "gen_tokens": args.gen_tokens,
+              "page_size": on.config.page_size, "kv_dtype": args.kv_dtype, "per_turn": rows,
+              "max_ratio_vs_new_only_turn2plus": max((r["ratio_vs_new_only"] for r in later), default=None),
+              "integrity": integrity_cost(args, on, system),
+              "fp8": fp8_capacity(on, kv_bytes)}
+    if peer is not None:
+        result["max_ratio_vs_llama_cpp"] = max(r["ratio_vs_llama_cpp"] for r in rows)
+    common.emit(result)
+
+
+if __name__ == "__main__":
+    main()

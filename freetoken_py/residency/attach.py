@@ -1,0 +1,70 @@
+"""Build a `ResidencyExecutor` for a loaded model and plug it in as the model's expert executor.
+
+Duck-typed on the model (`model.weights.layers[i].w13 / w2 / router`, `model.args.top_k`) so this
+package does not import `models`. Under "emulate" the accelerator tier runs on CPU tensors and
+every time is taken from the injected profile; "cuda" is the same code on the GPU (slots and the
+copy stream in VRAM, host banks pinned) and is untested where no GPU was lent.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from freetoken_py.residency.adaptive import AdaptivePolicy
+from freetoken_py.residency.elastic import ElasticVram
+from freetoken_py.residency.executor import ResidencyExecutor
+from freetoken_py.residency.planner import CostModel
+from freetoken_py.residency.policy import LruPolicy, StaticPolicy
+from freetoken_py.residency.profiles import emulated, get_profile
+from freetoken_py.residency.slots import SlotCache
+
+POLICIES = ("ours", "lru", "static")
+
+
+def make_policy(name: str, layers: list[int], num_experts: int, capacity: int, profile):
+    if name == "ours":
+        return AdaptivePolicy(layers, num_experts, capacity)
+    if name == "lru":
+        return LruPolicy(capacity, profile.pcie_gbps / (profile.pcie_gbps + profile.cpu_expert_gbps))
+    if name == "static":
+        return StaticPolicy(layers, num_experts, capacity)
+    raise ValueError(f"unknown residency policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int = 0, policy: str = "ours",
+                     memory_probe: Optional[Callable[[], int]] = None, audit: bool = False,
+                     prefetch: bool = True) -> ResidencyExecutor:
+    """`vram_budget_bytes`: bytes for expert slots (0 = room for half the model's experts, so a
+    tiny model exercises hits, streaming and the CPU at once)."""
+    layers = model.weights.layers
+    w13 = [lw.w13 for lw in layers]
+    w2 = [lw.w2 for lw in layers]
+    moe = [i for i, w in enumerate(w13) if w is not None]
+    if not moe:
+        raise ValueError("this model has no routed experts")
+    first = w13[moe[0]]
+    num_experts, dtype = first.shape[0], first.dtype
+    expert_bytes = (first[0].numel() + w2[moe[0]][0].numel()) * first.element_size()
+    device = "cpu" if mode == "emulate" else "cuda"
+    profile = get_profile(profile_name)
+    profile = emulated(profile) if mode == "emulate" else profile
+    if mode == "cuda":   # pinned banks make the host -> device copies asynchronous DMA
+        w13 = [w.pin_memory() if w is not None else None for w in w13]
+        w2 = [w.pin_memory() if w is not None else None for w in w2]
+    budget = vram_budget_bytes or expert_bytes * (len(moe) * num_experts // 2)
+    num_slots = min(budget // expert_bytes, len(moe) * num_experts)
+    slots = SlotCache(num_slots, tuple(first.shape[1:]), tuple(w2[moe[0]].shape[1:]), dtype, device)
+    flops = 2.0 * first.shape[1] * first.shape[2] * 3 / 2     # gate+up [2I, D] and down [D, I]
+    cost = CostModel(profile, expert_bytes, flops)
+    routers = [lw.router if lw.w13 is not None else None for lw in layers] if prefetch else None
+    elastic = ElasticVram(expert_bytes, num_slots) if memory_probe is not None else None
+    if mode == "cuda" and memory_probe is None:
+        memory_probe = lambda: torch.cuda.mem_get_info()[0]  # noqa: E731
+        elastic = ElasticVram(expert_bytes, num_slots)
+    executor = ResidencyExecutor(w13, w2, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
+                                 routers=routers, top_k=model.args.top_k, elastic=elastic,
+                                 memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
+                                 audit=audit, measure_cpu=mode == "cuda")
+    model.experts = executor
+    return executor

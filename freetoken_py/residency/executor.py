@@ -1,0 +1,193 @@
+"""`ResidencyExecutor`: the `ExpertExecutor` that runs each layer's routed experts on three tiers.
+
+Per call (one MoE layer of one forward pass):
+
+    routed pairs (token, expert) --group by expert--> tokens per expert
+        hits    (resident in a slot)      -> accelerator, from the slot
+        stream  (planner: copy is worth it) -> copy into a slot (or staging), then accelerator
+        cpu     (the rest)                -> host weights, on the CPU
+    out = accelerator part + CPU part     (each pair lands in exactly one of the three)
+
+Then the next MoE layer's experts are predicted through its router from this layer's input
+(the residual stream changes little between layers) and copied ahead (look-ahead prefetch);
+the next call scores the prediction. At the start of each step (a call for a layer not above the
+previous one) the free-memory probe may shrink or grow the slot cache (elastic VRAM).
+
+device="cpu" is the emulated accelerator: identical code, CPU tensors, times from the profile.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from freetoken_py.residency.elastic import ElasticVram
+from freetoken_py.residency.planner import CostModel, LayerStats
+from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
+from freetoken_py.residency.streamer import Streamer
+from freetoken_py.residency.telemetry import Telemetry
+
+
+def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(F.silu(gate) * up, w2)  # [n, D]
+
+
+class ResidencyExecutor:
+    def __init__(self, host_w13: list, host_w2: list, policy, cost: CostModel, slots: SlotCache, *,
+                 routers: Optional[list] = None, top_k: int = 0, elastic: Optional[ElasticVram] = None,
+                 memory_probe: Optional[Callable[[], int]] = None, label: str = "emulated",
+                 audit: bool = False, measure_cpu: bool = False):
+        self.host_w13, self.host_w2 = host_w13, host_w2   # per layer [E, 2I, D] / [E, D, I] or None
+        self.policy, self.cost, self.slots = policy, cost, slots
+        self.streamer = Streamer(slots, host_w13, host_w2)
+        self.routers, self.top_k = routers, top_k
+        self.elastic, self.memory_probe = elastic, memory_probe
+        self.telemetry = Telemetry(label)
+        self.audit: Optional[list] = [] if audit else None   # (step, layer, token, expert, tier)
+        self.step, self._last_layer = -1, None
+        self._predicted: dict[int, set[int]] = {}
+        # feed the CPU tier's measured speed into the cost model: right when the profile describes
+        # this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
+        self.measure_cpu = measure_cpu
+        self.sync_slots()
+
+    def sync_slots(self) -> None:
+        """Copy in every expert the policy holds resident but no slot has (a static or warm-started
+        policy decides its set before the first step)."""
+        for layer, expert in sorted(self.policy.keys):
+            if (layer, expert) not in self.slots:
+                self.streamer.to_slot(layer, expert)
+
+    # ---- the ExpertExecutor call ------------------------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self._last_layer is None or layer <= self._last_layer:
+            self._new_step()
+        self._last_layer = layer
+        flat = ids.flatten()  # [T*k]
+        counts = torch.bincount(flat, minlength=self.host_w13[layer].shape[0]).tolist()
+        tokens = {e: n for e, n in enumerate(counts) if n}
+        self._score_prefetch(layer, tokens)
+        plan = self.policy.split(layer, LayerStats(tokens, self.policy.resident(layer)), self.cost)
+        self.policy.touch(layer, self.step, tokens)
+        groups = self._group(ids, weights)
+        dev = self.slots.device
+        xd = x.to(dev)
+        out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
+        for e in plan.hits:
+            self._run(out_dev, xd, groups[e], *self.slots.get((layer, e)), layer, e, "hit")
+        for e in plan.stream:
+            self._run(out_dev, xd, groups[e], *self._stream_in(layer, e), layer, e, "stream")
+        out = out_dev.to(x.device)
+        if plan.cpu:
+            out = out + self._cpu_tier(layer, x, groups, plan.cpu)
+        self._count(layer, plan, tokens)
+        self._prefetch_next(layer, x)
+        return out
+
+    # ---- pieces ---------------------------------------------------------------------------
+    @staticmethod
+    def _group(ids: torch.Tensor, weights: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """expert -> (token rows [n], routing weights [n]) for every routed pair."""
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        rows = (order // k).split(counts.tolist())
+        wts = weights.flatten()[order].split(counts.tolist())
+        return {int(e): (r, w) for e, r, w in zip(experts.tolist(), rows, wts)}
+
+    def _run(self, out, x, group, w13, w2, layer: int, expert: int, tier: str) -> None:
+        rows, w = group
+        rows_d = rows.to(out.device)
+        y = _swiglu(x[rows_d], w13, w2)  # [n, D]
+        out.index_add_(0, rows_d, y * w.to(out.device, out.dtype)[:, None])
+        if self.audit is not None:
+            self.audit.extend((self.step, layer, int(t), expert, tier) for t in rows.tolist())
+
+    def _cpu_tier(self, layer: int, x: torch.Tensor, groups, experts) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out_cpu = torch.zeros_like(x)  # [T, D] host part
+        for e in experts:
+            self._run(out_cpu, x, groups[e], self.host_w13[layer][e], self.host_w2[layer][e], layer, e, "cpu")
+        seconds = time.perf_counter() - t0
+        if self.measure_cpu and seconds > 0:
+            self.cost = self.cost.observe(cpu_gbps=len(experts) * self.cost.expert_bytes / seconds / 1e9)
+        return out_cpu
+
+    def _stream_in(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        for key in self.policy.admit(layer, expert, self.step):
+            self.slots.evict(key)
+        if self.policy.is_resident(layer, expert):
+            return self.streamer.to_slot(layer, expert)
+        return self.streamer.to_staging(layer, expert)
+
+    def _count(self, layer: int, plan, tokens: dict[int, int]) -> None:
+        c = self.telemetry.layers[layer]
+        c.routed_pairs += sum(tokens.values())
+        c.hit_pairs += sum(tokens[e] for e in plan.hits)
+        c.stream_pairs += sum(tokens[e] for e in plan.stream)
+        c.cpu_pairs += sum(tokens[e] for e in plan.cpu)
+        c.pcie_bytes += len(plan.stream) * self.cost.expert_bytes
+        resident_s = sum(self.cost.gpu_compute_s(n) for n in tokens.values())
+        c.stall_s += max(0.0, plan.seconds - resident_s)
+
+    # ---- look-ahead prefetch ----------------------------------------------------------------
+    def _next_moe_layer(self, layer: int) -> Optional[int]:
+        if not self.routers:
+            return None
+        return next((l for l in range(layer + 1, len(self.routers)) if self.routers[l] is not None), None)
+
+    def _prefetch_next(self, layer: int, x: torch.Tensor) -> None:
+        nxt = self._next_moe_layer(layer)
+        if nxt is None or self.top_k <= 0 or self.slots.num_slots == 0:
+            return
+        logits = self.routers[nxt](x)  # [T, E] this layer's input stands in for the next one's
+        ids = torch.topk(logits.float(), self.top_k, dim=-1).indices.flatten()
+        counts = torch.bincount(ids, minlength=logits.shape[-1])
+        ranked = torch.argsort(counts, descending=True, stable=True)[:self.top_k].tolist()
+        predicted = [e for e in ranked if counts[e] > 0]
+        self._predicted[nxt] = set(predicted)
+        for e in predicted:
+            if not self.policy.is_resident(nxt, e):
+                for key in self.policy.admit(nxt, e, self.step):
+                    self.slots.evict(key)
+                if self.policy.is_resident(nxt, e):
+                    self.streamer.to_slot(nxt, e)
+                    self.telemetry.layers[nxt].pcie_bytes += self.cost.expert_bytes
+
+    def _score_prefetch(self, layer: int, tokens: dict[int, int]) -> None:
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            c = self.telemetry.layers[layer]
+            c.prefetch_predicted += len(predicted)
+            c.prefetch_correct += len(predicted & set(tokens))
+
+    # ---- elastic VRAM -----------------------------------------------------------------------
+    def _new_step(self) -> None:
+        self.step += 1
+        self.telemetry.steps += 1
+        self._predicted.clear()
+        if self.elastic is not None and self.memory_probe is not None:
+            target = self.elastic.target(self.memory_probe(), self.slots.num_slots)
+            if target != self.slots.num_slots:
+                self.resize(target)
+
+    def resize(self, num_slots: int) -> int:
+        """Shrink or grow the slot cache; on an allocation failure halve the request and retry.
+        Returns the slot count reached (never raises for lack of memory)."""
+        while True:
+            if num_slots < self.slots.num_slots:
+                for key in self.policy.resize(num_slots):
+                    self.slots.evict(key)
+            try:
+                self.slots.resize(num_slots)
+                break
+            except OOM_ERRORS:
+                self.telemetry.oom_retries += 1
+                num_slots = ElasticVram.after_oom(num_slots)
+        self.policy.resize(num_slots)
+        self.telemetry.resizes.append((self.step, num_slots))
+        return num_slots

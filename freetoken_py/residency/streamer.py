@@ -1,0 +1,52 @@
+"""PCIe streamer: host expert banks -> VRAM slots or a double-buffered staging pair.
+
+With device="cuda" the copies are issued on a dedicated copy stream from pinned host banks and
+the compute stream waits on an event, so copies overlap compute. Under an emulated accelerator
+(device="cpu") the copy is a plain tensor copy and its *duration* is taken from the cost model
+(bytes / profile PCIe bandwidth): the emulated time is what telemetry reports, labelled as such.
+The CUDA branch is the same code with a stream; it is not exercised on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from freetoken_py.residency.slots import SlotCache
+
+
+class Streamer:
+    def __init__(self, slots: SlotCache, host_w13: list, host_w2: list):
+        self.slots = slots
+        self.host_w13, self.host_w2 = host_w13, host_w2   # per layer [E, 2I, D] / [E, D, I] (pinned on CUDA)
+        self.cuda = slots.device.type == "cuda"
+        self._stream = torch.cuda.Stream() if self.cuda else None
+        self._staging = [self._staging_pair(), self._staging_pair()]   # double buffer for unkept copies
+        self._next = 0
+
+    def _staging_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.slots
+        return (torch.empty(s.w13_shape, dtype=s.dtype, device=s.device),
+                torch.empty(s.w2_shape, dtype=s.dtype, device=s.device))
+
+    def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int) -> None:
+        src13, src2 = self.host_w13[layer][expert], self.host_w2[layer][expert]
+        if self._stream is None:
+            dst13.copy_(src13)
+            dst2.copy_(src2)
+            return
+        with torch.cuda.stream(self._stream):
+            dst13.copy_(src13, non_blocking=True)
+            dst2.copy_(src2, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(self._stream)   # compute waits for this copy only
+
+    def to_slot(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy into the slot the cache reserved for (layer, expert); returns the slot's views."""
+        s = self.slots.reserve((layer, expert))
+        self._copy(self.slots.w13[s], self.slots.w2[s], layer, expert)
+        return self.slots.w13[s], self.slots.w2[s]
+
+    def to_staging(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy into the next staging buffer: a streamed expert the policy chose not to keep."""
+        dst = self._staging[self._next]
+        self._next ^= 1
+        self._copy(dst[0], dst[1], layer, expert)
+        return dst

@@ -1,0 +1,68 @@
+"""Residency telemetry: per-layer hit rate, PCIe bytes, CPU share, stall time, prefetch accuracy.
+
+Stall time is the cost model's prediction of how long each layer waited beyond an all-resident
+run (copies not hidden by prefetch, and the CPU side when it finishes last). Under an emulated
+accelerator every time here is *emulated* (from the injected profile), never a GPU measurement;
+`label` says which.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerCounters:
+    routed_pairs: int = 0
+    hit_pairs: int = 0
+    stream_pairs: int = 0
+    cpu_pairs: int = 0
+    pcie_bytes: int = 0
+    stall_s: float = 0.0
+    prefetch_predicted: int = 0
+    prefetch_correct: int = 0
+
+
+@dataclass
+class Telemetry:
+    label: str                                    # "emulated:<profile>" or "cuda"
+    layers: dict[int, LayerCounters] = field(default_factory=lambda: defaultdict(LayerCounters))
+    steps: int = 0
+    resizes: list[tuple[int, int]] = field(default_factory=list)   # (step, new slot count)
+    oom_retries: int = 0
+
+    def totals(self) -> LayerCounters:
+        t = LayerCounters()
+        for c in self.layers.values():
+            for f in t.__dataclass_fields__:
+                setattr(t, f, getattr(t, f) + getattr(c, f))
+        return t
+
+    def summary(self) -> dict:
+        t = self.totals()
+        n = max(1, t.routed_pairs)
+        return {"label": self.label, "steps": self.steps, "hit_rate": t.hit_pairs / n,
+                "stream_share": t.stream_pairs / n, "cpu_share": t.cpu_pairs / n,
+                "pcie_bytes": t.pcie_bytes, "stall_s": t.stall_s,
+                "prefetch_accuracy": t.prefetch_correct / t.prefetch_predicted if t.prefetch_predicted else None,
+                "resizes": len(self.resizes), "oom_retries": self.oom_retries}
+
+    def format_lines(self) -> list[str]:
+        """The `freetoken run --stats` table: one line per MoE layer and a total."""
+        emu = "EMULATED accelerator, times from the injected profile; " if self.label.startswith("emulated") else ""
+        lines = [f"residency ({self.label}; {emu}{self.steps} steps)",
+                 f"{'layer':>5} {'hit%':>6} {'stream%':>8} {'cpu%':>6} {'PCIe MB':>9} {'stall ms':>9} {'prefetch%':>10}"]
+        for layer in sorted(self.layers):
+            lines.append(self._line(str(layer), self.layers[layer]))
+        lines.append(self._line("all", self.totals()))
+        if self.resizes:
+            lines.append(f"elastic VRAM: {len(self.resizes)} resizes, last to {self.resizes[-1][1]} slots; "
+                         f"{self.oom_retries} allocation retries")
+        return lines
+
+    @staticmethod
+    def _line(name: str, c: LayerCounters) -> str:
+        n = max(1, c.routed_pairs)
+        pf = f"{100 * c.prefetch_correct / c.prefetch_predicted:9.1f}%" if c.prefetch_predicted else f"{'-':>10}"
+        return (f"{name:>5} {100 * c.hit_pairs / n:5.1f}% {100 * c.stream_pairs / n:7.1f}% "
+                f"{100 * c.cpu_pairs / n:5.1f}% {c.pcie_bytes / 1e6:9.2f} {c.stall_s * 1e3:9.3f} {pf}")

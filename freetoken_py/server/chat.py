@@ -1,0 +1,249 @@
+"""Request messages (OpenAI or Anthropic) -> the messages and tools a chat template renders.
+
+The target is the OpenAI/transformers convention every HF chat template expects: one leading
+`system` message (later system messages merged into it, since Qwen/Llama/Gemma templates reject
+them), `user` / `assistant` (with `tool_calls`, arguments as a dict) / `tool` messages with
+string content, and tools as `{"type": "function", "function": {name, description, parameters}}`.
+Unknown fields and block types are ignored; malformed structure is an ApiError naming the field.
+"""
+from __future__ import annotations
+
+import json
+
+from freetoken_py.server.protocol import ApiError, ServerLimits, bad
+
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request block; defeats prefix caching
+
+
+def _text_of(content, where: str, keep_tool_results: bool = False) -> str:
+    """A content value (string, or list of parts/blocks) flattened to its text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        content = [content]
+    if not isinstance(content, list):
+        raise bad(f"'{where}' must be a string or an array of content blocks", where)
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise bad(f"a text block in '{where}' needs a string 'text'", where)
+            parts.append(text)
+        elif not isinstance(block, dict):
+            raise bad(f"'{where}' contains a {type(block).__name__} where a content block was expected", where)
+    return "".join(parts)
+
+
+def _merge_system(system_parts: list[str], messages: list[dict]) -> list[dict]:
+    system = "\n\n".join(p for p in system_parts if p)
+    return ([{"role": "system", "content": system}] if system else []) + messages
+
+
+def _check_list(value, name: str, limit: int) -> list:
+    if not isinstance(value, list):
+        raise bad(f"'{name}' must be an array", name)
+    if len(value) > limit:
+        raise bad(f"'{name}' has {len(value)} entries; at most {limit} are allowed", name)
+    return value
+
+
+def _arguments(raw, where: str):
+    """Tool-call arguments as a dict when they are a JSON object (templates iterate them)."""
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return raw
+        return parsed if isinstance(parsed, dict) else raw
+    if raw is None:
+        return {}
+    raise bad(f"'{where}' must be a JSON string or object", where)
+
+
+# ---- OpenAI ---------------------------------------------------------------------------------
+def openai_messages(body: dict, limits: ServerLimits) -> list[dict]:
+    if "messages" not in body:
+        raise bad("'messages' is required", "messages")
+    raw = _check_list(body["messages"], "messages", limits.max_messages)
+    if not raw:
+        raise bad("'messages' must contain at least one message", "messages")
+    system, out = [], []
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad(f"'{where}' must be an object", where)
+        role = msg.get("role")
+        content = _text_of(msg.get("content"), f"{where}.content")
+        if role in ("system", "developer"):
+            system.append(content)
+        elif role == "user":
+            out.append({"role": "user", "content": content})
+        elif role == "assistant":
+            out.append(_openai_assistant(msg, content, where))
+        elif role in ("tool", "function"):
+            out.append({"role": "tool", "content": content, "tool_call_id": str(msg.get("tool_call_id") or "")})
+        else:
+            raise bad(f"'{where}.role' must be system, developer, user, assistant or tool (got {role!r})",
+                      f"{where}.role")
+    return _merge_system(system, out)
+
+
+def _openai_assistant(msg: dict, content: str, where: str) -> dict:
+    out = {"role": "assistant", "content": content}
+    calls = msg.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise bad(f"'{where}.tool_calls' must be an array", f"{where}.tool_calls")
+        out["tool_calls"] = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad(f"'{where}.tool_calls[{j}].function.name' is required", f"{where}.tool_calls")
+            args = _arguments(fn.get("arguments"), f"{where}.tool_calls[{j}].function.arguments")
+            out["tool_calls"].append({"id": str(call.get("id") or ""), "type": "function",
+                                      "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def openai_tools(body: dict, limits: ServerLimits) -> list[dict] | None:
+    """`tools` as given (function tools only); None when absent, empty or tool_choice is "none"."""
+    tools = body.get("tools")
+    if tools is None or body.get("tool_choice") == "none":
+        return None
+    out = []
+    for i, tool in enumerate(_check_list(tools, "tools", limits.max_tools)):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"'tools[{i}].function.name' is required", f"tools[{i}]")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad(f"'tools[{i}].function.parameters' must be an object", f"tools[{i}]")
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+# ---- Anthropic ------------------------------------------------------------------------------
+def anthropic_system(body: dict) -> str:
+    """`system` as a string or text blocks; Claude Code's billing-header block is dropped."""
+    system = body.get("system")
+    if isinstance(system, list):
+        system = [b for b in system if not (isinstance(b, dict) and isinstance(b.get("text"), str)
+                                            and b["text"].lstrip().startswith(BILLING_HEADER))]
+    text = _text_of(system, "system")
+    return "" if text.lstrip().startswith(BILLING_HEADER) else text
+
+
+def anthropic_messages(body: dict, limits: ServerLimits) -> list[dict]:
+    if "messages" not in body:
+        raise bad("messages: field required")
+    raw = _check_list(body["messages"], "messages", limits.max_messages)
+    if not raw:
+        raise bad("messages: at least one message is required")
+    system, out = [anthropic_system(body)], []
+    for i, msg in enumerate(raw):
+        where = f"messages.{i}"
+        if not isinstance(msg, dict):
+            raise bad(f"{where}: must be an object")
+        role, content = msg.get("role"), msg.get("content")
+        if role == "system":  # Claude Code sends these mid-conversation
+            system.append(_text_of(content, f"{where}.content"))
+        elif role == "user":
+            out += _anthropic_user(content, where)
+        elif role == "assistant":
+            out.append(_anthropic_assistant(content, where))
+        else:
+            raise bad(f"{where}.role: must be 'user' or 'assistant' (got {role!r})")
+    return _merge_system(system, out)
+
+
+def _blocks(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad(f"{where}.content: must be a string or an array of content blocks")
+    for j, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise bad(f"{where}.content.{j}: must be an object")
+    return content
+
+
+def _anthropic_user(content, where: str) -> list[dict]:
+    """Tool results become `tool` messages (in order); the remaining text one user message."""
+    out, texts = [], []
+    for j, block in enumerate(_blocks(content, where)):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text_of([block], f"{where}.content.{j}"))
+        elif kind == "tool_result":
+            result = _text_of(block.get("content"), f"{where}.content.{j}.content")
+            if block.get("is_error") is True:
+                result = "Error: " + result
+            out.append({"role": "tool", "content": result, "tool_call_id": str(block.get("tool_use_id") or "")})
+        # images, documents, tool_reference and unknown blocks carry no text for the template
+    if texts or not out:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _anthropic_assistant(content, where: str) -> dict:
+    texts, calls = [], []
+    for j, block in enumerate(_blocks(content, where)):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text_of([block], f"{where}.content.{j}"))
+        elif kind == "tool_use":
+            if not isinstance(block.get("name"), str):
+                raise bad(f"{where}.content.{j}.name: a tool_use block needs a string name")
+            args = _arguments(block.get("input"), f"{where}.content.{j}.input")
+            calls.append({"id": str(block.get("id") or ""), "type": "function",
+                          "function": {"name": block["name"], "arguments": args}})
+        # thinking / redacted_thinking are dropped from history (templates re-derive them)
+    out = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def anthropic_tools(body: dict, limits: ServerLimits) -> list[dict] | None:
+    """Custom tools as OpenAI-style function tools. Deferred tools (`defer_loading`) join only
+    once a `tool_reference` block has loaded them; server tools without a schema are skipped."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or (isinstance(choice, dict) and choice.get("type") == "none"):
+        return None
+    loaded = _referenced_tools(body.get("messages"))
+    out = []
+    for i, tool in enumerate(_check_list(tools, "tools", limits.max_tools)):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad(f"tools.{i}.name: field required")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict) or (tool.get("defer_loading") is True and tool["name"] not in loaded):
+            continue
+        fn = {"name": tool["name"], "description": str(tool.get("description") or ""), "parameters": schema}
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _referenced_tools(messages) -> set[str]:
+    names: set[str] = set()
+    for msg in messages if isinstance(messages, list) else []:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for block in content if isinstance(content, list) else []:
+            if not isinstance(block, dict):
+                continue
+            inner = block.get("content") if block.get("type") == "tool_result" else [block]
+            for b in inner if isinstance(inner, list) else []:
+                if isinstance(b, dict) and b.get("type") == "tool_reference" and isinstance(b.get("tool_name"), str):
+                    names.add(b["tool_name"])
+    return names
+
+
+def template_error(exc: Exception) -> ApiError:
+    return bad(f"the chat template could not render this conversation: {exc}", "messages")

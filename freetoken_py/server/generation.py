@@ -1,0 +1,90 @@
+"""What both APIs do between "validated request" and "engine stream": render the chat template,
+build SamplingParams, choose the output parser, and fold a whole generation for non-streamed
+responses."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from freetoken_py.core import SamplingParams
+from freetoken_py.errors import FreetokenError
+from freetoken_py.server.async_engine import AsyncEngine
+from freetoken_py.server.protocol import ApiError, bad, clamp_max_tokens, fix_sampling
+from freetoken_py.server.sse import Final, engine_events
+from freetoken_py.server.toolcalls import (
+    OutputParser,
+    ParsedOutput,
+    detect_reasoning,
+    detect_tool_format,
+)
+from freetoken_py.server.toolcalls import collect as collect_events
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tool_format: str = "none"
+    reasoning: bool | str = False
+    tools: list[dict] | None = None
+
+    def parser(self) -> OutputParser:
+        # raises UnsupportedToolFormat (a FreetokenError -> 400) for tools on an unsupported family
+        return OutputParser(self.tool_format, self.reasoning, self.tools is not None, tools=self.tools)
+
+
+def render_chat(llm, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], bool | str]:
+    """Prompt ids and the reasoning mode: "open" when the template itself opened a <think> block."""
+    tok = llm.tokenizer
+    if tok is None or not tok.chat_template:
+        raise FreetokenError("this model has no chat template; use /v1/completions with a plain prompt")
+    text = tok.apply_chat_template(messages, tools=tools)
+    reasoning = detect_reasoning(tok.chat_template)
+    if reasoning and text.rstrip().endswith("<think>"):
+        reasoning = "open"
+    return tok.encode(text), reasoning
+
+
+async def prepare_chat(llm, engine: AsyncEngine, messages: list[dict], tools: list[dict] | None,
+                       sampling: dict, max_tokens: int | None, stop: tuple[str, ...]) -> Prepared:
+    # template rendering + tokenizing a long conversation takes milliseconds: off the event loop
+    ids, reasoning = await asyncio.to_thread(render_chat, llm, messages, tools)
+    engine.check_prompt(len(ids))
+    tool_format = detect_tool_format(llm.tokenizer.chat_template)
+    prep = Prepared(ids, make_params(llm, engine, sampling, max_tokens, stop, len(ids)), tool_format, reasoning, tools)
+    prep.parser()  # fail now (400) rather than after the headers went out
+    return prep
+
+
+def make_params(llm, engine: AsyncEngine, sampling: dict, max_tokens: int | None, stop: tuple[str, ...],
+                num_prompt_tokens: int, **extra) -> SamplingParams:
+    limit = engine.context_limit
+    budget = clamp_max_tokens(max_tokens, num_prompt_tokens, limit)
+    values = {k: v for k, v in fix_sampling(sampling).items() if v is not None}
+    try:
+        return llm.default_sampling(max_tokens=budget, stop=stop, **values, **extra)
+    except FreetokenError as exc:
+        raise bad(str(exc)) from None
+
+
+@dataclass
+class Collected:
+    """A whole generation, folded: what non-streamed responses are built from."""
+    parsed: ParsedOutput = field(default_factory=ParsedOutput)
+    final: Final | None = None
+
+
+async def collect(engine: AsyncEngine, stream, parser: OutputParser, ping_s: float) -> Collected:
+    events, final = [], None
+    async for ev in engine_events(engine, stream, parser, ping_s):
+        if isinstance(ev, Final):
+            final = ev
+        elif ev is not None:
+            events.append(ev)
+    return Collected(collect_events(events), final)
+
+
+def stream_error(final: Final) -> ApiError:
+    """The error that ended a generation, as an HTTP error (shutdown -> 503, else 500)."""
+    status = 503 if final.error.kind == "overloaded" else 500
+    return ApiError(status, final.error.message, "overloaded" if status == 503 else "api")

@@ -1,0 +1,224 @@
+"""The real Claude Code and OpenCode CLIs (pinned versions from npm) against `freetoken serve` on the
+demo model, started through `freetoken launch`.
+
+A recording proxy sits between client and server (plain HTTP forwarding, responses streamed through
+unchanged), so the assertions check the requests the client really sent and the answers the server
+really gave — independently of what the client prints. The demo model is served from a copy whose
+generation_config.json asks for greedy decoding (clients do not send a temperature), so each run is
+the same: for the prompt below the model calls `get_weather`, Claude Code answers with a tool_result
+(an error result: its MCP tool is named `mcp__w__get_weather`), and the model then answers in text.
+
+Prompts are kept inside the demo model's 512-token training window: `--bare --tools ""` plus a tiny
+MCP tool for Claude Code (its default first request is ~17K demo tokens), tools switched off and a
+one-line agent prompt for OpenCode (~9.7K tokens by default). docs/clients.md has the measurements.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from server_util import REPO, ServerProcess
+
+PINNED = {"@anthropic-ai/claude-code": "2.1.332", "opencode-ai": "1.18.33"}
+DEMO = REPO / "freetoken_py" / "data" / "demo_model"
+PROMPT = "What is the weather in Paris?"
+SYSTEM = "You are a helpful assistant."
+
+
+# -- pinned clients, installed once into a cache dir ------------------------------------------
+
+def _install_clients() -> Path:
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed: the end-to-end client tests need it to install the pinned CLIs")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = cache / "freetoken-tests" / ("npm-" + "-".join(v for v in PINNED.values()))
+    bins = {"claude": root / "node_modules" / ".bin" / "claude", "opencode": root / "node_modules" / ".bin" / "opencode"}
+    if not all(b.exists() for b in bins.values()):
+        root.mkdir(parents=True, exist_ok=True)
+        # the packages' postinstall scripts (skipped by npm's allowScripts default) only copy the
+        # platform binary into place; npm links the same binary from the optional dependency itself
+        cmd = [npm, "install", "--prefix", str(root), "--no-audit", "--no-fund", "--no-save",
+               *(f"{p}@{v}" for p, v in PINNED.items())]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"npm install failed: {proc.stderr[-2000:]}"
+    for name, path in bins.items():
+        version = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60).stdout
+        assert version.split()[0] in PINNED.values(), f"{name} --version says {version!r}"
+    return root / "node_modules" / ".bin"
+
+
+# -- a recording proxy ------------------------------------------------------------------------
+
+class _Proxy(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    upstream: tuple[str, int]
+    log: list[dict]
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def _forward(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        conn = http.client.HTTPConnection(*self.upstream, timeout=300)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length", "date", "server"):
+                self.send_header(k, v)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        received = bytearray()
+        while chunk := resp.read1(65536):  # stream through as it arrives (SSE)
+            received += chunk
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.log.append({"method": self.command, "path": self.path, "status": resp.status,
+                         "request": body.decode("utf-8", "replace"), "response": received.decode("utf-8", "replace")})
+        conn.close()
+
+    do_GET = do_POST = do_HEAD = _forward
+
+
+class RecordingProxy:
+    def __init__(self, upstream_url: str):
+        host, port = upstream_url.removeprefix("http://").split(":")
+        self.log: list[dict] = []
+        handler = type("Handler", (_Proxy,), {"upstream": (host, int(port)), "log": self.log})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def posts(self, path_prefix: str) -> list[dict]:
+        return [r for r in self.log if r["method"] == "POST" and r["path"].startswith(path_prefix)]
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def _sse_data(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clients():
+    return _install_clients()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = tmp_path_factory.mktemp("greedy_demo")
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (model / f).symlink_to(DEMO / f)
+    gen = json.loads((DEMO / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(dict(gen, temperature=0.0)))
+    # 8192 > the demo's 4096 positions (RoPE extends): Claude Code reserves room for compaction and
+    # refuses prompts when the window is small; the prompts themselves stay ~200-300 tokens
+    with ServerProcess("--model", str(model), "--max-model-len", "8192", "--served-model-name", "demo") as srv:
+        proxy = RecordingProxy(srv.url)
+        yield proxy
+        proxy.close()
+
+
+def _home_env(tmp: Path) -> dict:
+    home = tmp / "home"
+    home.mkdir()
+    return {"PATH": os.environ.get("PATH", ""), "HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+            "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
+            "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".local/state"),
+            "PYTHONPATH": str(REPO)}
+
+
+def _launch(agent: str, proxy: RecordingProxy, clients: Path, cwd: Path, env: dict, *args: str, timeout=110):
+    cmd = [sys.executable, "-m", "freetoken_py", "launch", agent, "--url", proxy.url,
+           "--bin", str(clients / agent), "--max-output-tokens", "64", "--", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+MCP_SERVER = '''
+import json, sys
+TOOL = {"name": "get_weather", "description": "Get the weather for a city",
+        "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    result = {"initialize": {"protocolVersion": msg.get("params", {}).get("protocolVersion", "2025-06-18"),
+                             "capabilities": {"tools": {}}, "serverInfo": {"name": "w", "version": "1"}},
+              "tools/list": {"tools": [TOOL]},
+              "tools/call": {"content": [{"type": "text", "text": "Sunny, 21 C"}]}}.get(msg["method"])
+    reply = {"result": result} if result is not None else {"error": {"code": -32601, "message": "unknown"}}
+    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], **reply}), flush=True)
+'''
+
+
+def test_claude_code_tool_round_trip(clients, server, tmp_path):
+    (tmp_path / "mcp_weather.py").write_text(MCP_SERVER)
+    mcp = {"mcpServers": {"w": {"command": sys.executable, "args": [str(tmp_path / "mcp_weather.py")]}}}
+    before = len(server.log)
+    proc = _launch("claude", server, clients, tmp_path, _home_env(tmp_path), "-p", PROMPT, "--output-format", "json",
+                   "--bare", "--tools", "", "--system-prompt", SYSTEM, "--mcp-config", json.dumps(mcp),
+                   "--strict-mcp-config")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["is_error"] is False and result["subtype"] == "success"
+
+    calls = [r for r in server.log[before:] if r["path"].startswith("/v1/messages?") or r["path"] == "/v1/messages"]
+    assert len(calls) >= 2 and all(r["status"] == 200 for r in calls)
+    first, last = json.loads(calls[0]["request"]), json.loads(calls[-1]["request"])
+    assert first["stream"] is True and [t["name"] for t in first["tools"]] == ["mcp__w__get_weather"]
+    # the server answered the first request with a real tool_use block ...
+    events = _sse_data(calls[0]["response"])
+    tool_use = [e["content_block"] for e in events if e["type"] == "content_block_start"
+                and e["content_block"]["type"] == "tool_use"]
+    assert tool_use and [e for e in events if e["type"] == "message_delta"][0]["delta"]["stop_reason"] == "tool_use"
+    # ... and Claude Code sent a tool_result for that id back
+    results = [b for m in last["messages"] if m["role"] == "user" and isinstance(m["content"], list)
+               for b in m["content"] if b.get("type") == "tool_result"]
+    assert [b["tool_use_id"] for b in results] == [tool_use[0]["id"]]
+    # the final answer printed is the text the server streamed for the last request
+    final_text = "".join(e["delta"]["text"] for e in _sse_data(calls[-1]["response"])
+                         if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta")
+    assert final_text and result["result"] == final_text and result["num_turns"] == len(calls)
+
+
+def test_opencode_answers(clients, server, tmp_path):
+    # a project config next to the prompt: no tools and a one-line agent prompt keep the request small;
+    # the provider and model come from `freetoken launch` (OPENCODE_CONFIG_CONTENT)
+    project = {"tools": {t: False for t in ("bash", "edit", "glob", "grep", "read", "skill", "task", "todowrite",
+                                            "webfetch", "write")},
+               "agent": {"build": {"prompt": SYSTEM}}}
+    (tmp_path / "opencode.json").write_text(json.dumps(project))
+    env = dict(_home_env(tmp_path), OPENCODE_DISABLE_MODELS_FETCH="1")  # no models.dev lookup offline
+    before = len(server.log)
+    proc = _launch("opencode", server, clients, tmp_path, env, "run", "--format", "json", PROMPT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    calls = [r for r in server.log[before:] if r["path"] == "/v1/chat/completions"]
+    main = [r for r in calls if SYSTEM in r["request"] and PROMPT in r["request"]]
+    assert len(main) == 1 and main[0]["status"] == 200
+    body = json.loads(main[0]["request"])
+    assert body["model"] == "demo" and body["stream"] is True and body["max_tokens"] == 64
+    chunks = _sse_data(main[0]["response"])
+    answer = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    assert answer and chunks[-1]["usage"]["completion_tokens"] > 0  # include_usage honoured
+    printed = "".join(ev["part"]["text"] for line in proc.stdout.splitlines() if line.startswith("{")
+                      for ev in [json.loads(line)] if ev.get("type") == "text")
+    assert re.sub(r"\s+", " ", printed).strip() == re.sub(r"\s+", " ", answer).strip()

@@ -1,0 +1,79 @@
+"""Page integrity tags without a model: every injected fault (page freed, freed and handed to
+someone else, or re-tagged under a live holder) is reported for exactly the requests holding that
+page, over many random trials; intact requests are never reported; the null tracker is inert."""
+from __future__ import annotations
+
+import random
+
+from freetoken_py.kvcache import PageAllocator
+from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
+
+
+def _holders(num_reqs=5, pages_each=3, shared=(0, 1)):
+    alloc = PageAllocator(32)
+    tracker = IntegrityTracker(alloc)
+    common = alloc.allocate(1)  # a prefix page shared by the requests in `shared`
+    tables = {}
+    for rid in range(num_reqs):
+        own = alloc.allocate(pages_each)
+        if rid in shared:
+            alloc.share(common)
+            tables[rid] = common + own
+        else:
+            tables[rid] = own
+        tracker.record(rid, tables[rid])
+    alloc.release(common)  # only the sharers hold it now
+    return alloc, tracker, tables
+
+
+def test_every_fault_is_reported_for_exactly_its_holders():
+    rng = random.Random(0)
+    for trial in range(200):
+        alloc, tracker, tables = _holders()
+        assert tracker.check() == {}
+        rid = rng.choice(list(tables))
+        page = rng.choice(tables[rid])
+        kind = rng.choice(["retag", "free", "free_and_reuse"])
+        if kind == "retag":
+            alloc.tags[page] += 1
+        else:
+            while alloc.refcount(page):
+                alloc.release([page])
+            if kind == "free_and_reuse":
+                while page in alloc._free:  # hand pages out until the victim page is reused
+                    alloc.allocate(1)
+        expected = {r: [page] for r, t in tables.items() if page in t}
+        assert tracker.check() == expected, (trial, kind)
+        assert tracker.num_mismatches == len(expected)
+        for r in expected:  # the faulty page is not the request's to release any more
+            assert page not in tracker.valid_pages(r) and len(tracker.valid_pages(r)) == len(tables[r]) - 1
+
+
+def test_forget_and_growth_keep_the_check_exact():
+    alloc, tracker, tables = _holders()
+    tracker.forget(3)
+    alloc.release(tables[3])  # a finished request's pages are reused by request 4 as it grows
+    more = alloc.allocate(3)
+    tracker.record(4, more)
+    assert tracker.check() == {}
+    alloc.tags[more[1]] += 1
+    assert tracker.check() == {4: [more[1]]}
+
+
+def test_tags_bump_on_allocate_and_free_only():
+    alloc = PageAllocator(4)
+    (p,) = alloc.allocate(1)
+    assert alloc.tags[p] == 1
+    alloc.share([p])
+    alloc.release([p])
+    assert alloc.tags[p] == 1  # sharing and partial release keep the page's identity
+    alloc.release([p])
+    assert alloc.tags[p] == 2
+
+
+def test_null_tracker_is_inert():
+    alloc = PageAllocator(4)
+    t = NullTracker(alloc)
+    t.record(1, alloc.allocate(2))
+    alloc.tags += 5
+    assert t.check() == {} and t.valid_pages(1) is None and not t.enabled

@@ -1,0 +1,135 @@
+"""The placement planner as a pure function: exact decisions for hand-built stats and profiles.
+
+Expert: Qwen3-30B-A3B's (2048 x 768 x 3 weights at 4.5 bits = 2.65 MB). Expected decisions are
+derived by hand from the profile numbers in the comments, not from the planner.
+"""
+from __future__ import annotations
+
+import pytest
+
+from freetoken_py.residency.planner import Budgets, CostModel, LayerStats, evaluate, plan
+from freetoken_py.residency.profiles import FRONTIER_MODELS, PROFILES, TierProfile, emulated, get_profile
+
+SPEC = FRONTIER_MODELS["qwen3-30b-a3b"]
+DECODE = LayerStats({5: 1, 9: 1, 12: 1}, frozenset({5}))   # one hit (5), two misses (9, 12)
+
+
+def cost(name: str) -> CostModel:
+    return CostModel(PROFILES[name], SPEC.expert_bytes, SPEC.expert_flops_per_token)
+
+
+def test_expert_geometry():
+    assert SPEC.expert_bytes == 3 * 2048 * 768 * 9 // 16
+    assert SPEC.expert_flops_per_token == 2 * 3 * 2048 * 768
+
+
+def test_laptop_slow_pcie_fast_dram_sends_misses_to_cpu():
+    # copy 2.65 MB / 12.5 GB/s + 5 us = 217 us; CPU 2.65 MB / 35 GB/s = 76 us (+30 us call):
+    # even two misses on the CPU (182 us) finish before one copy
+    c = cost("rtx4060-laptop-8g")
+    assert c.copy_s() == pytest.approx(SPEC.expert_bytes / 12.5e9 + 5e-6)
+    p = plan(DECODE, c, Budgets(stream_slots=8))
+    assert (p.hits, p.stream, p.cpu) == ((5,), (), (9, 12))
+    assert p.cpu_s == pytest.approx(2 * SPEC.expert_bytes / 35e9 + 30e-6)
+
+
+def test_workstation_fast_pcie_streams_misses():
+    # copy 2.65 MB / 50 GB/s + 5 us = 58 us per expert; CPU 88 us + 30 us call: two copies
+    # (116 us + compute) still beat one expert on the CPU (118 us)
+    p = plan(DECODE, cost("rtx5090"), Budgets(stream_slots=8))
+    assert (p.hits, p.stream, p.cpu) == ((5,), (9, 12), ())
+    assert p.cpu_s == 0.0
+
+
+def test_many_misses_are_split_so_both_sides_finish_together():
+    # laptop, 8 misses of one token: CPU 76 us each (+30 us once), copy 217 us each
+    stats = LayerStats({e: 1 for e in range(8)}, frozenset())
+    p = plan(stats, cost("rtx4060-laptop-8g"), Budgets(stream_slots=8))
+    assert len(p.stream) == 2 and len(p.cpu) == 6
+    assert sorted(p.stream + p.cpu) == list(range(8))
+    # moving any one expert to the other side makes the layer slower
+    c = cost("rtx4060-laptop-8g")
+    for e in range(8):
+        moved = tuple(set(p.stream) ^ {e})
+        assert evaluate(stats, moved, c).seconds >= p.seconds - 1e-12
+
+
+def test_prefill_brings_weights_to_the_gpu():
+    # 64 tokens per expert: CPU is compute-bound, 64 x 9.4 MFLOP / 0.6 TFLOP/s = 1.0 ms per
+    # expert, a copy is 217 us: on the same laptop the misses now stream
+    stats = LayerStats({5: 64, 9: 64, 12: 64}, frozenset({5}))
+    p = plan(stats, cost("rtx4060-laptop-8g"), Budgets(stream_slots=8))
+    assert (p.stream, p.cpu) == ((9, 12), ())
+
+
+def test_largest_miss_is_placed_first_and_ties_go_to_streaming():
+    stats = LayerStats({3: 1, 4: 40}, frozenset())
+    p = plan(stats, cost("rtx4060-laptop-8g"), Budgets(stream_slots=8))
+    assert p.stream[0] == 4                      # 40 tokens: compute-bound on the CPU
+    assert p.reasons[4].startswith("stream")
+
+
+def test_no_slot_means_cpu_and_no_host_copy_means_stream():
+    c = cost("rtx5090")
+    p = plan(DECODE, c, Budgets(stream_slots=0))
+    assert (p.stream, p.cpu) == ((), (9, 12)) and p.reasons[9] == "cpu: no slot to stream into"
+    p = plan(DECODE, cost("rtx4060-laptop-8g"), Budgets(stream_slots=0, cpu_enabled=False))
+    assert (p.stream, p.cpu) == ((9, 12), ())
+
+
+def test_live_measurement_moves_the_decision():
+    # the 5090 box measures only 2 GB/s over PCIe (another device on the bus): after five EMA
+    # updates PCIe = 50*0.8^5 + 2*(1-0.8^5) = 17.7 GB/s, a copy 155 us > CPU 118 us: the first
+    # miss goes to the CPU, the second streams so both finish together
+    c = cost("rtx5090")
+    for _ in range(5):
+        c = c.observe(copy_gbps=2.0)
+    assert c.pcie_gbps == pytest.approx(50 * 0.8**5 + 2 * (1 - 0.8**5))
+    p = plan(DECODE, c, Budgets(stream_slots=8))
+    assert (p.stream, p.cpu) == ((12,), (9,))
+
+
+def test_stream_value_tips_a_close_call_toward_keeping_the_expert():
+    c = cost("rtx4060-laptop-8g")
+    one_miss = LayerStats({5: 1, 9: 1}, frozenset({5}))
+    assert plan(one_miss, c, Budgets(8)).cpu == (9,)
+    assert plan(one_miss, c, Budgets(8, stream_value_s=200e-6)).stream == (9,)
+
+
+def test_all_hits_plan_is_gpu_only():
+    p = plan(LayerStats({1: 1, 2: 1}, frozenset({1, 2, 3})), cost("rtx4090"), Budgets(0))
+    assert (p.hits, p.stream, p.cpu, p.cpu_s) == ((1, 2), (), (), 0.0)
+
+
+def test_profiles():
+    assert set(PROFILES) == {"rtx4060-laptop-8g", "rtx4090", "rtx5090", "rtx-pro-6000"}
+    e = emulated(get_profile("rtx4090"))
+    assert e.emulated and e.name == "emulated:rtx4090" and e.pcie_gbps == 25
+    with pytest.raises(ValueError, match="unknown hardware profile"):
+        get_profile("h100")
+    with pytest.raises(ValueError, match="pcie_gbps"):
+        TierProfile("bad", 1, 1, 0, 1, 1, 1)
+    # the 235B model does not fit any of the four; dense + KV leave room for some experts on each
+    big = FRONTIER_MODELS["qwen3-235b-a22b"]
+    assert not any(big.fits_in_vram(p) for p in PROFILES.values())
+    assert all(big.expert_slots(p) > 0 for p in PROFILES.values())
+    assert SPEC.fits_in_vram(PROFILES["rtx4090"]) and not SPEC.fits_in_vram(PROFILES["rtx4060-laptop-8g"])
+
+
+def test_measured_hardware_profile_converts_with_concurrent_figures_first():
+    import dataclasses
+
+    from test_hw_profile import fig, machine
+
+    from freetoken_py.residency.profiles import from_hardware_profile
+
+    hw = machine()                                            # RTX 5090 box: DRAM 60, PCIe 50, no VRAM figure
+    assert from_hardware_profile(hw) is None
+    figures = dict(hw.figures, vram_d2d=fig("vram_d2d", 1500.0),
+                   pcie_h2d_pinned_concurrent=fig("pcie_h2d_pinned_concurrent", 41.0),
+                   cpu_expert_bf16_concurrent=fig("cpu_expert_bf16_concurrent", 22.0))
+    tp = from_hardware_profile(dataclasses.replace(hw, figures=figures), name="this box")
+    assert (tp.name, tp.vram_bytes, tp.vram_gbps, tp.pcie_gbps, tp.cpu_expert_gbps) == \
+        ("this box", 32 * 2**30, 1500.0, 41.0, 22.0)
+    no_gpu = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, gpus=()), figures=figures)
+    assert from_hardware_profile(no_gpu) is None

@@ -1,0 +1,152 @@
+"""Cache policies and elastic VRAM as pure mechanisms: exact resident sets and eviction order."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from freetoken_py.residency.adaptive import AdaptivePolicy
+from freetoken_py.residency.elastic import ElasticVram
+from freetoken_py.residency.planner import CostModel, LayerStats
+from freetoken_py.residency.policy import LruPolicy, PinPolicy, StaticPolicy
+from freetoken_py.residency.profiles import FRONTIER_MODELS, PROFILES
+
+SPEC = FRONTIER_MODELS["qwen3-30b-a3b"]
+COST = CostModel(PROFILES["rtx4090"], SPEC.expert_bytes, SPEC.expert_flops_per_token)
+
+
+def test_static_keeps_whole_layers_from_the_top():
+    p = StaticPolicy([0, 1, 2, 3], num_experts=4, capacity=9)   # room for two full layers
+    assert p.keys == {(l, e) for l in (2, 3) for e in range(4)}
+    plan = p.split(0, LayerStats({0: 1, 1: 1}, p.resident(0)), COST)
+    assert plan.stream == () and plan.cpu == (0, 1)
+
+
+def test_pin_keeps_the_most_frequent_pairs():
+    counts = np.array([[5, 0, 1], [0, 9, 2]])
+    p = PinPolicy([0, 1], counts, capacity=3)
+    assert p.keys == {(1, 1), (0, 0), (1, 2)}
+    assert p.resize(2) == [(1, 2)] and p.keys == {(0, 0), (1, 1)}
+
+
+def test_lru_fixed_split_and_eviction_order():
+    p = LruPolicy(capacity=2, stream_share=0.5)
+    plan = p.split(0, LayerStats({1: 1, 2: 1, 3: 1, 4: 1}, frozenset()), COST)
+    assert plan.stream == (2, 4) and plan.cpu == (1, 3)          # every second miss streams
+    assert p.admit(0, 2, 0) == [] and p.admit(0, 4, 0) == []
+    p.touch(0, 1, {2: 1})                                       # 2 is now the most recent
+    assert p.admit(1, 7, 1) == [(0, 4)]
+    assert p.keys == {(0, 2), (1, 7)}
+
+
+def drive(policy, routing: list[list[int]], layer: int = 0) -> int:
+    """Route each step's experts through `policy`, streaming (admitting) every miss; returns hits."""
+    hits = 0
+    for step, experts in enumerate(routing):
+        tokens = {e: 1 for e in experts}
+        hits += sum(policy.is_resident(layer, e) for e in experts)
+        policy.touch(layer, step, tokens)
+        for e in experts:
+            if not policy.is_resident(layer, e):
+                policy.admit(layer, e, step)
+    return hits
+
+
+def test_adaptive_learns_frequency_when_recency_keeps_failing():
+    # experts 0-3 are routed every step, a one-off expert rides along each step: LRU keeps
+    # evicting a hot expert for the one-off; LFU keeps the hot four
+    rng = np.random.default_rng(0)
+    routing = [[0, 1, 2, 3][: 2 + s % 3] + [10 + int(rng.integers(50))] for s in range(400)]
+    p = AdaptivePolicy([0], num_experts=64, capacity=4, seed=1)
+    drive(p, routing)
+    assert p.weights[1] > 0.9                                   # w_lfu
+    assert p.keys == {(0, 0), (0, 1), (0, 2), (0, 3)}
+
+
+def test_adaptive_learns_recency_on_a_sliding_working_set():
+    # a working set of 3 that moves by one expert every 6 steps: what is recent is what is used
+    routing = [[(s // 6 + j) % 40 for j in range(3)] for s in range(600)]
+    p = AdaptivePolicy([0], num_experts=40, capacity=4, seed=1)
+    hits = drive(p, routing)
+    assert p.weights[0] > 0.9                                   # w_lru
+    lru = LruPolicy(capacity=4, stream_share=1.0)
+    assert hits >= 0.97 * drive(lru, routing)
+
+
+def test_per_layer_floor_protects_a_quiet_layer():
+    # capacity 8 over 2 layers: fair share 4, floor 2. Layer 1 holds 2 experts; a burst of new
+    # layer-0 experts may evict layer 0's own entries but never layer 1's last two.
+    p = AdaptivePolicy([0, 1], num_experts=32, capacity=8, seed=0)
+    p.touch(1, 0, {0: 1, 1: 1})
+    p.admit(1, 0, 0), p.admit(1, 1, 0)
+    for step in range(1, 40):
+        p.touch(0, step, {step % 30: 1})
+        p.admit(0, step % 30, step)
+    assert p.resident(1) == frozenset({0, 1})
+    assert len(p.resident(0)) == 6
+
+
+def test_cpu_absorbed_misses_evict_nothing():
+    # on the laptop a decode miss of an expert with no history runs on the CPU: no slot asked for
+    laptop = CostModel(PROFILES["rtx4060-laptop-8g"], SPEC.expert_bytes, SPEC.expert_flops_per_token)
+    p = AdaptivePolicy([0], num_experts=16, capacity=2)
+    p.touch(0, 0, {0: 1, 1: 1})
+    p.admit(0, 0, 0), p.admit(0, 1, 0)
+    assert p.stream_values(0, [5], laptop) == {5: 0.0}
+    plan = p.split(0, LayerStats({0: 1, 5: 1}, p.resident(0)), laptop)
+    assert plan.cpu == (5,) and plan.stream == ()
+    assert p.keys == {(0, 0), (0, 1)}
+
+
+def test_a_hot_missed_expert_is_worth_streaming_even_where_the_cpu_is_faster():
+    # PRO 6000 box: CPU 110 GB/s beats PCIe 52 GB/s for one decode miss, so a cold miss goes to
+    # the CPU; an expert routed every recent step (while the resident ones idle) is worth keeping
+    pro = CostModel(PROFILES["rtx-pro-6000"], SPEC.expert_bytes, SPEC.expert_flops_per_token)
+    p = AdaptivePolicy([0], num_experts=16, capacity=2)
+    p.touch(0, 0, {0: 1, 1: 1})
+    p.admit(0, 0, 0), p.admit(0, 1, 0)
+    assert p.split(0, LayerStats({7: 1}, p.resident(0)), pro).cpu == (7,)
+    for step in range(1, 30):
+        p.touch(0, step, {7: 1})                      # served on the CPU each time: 7 stays a miss
+    values = p.stream_values(0, [7, 9], pro)
+    assert values[7] > pro.copy_s() - pro.cpu_s(1) and values[9] == 0.0
+    plan = p.split(0, LayerStats({7: 1, 9: 1}, p.resident(0)), pro)
+    assert plan.stream == (7,) and plan.cpu == (9,)
+
+
+def test_adaptive_resize_evicts_down_and_regrows():
+    p = AdaptivePolicy([0, 1], num_experts=8, capacity=6)
+    for step, (l, e) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]):
+        p.touch(l, step, {e: 1})
+        p.admit(l, e, step)
+    evicted = p.resize(2)
+    assert len(evicted) == 4 and len(p.keys) == 2 and not set(evicted) & p.keys
+    assert p.resize(6) == [] and p.capacity == 6
+    p.touch(0, 10, {5: 1})
+    assert p.admit(0, 5, 10) == [] and p.is_resident(0, 5)
+
+
+def test_warm_start_fills_from_counts():
+    counts = np.zeros((2, 4))
+    counts[0, 3], counts[1, 1], counts[1, 2] = 9, 5, 1
+    p = AdaptivePolicy([0, 1], num_experts=4, capacity=2)
+    p.warm_start(counts)
+    assert p.keys == {(0, 3), (1, 1)}
+
+
+def test_elastic_shrinks_at_once_and_grows_with_hysteresis():
+    mb = 2**20
+    ev = ElasticVram(slot_bytes=10 * mb, max_slots=100, reserve_bytes=50 * mb, grow_margin_bytes=40 * mb)
+    assert ev.target(free_bytes=550 * mb, current_slots=0) == 50          # (550-50)/10
+    assert ev.target(free_bytes=10 * mb, current_slots=50) == 46          # 500+10-50 = 460 MB
+    assert ev.target(free_bytes=80 * mb, current_slots=46) == 46          # 30 MB spare < margin
+    assert ev.target(free_bytes=100 * mb, current_slots=46) == 51
+    assert ev.target(free_bytes=10**12, current_slots=51) == 100          # capped by the budget
+    assert ev.target(free_bytes=0, current_slots=3) == 0
+    assert ElasticVram.after_oom(51) == 25
+
+
+@pytest.mark.parametrize("capacity", [0, 1])
+def test_zero_or_one_slot_never_breaks(capacity):
+    p = AdaptivePolicy([0], num_experts=4, capacity=capacity)
+    drive(p, [[0, 1], [2, 3], [0, 2]])
+    assert len(p.keys) <= capacity

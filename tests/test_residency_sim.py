@@ -1,0 +1,119 @@
+"""The routing-trace format and the simulator's accounting, and bench/residency_sim.py's output."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from freetoken_py.residency.adaptive import AdaptivePolicy
+from freetoken_py.residency.planner import CostModel
+from freetoken_py.residency.policy import LruPolicy, PinPolicy, StaticPolicy
+from freetoken_py.residency.profiles import PROFILES, ModelSpec
+from freetoken_py.residency.simulate import simulate, synthetic_trace
+from freetoken_py.residency.stats import RoutingStats, RoutingTrace
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ModelSpec("small", num_layers=6, num_experts=16, top_k=4, hidden=2048, moe_intermediate=768,
+                  dense_params=1e9)
+
+
+def test_trace_round_trip(tmp_path):
+    trace = synthetic_trace("locality", SMALL, steps=20, seed=3)
+    trace.add_step({0: np.array([[1, 2, 3, 4], [5, 6, 7, 8]]), 2: np.array([[0, 1, 2, 3], [4, 5, 6, 7]])})
+    trace.save(tmp_path / "t.jsonl")
+    back = RoutingTrace.load(tmp_path / "t.jsonl")
+    assert (back.num_layers, back.num_experts, back.top_k, back.source) == (6, 16, 4, trace.source)
+    assert len(back.steps) == 21
+    for a, b in zip(trace.steps, back.steps):
+        assert a.keys() == b.keys() and all(np.array_equal(a[l], b[l]) for l in a)
+    (tmp_path / "bad.jsonl").write_text('{"format": "other"}\n')
+    with pytest.raises(ValueError, match="not a freetoken-routing-trace"):
+        RoutingTrace.load(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("regime", ["locality", "flat_skew", "flat"])
+def test_synthetic_traces_route_k_distinct_experts(regime):
+    trace = synthetic_trace(regime, SMALL, steps=50)
+    for step in trace.steps:
+        for ids in step.values():
+            assert ids.shape == (1, 4) and len(set(ids[0].tolist())) == 4 and ids.max() < 16
+
+
+def test_regimes_have_the_published_character():
+    """locality: an LRU cache hits far more than chance; flat_skew: frequency beats LRU."""
+    spec = ModelSpec("m", 4, 64, 4, 1024, 512, 1e8)
+    cost = CostModel(PROFILES["rtx5090"], spec.expert_bytes, spec.expert_flops_per_token)
+    cap = 4 * 16                                                   # a quarter of the experts
+    loc = simulate(synthetic_trace("locality", spec, 400), LruPolicy(cap, 1.0), cost, spec.dense_bytes)
+    assert loc.hit_rate > 0.5
+    skew, calib = synthetic_trace("flat_skew", spec, 400), synthetic_trace("flat_skew", spec, 400, seed=9)
+    counts = np.zeros((4, 64))
+    for step in calib.steps:
+        for l, ids in step.items():
+            np.add.at(counts[l], ids.ravel(), 1)
+    lru = simulate(skew, LruPolicy(cap, 1.0), cost, spec.dense_bytes).hit_rate
+    pin = simulate(skew, PinPolicy(list(range(4)), counts, cap), cost, spec.dense_bytes).hit_rate
+    assert pin > lru + 0.1
+
+
+@pytest.mark.parametrize("make", [
+    lambda cap: StaticPolicy(list(range(6)), 16, cap),
+    lambda cap: LruPolicy(cap, 0.4),
+    lambda cap: AdaptivePolicy(list(range(6)), 16, cap),
+])
+def test_accounting_is_consistent(make):
+    trace = synthetic_trace("flat_skew", SMALL, steps=60, seed=1)
+    cost = CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    policy = make(40)
+    r = simulate(trace, policy, cost, SMALL.dense_bytes)
+    assert r.routed_pairs == 60 * 6 * 4 == trace.num_pairs()
+    assert r.hit_pairs + r.stream_pairs + r.cpu_pairs == r.routed_pairs
+    assert r.stream_pairs == r.streamed_experts          # decode: one token per streamed expert
+    assert r.pcie_bytes == r.streamed_experts * SMALL.expert_bytes
+    assert r.tokens == r.decode_tokens == 60 and r.decode_seconds == pytest.approx(r.seconds)
+    assert len(policy.keys) <= 40
+
+
+def test_static_hit_rate_is_the_resident_layer_share():
+    trace = synthetic_trace("flat", SMALL, steps=30)
+    cost = CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    r = simulate(trace, StaticPolicy(list(range(6)), 16, 16 * 2 + 5), cost, SMALL.dense_bytes)
+    assert r.hit_rate == pytest.approx(2 / 6) and r.cpu_share == pytest.approx(4 / 6)
+    # its time, by hand: 4 CPU layers of 4 experts, 2 resident layers, dense spread over 6 layers
+    p = cost.profile
+    cpu_layer = 4 * SMALL.expert_bytes / (p.cpu_expert_gbps * 1e9) + p.cpu_call_s
+    gpu_layer = 4 * SMALL.expert_bytes / (p.vram_gbps * 1e9)
+    per_token = SMALL.dense_bytes / (p.vram_gbps * 1e9) + 4 * cpu_layer + 2 * gpu_layer
+    assert r.decode_tok_s == pytest.approx(1 / per_token)
+
+
+def test_routing_stats_counts_and_recency():
+    s = RoutingStats(num_layers=2, num_experts=4, half_life_steps=1.0)
+    s.observe(1, 0, np.array([[0, 1], [1, 2]]))
+    n = s.observe(1, 1, np.array([[1, 3]]))
+    assert n.tolist() == [0, 1, 0, 1]
+    assert s.counts[1].tolist() == [1, 3, 1, 1]
+    assert s.recent[1].tolist() == pytest.approx([0.5, 2.0, 0.5, 1.0])
+    assert s.last_step[1].tolist() == [0, 1, 0, 1] and s.last_step[0].tolist() == [-1] * 4
+
+
+def test_bench_prints_one_line_per_profile_trace_policy(tmp_path):
+    trace = synthetic_trace("locality", SMALL, steps=12)
+    trace.save(tmp_path / "rec.jsonl")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "residency_sim.py"), "--steps", "8",
+                           "--models", "qwen3-30b-a3b", "--regimes", "flat", "--trace", str(tmp_path / "rec.jsonl")],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == 2 * 4 * 4                  # (1 synthetic + 1 recorded) x 4 profiles x 4 policies
+    fields = {"profile", "trace", "policy", "hit_rate", "pcie_bytes_per_token", "cpu_share",
+              "predicted_decode_tok_s", "fits_in_vram"}
+    assert all(fields <= set(r) for r in rows)
+    assert {r["policy"] for r in rows} == {"static", "pin", "lru", "ours"}
+    assert {r["trace"] for r in rows} == {"flat@qwen3-30b-a3b", "rec@qwen3-235b-a22b-bytes"}
+    assert all(0 <= r["hit_rate"] <= 1 and 0 <= r["cpu_share"] <= 1 for r in rows)
+    assert "static" in proc.stderr and ("PASS" in proc.stderr or "FAIL" in proc.stderr or "n/a" in proc.stderr)
