@@ -11,8 +11,8 @@ measurement: no accelerator is involved.
 Traces: synthetic decode traces for three regimes (locality, flat_skew, flat) on the geometry of
 real frontier MoEs (Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3, 4.5 bits/weight), plus recorded
 traces (`--trace`, written by `freetoken run --record-routing`). A recorded trace of a tiny model is
-replayed with Qwen3-235B-A22B's expert and dense bytes and the resident fraction that model would
-have on each profile. `pin` counts frequencies on a separate calibration trace (another seed, or
+replayed with Qwen3-235B-A22B's expert bytes, its dense bytes per layer, and the resident fraction
+that model would have on each profile. `pin` counts frequencies on a separate calibration trace (another seed, or
 `--calib-trace`), as an offline profiling run would.
 """
 from __future__ import annotations

@@ -35,8 +35,7 @@ class AdaptivePolicy:
     name = "ours"
 
     def __init__(self, layers: list[int], num_experts: int, capacity: int, half_life_steps: float = 64.0,
-                 learning_rate: float = 0.45, floor_share: float = 0.5, seed: int = 0,
-                 initial_lru: float | None = None):
+                 learning_rate: float = 0.45, floor_share: float = 0.5, seed: int = 0):
         self.layers = list(layers)
         self.capacity = capacity
         n = max(layers) + 1 if layers else 1
@@ -53,7 +52,7 @@ class AdaptivePolicy:
         self._fast_decay = 0.5 ** (1.0 / 8.0)
         self._fast_step = np.zeros((n, num_experts), np.int64)
         self._base = 0                                         # step the inflation is relative to
-        self.weights = np.array([0.5, 0.5]) if initial_lru is None else np.array([initial_lru, 1 - initial_lru])
+        self.weights = np.array([0.5, 0.5])                    # [w_lru, w_lfu]
         self.learning_rate = learning_rate
         self.floor_share = floor_share
         self.ghosts: OrderedDict[Key, tuple[int, int]] = OrderedDict()   # key -> (expert, step)
