@@ -182,6 +182,7 @@ class LLM:
         return req
 
     def abort(self, req: Request) -> None:
+        self._streams.pop(req.request_id, None)
         if not req.finished:
             req.finish_reason = FinishReason.ABORT
             req.finish_time = time.perf_counter()

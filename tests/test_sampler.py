@@ -65,3 +65,17 @@ def test_seed_reproducible_and_temperature_sharpens():
     logits[0, top] += 0.5  # a clear winner: at T=0.05 each rival has weight <= exp(-10)
     cold = _req(SamplingParams(temperature=0.05, seed=1))
     assert sum(sample(logits, [cold])[0] == top for _ in range(50)) >= 45
+
+
+def test_degenerate_limits_behave_as_their_limit():
+    """Found by the server fuzzer: temperature / top_p below fp32's range made the distribution
+    NaN or empty and crashed the engine. Their limit is the top token."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    greedy = [int(i) for i in logits.argmax(-1)]
+    for kw in ({"temperature": 1e-300}, {"top_p": 1e-300}, {"min_p": 1e-300, "top_p": 1e-300},
+               {"temperature": 1e-30, "top_k": 3}):
+        reqs = [_req(SamplingParams(seed=i, **kw)) for i in range(3)]
+        assert sample(logits, reqs) == greedy, kw
+    inf_row = torch.zeros(1, 50)
+    inf_row[0, 7] = float("inf")
+    assert sample(inf_row, [_req(SamplingParams(seed=0))]) == [7]

@@ -26,12 +26,12 @@ def filter_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
     if p.top_k > 0 or p.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        keep = torch.ones_like(sorted_p, dtype=torch.bool)  # keep[0] stays True: never an empty set
         if p.top_k > 0:
             keep[p.top_k:] = False
         if p.top_p < 1.0:
             cum = torch.cumsum(sorted_p, 0) / sorted_p.sum()
-            keep &= (cum - sorted_p / sorted_p.sum()) < p.top_p  # keep the token that crosses top_p
+            keep[1:] &= (cum - sorted_p / sorted_p.sum())[1:] < p.top_p  # keep the token that crosses top_p
         probs = torch.zeros_like(probs).scatter_(0, idx, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
     return probs
 
@@ -45,7 +45,11 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         if p.greedy:
             out.append(int(torch.argmax(row)))
             continue
-        probs = torch.softmax(row / p.temperature, dim=-1)
+        # subtract the max first: a tiny temperature then sends the others to -inf, never NaN
+        probs = torch.softmax((row - row.max()) / p.temperature, dim=-1)
         probs = filter_probs(probs, p)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            out.append(int(torch.argmax(row)))  # degenerate limits (inf logits) behave as greedy
+            continue
         out.append(int(torch.multinomial(probs, 1, generator=req.generator)))
     return out

@@ -36,10 +36,10 @@ class InsertResult(NamedTuple):
 
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "last_access")
+    __slots__ = ("key", "page", "tag", "parent", "children", "last_access")
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None):
-        self.key, self.page, self.parent = key, page, parent
+    def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, tag: int = -1):
+        self.key, self.page, self.parent, self.tag = key, page, parent, tag
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_access = 0
 
@@ -64,8 +64,8 @@ class RadixCache:
             return MatchResult([], 0, None)
         for key in self._keys(tokens):
             child = node.children.get(key)
-            if child is None:
-                break
+            if child is None or child.tag != self.allocator.tags_np[child.page]:
+                break  # a stale node (its page changed hands) never matches
             node = child
             node.last_access = now
             pages.append(node.page)
@@ -78,7 +78,7 @@ class RadixCache:
         for key, page in zip(self._keys(tokens), pages):
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(key, page, node)
+                child = node.children[key] = _Node(key, page, node, int(self.allocator.tags_np[page]))
                 self.allocator.share([page])
                 self.num_pages += 1
                 new += 1

@@ -79,10 +79,12 @@ class Scheduler:
 
     def _release(self, req: Request, publish: bool) -> None:
         """Give back the request's pages (publishing its computed full pages to the cache first)."""
+        valid = self.tracker.valid_pages(req.request_id)
+        if valid is not None and valid != req.page_table:
+            publish = False  # a page changed hands under it: its K/V must not enter the cache
         ns = self.namespace(req) if (publish and self.prefix_cache is not None) else None
         if ns is not None:
             self.prefix_cache.insert(ns, req.all_token_ids[:req.num_computed], req.page_table)
-        valid = self.tracker.valid_pages(req.request_id)
         self.allocator.release(req.page_table if valid is None else valid)  # never free a page we lost
         self.tracker.forget(req.request_id)
         req.page_table = []
@@ -98,6 +100,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        preemptions_before = self.num_preemptions
         for req in list(self.running):
             if req not in self.running or budget == 0:
                 continue
@@ -111,6 +114,8 @@ class Scheduler:
                 chunks.append(ScheduledChunk(req, n))
                 budget -= n
         chunks = [c for c in chunks if c.req in self.running]
+        if self.num_preemptions != preemptions_before:
+            return chunks  # pages are short: readmitting the victim now would only preempt it again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             self._match_prefix(req)

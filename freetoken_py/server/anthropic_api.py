@@ -84,8 +84,9 @@ async def messages(request: Request):
     model = body.get("model") if isinstance(body.get("model"), str) else st.model_name
     msg_id = "msg_" + secrets.token_hex(12)
     parser = prep.parser()
+    stream_flag = get(body, "stream", bool, False)  # validated before submitting: a 400 must not leave work running
     stream = st.engine.submit(prep.prompt_ids, prep.params, get(body, "cache_salt", str))
-    if get(body, "stream", bool, False):
+    if stream_flag:
         events = _events(st, stream, parser, prep, stops, msg_id, model)
         return SSEResponse(events, on_close=lambda: st.engine.abort(stream))
     work = asyncio.ensure_future(collect(st.engine, stream, parser, st.limits.ping_interval_s))

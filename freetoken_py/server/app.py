@@ -35,6 +35,15 @@ from freetoken_py.server.toolcalls import UnsupportedToolFormat
 
 log = logging.getLogger("freetoken.server")
 OPEN_PATHS = ("/health", "/ready", "/")  # no key needed: liveness checks and Claude Code's HEAD /
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def _hostname(value: str) -> str:
+    """'127.0.0.1:8000' -> '127.0.0.1'; '[::1]:8000' -> '::1'; 'http://localhost:1' -> 'localhost'."""
+    value = value.split("://", 1)[-1].split("/", 1)[0].lower()
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
 @dataclass
@@ -95,7 +104,8 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        err = self._auth_error(path, headers) or self._length_error(headers) or self._not_ready(path)
+        err = (self._auth_error(path, headers) or self._origin_error(headers) or self._length_error(headers)
+               or self._not_ready(path))
         if err is not None:
             return await error_response(path, err)(scope, receive, send)
         return await self.app(scope, self._capped(receive), send)
@@ -110,6 +120,20 @@ class Guard:
             return None
         return ApiError(401, "missing or wrong API key (send it as 'x-api-key' or 'Authorization: Bearer')",
                         "authentication", code="invalid_api_key")
+
+    def _origin_error(self, headers: dict) -> ApiError | None:
+        """Without a key the loopback server trusts whoever can reach it, so keep browsers out: a
+        foreign Host is DNS rebinding, a foreign Origin is a web page posting cross-site."""
+        if self.state.api_key:
+            return None
+        host, origin = headers.get("host"), headers.get("origin")
+        if host is not None and _hostname(host) not in LOOPBACK_NAMES:
+            return ApiError(403, f"Host {host!r} is not a loopback name; set --api-key to serve other names",
+                            "permission")
+        if origin is not None and _hostname(origin) not in LOOPBACK_NAMES:
+            return ApiError(403, f"cross-origin request from {origin!r} refused; set --api-key to allow it",
+                            "permission")
+        return None
 
     def _not_ready(self, path: str) -> ApiError | None:
         if not path.startswith("/v1/") or self.state.engine is not None:

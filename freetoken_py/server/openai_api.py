@@ -178,9 +178,10 @@ async def completions(request: Request):
     meta = dict(id="cmpl-" + secrets.token_hex(12), created=int(time.time()),
                 model=body.get("model") if isinstance(body.get("model"), str) else st.model_name)
     parser = prep.parser()
+    stream_flag = get(body, "stream", bool, False)  # validated before submitting (see chat_completions)
+    usage = bool(get(body, "stream_options", dict, {}).get("include_usage"))
     stream = st.engine.submit(ids, params, get(body, "cache_salt", str))
-    if get(body, "stream", bool, False):
-        usage = bool(get(body, "stream_options", dict, {}).get("include_usage"))
+    if stream_flag:
         return SSEResponse(_completion_chunks(st, stream, parser, prep, meta, usage),
                            on_close=lambda: st.engine.abort(stream))
     work = asyncio.ensure_future(collect(st.engine, stream, parser, st.limits.ping_interval_s))

@@ -37,10 +37,12 @@ class ApiError(Exception):
 
 _OPENAI_TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",
                  "not_found": "not_found_error", "too_large": "invalid_request_error",
-                 "rate_limit": "rate_limit_error", "overloaded": "service_unavailable", "api": "server_error"}
+                 "rate_limit": "rate_limit_error", "overloaded": "service_unavailable", "api": "server_error",
+                 "permission": "permission_error"}
 _ANTHROPIC_TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",
                     "not_found": "not_found_error", "too_large": "request_too_large",
-                    "rate_limit": "rate_limit_error", "overloaded": "overloaded_error", "api": "api_error"}
+                    "rate_limit": "rate_limit_error", "overloaded": "overloaded_error", "api": "api_error",
+                    "permission": "permission_error"}
 
 
 def openai_error_body(err: ApiError) -> dict:
