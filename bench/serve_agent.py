@@ -13,6 +13,11 @@ server would apply its own chat handling to chat requests; a text prompt keeps t
 exact). Both reuse the prefix of the previous turn: freetoken through its prefix cache, llama.cpp
 through its single-slot prompt reuse.
 
+The model is bench/common.py's ~0.49B qwen3_moe with its vocabulary cut to the demo tokenizer's
+4,096 tokens (embeddings and lm_head shrink; every layer is the same): with 32,000 random-weight
+logits most sampled ids have no text in that tokenizer, freetoken's stream skips empty deltas,
+and per-token timing could not be observed.
+
 Servers run one at a time (never competing for cores): freetoken first, then llama.cpp.
 TTFT = request sent -> first streamed token; decode tok/s = (tokens - 1) / (last - first token).
 Prints one JSON line.
@@ -76,20 +81,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+def _wait(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 900) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+            raise RuntimeError(f"server exited: {log_path.read_text()[-2000:]}")
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(url)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s: {log_path.read_text()[-2000:]}")
 
 
 def start_server(kind: str, args, model_dir: Path, max_len: int) -> tuple[subprocess.Popen, str]:
@@ -103,9 +108,11 @@ def start_server(kind: str, args, model_dir: Path, max_len: int) -> tuple[subpro
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
                "--host", "127.0.0.1", "--n_ctx", str(max_len), "--n_threads", t, "--n_threads_batch", t]
     env = dict(os.environ, PYTHONPATH=str(common.REPO))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log_path = common.WORK / f"serve_agent-{kind}.log"  # a file, not a pipe: progress output must not block it
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    _wait(url, proc)
+    _wait(url, proc, log_path)
     return proc, url
 
 
@@ -123,8 +130,8 @@ def timed_completion(url: str, prompt: str, num_tokens: int) -> dict:
                 continue
             chunk = json.loads(line[6:])
             usage = chunk.get("usage") or usage
-            if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
-                times.append(time.perf_counter() - t0)
+            if chunk.get("choices") and (chunk["choices"][0].get("finish_reason") is None or not times):
+                times.append(time.perf_counter() - t0)  # one chunk per token (llama.cpp sends empty ones too)
     n = (usage or {}).get("completion_tokens") or len(times)
     span = times[-1] - times[0] if len(times) > 1 else float("nan")
     return {"ttft_s": round(times[0], 4) if times else None, "tokens": n,
@@ -154,20 +161,30 @@ def summary(rows: list[dict]) -> dict:
             "median_decode_tps": round(common.median([r["decode_tps"] for r in rows if r["decode_tps"]]), 2)}
 
 
+def build_model() -> Path:
+    """bench/common.py's ~0.49B checkpoint with vocab_size 4096 (see the module docstring)."""
+    full = common.QWEN3_05B
+    common.QWEN3_05B = dict(full, vocab_size=4096)
+    try:
+        return common.build_qwen3_moe(common.WORK / "qwen3moe-0.5b-v4096-bf16")
+    finally:
+        common.QWEN3_05B = full
+
+
 def main() -> None:
     ap = common.bench_args(__doc__)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--system-chars", type=int, default=6000)
     ap.add_argument("--result-chars", type=int, default=1500)
     args = ap.parse_args()
-    model_dir = common.build_qwen3_moe(common.WORK / "qwen3moe-0.5b-bf16")
+    model_dir = build_model()
     _, per_turn = build_trace(args)
     prompts = render(model_dir, per_turn)
     from freetoken_py.tokenizer import Tokenizer
 
     longest = len(Tokenizer(model_dir).encode(prompts[-1]))
     max_len = longest + args.decode_tokens + 64
-    result = {"bench": "serve_agent", "model": "qwen3_moe ~0.49B (bench/common.py)", "threads": args.threads,
+    result = {"bench": "serve_agent", "model": "qwen3_moe ~0.49B (bench/common.py), vocab 4096", "threads": args.threads,
               "turns": args.turns, "decode_tokens": args.decode_tokens, "prompt_tokens_last_turn": longest,
               "api": "/v1/completions, streamed, temperature 0"}
     engines = ["freetoken"] + ([] if args.no_llama_cpp else ["llama_cpp"])
