@@ -60,6 +60,8 @@ def run(
                                      help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
     dense_dtype: str = typer.Option("auto", "--dense-dtype",
                                     help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8."),
+    expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend: auto (map the packed-expert cache "
+                                     "file, else build and write it), off, or rebuild."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (compute dtype), bf16 or fp8 "
                                  "(e4m3: twice the tokens in the same memory)."),
@@ -82,8 +84,8 @@ def run(
     opts = RunOptions(
         model_dir=_resolve_model(model), prompt=prompt, chat=chat, system=system, as_json=as_json, dtype=dtype,
         max_model_len=max_model_len, kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend,
-        expert_dtype=expert_dtype, dense_dtype=dense_dtype, threads=threads, kv_dtype=kv_dtype,
-        prefix_cache=not no_prefix_cache, stats=stats,
+        expert_dtype=expert_dtype, dense_dtype=dense_dtype, expert_cache=expert_cache, threads=threads,
+        kv_dtype=kv_dtype, prefix_cache=not no_prefix_cache, stats=stats,
         residency=dict(residency="emulate" if emulate_gpu else "off", residency_profile=emulate_gpu or "rtx4090",
                        vram_budget_bytes=int(vram_budget_gb * 1e9), residency_policy=residency_policy,
                        record_routing=str(record_routing or "")),
@@ -115,6 +117,8 @@ def serve(
                                      help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
     dense_dtype: str = typer.Option("auto", "--dense-dtype",
                                     help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8."),
+    expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend: auto (map the packed-expert cache "
+                                     "file, else build and write it), off, or rebuild."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (compute dtype), bf16 or fp8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
@@ -125,7 +129,8 @@ def serve(
 
     engine = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend, expert_dtype=expert_dtype,
-                  dense_dtype=dense_dtype, kv_dtype=kv_dtype, enable_prefix_cache=not no_prefix_cache)
+                  dense_dtype=dense_dtype, expert_cache=expert_cache, kv_dtype=kv_dtype,
+                  enable_prefix_cache=not no_prefix_cache)
     serve_main(ServeOptions(model_dir=_resolve_model(model), host=host, port=port, api_key=api_key,
                             max_queue=max_queue, model_name=served_model_name, threads=threads, engine=engine,
                             limits=ServerLimits(drain_timeout_s=drain_timeout)))

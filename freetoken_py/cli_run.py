@@ -24,6 +24,7 @@ class RunOptions:
     backend: str = "auto"
     expert_dtype: str = "auto"
     dense_dtype: str = "auto"
+    expert_cache: str = "auto"
     threads: int = 0
     kv_dtype: str = "auto"
     prefix_cache: bool = True
@@ -38,7 +39,8 @@ def run_main(opts: RunOptions) -> None:
 
     configure_threads(opts.threads or None)
     llm = LLM(opts.model_dir, dtype=opts.dtype, max_model_len=opts.max_model_len, backend=opts.backend,
-              expert_dtype=opts.expert_dtype, dense_dtype=opts.dense_dtype, kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
+              expert_dtype=opts.expert_dtype, dense_dtype=opts.dense_dtype, expert_cache=opts.expert_cache,
+              kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
               show_progress=not opts.as_json, kv_dtype=opts.kv_dtype, enable_prefix_cache=opts.prefix_cache,
               **opts.residency)
     try:

@@ -19,6 +19,7 @@ class EngineConfig:
     expert_dtype: str = "auto"  # cpu backend: auto (as loaded) | bf16 | fp32 | int8 | int4
     dense_dtype: str = "auto"  # cpu backend: attention/router/lm_head weights: auto (as loaded) | bf16 | fp32 | int8
     expert_group_size: int = 32  # int4 quantisation group (elements sharing one scale)
+    expert_cache: str = "auto"  # cpu backend: auto (map the expert-bank cache file, else build + write it) | off | rebuild
     show_progress: bool = True
     kv_dtype: str = "auto"  # auto (the compute dtype) | bf16 | fp8 (e4m3, per-head scales fixed at warm-up)
     enable_prefix_cache: bool = True  # share full KV pages of common prefixes across requests and turns
@@ -37,6 +38,8 @@ class EngineConfig:
             raise FreetokenError(f"backend must be auto, torch or cpu (got {self.backend!r})")
         if self.expert_dtype not in ("auto", "bf16", "fp32", "int8", "int4"):
             raise FreetokenError(f"expert dtype must be auto, bf16, fp32, int8 or int4 (got {self.expert_dtype!r})")
+        if self.expert_cache not in ("auto", "off", "rebuild"):
+            raise FreetokenError(f"expert cache must be auto, off or rebuild (got {self.expert_cache!r})")
         if self.dense_dtype not in ("auto", "bf16", "fp32", "int8"):
             raise FreetokenError(f"dense dtype must be auto, bf16, fp32 or int8 (got {self.dense_dtype!r})")
         if (self.expert_dtype != "auto" or self.dense_dtype != "auto") and self.backend == "torch":

@@ -40,14 +40,16 @@ class LLM:
     def __init__(self, model: str | Path, **overrides):
         self.config = EngineConfig(model=str(model), **overrides)
         model_dir = Path(self.config.model)
-        self.model = load_model(model_dir, self.config.dtype, self.config.show_progress)
         self.backend = self._resolve_backend()
-        if self.backend == "cpu":
-            from freetoken_py.engine.cpu_backend import use_cpu_kernels
+        if self.backend == "cpu":  # experts come from the expert store (built or mapped), never stacked in torch
+            from freetoken_py.engine.cpu_backend import load_cpu_model
 
             auto = lambda v: None if v == "auto" else v  # noqa: E731
-            use_cpu_kernels(self.model, auto(self.config.expert_dtype), self.config.expert_group_size,
-                            dense_format=auto(self.config.dense_dtype))
+            c = self.config
+            self.model = load_cpu_model(model_dir, c.dtype, auto(c.expert_dtype), c.expert_group_size,
+                                        auto(c.dense_dtype), c.expert_cache, c.show_progress)
+        else:
+            self.model = load_model(model_dir, self.config.dtype, self.config.show_progress)
         self.residency = self._attach_residency()
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None

@@ -1,9 +1,11 @@
 """Switch a loaded model to the numba CPU path: every linear layer becomes a `KernelLinear`, every
 MoE layer's experts an `ExpertBank`, activations fp32.
 
-Conversion runs one layer at a time and drops the torch copies as it goes, so peak memory stays
-near one layer above the final footprint; quantised expert formats (int8 / int4) never keep the
-higher-precision copy.
+`load_cpu_model` is the start-up path: the loader skips the torch expert stacks and the expert
+store (`expert_store.py`) builds the banks straight from the checkpoint, or maps them from its
+disk cache, so peak memory is the dense weights plus the banks plus one layer in flight.
+`use_cpu_kernels` alone also converts a fully loaded model (experts stacked as torch tensors),
+one layer at a time, dropping the torch copies as it goes.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from freetoken_py.errors import FreetokenError
 from freetoken_py.layers.linear import KernelLinear, TorchLinear
+from freetoken_py.models.loader import load_model
 from freetoken_py.models.moe_transformer import MoeTransformer
 
 EXPERT_FORMATS = ("bf16", "fp32", "int8", "int4")
@@ -39,8 +42,24 @@ def _kernel(lin: TorchLinear, fmt: str) -> KernelLinear:
     return KernelLinear(lin.weight, lin.bias, fmt)
 
 
+def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = None, group_size: int = 32,
+                   dense_format: str | None = None, expert_cache: str = "auto",
+                   show_progress: bool = True) -> MoeTransformer:
+    """Load for the cpu backend: dense weights through the loader, experts through the store."""
+    from freetoken_py.engine.expert_store import open_expert_store
+
+    model = load_model(model_dir, dtype, show_progress, experts="skip")
+    fmt = expert_format or dense_format or weight_format(model.dtype)
+    store = open_expert_store(model_dir, model.args, model.dtype, fmt, group_size, expert_cache, show_progress)
+    use_cpu_kernels(model, fmt, group_size, dense_format=dense_format, banks=store.banks)
+    model.expert_store = store  # which file the banks map, for stats and tests
+    return model
+
+
 def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, group_size: int = 32,
-                    progress=None, dense_format: str | None = None) -> None:
+                    progress=None, dense_format: str | None = None, banks: list | None = None) -> None:
+    """banks: prebuilt per-layer ExpertBanks (from the expert store); else converted from the
+    model's torch expert stacks."""
     from freetoken_py.kernels import ExpertBank
 
     dense_fmt = dense_format or weight_format(model.dtype)
@@ -52,17 +71,22 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
         raise FreetokenError(f"int4 experts need hidden size ({a.hidden_size}) and expert width "
                              f"({a.moe_intermediate_size}) divisible by the group size {group_size}")
     w = model.weights
-    banks = []
-    for lw in w.layers:
+    prebuilt, banks = banks, []
+    for i, lw in enumerate(w.layers):
         lw.qkv, lw.o = _kernel(lw.qkv, dense_fmt), _kernel(lw.o, dense_fmt)
         lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
         if lw.q_norm is not None:
             lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
-        if lw.w13 is not None:
+        if lw.router is not None:
             lw.router = _kernel(lw.router, dense_fmt)
-            inter = lw.w13.shape[1] // 2
-            banks.append(ExpertBank.from_weights(lw.w13[:, :inter], lw.w13[:, inter:], lw.w2,
-                                                 fmt=expert_format, group_size=group_size))
+            if prebuilt is not None:
+                banks.append(prebuilt[i])
+            elif lw.w13 is None:
+                raise FreetokenError("model was loaded without its experts; pass the expert store's banks")
+            else:
+                inter = lw.w13.shape[1] // 2
+                banks.append(ExpertBank.from_weights(lw.w13[:, :inter], lw.w13[:, inter:], lw.w2,
+                                                     fmt=expert_format, group_size=group_size))
             lw.w13 = lw.w2 = None
         else:
             lw.mlp13, lw.mlp2 = _kernel(lw.mlp13, dense_fmt), _kernel(lw.mlp2, dense_fmt)

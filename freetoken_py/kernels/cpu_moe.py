@@ -69,13 +69,26 @@ class ExpertBank:
         if tuple(up.shape) != (num_e, inter, hidden) or tuple(down.shape) != (num_e, hidden, inter):
             raise ValueError(f"expected gate/up [E, I, D] and down [E, D, I], got {tuple(gate.shape)}, "
                              f"{tuple(up.shape)}, {tuple(down.shape)}")
-        w13, s13 = empty_rows(fmt, (num_e, 2 * inter), hidden, group_size)
-        w2, s2 = empty_rows(fmt, (num_e, hidden), inter, group_size)
+        bank = cls.empty(fmt, num_e, inter, hidden, group_size)
         for e in range(num_e):
-            encode_rows(_cpu(gate[e]), fmt, group_size, w13[e, :inter], s13[e, :inter])
-            encode_rows(_cpu(up[e]), fmt, group_size, w13[e, inter:], s13[e, inter:])
-            encode_rows(_cpu(down[e]), fmt, group_size, w2[e], s2[e])
+            bank.set_expert(e, gate[e], up[e], down[e])
+        return bank
+
+    @classmethod
+    def empty(cls, fmt: str, num_experts: int, inter: int, hidden: int, group_size: int = 32) -> "ExpertBank":
+        """Uninitialised page-aligned bank of `num_experts` experts; fill it with `set_expert`."""
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
+        w13, s13 = empty_rows(fmt, (num_experts, 2 * inter), hidden, group_size)
+        w2, s2 = empty_rows(fmt, (num_experts, hidden), inter, group_size)
         return cls(fmt, group_size, w13, s13, w2, s2)
+
+    def set_expert(self, e: int, gate, up, down) -> None:
+        """Encode one expert: gate, up [I, D] and down [D, I] (torch, any float dtype)."""
+        inter = self.inter
+        encode_rows(_cpu(gate), self.fmt, self.group_size, self.w13[e, :inter], self.s13[e, :inter])
+        encode_rows(_cpu(up), self.fmt, self.group_size, self.w13[e, inter:], self.s13[e, inter:])
+        encode_rows(_cpu(down), self.fmt, self.group_size, self.w2[e], self.s2[e])
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 fp32 [E, 2I, D], w2 fp32 [E, D, I]) as the kernels see them, for references."""

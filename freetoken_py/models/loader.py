@@ -53,7 +53,13 @@ def read_generation_defaults(model_dir: Path) -> GenerationDefaults:
     return GenerationDefaults(eos_ids, gen.get("bos_token_id", cfg.get("bos_token_id")), sampling)
 
 
-def load_model(model_dir: Path | str, dtype: str = "auto", show_progress: bool = True) -> MoeTransformer:
+def load_model(model_dir: Path | str, dtype: str = "auto", show_progress: bool = True,
+               experts: str = "load") -> MoeTransformer:
+    """experts="skip" loads everything but the routed experts (`w13`/`w2` stay None): for the cpu
+    backend, whose expert store builds its banks from the checkpoint itself. Such a model runs only
+    after an expert executor is attached (`engine.cpu_backend.load_cpu_model` does this)."""
+    if experts not in ("load", "skip"):
+        raise ValueError(f"experts must be 'load' or 'skip', got {experts!r}")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory")
@@ -65,6 +71,6 @@ def load_model(model_dir: Path | str, dtype: str = "auto", show_progress: bool =
     torch_dtype = resolve_dtype(dtype, stored)
     reader = TensorReader(tensors)
     with progress_bar(f"Loading {model_dir.name}", total=args.num_layers, enabled=show_progress) as advance:
-        weights = load_weights(args, scheme, reader, torch_dtype, progress=advance)
+        weights = load_weights(args, scheme, reader, torch_dtype, progress=advance, skip_experts=experts == "skip")
     reader.close()
     return MoeTransformer(args, weights, torch_dtype)

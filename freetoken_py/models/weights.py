@@ -111,7 +111,9 @@ def validate(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], mode
 
 
 def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: torch.dtype,
-                 progress=None) -> ModelWeights:
+                 progress=None, skip_experts: bool = False) -> ModelWeights:
+    """skip_experts: leave `w13`/`w2` None on MoE layers (the cpu backend's expert store builds
+    its banks straight from the checkpoint, so stacking them here would be a second full copy)."""
     def get(name: str) -> torch.Tensor:
         return reader.get(name).to(dtype).contiguous()
 
@@ -119,13 +121,13 @@ def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: tor
     weights = ModelWeights(embed=embed, final_norm=get("model.norm.weight"),
                            lm_head=TorchLinear(embed if a.tie_word_embeddings else get("lm_head.weight")))
     for i in range(a.num_layers):
-        weights.layers.append(_load_layer(a, s, i, get))
+        weights.layers.append(_load_layer(a, s, i, get, skip_experts))
         if progress is not None:
             progress()
     return weights
 
 
-def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
+def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get, skip_experts: bool = False) -> LayerWeights:
     p = s.layer.format(i=i) + "self_attn."
     qkv_w = torch.cat([get(f"{p}{x}_proj.weight") for x in "qkv"])
     qkv_b = torch.cat([get(f"{p}{x}_proj.bias") for x in "qkv"]) if a.attention_bias else None
@@ -140,6 +142,8 @@ def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
     if a.sparse_layers[i]:
         g, u, d = s.expert_proj
         lw.router = TorchLinear(get(p + s.router))
+        if skip_experts:
+            return lw
         experts = [p + s.expert.format(e=e) for e in range(a.num_experts)]
         lw.w13 = torch.stack([torch.cat([get(f"{x}{g}.weight"), get(f"{x}{u}.weight")]) for x in experts])
         lw.w2 = torch.stack([get(f"{x}{d}.weight") for x in experts])

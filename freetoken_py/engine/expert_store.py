@@ -1,0 +1,223 @@
+"""Expert store: every MoE layer's routed experts as one `ExpertBank`, built straight from the
+checkpoint's per-expert safetensors tensors, optionally cached on disk as raw page-aligned arrays.
+
+    store = open_expert_store(model_dir, model.args, torch.bfloat16, fmt="int4", group_size=64)
+    store.banks   # per layer: ExpertBank (MoE layer) or None (dense layer)
+    store.source  # "built" (from the checkpoint) | "cache" (mapped from the cache file)
+
+Building goes one layer at a time, one expert at a time (so peak memory is the dense weights,
+the banks already built, and one layer in flight; int8 / int4 never hold a high-precision copy of
+more than one expert matrix). With the cache on (`cache="auto"`, the default) each built layer is
+written to the cache file and dropped, and the finished file is mapped read-only: the next start
+maps it without touching the checkpoint's expert tensors. See docs/kernels.md#expert-store.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from freetoken_py import envs
+from freetoken_py.engine import expert_cache as fc
+from freetoken_py.errors import FreetokenError
+from freetoken_py.kernels._buffers import row_layout
+from freetoken_py.kernels.cpu_moe import ExpertBank
+from freetoken_py.models import model_module
+from freetoken_py.models.args import ModelArgs
+from freetoken_py.models.checkpoint import TensorReader, list_checkpoint_tensors
+from freetoken_py.utils.progress import progress_bar
+
+CACHE_MODES = ("auto", "off", "rebuild")
+LAYER_BUILDS = 0  # layers encoded from the checkpoint in this process (tests: a cache hit adds none)
+
+
+class ExpertCacheWarning(UserWarning):
+    """A cache file was unusable (and is being rebuilt) or could not be written."""
+
+
+@dataclass
+class ExpertStore:
+    banks: list[ExpertBank | None]
+    source: str  # "built" | "cache"
+    path: Path | None  # the cache file in use, if any
+
+
+def open_expert_store(model_dir: Path | str, args: ModelArgs, dtype: torch.dtype, fmt: str, group_size: int = 32,
+                      cache: str = "auto", show_progress: bool = True) -> ExpertStore:
+    """Banks for every layer. `dtype` is the load dtype: tensors are cast to it before encoding,
+    exactly as the torch loader would, so the bytes match `ExpertBank.from_weights` on its stacks."""
+    if cache not in CACHE_MODES:
+        raise FreetokenError(f"expert cache must be one of {', '.join(CACHE_MODES)} (got {cache!r})")
+    model_dir = Path(model_dir)
+    job = _Job(model_dir, args, dtype, fmt, group_size, show_progress)
+    if cache == "off":
+        return ExpertStore(job.build_in_memory(), "built", None)
+    paths = _candidate_paths(model_dir, job.file_name)
+    if cache == "auto":
+        for path in paths:
+            store = _try_map(path, job)
+            if store is not None:
+                return store
+    for path in paths:
+        try:
+            job.build_to_file(path)
+        except OSError as exc:
+            _warn(f"expert cache: cannot write {path} ({exc.strerror or exc}); trying the next location")
+            continue
+        return ExpertStore(_mapped_banks(path, job), "built", path)
+    _warn("expert cache: no writable location; keeping the experts in memory (next start rebuilds)")
+    return ExpertStore(job.build_in_memory(), "built", None)
+
+
+def _warn(msg: str) -> None:
+    # explicit location: the CLI prints one line ("freetoken:0: ExpertCacheWarning: ..."), not a source line
+    warnings.warn_explicit(msg, ExpertCacheWarning, "freetoken", 0, module=__name__)
+
+
+def _try_map(path: Path, job: "_Job") -> ExpertStore | None:
+    if not path.exists():
+        return None
+    try:
+        fc.check_header(fc.read_header(path), job.header, path)
+        return ExpertStore(_mapped_banks(path, job), "cache", path)
+    except (fc.CacheInvalid, OSError, ValueError) as exc:
+        _warn(f"expert cache {path}: {exc}; rebuilding")
+        return None
+
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _candidate_paths(model_dir: Path, name: str) -> list[Path]:
+    """Next to the model when that directory is writable, else the user cache dir. The bundled
+    demo model always uses the user cache dir (never write into the installed package / checkout)."""
+    resolved = model_dir.resolve()
+    key = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
+    user = envs.cache_dir() / "experts" / key / name
+    if os.access(model_dir, os.W_OK) and not resolved.is_relative_to(_PACKAGE_DIR):
+        return [model_dir / name, user]
+    return [user]
+
+
+def _mapped_banks(path: Path, job: "_Job") -> list[ExpertBank | None]:
+    banks = [None if a is None else ExpertBank(job.fmt, job.group_size, a["w13"], a["s13"], a["w2"], a["s2"])
+             for a in fc.map_arrays(path, job.header)]
+    pin_banks(banks, file_backed=True)
+    return banks
+
+
+class _Job:
+    """What to build (names, shapes, format) and the cache header that describes it."""
+
+    def __init__(self, model_dir: Path, args: ModelArgs, dtype: torch.dtype, fmt: str, group_size: int,
+                 show_progress: bool):
+        _check_format(args, fmt, group_size)
+        self.model_dir, self.args, self.dtype, self.fmt, self.group_size = model_dir, args, dtype, fmt, group_size
+        self.show_progress = show_progress
+        self.scheme = model_module(args.model_type).SCHEME
+        self.tensors = list_checkpoint_tensors(model_dir)
+        src = str(dtype).removeprefix("torch.")
+        self.file_name = f"freetoken-experts-{fmt}-g{group_size}-from-{src}.bin"
+        files = sorted({t.file for t in self.tensors.values()})
+        identity = {"model_type": args.model_type, "load_dtype": src,
+                    "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+        specs = [self._spec() if sparse else None for sparse in args.sparse_layers]
+        self.raw_header, self.header = fc.plan_layout(
+            specs, {"identity": identity, "fmt": fmt, "group_size": group_size})
+
+    def _spec(self) -> dict:
+        a = self.args
+        e, i, d = a.num_experts, a.moe_intermediate_size, a.hidden_size
+        dt13, items13, g13 = row_layout(self.fmt, d, self.group_size)
+        dt2, items2, g2 = row_layout(self.fmt, i, self.group_size)
+        f32 = np.dtype(np.float32).str
+        return {"w13": (dt13.str, (e, 2 * i, items13)), "s13": (f32, (e, 2 * i, g13)),
+                "w2": (dt2.str, (e, d, items2)), "s2": (f32, (e, d, g2))}
+
+    def layers(self):
+        """Yields (layer index, ExpertBank) for each MoE layer, built from the checkpoint."""
+        sparse = [i for i, s in enumerate(self.args.sparse_layers) if s]
+        reader = TensorReader(self.tensors)
+        with progress_bar(f"Packing experts ({self.fmt})", total=len(sparse), enabled=self.show_progress) as advance:
+            for i in sparse:
+                bank = self._build_layer(reader, i)
+                reader.close()  # unmap the shards: their touched pages would otherwise stay resident
+                yield i, bank
+                advance()
+
+    def _build_layer(self, reader: TensorReader, i: int) -> ExpertBank:
+        global LAYER_BUILDS
+        a, s = self.args, self.scheme
+        bank = ExpertBank.empty(self.fmt, a.num_experts, a.moe_intermediate_size, a.hidden_size, self.group_size)
+        prefix = s.layer.format(i=i)
+        for e in range(a.num_experts):
+            names = [f"{prefix}{s.expert.format(e=e)}{proj}.weight" for proj in s.expert_proj]  # gate, up, down
+            bank.set_expert(e, *(reader.get(n).to(self.dtype) for n in names))
+        LAYER_BUILDS += 1
+        return bank
+
+    def build_in_memory(self) -> list[ExpertBank | None]:
+        banks: list[ExpertBank | None] = [None] * self.args.num_layers
+        for i, bank in self.layers():
+            banks[i] = bank
+        pin_banks(banks)
+        return banks
+
+    def build_to_file(self, path: Path) -> None:
+        """Stream every layer into `path` (via a temp file + rename, so a crash leaves no half file)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                fc.write_prefix(f, self.raw_header)
+                for i, bank in self.layers():
+                    fc.write_layer(f, self.header["layers"][i],
+                                   {"w13": bank.w13, "s13": bank.s13, "w2": bank.w2, "s2": bank.s2})
+                f.truncate(self.header["file_bytes"])
+            os.replace(tmp, path)
+        except BaseException:
+            fc.remove_quietly(tmp)
+            raise
+
+
+def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:
+    if fmt not in ("bf16", "fp32", "int8", "int4"):
+        raise FreetokenError(f"expert format must be bf16, fp32, int8 or int4 (got {fmt!r})")
+    if fmt == "int4":
+        if group_size not in (32, 64, 128):
+            raise FreetokenError(f"int4 group size must be 32, 64 or 128 (got {group_size})")
+        if args.hidden_size % group_size or args.moe_intermediate_size % group_size:
+            raise FreetokenError(f"int4 experts need hidden size ({args.hidden_size}) and expert width "
+                                 f"({args.moe_intermediate_size}) divisible by the group size {group_size}")
+
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (as torch.cuda._pin_memory_utils does)
+_CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA >= 11.1): the device only reads
+
+
+def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False) -> int:
+    """Page-lock the banks' memory when CUDA is present, so host->device expert copies can be
+    asynchronous. Returns the bytes registered. UNTESTED: no GPU on the development machine; a
+    failure only warns (the banks still work for the CPU kernels). Registered memory stays
+    registered for the life of the process (the banks live that long). `file_backed` banks map the
+    cache file copy-on-write: they are registered read-only, since pinning them for writing would
+    break copy-on-write and copy every page."""
+    if not torch.cuda.is_available():
+        return 0
+    cudart, done = torch.cuda.cudart(), 0
+    for bank in banks:
+        for a in () if bank is None else (bank.w13, bank.s13, bank.w2, bank.s2):
+            if a.nbytes == 0:
+                continue
+            flags = _CUDA_HOST_REGISTER_PORTABLE | (_CUDA_HOST_REGISTER_READ_ONLY if file_backed else 0)
+            err = cudart.cudaHostRegister(a.ctypes.data, a.nbytes, flags)
+            if int(err) != 0:
+                _warn(f"expert store: cudaHostRegister failed ({err}); expert copies to the GPU will not be async")
+                return done
+            done += a.nbytes
+    return done
