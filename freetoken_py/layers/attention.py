@@ -63,9 +63,37 @@ def paged_attention(cache: KVCache, layer: int, meta: AttentionMetadata, q: torc
             out[seq.q_start] = _decode_attention(q[seq.q_start], kc, vc, scale)
             continue
         qs = q[seq.q_start:seq.q_end].transpose(0, 1)  # [Hq, n, hd]
-        o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=seq.mask, scale=scale, enable_gqa=True)
+        if seq.mask is None:
+            o = F.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=True)
+        else:
+            o = _prefill_attention(qs, kc, vc, seq.mask, scale)
         out[seq.q_start:seq.q_end] = o.transpose(0, 1)
     return out.flatten(1)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                       block: int = 64) -> torch.Tensor:
+    """Masked attention of n new tokens that end a context of ctx keys, in query blocks.
+
+    Each block reads keys only up to its last query's position (the rest are masked anyway), so a
+    causal prefill does about half of the rectangle; query groups share their KV head via bmm.
+    On the CPU this is ~3x faster than SDPA with a mask (measured in docs/performance.md).
+    q: [Hq, n, hd]; k, v: [Hkv, ctx, hd]; mask: [n, ctx] True = attend. Returns [Hq, n, hd].
+    """
+    num_kv, n, ctx = k.shape[0], q.shape[1], k.shape[1]
+    group = q.shape[0] // num_kv
+    qg = q.reshape(num_kv, group, n, q.shape[-1])  # [Hkv, g, n, hd]
+    out = torch.empty_like(qg)
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        limit = ctx - n + e  # keys after the block's last query position are never visible
+        qb = qg[:, :, s:e].reshape(num_kv, group * (e - s), -1)  # [Hkv, g*b, hd]
+        scores = torch.bmm(qb, k[:, :limit].transpose(1, 2)) * scale  # [Hkv, g*b, limit]
+        scores = scores.view(num_kv, group, e - s, limit).masked_fill_(~mask[s:e, :limit], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float).to(v.dtype)  # [Hkv, g, b, limit]
+        out[:, :, s:e] = torch.bmm(probs.view(num_kv, group * (e - s), limit), v[:, :limit]).view(
+            num_kv, group, e - s, -1)
+    return out.reshape(q.shape)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
