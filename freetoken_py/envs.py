@@ -12,7 +12,13 @@ from pathlib import Path
 ENV_VARS: dict[str, str] = {
     "FREETOKEN_CACHE_DIR": "Directory for freetoken's caches (hardware profile, ...). "
     "Default: $XDG_CACHE_HOME/freetoken, else ~/.cache/freetoken.",
+    "FREETOKEN_MALLOC_TUNING": "0 leaves glibc malloc's defaults alone (default 1: keep freed "
+    "activation buffers in the heap instead of returning them to the OS; see docs/performance.md).",
 }
+
+
+def malloc_tuning() -> bool:
+    return os.environ.get("FREETOKEN_MALLOC_TUNING", "1") != "0"
 
 
 def cache_dir() -> Path:

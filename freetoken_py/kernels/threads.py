@@ -30,4 +30,26 @@ def configure_threads(n: int | None = None) -> int:
     n = min(n, numba.config.NUMBA_NUM_THREADS)  # numba's pool size is fixed at its first use
     numba.set_num_threads(n)
     torch.set_num_threads(n)
+    tune_allocator()
     return n
+
+
+def tune_allocator() -> bool:
+    """Make glibc keep large freed blocks in the heap (no mmap/munmap per tensor).
+
+    By default every allocation over ~128 KB-32 MB is a fresh mmap, so each decode step's gathered
+    K/V and intermediate tensors page-fault in anew: at a 2,000-token context that was ~15-20% of a
+    decode step here (docs/performance.md). Returns whether the setting was applied (glibc only).
+    """
+    import ctypes
+
+    from freetoken_py.envs import malloc_tuning
+
+    if not malloc_tuning():
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 512 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):  # not glibc (macOS, musl): leave the allocator alone
+        return False
