@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from freetoken_py.server.chat import anthropic_messages, anthropic_tools
 from freetoken_py.server.generation import (
     Prepared,
-    collect,
+    collect_or_disconnect,
     prepare_chat,
     render_chat,
     stream_error,
@@ -34,7 +34,6 @@ from freetoken_py.server.sse import (
     SSEResponse,
     engine_events,
     event_line,
-    until_disconnect,
 )
 from freetoken_py.server.toolcalls import (
     ReasoningDelta,
@@ -89,12 +88,9 @@ async def messages(request: Request):
     if stream_flag:
         events = _events(st, stream, parser, prep, stops, msg_id, model)
         return SSEResponse(events, on_close=lambda: st.engine.abort(stream))
-    work = asyncio.ensure_future(collect(st.engine, stream, parser, st.limits.ping_interval_s))
-    got = await until_disconnect(request.receive, work, lambda: st.engine.abort(stream))
+    got = await collect_or_disconnect(request.receive, st, stream, parser)
     if got is None:
         return Response(status_code=499)
-    if got.final.error:
-        raise stream_error(got.final)
     parsed = got.parsed
     content = []
     if parsed.reasoning:

@@ -10,7 +10,7 @@ from freetoken_py.core import SamplingParams
 from freetoken_py.errors import FreetokenError
 from freetoken_py.server.async_engine import AsyncEngine
 from freetoken_py.server.protocol import ApiError, bad, clamp_max_tokens, fix_sampling
-from freetoken_py.server.sse import Final, engine_events
+from freetoken_py.server.sse import Final, engine_events, until_disconnect
 from freetoken_py.server.toolcalls import (
     OutputParser,
     ParsedOutput,
@@ -82,6 +82,16 @@ async def collect(engine: AsyncEngine, stream, parser: OutputParser, ping_s: flo
         elif ev is not None:
             events.append(ev)
     return Collected(collect_events(events), final)
+
+
+async def collect_or_disconnect(receive, st, stream, parser: OutputParser) -> Collected | None:
+    """A non-streamed response: the whole generation, or None when the client hung up first (the
+    request is then aborted and its pages freed). A generation that ended in error raises it."""
+    work = asyncio.ensure_future(collect(st.engine, stream, parser, st.limits.ping_interval_s))
+    got = await until_disconnect(receive, work, lambda: st.engine.abort(stream))
+    if got is not None and got.final.error:
+        raise stream_error(got.final)
+    return got
 
 
 def stream_error(final: Final) -> ApiError:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from freetoken_py.server.chat import openai_messages, openai_tools
 from freetoken_py.server.generation import (
     Prepared,
-    collect,
+    collect_or_disconnect,
     make_params,
     prepare_chat,
     stream_error,
@@ -35,7 +35,6 @@ from freetoken_py.server.sse import (
     SSEResponse,
     data_line,
     engine_events,
-    until_disconnect,
 )
 from freetoken_py.server.toolcalls import (
     ReasoningDelta,
@@ -89,12 +88,9 @@ async def chat_completions(request: Request):
         usage = bool(opts.get("include_usage"))
         chunks = _chat_chunks(st, stream, parser, prep, meta, usage)
         return SSEResponse(chunks, on_close=lambda: st.engine.abort(stream))
-    work = asyncio.ensure_future(collect(st.engine, stream, parser, st.limits.ping_interval_s))
-    got = await until_disconnect(request.receive, work, lambda: st.engine.abort(stream))
+    got = await collect_or_disconnect(request.receive, st, stream, parser)
     if got is None:
         return Response(status_code=499)
-    if got.final.error:
-        raise stream_error(got.final)
     return JSONResponse(_chat_body(got, prep, meta))
 
 
@@ -184,12 +180,9 @@ async def completions(request: Request):
     if stream_flag:
         return SSEResponse(_completion_chunks(st, stream, parser, prep, meta, usage),
                            on_close=lambda: st.engine.abort(stream))
-    work = asyncio.ensure_future(collect(st.engine, stream, parser, st.limits.ping_interval_s))
-    got = await until_disconnect(request.receive, work, lambda: st.engine.abort(stream))
+    got = await collect_or_disconnect(request.receive, st, stream, parser)
     if got is None:
         return Response(status_code=499)
-    if got.final.error:
-        raise stream_error(got.final)
     out = got.final.output
     return JSONResponse({**meta, "object": "text_completion", "system_fingerprint": None,
                          "choices": [{"index": 0, "text": got.parsed.content, "logprobs": None,
