@@ -148,7 +148,12 @@ def run_plan(plan: LaunchPlan) -> int:
 
 def launch_main(agent: str, url: str = DEFAULT_URL, api_key: str | None = None, extra: list[str] | None = None,
                 max_output_tokens: int | None = None, agent_bin: str | None = None, print_only: bool = False) -> int:
-    exe = find_agent(agent, agent_bin)
+    try:
+        exe = find_agent(agent, agent_bin)
+    except FreetokenError:
+        if not print_only or agent not in AGENTS:
+            raise
+        exe = agent_bin or AGENTS[agent][0]  # printing the settings needs no installed agent
     info = fetch_server_info(url, api_key)
     max_output = output_limit(info.context_len, max_output_tokens)
     make = claude_plan if agent == "claude" else opencode_plan

@@ -120,3 +120,12 @@ def test_agent_not_installed(server):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("freetoken: error: opencode is not installed (`opencode` is not on PATH); "
                                    "install it with `npm install -g opencode-ai`")
+
+
+def test_print_config_needs_no_installed_agent(server):
+    """--print-config shows what would run (the settings come from the server), agent or not."""
+    proc = _launch("claude", "--url", server.url, "--api-key", "sekrit", "--print-config",
+                   env={"PATH": "/nonexistent"})
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["argv"][0] == "claude" and plan["env"]["ANTHROPIC_BASE_URL"] == server.url
