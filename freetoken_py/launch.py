@@ -66,7 +66,7 @@ def fetch_server_info(url: str, api_key: str | None = None, timeout_s: float = 5
     except ValueError:
         raise FreetokenError(f"{url}/v1/models did not return JSON; is this a freetoken server?") from None
     models = body.get("data") if isinstance(body, dict) else None
-    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+    if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
         raise FreetokenError(f"{url}/v1/models lists no model")
     first = models[0]
     context = first.get("context_length") or first.get("max_model_len")

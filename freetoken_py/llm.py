@@ -62,6 +62,7 @@ class LLM:
         self.prefix_cache = RadixCache(self.allocator, self.config.page_size) if self.config.enable_prefix_cache else None
         self.tracker = (IntegrityTracker if self.config.kv_integrity_check else NullTracker)(self.allocator)
         self._model_identity = self._identity(model_dir)
+        self._namespace_base: tuple | None = None
         self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.prefix_cache, self._cache_namespace,
                                    self.tracker)
@@ -111,13 +112,17 @@ class LLM:
         files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(model_dir.glob("*.safetensors")))
         c = self.config
         return (str(model_dir.resolve()), files, self.backend, str(self.model.dtype), c.expert_dtype, c.dense_dtype,
-                c.expert_group_size, getattr(c, "residency", None))
+                c.expert_group_size, c.residency)
 
     def _cache_namespace(self, req: Request):
         """Cache key namespace: model identity, KV dtype and scales, client salt. None = not cacheable
         (FP8 scales not calibrated yet; `_calibrate_kv` does that in the constructor)."""
-        scales = self.runner.cache.scales_fingerprint()
-        return None if scales is None else (self._model_identity, scales, req.cache_salt)
+        if self._namespace_base is None:  # fixed once the scales are (they never change after)
+            scales = self.runner.cache.scales_fingerprint()
+            if scales is None:
+                return None
+            self._namespace_base = (self._model_identity, scales)
+        return (self._namespace_base, req.cache_salt)
 
     def _calibrate_kv(self, num_tokens: int = 64) -> None:
         """FP8 KV: fix the per-head scales once, from a prefill of a fixed pseudo-random token set,

@@ -80,3 +80,22 @@ def reference_model(path: Path, dtype=torch.float32):
 def random_prompt(length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (length,), generator=g).tolist()
+
+
+# ---- the real server on 127.0.0.1 (tests/server_util.py), shared by the server test modules ----
+@pytest.fixture(scope="module")
+def srv():
+    """A `freetoken serve` of the demo model (fp32) in a background thread, one per test module."""
+    from server_util import ServerThread
+
+    with ServerThread() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The reference: the same demo model through `LLM` directly, no server, no prefix cache."""
+    from freetoken_py.cli import DEMO_MODEL
+    from freetoken_py.llm import LLM
+
+    return LLM(DEMO_MODEL, dtype="float32", show_progress=False, enable_prefix_cache=False)

@@ -9,11 +9,8 @@ import json
 import anthropic
 import httpx
 import pytest
-from server_util import ServerThread
 
-from freetoken_py.cli import DEMO_MODEL
 from freetoken_py.core import SamplingParams
-from freetoken_py.llm import LLM
 from freetoken_py.server.anthropic_api import _Blocks
 from freetoken_py.server.toolcalls import (
     ReasoningDelta,
@@ -32,19 +29,8 @@ GREEDY = {"temperature": 0}  # the 2.14 SDK has no temperature argument; the ser
 
 
 @pytest.fixture(scope="module")
-def srv():
-    with ServerThread() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def client(srv):
     return anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return LLM(DEMO_MODEL, dtype="float32", show_progress=False, enable_prefix_cache=False)
 
 
 def _sse(raw: str) -> list[tuple[str, dict]]:

@@ -9,11 +9,8 @@ import json
 import httpx
 import openai
 import pytest
-from server_util import ServerThread
 
-from freetoken_py.cli import DEMO_MODEL
 from freetoken_py.core import SamplingParams
-from freetoken_py.llm import LLM
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city",
@@ -22,19 +19,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def srv():
-    with ServerThread() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def client(srv):
     return openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return LLM(DEMO_MODEL, dtype="float32", show_progress=False, enable_prefix_cache=False)
 
 
 def _greedy(ref, ids, n):

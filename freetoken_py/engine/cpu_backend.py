@@ -47,7 +47,9 @@ def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = N
                    show_progress: bool = True) -> MoeTransformer:
     """Load for the cpu backend: dense weights through the loader, experts through the store."""
     from freetoken_py.engine.expert_store import open_expert_store
+    from freetoken_py.kernels.threads import tune_allocator
 
+    tune_allocator()  # process-wide, idempotent: every cpu-backend LLM gets it, not only the CLI
     model = load_model(model_dir, dtype, show_progress, experts="skip")
     fmt = expert_format or dense_format or weight_format(model.dtype)
     store = open_expert_store(model_dir, model.args, model.dtype, fmt, group_size, expert_cache, show_progress)

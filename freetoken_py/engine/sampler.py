@@ -1,6 +1,8 @@
 """Token sampling: penalties, temperature, top-k, top-p, min-p; per-request seeded generators."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from freetoken_py.core import Request, SamplingParams
@@ -45,11 +47,11 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         if p.greedy:
             out.append(int(torch.argmax(row)))
             continue
-        # subtract the max first: a tiny temperature then sends the others to -inf, never NaN
-        probs = torch.softmax((row - row.max()) / p.temperature, dim=-1)
-        probs = filter_probs(probs, p)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-            out.append(int(torch.argmax(row)))  # degenerate limits (inf logits) behave as greedy
+        top = float(row.max())
+        scaled = (row - top) / p.temperature  # max first: a tiny temperature sends the rest to -inf
+        if not math.isfinite(top) or math.isnan(float(scaled.max())):
+            out.append(int(torch.argmax(row)))  # inf logits, or a temperature fp32 rounds to 0: greedy
             continue
+        probs = filter_probs(torch.softmax(scaled, dim=-1), p)  # filter keeps the top token: never empty
         out.append(int(torch.multinomial(probs, 1, generator=req.generator)))
     return out

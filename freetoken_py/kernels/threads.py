@@ -30,7 +30,6 @@ def configure_threads(n: int | None = None) -> int:
     n = min(n, numba.config.NUMBA_NUM_THREADS)  # numba's pool size is fixed at its first use
     numba.set_num_threads(n)
     torch.set_num_threads(n)
-    tune_allocator()
     return n
 
 

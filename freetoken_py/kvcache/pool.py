@@ -88,6 +88,7 @@ class KVCache:
         # [L, Hkv] fp32 scales; 0 = layer not calibrated yet (fp8 only)
         self.k_scale = torch.zeros(num_layers, num_kv_heads)
         self.v_scale = torch.zeros(num_layers, num_kv_heads)
+        self._layer_calibrated = [not self.quantized] * num_layers  # a Python flag: no tensor op per write
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -97,7 +98,7 @@ class KVCache:
 
     @property
     def calibrated(self) -> bool:
-        return not self.quantized or bool((self.k_scale[:, 0] > 0).all())
+        return all(self._layer_calibrated)
 
     def scales_fingerprint(self) -> tuple | None:
         """What the stored bytes mean: part of the prefix cache's namespace. None until calibrated."""
@@ -119,9 +120,10 @@ class KVCache:
             self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
             return
-        if self.k_scale[layer, 0] == 0:  # first write to this layer: calibrate once, then fixed
+        if not self._layer_calibrated[layer]:  # first write to this layer: calibrate once, then fixed
             self.k_scale[layer] = _calibrate(k)
             self.v_scale[layer] = _calibrate(v)
+            self._layer_calibrated[layer] = True
         self.k[layer].index_copy_(0, slots, _quantize(k, self.k_scale[layer]))
         self.v[layer].index_copy_(0, slots, _quantize(v, self.v_scale[layer]))
 

@@ -133,10 +133,14 @@ class Scheduler:
     def publish_prompts(self, chunks: list[ScheduledChunk]) -> None:
         """After a forward: cache the prompt pages of requests whose prefill just completed, so
         requests arriving while they decode can share them."""
+        if self.prefix_cache is None:
+            return
         for ch in chunks:
             req, n = ch.req, len(ch.req.prompt_token_ids)
-            ns = self.namespace(req) if self.prefix_cache is not None else None
-            if ns is not None and req.num_computed - ch.num_new < n <= req.num_computed:
+            if not req.num_computed - ch.num_new < n <= req.num_computed:
+                continue  # decode steps and unfinished prefill chunks: nothing to publish
+            ns = self.namespace(req)
+            if ns is not None:
                 self.prefix_cache.insert(ns, req.prompt_token_ids, req.page_table)
 
     def finish(self, req: Request, publish: bool = True) -> None:

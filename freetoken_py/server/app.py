@@ -29,13 +29,13 @@ from freetoken_py.server.protocol import (
     ApiError,
     ServerLimits,
     anthropic_error_body,
+    is_loopback,
     openai_error_body,
 )
 from freetoken_py.server.toolcalls import UnsupportedToolFormat
 
 log = logging.getLogger("freetoken.server")
 OPEN_PATHS = ("/health", "/ready", "/")  # no key needed: liveness checks and Claude Code's HEAD /
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
 def _hostname(value: str) -> str:
@@ -127,10 +127,10 @@ class Guard:
         if self.state.api_key:
             return None
         host, origin = headers.get("host"), headers.get("origin")
-        if host is not None and _hostname(host) not in LOOPBACK_NAMES:
+        if host is not None and not is_loopback(_hostname(host)):
             return ApiError(403, f"Host {host!r} is not a loopback name; set --api-key to serve other names",
                             "permission")
-        if origin is not None and _hostname(origin) not in LOOPBACK_NAMES:
+        if origin is not None and not is_loopback(_hostname(origin)):
             return ApiError(403, f"cross-origin request from {origin!r} refused; set --api-key to allow it",
                             "permission")
         return None
@@ -145,7 +145,8 @@ class Guard:
         raw = headers.get("content-length")
         if raw is None:
             return None
-        if not raw.strip().isdigit():
+        raw = raw.strip()
+        if not (raw.isascii() and raw.isdigit()):  # "²".isdigit() is True but int() rejects it
             return ApiError(400, "invalid Content-Length header")
         return self._too_large() if int(raw) > self.state.limits.max_body_bytes else None
 

@@ -167,7 +167,7 @@ class AsyncEngine:
             self._inbox.put(("stats", fut))
             try:
                 pages = await asyncio.wait_for(asyncio.wrap_future(fut), 60)
-            except TimeoutError:  # a very long step: answer with the loop-side counters only
+            except asyncio.TimeoutError:  # a very long step: answer with the loop-side counters only
                 pages = {"stale": True}
         s = self.stats
         return {**pages, "active": self.num_active, "max_queue": self.max_queue, "accepting": self.accepting,

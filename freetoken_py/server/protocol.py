@@ -6,6 +6,7 @@ shape. Anything a client could send ends as a value or an ApiError, never an exc
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass
 
@@ -20,6 +21,16 @@ class ServerLimits:
     max_stop: int = 16
     ping_interval_s: float = 5.0  # keep-alive comment / ping while nothing else is sent
     drain_timeout_s: float = 30.0  # SIGTERM: how long running requests may finish
+
+
+def is_loopback(host: str) -> bool:
+    """'localhost' or any loopback address (127.0.0.0/8, ::1), bracketed or not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ApiError(Exception):

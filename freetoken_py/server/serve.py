@@ -5,14 +5,13 @@ exits at once)."""
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from freetoken_py.errors import FreetokenError
-from freetoken_py.server.protocol import ServerLimits
+from freetoken_py.server.protocol import ServerLimits, is_loopback
 
 log = logging.getLogger("freetoken.server")
 
@@ -28,15 +27,6 @@ class ServeOptions:
     threads: int = 0
     limits: ServerLimits = field(default_factory=ServerLimits)
     engine: dict = field(default_factory=dict)  # EngineConfig overrides (dtype, max_model_len, ...)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_options(opts: ServeOptions) -> None:
