@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import WORK, build_qwen3_moe  # noqa: E402
+from bench.common import WORK, build_qwen3_moe, emit, log  # noqa: E402
 
 MODES = ("old", "rebuild", "auto", "off")
 
@@ -54,12 +54,20 @@ def main() -> None:
     for f in src.iterdir():
         if f.is_file() and not (model_dir / f.name).exists():
             os.link(f, model_dir / f.name)
+    rows: dict[str, dict] = {}
     for fmt in args.formats:
         for mode in MODES:
             proc = subprocess.run([sys.executable, __file__, "--child", mode, fmt, "--model", str(model_dir),
                                    "--threads", str(args.threads)], capture_output=True, text=True, check=True)
             res = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"{fmt:5s} {mode:8s} {res['seconds']:7.2f} s   peak RSS {res['peak_rss_mib']:7.0f} MiB", flush=True)
+            rows.setdefault(fmt, {})[mode] = res
+            log(f"{fmt:5s} {mode:8s} {res['seconds']:7.2f} s   peak RSS {res['peak_rss_mib']:7.0f} MiB")
+        old = rows[fmt].get("old")  # the previous load path is the baseline of every other mode
+        if old:
+            for mode, res in rows[fmt].items():
+                res["seconds_vs_old"] = round(res["seconds"] / old["seconds"], 3)
+                res["peak_rss_vs_old"] = round(res["peak_rss_mib"] / old["peak_rss_mib"], 3)
+    emit({"bench": "expert_store_startup", "threads": args.threads, "results": rows})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from freetoken_py.layers.attention import _prefill_attention
 
 
 @pytest.mark.parametrize("n,ctx,hq,hkv,window,block", [
-    (1 + 0, 1, 2, 1, None, 64), (17, 17, 4, 2, None, 64), (130, 130, 8, 2, None, 64),
+    (1, 1, 2, 1, None, 64), (17, 17, 4, 2, None, 64), (130, 130, 8, 2, None, 64),
     (5, 300, 4, 4, None, 2), (70, 200, 6, 2, 32, 16), (64, 64, 4, 1, 8, 64)])
 def test_blocked_prefill_attention_matches_sdpa(n, ctx, hq, hkv, window, block):
     g = torch.Generator().manual_seed(n * 1000 + ctx)

@@ -34,6 +34,8 @@ class Streamer:
             dst2.copy_(src2)
             return
         with torch.cuda.stream(self._stream):
+            # the slot or staging buffer may still be read by compute queued earlier: wait for it first
+            self._stream.wait_stream(torch.cuda.current_stream())
             dst13.copy_(src13, non_blocking=True)
             dst2.copy_(src2, non_blocking=True)
         torch.cuda.current_stream().wait_stream(self._stream)   # compute waits for this copy only
