@@ -63,7 +63,7 @@ def run(
     expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend: auto (map the packed-expert cache "
                                      "file, else build and write it), off, or rebuild."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (compute dtype), bf16 or fp8 "
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8 "
                                  "(e4m3: twice the tokens in the same memory)."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache",
                                          help="Do not reuse KV pages of earlier turns/requests."),
@@ -120,7 +120,7 @@ def serve(
     expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend: auto (map the packed-expert cache "
                                      "file, else build and write it), off, or rebuild."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (compute dtype), bf16 or fp8."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions) and Anthropic (/v1/messages) APIs."""

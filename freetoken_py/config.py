@@ -21,7 +21,7 @@ class EngineConfig:
     expert_group_size: int = 32  # int4 quantisation group (elements sharing one scale)
     expert_cache: str = "auto"  # cpu backend: auto (map the expert-bank cache file, else build + write it) | off | rebuild
     show_progress: bool = True
-    kv_dtype: str = "auto"  # auto (the compute dtype) | bf16 | fp8 (e4m3, per-head scales fixed at warm-up)
+    kv_dtype: str = "auto"  # auto (the checkpoint dtype on the cpu backend, else the compute dtype) | fp32 | bf16 | fp8 (e4m3, per-head scales fixed at warm-up)
     enable_prefix_cache: bool = True  # share full KV pages of common prefixes across requests and turns
     kv_integrity_check: bool = True  # page generation tags checked before every step (see kvcache/tags.py)
     residency: str = "off"  # off | emulate (accelerator tier on CPU tensors, times from a profile) | cuda
@@ -45,8 +45,8 @@ class EngineConfig:
         if (self.expert_dtype != "auto" or self.dense_dtype != "auto") and self.backend == "torch":
             raise FreetokenError("--expert-dtype needs the cpu backend (the torch backend runs weights as stored)")
         self._check_residency()
-        if self.kv_dtype not in ("auto", "bf16", "fp8"):
-            raise FreetokenError(f"kv dtype must be auto, bf16 or fp8 (got {self.kv_dtype!r})")
+        if self.kv_dtype not in ("auto", "fp32", "bf16", "fp8"):
+            raise FreetokenError(f"kv dtype must be auto, fp32, bf16 or fp8 (got {self.kv_dtype!r})")
         if self.kv_cache_bytes < 0 or self.max_model_len < 0:
             raise FreetokenError("kv_cache_bytes and max_model_len must be >= 0")
 

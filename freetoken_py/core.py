@@ -81,6 +81,11 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_at(self, pos: int) -> int:
+        """all_token_ids[pos] without building the joined list (the decode step's hot path)."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

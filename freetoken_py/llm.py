@@ -55,7 +55,8 @@ class LLM:
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.generation = read_generation_defaults(model_dir)
         self.max_model_len = self.config.max_model_len or self.args.max_position_embeddings
-        self.kv_dtype = {"auto": self.model.dtype, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]
+        auto_kv = getattr(self.model, "kv_dtype", self.model.dtype)  # cpu backend: bf16 for bf16 checkpoints
+        self.kv_dtype = {"auto": auto_kv, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype)
         self.allocator = PageAllocator(num_pages)

@@ -98,4 +98,7 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
     w.lm_head = _kernel(w.lm_head, dense_fmt)
     w.final_norm = w.final_norm.float()
     model.experts = KernelExpertExecutor(banks)
+    # KV storage of `--kv-dtype auto`: the checkpoint's precision where the kernels read it in
+    # place (bf16 halves the bytes decode attention streams); fp32 otherwise
+    model.kv_dtype = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32
     model.dtype = torch.float32  # activations; the embedding rows are widened on lookup

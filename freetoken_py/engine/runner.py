@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from freetoken_py.core import Request
+from freetoken_py.engine.fused_decode import FusedDecoder, decode_slots
 from freetoken_py.kvcache import KVCache
 from freetoken_py.layers.attention import AttentionMetadata, build_seq_attention
 from freetoken_py.models.moe_transformer import MoeTransformer
@@ -23,13 +25,19 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: MoeTransformer, num_pages: int, page_size: int, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model: MoeTransformer, num_pages: int, page_size: int, kv_dtype: torch.dtype | None = None,
+                 fused_decode: bool = True):
         a = model.args
         self.model = model
         self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype)
+        self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)
+        if fused_decode and FusedDecoder.supports(model):
+            self.fused = FusedDecoder(model, self.cache)
 
     def forward_batch(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Runs every chunk in one forward; returns fp32 logits [num_sampling_chunks, V] in chunk order."""
+        if self.fused is not None and all(ch.num_new == 1 for ch in chunks):
+            return self._forward_decode(chunks)
         ids, positions, seqs, sample_rows = [], [], [], []
         row = 0
         for ch in chunks:
@@ -48,3 +56,20 @@ class ModelRunner:
         for ch in chunks:
             ch.req.num_computed += ch.num_new
         return self.model.logits(hidden[sample_rows])  # [S, V]
+
+    def _forward_decode(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """One token per chunk through the fused numba step (same results as forward_batch's path)."""
+        window, ctx, sample_rows = self.model.args.sliding_window, [], []
+        for i, ch in enumerate(chunks):
+            ctx.append(decode_slots(self.cache, ch.req.page_table, ch.req.num_computed, window))
+            if ch.samples:
+                sample_rows.append(i)
+        ctx_off = np.zeros(len(ctx) + 1, np.int64)
+        np.cumsum([len(c) for c in ctx], out=ctx_off[1:])
+        flat = np.concatenate(ctx)
+        new_slots = flat[ctx_off[1:] - 1]  # each token's own slot ends its context
+        hidden = self.fused.forward([ch.req.token_at(ch.req.num_computed) for ch in chunks],
+                                    [ch.req.num_computed for ch in chunks], flat, ctx_off, new_slots)
+        for ch in chunks:
+            ch.req.num_computed += 1
+        return self.model.logits(hidden[sample_rows])

@@ -122,3 +122,11 @@ def moe_experts(bank: ExpertBank, x, topk_ids, topk_weights, activation: str = "
     if ids.size:
         moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, xs, ids, wts, kind, bank.group_size, out)
     return torch.from_numpy(out) if isinstance(x, torch.Tensor) else out
+
+
+def add_moe_experts(bank: ExpertBank, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
+                    out: np.ndarray, activation: int = ACTIVATIONS["silu"]) -> None:
+    """out [T, D] += the routed experts of x (numpy float32 / int64 / float32, C-contiguous; no
+    checks beyond the kernel's own id range check): the fused decode path adds the experts
+    straight into the residual stream. `activation` is an `ACTIVATIONS` code."""
+    moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, x, topk_ids, topk_weights, activation, bank.group_size, out)

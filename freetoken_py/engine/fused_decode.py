@@ -1,0 +1,133 @@
+"""The cpu backend's decode step: each layer in two numba calls plus the experts.
+
+`ModelRunner` uses this when every chunk of a step is one token (decode, or a 1-token prefill
+tail) and the model runs on the numba kernels; everything else (prefill, the torch backend, the
+residency tiers) takes `MoeTransformer.forward`. Same math (tests/test_fused_decode.py compares
+the two), ~40 torch ops per layer fewer: see kernels/cpu_decode.py and docs/kernels.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from freetoken_py.engine.cpu_backend import KernelExpertExecutor
+from freetoken_py.kernels import cpu_decode as kd
+from freetoken_py.kernels.cpu_moe import ACTIVATIONS, add_moe_experts
+from freetoken_py.kvcache import KVCache
+from freetoken_py.layers.linear import KernelLinear
+from freetoken_py.models.moe_transformer import MoeTransformer
+
+_EMPTY = np.zeros(0, np.float32)
+_ONE = np.ones(1, np.float32)
+
+
+def _vec(t) -> np.ndarray:
+    return _EMPTY if t is None else np.ascontiguousarray(t.detach().float().numpy())
+
+
+def _kv_view(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of one layer's cache [S, Hkv, hd]: fp32, bf16 as uint16 bits, fp8 as uint8."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+@dataclass
+class _Layer:
+    qkv: tuple  # (w, s, group_size) of the fused q|k|v projection
+    qkv_bias: np.ndarray
+    o: tuple
+    o_bias: np.ndarray
+    router: tuple  # (w, s) or 0-row arrays for a dense-MLP layer
+    ln1: np.ndarray
+    ln2: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+
+
+class FusedDecoder:
+    def __init__(self, model: MoeTransformer, cache: KVCache):
+        a = model.args
+        self.model, self.cache, self.args = model, cache, a
+        self.qk_kind = {"none": kd.QK_NONE, "head": kd.QK_HEAD, "full": kd.QK_FULL}[a.qk_norm]
+        self.clip = float(a.clip_qkv) if a.clip_qkv is not None else 0.0
+        self.layers = [self._layer(lw) for lw in model.weights.layers]
+        self.final_norm = _vec(model.weights.final_norm)
+        self.k = [_kv_view(cache.k[i]) for i in range(a.num_layers)]
+        self.v = [_kv_view(cache.v[i]) for i in range(a.num_layers)]
+        self.fp8 = cache.quantized
+        self.lut = kd.fp8_table() if self.fp8 else _ONE
+        ones = np.ones((a.num_layers, a.num_kv_heads), np.float32)
+        # zero-copy views: KVCache calibrates its fp8 scales in place after this is built
+        self.k_scale = cache.k_scale.numpy() if self.fp8 else ones
+        self.v_scale = cache.v_scale.numpy() if self.fp8 else ones
+
+    @staticmethod
+    def supports(model: MoeTransformer) -> bool:
+        """Every projection on the numba kernels with one weight format (the cpu backend)."""
+        layers = model.weights.layers
+        lins = [lin for lw in layers for lin in (lw.qkv, lw.o, lw.router) if lin is not None]
+        return (model.dtype == torch.float32 and all(isinstance(x, KernelLinear) for x in lins)
+                and len({x.dense.fmt for x in lins}) == 1)
+
+    @staticmethod
+    def _layer(lw) -> _Layer:
+        w = lambda lin: (lin.dense.w, lin.dense.s, lin.dense.group_size)  # noqa: E731
+        o = lw.o.dense  # a dense-MLP layer gets a 0-row router of the same type (no extra specialisation)
+        router = ((o.w[:0], o.s[:0]) if lw.router is None else (lw.router.dense.w, lw.router.dense.s))
+        return _Layer(w(lw.qkv), _vec(lw.qkv.bias), w(lw.o), _vec(lw.o.bias), router,
+                      _vec(lw.input_norm), _vec(lw.post_norm),
+                      _vec(lw.q_norm) if lw.q_norm is not None else _ONE,
+                      _vec(lw.k_norm) if lw.k_norm is not None else _ONE)
+
+    def forward(self, token_ids: list[int], positions: list[int], ctx: np.ndarray, ctx_off: np.ndarray,
+                new_slots: np.ndarray) -> torch.Tensor:
+        """One new token per row: ctx / ctx_off are each row's key slots (its own slot last).
+        Returns final-normed hidden states [T, D] (fp32)."""
+        a, m = self.args, self.model
+        T, D = len(token_ids), a.hidden_size
+        nq, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        h = m.weights.embed[token_ids].float().numpy()  # [T, D], a fresh copy we own
+        cos, sin = (c.numpy() for c in m.rope.cos_sin(torch.tensor(positions), torch.float32))  # [T, hd]
+        x = np.empty((T, D), np.float32)
+        qkv = np.empty((T, (nq + 2 * nkv) * hd), np.float32)
+        attn, o_tmp = np.empty((T, nq * hd), np.float32), np.empty((T, D), np.float32)
+        x2 = np.empty((T, D), np.float32)
+        k = a.top_k
+        ids, wts = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+        logits = np.empty((T, a.num_experts), np.float32)
+        eps = a.rms_norm_eps
+        ex = m.experts  # looked up per step: LLM may wrap it (--record-routing) after this was built
+        banks = ex.banks if type(ex) is KernelExpertExecutor else None  # wrapped: the generic call
+        act = ACTIVATIONS[ex.activation] if banks is not None else 0
+        for i, L in enumerate(self.layers):
+            kd.decode_qkv(h, L.ln1, eps, *L.qkv, L.qkv_bias, L.q_norm, L.k_norm, self.qk_kind, self.clip,
+                          cos, sin, nq, nkv, hd, x, qkv)
+            if self.fp8:  # KVCache quantises with its fixed per-head scales (torch's e4m3 rounding)
+                kv = torch.from_numpy(qkv)
+                self.cache.write(i, torch.from_numpy(new_slots), kv[:, nq * hd:(nq + nkv) * hd].view(T, nkv, hd),
+                                 kv[:, (nq + nkv) * hd:].view(T, nkv, hd))
+            kd.decode_attn(qkv, nq, nkv, hd, not self.fp8, self.fp8, self.k[i], self.v[i], self.k_scale[i],
+                           self.v_scale[i], self.lut, new_slots, ctx, ctx_off, m.scale, attn, *L.o, L.o_bias, h,
+                           o_tmp, L.ln2, eps, *L.router, x2, logits, k, a.norm_topk_prob, ids, wts)
+            lw = m.weights.layers[i]
+            if lw.router is None:  # dense MLP layer
+                gate, up = lw.mlp13(torch.from_numpy(x2)).chunk(2, dim=-1)
+                h += lw.mlp2(torch.nn.functional.silu(gate) * up).numpy()
+            elif banks is not None:
+                add_moe_experts(banks[i], x2, ids, wts, h, act)
+            else:
+                h += m.experts(i, torch.from_numpy(x2), torch.from_numpy(ids), torch.from_numpy(wts)).numpy()
+        out = np.empty_like(h)
+        kd.rms_rows(h, self.final_norm, eps, out)
+        return torch.from_numpy(out)
+
+
+def decode_slots(cache: KVCache, page_table: list[int], start: int, window: int | None) -> np.ndarray:
+    """Key slots of a token at position `start` (itself last), sliding window applied."""
+    lo = 0 if window is None else max(0, start - window + 1)
+    pos = np.arange(lo, start + 1)
+    pages = np.asarray(page_table, np.int64)
+    return pages[pos // cache.page_size] * cache.page_size + pos % cache.page_size

@@ -1,0 +1,271 @@
+"""Fused decode kernels: one numba call per layer half instead of ~40 torch ops.
+
+A decode step computes one new token for each of T sequences. Outside the weight-streaming
+kernels, the torch path spent ~1 ms per layer per step in small ops (norms, rotary, splits, KV
+gather, softmax), more than the experts themselves at int4 (docs/kernels.md, "Fused decode").
+Here each half of a layer is one call:
+
+    decode_qkv   h -> rms_norm -> qkv GEMV (+bias) -> qk-norm / clip -> rotary           -> qkv [T, (Hq+2Hkv)*hd]
+    decode_attn  [write K/V] -> attention over the paged cache, read in place -> o GEMV -> h += ...
+                 -> rms_norm -> router GEMV -> softmax top-k                             -> x2, ids, weights
+
+The experts (moe_rows) then add into h directly. Weights use the dense kernels' row dots
+(`cpu_linear._gemv_block`), so every format of `DenseWeight` works; the KV cache may hold fp32,
+bf16 bits (uint16) or FP8 e4m3 bits (uint8, decoded through a 256-entry table times a per-head
+scale) — one compiled specialisation per (weight format, KV format).
+
+Semantics match `models/moe_transformer.py` + `layers/attention.py` (tested against them):
+rms_norm in fp32, qk_kind 1 = per-head norm (Qwen3), 2 = norm over the whole projection before
+clipping (OLMoE), clip <= 0 = no clipping, rotate-half rotary, softmax over every expert in fp32,
+top-k by value (ties: the lower expert id), optional renormalisation.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
+from freetoken_py.kernels._dots import prepare
+from freetoken_py.kernels.cpu_linear import ROWS_PER_TASK, _gemv_block
+
+QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
+
+
+@njit(fastmath=True, cache=True)
+def rms_row(x, w, eps, out):
+    """out = x * rsqrt(mean(x^2) + eps) * w, fp32 (F.rms_norm)."""
+    ss = np.float32(0.0)
+    for d in range(x.shape[0]):
+        ss += x[d] * x[d]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[0]) + np.float32(eps))
+    for d in range(x.shape[0]):
+        out[d] = x[d] * r * w[d]
+
+
+@njit(fastmath=True, cache=True)
+def rms_rows(x, w, eps, out):
+    """rms_row for every row of x [T, D]."""
+    for t in range(x.shape[0]):
+        rms_row(x[t], w, eps, out[t])
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _gemv(w, s, gs, x, out):
+    """out [T, N] = x [T, K] @ dequant(w).T (cpu_linear.dense_rows, callable from jitted code)."""
+    xv, xg = prepare(w, x, gs)
+    n = w.shape[0]
+    num_tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(num_tasks):
+        n0 = task * ROWS_PER_TASK
+        _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
+
+
+@njit(fastmath=True, cache=True)
+def _rotate(x, cos, sin, tmp):
+    """Rotate-half rotary on one head x [hd] in place (tmp [hd] scratch)."""
+    half = x.shape[0] // 2
+    for i in range(half):
+        tmp[i] = x[i] * cos[i] - x[half + i] * sin[i]
+        tmp[half + i] = x[half + i] * cos[half + i] + x[i] * sin[half + i]
+    for i in range(x.shape[0]):
+        x[i] = tmp[i]
+
+
+@njit(fastmath=True, cache=True)
+def _qk_post(row, bias, qn, kn, qk_kind, clip, cos, sin, nq, nkv, hd, eps):
+    """Bias, qk-norm, clipping and rotary of one token's fused q|k|v row, in place."""
+    if bias.shape[0]:
+        for i in range(row.shape[0]):
+            row[i] += bias[i]
+    q_end, k_end = nq * hd, (nq + nkv) * hd
+    if qk_kind == QK_FULL:
+        rms_row(row[:q_end], qn, eps, row[:q_end])
+        rms_row(row[q_end:k_end], kn, eps, row[q_end:k_end])
+    if clip > 0:
+        for i in range(row.shape[0]):
+            row[i] = min(max(row[i], -clip), clip)
+    tmp = np.empty(hd, np.float32)
+    for head in range(nq + nkv):
+        x = row[head * hd:(head + 1) * hd]
+        if qk_kind == QK_HEAD:
+            rms_row(x, qn if head < nq else kn, eps, x)
+        _rotate(x, cos, sin, tmp)
+
+
+@njit(fastmath=True, cache=True)
+def decode_qkv(h, ln_w, eps, w, s, gs, bias, qn, kn, qk_kind, clip, cos, sin, nq, nkv, hd, x, qkv):
+    """qkv [T, (nq+2nkv)*hd] of the new tokens from the residual stream h [T, D] (x: [T, D] scratch)."""
+    rms_rows(h, ln_w, eps, x)
+    _gemv(w, s, gs, x, qkv)
+    for t in range(h.shape[0]):
+        _qk_post(qkv[t], bias, qn, kn, qk_kind, clip, cos[t], sin[t], nq, nkv, hd, eps)
+
+
+def kv_widen(v, lut):
+    """One stored K/V element as float32 (jitted only): fp32 as is, uint16 = bf16 bits,
+    uint8 = FP8 e4m3 bits through the 256-entry table (the per-head scale is applied by the caller)."""
+    raise NotImplementedError("kv_widen is only callable from numba-compiled code")
+
+
+@overload(kv_widen, inline="always")
+def _kv_widen_impl(v, lut):
+    if v == types.uint16:
+        return lambda v, lut: np.uint32(np.uint32(v) << np.uint32(16)).view(np.float32)
+    if v == types.uint8:
+        return lambda v, lut: lut[v]
+    if v == types.float32:
+        return lambda v, lut: v
+    return None
+
+
+def kv_narrow(x, like):
+    """float32 -> the cache's storage type (jitted only): bf16 round-to-nearest-even (torch's
+    rounding, NaN kept quiet), fp32 as is. FP8 caches are written by KVCache.write instead."""
+    raise NotImplementedError("kv_narrow is only callable from numba-compiled code")
+
+
+@overload(kv_narrow, inline="always")
+def _kv_narrow_impl(x, like):
+    if like == types.uint16:
+        def impl(x, like):
+            u = np.float32(x).view(np.uint32)
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                return np.uint16(0x7FC0)
+            return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return impl
+    if like == types.float32:
+        return lambda x, like: np.float32(x)
+    return None
+
+
+def _write_kv(qkv, nq, nkv, hd, new_slots, kc, vc):
+    """Store the new tokens' K and V rows at their slots (jitted only; fp32 / bf16 caches — an
+    FP8 cache is written by KVCache.write, with torch's e4m3 rounding, before decode_attn)."""
+    raise NotImplementedError("_write_kv is only callable from numba-compiled code")
+
+
+@overload(_write_kv, jit_options={"fastmath": True})
+def _write_kv_impl(qkv, nq, nkv, hd, new_slots, kc, vc):
+    if kc.dtype == types.uint8:
+        def refuse(qkv, nq, nkv, hd, new_slots, kc, vc):
+            raise ValueError("FP8 caches are written by KVCache.write (pass write_kv=False)")
+        return refuse
+
+    def impl(qkv, nq, nkv, hd, new_slots, kc, vc):
+        zero = kc[0, 0, 0]
+        for t in range(qkv.shape[0]):
+            slot = new_slots[t]
+            for g in range(nkv):
+                k0, v0 = (nq + g) * hd, (nq + nkv + g) * hd
+                for i in range(hd):
+                    kc[slot, g, i] = kv_narrow(qkv[t, k0 + i], zero)
+                    vc[slot, g, i] = kv_narrow(qkv[t, v0 + i], zero)
+    return impl
+
+
+@njit(fastmath=True, cache=True)
+def _widen_row(src, lut, scale, out):
+    for i in range(out.shape[0]):
+        out[i] = kv_widen(src[i], lut) * scale
+
+
+@njit(fastmath=True, cache=True)
+def _head_attention(qkv_t, g, group, nq, nkv, hd, ctx, kc, vc, kscale, vscale, lut, exact_last, scale, out_t):
+    """The `group` query heads of KV head g attend to the keys at slots ctx, written to out_t."""
+    n = ctx.shape[0]
+    scores = np.empty((group, n), np.float32)
+    row = np.empty(hd, np.float32)
+    k0, v0 = (nq + g) * hd, (nq + nkv + g) * hd
+    for j in range(n):
+        if exact_last and j == n - 1:  # FP8: the new token attends to its own exact K (as the torch path)
+            row[:] = qkv_t[k0:k0 + hd]
+        else:
+            _widen_row(kc[ctx[j], g], lut, kscale, row)
+        for a in range(group):
+            q = qkv_t[(g * group + a) * hd:(g * group + a + 1) * hd]
+            acc = np.float32(0.0)
+            for i in range(hd):
+                acc += q[i] * row[i]
+            scores[a, j] = acc * scale
+    for a in range(group):
+        m = scores[a].max()
+        tot = np.float32(0.0)
+        for j in range(n):
+            e = np.exp(scores[a, j] - m)
+            scores[a, j] = e
+            tot += e
+        for j in range(n):
+            scores[a, j] /= tot
+    acc = np.zeros((group, hd), np.float32)
+    for j in range(n):
+        if exact_last and j == n - 1:
+            row[:] = qkv_t[v0:v0 + hd]
+        else:
+            _widen_row(vc[ctx[j], g], lut, vscale, row)
+        for a in range(group):
+            p = scores[a, j]
+            for i in range(hd):
+                acc[a, i] += p * row[i]
+    for a in range(group):
+        out_t[(g * group + a) * hd:(g * group + a + 1) * hd] = acc[a]
+
+
+@njit(fastmath=True, cache=True)
+def _route(logits, top_k, renorm, ids, wts):
+    """Softmax over all experts (fp32), the top_k largest (ties: lower id), optional renormalisation."""
+    m = logits.max()
+    probs = np.exp(logits - m)
+    probs /= probs.sum()
+    taken = np.zeros(logits.shape[0], np.bool_)
+    tot = np.float32(0.0)
+    for j in range(top_k):
+        best = -1
+        for e in range(logits.shape[0]):
+            if not taken[e] and (best < 0 or probs[e] > probs[best]):
+                best = e
+        taken[best] = True
+        ids[j] = best
+        wts[j] = probs[best]
+        tot += probs[best]
+    if renorm:
+        for j in range(top_k):
+            wts[j] /= tot
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, lut, new_slots, ctx, ctx_off,
+                scale, attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, x2, logits, top_k, renorm, ids, wts):
+    """Attention of the new tokens over their contexts, o projection added into h [T, D]; then,
+    when wr has rows, post-norm into x2 and routing into ids / wts [T, k] (a dense-MLP layer
+    passes a 0-row router and gets x2 only).
+
+    ctx [sum n_t] / ctx_off [T + 1]: the slots each token attends to (its own slot last);
+    kscale / vscale [nkv]: FP8 per-head scales (ones otherwise); attn [T, nq*hd], o_tmp [T, D],
+    logits [T, E]: scratch.
+    """
+    if write_kv:
+        _write_kv(qkv, nq, nkv, hd, new_slots, kc, vc)
+    T = qkv.shape[0]
+    group = nq // nkv
+    for task in prange(T * nkv):
+        t = task // nkv
+        g = task - t * nkv
+        _head_attention(qkv[t], g, group, nq, nkv, hd, ctx[ctx_off[t]:ctx_off[t + 1]], kc, vc,
+                        kscale[g], vscale[g], lut, exact_last, scale, attn[t])
+    _gemv(wo, so, gs, attn, o_tmp)
+    for t in range(T):
+        for d in range(h.shape[1]):
+            h[t, d] += o_tmp[t, d] + (o_bias[d] if o_bias.shape[0] else np.float32(0.0))
+        rms_row(h[t], ln2_w, eps, x2[t])
+    if wr.shape[0]:
+        _gemv(wr, sr, gs, x2, logits)
+        for t in range(T):
+            _route(logits[t], top_k, renorm, ids[t], wts[t])
+
+
+def fp8_table() -> np.ndarray:
+    """float32 value of every e4m3fn bit pattern (256 entries; 0x7f / 0xff are NaN)."""
+    import torch
+
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()

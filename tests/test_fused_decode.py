@@ -1,0 +1,100 @@
+"""The cpu backend's fused decode step (engine/fused_decode.py, kernels/cpu_decode.py) against the
+engine's own torch forward (MoeTransformer.forward + layers/attention.py) on the same weights:
+teacher-forced logits per step, single and batched, every supported architecture, fp32 / bf16 /
+fp8 KV caches. (tests/test_models_vs_transformers.py checks the same path against transformers.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from conftest import ARCHS, random_prompt
+from freetoken_py.core import Request, SamplingParams
+from freetoken_py.engine.runner import ScheduledChunk
+from freetoken_py.kernels.cpu_decode import fp8_table, kv_narrow
+from freetoken_py.llm import LLM
+
+
+def _engine(path, kv: str, fused: bool, **kw) -> LLM:
+    llm = LLM(path, dtype="float32", backend="cpu", kv_dtype=kv, show_progress=False, kv_cache_bytes=1 << 22, **kw)
+    assert llm.runner.fused is not None  # the cpu backend builds it
+    if not fused:
+        llm.runner.fused = None  # the reference: MoeTransformer.forward for every step
+    return llm
+
+
+def _teacher_forced(llm: LLM, seqs: list[list[int]], prefill: int) -> torch.Tensor:
+    """Prefill each sequence alone, then decode all of them together one forced token per step.
+    Returns logits [steps, len(seqs), V]."""
+    reqs = []
+    for seq in seqs:
+        req = Request(seq[:prefill], SamplingParams())
+        req.page_table = llm.allocator.allocate(-(-len(seq) // llm.config.page_size))
+        llm.runner.forward_batch([ScheduledChunk(req, prefill)])
+        reqs.append(req)
+    steps = []
+    for i in range(prefill, min(len(s) for s in seqs)):
+        for req, seq in zip(reqs, seqs):
+            req.output_token_ids.append(seq[i])
+        steps.append(llm.runner.forward_batch([ScheduledChunk(r, 1) for r in reqs]))
+    for req in reqs:
+        llm.allocator.release(req.page_table)
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("kv", ["auto", "bf16", "fp8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_decode_matches_torch_forward(arch, kv, checkpoint_factory):
+    path = checkpoint_factory(arch)
+    # three sequences decoded as one batch, each prefilled to a different length -> ragged contexts
+    seqs = [random_prompt(40, seed=s)[s * 5:] for s in range(3)]
+    ours = _teacher_forced(_engine(path, kv, fused=True), seqs, prefill=9)
+    ref = _teacher_forced(_engine(path, kv, fused=False), seqs, prefill=9)
+    assert ours.shape == ref.shape and ours.shape[0] >= 20
+    scale = max(1.0, ref.abs().max().item())
+    err = (ours - ref).abs()
+    print(f"{arch} kv={kv}: max {err.max().item() / scale:.2e}, mean {err.mean().item() / scale:.2e} (relative)")
+    # fp32 KV: the same math up to fp32 reassociation. bf16 / fp8 KV: a K/V element whose fp32 value
+    # differs in the last bits can round to the neighbouring bf16 / e4m3 value (2^-8 / 2^-4 apart),
+    # so single logits move more; the mean must stay at fp32 noise.
+    assert err.max().item() <= {"auto": 1e-4, "bf16": 1e-3, "fp8": 1e-2}[kv] * scale
+    assert err.mean().item() <= {"auto": 1e-5, "bf16": 2e-5, "fp8": 2e-4}[kv] * scale
+
+
+def test_fused_decode_with_routing_recorder_matches(checkpoint_factory, tmp_path):
+    """A wrapped expert executor (--record-routing) takes the generic experts call inside the
+    fused step; the recorded routing is the torch path's."""
+    path = checkpoint_factory("qwen3_moe")
+    prompt = random_prompt(12, seed=3)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    traces = {}
+    for fused in (True, False):
+        llm = _engine(path, "auto", fused, record_routing=str(tmp_path / f"r{fused}.jsonl"))
+        out = llm.generate([prompt], greedy)[0].token_ids
+        traces[fused] = (out, [{l: v.tolist() for l, v in s.items()} for s in llm.routing_recorder.trace.steps])
+    assert traces[True] == traces[False]
+    assert len(traces[True][1]) > 0
+
+
+def test_bf16_store_rounds_like_torch():
+    @njit
+    def narrow_all(x, out):
+        like = np.uint16(0)
+        for i in range(x.shape[0]):
+            out[i] = kv_narrow(x[i], like)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(100_000, generator=g) * 10 ** torch.randint(-30, 30, (100_000,), generator=g),
+                   torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.3895e38, 1e-45, 1.0 + 2 ** -8,
+                                 1.0 + 3 * 2 ** -8])])  # ties round to even
+    out = np.empty(x.shape[0], np.uint16)
+    narrow_all(x.numpy(), out)
+    assert np.array_equal(out, x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_fp8_table_is_torch_decoding():
+    lut = fp8_table()
+    ref = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(np.isnan(lut), np.isnan(ref)) and np.array_equal(lut[~np.isnan(lut)], ref[~np.isnan(ref)])
+    assert lut[0x7E] == 448.0 and np.isnan(lut[0x7F])
