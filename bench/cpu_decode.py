@@ -51,7 +51,8 @@ def main() -> None:
     for p in precisions:
         expert, dense, eb, db, ggml = PAIRS[p]
         llm = LLM(model_dir, dtype="bfloat16", backend="cpu", expert_dtype=expert, dense_dtype=dense,
-                  max_num_seqs=1, max_model_len=2048, show_progress=False)
+                  max_num_seqs=1, max_model_len=2048, show_progress=False,
+                  enable_prefix_cache=False)  # a repeated prompt must be prefilled, not matched
         engines[f"freetoken-{p}"] = common.freetoken_timers(llm)
         bpt[p] = _bytes_per_token(llm.args, eb, db)
         if not args.no_llama_cpp:

@@ -10,6 +10,11 @@ sampled between rounds, so every figure has a roofline next to it. Prints ONE JS
 With more than one thread, decode and dense are also timed with one thread against a one-thread
 DRAM sample ("one_thread"): on a machine where another process keeps a core busy, one thread
 avoids the parallel region's barrier waiting for a descheduled worker.
+
+"decode_in_cache": the compute ceiling, the same 8 experts of one bank called repeatedly (min
+over calls; 4 MB int4 .. 25 MB fp32, in L2/L3), as Gweights/s per thread setting. "int4_act" says
+which int4 dot ran (kernels._dots.INT4_ACT); for an A/B against the fp32-activation dot run the
+same command again with FREETOKEN_INT4_ACT=fp32 and its own NUMBA_CACHE_DIR (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -63,6 +68,15 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def in_cache_gweights(bank, x, w, calls: int = 200) -> float:
+    """Weights per second of the fastest of `calls` decode calls on experts 0..7 (cache-resident)."""
+    ids = torch.arange(TOP_K).view(1, TOP_K)
+    for _ in range(10):
+        moe_experts(bank, x, ids, w)
+    best = min(timed(lambda: moe_experts(bank, x, ids, w)) for _ in range(calls))
+    return TOP_K * 3 * INTER * HIDDEN / best / 1e9
 
 
 def decode_cycle(banks, x, w) -> float:
@@ -150,11 +164,20 @@ def main() -> None:
             for t in xs:
                 grouped[(f, t)].append(grouped_call(banks[f], xs[t], routes[t], r))
 
-    result = {"bench": "cpu_expert_kernel", "threads": threads, "compile_or_cache_load_s": round(compile_s, 2),
+    in_cache = {}
+    for n in settings:
+        configure_threads(n)
+        in_cache[f"threads{n}"] = {f: round(in_cache_gweights(banks[f][0], x1, w1), 1) for f in fmts}
+    configure_threads(threads)
+
+    from freetoken_py.kernels._dots import INT4_ACT
+    result = {"bench": "cpu_expert_kernel", "threads": threads, "int4_act": INT4_ACT,
+              "compile_or_cache_load_s": round(compile_s, 2),
               "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "inter": INTER,
                         "layers_rotated": layers, "group_size_int4": GROUP_SIZE,
                         "bank_mib_total": {f: round(layers * banks[f][0].nbytes / 2**20) for f in fmts}},
               "rounds": rounds, "load_avg_1m": round(os.getloadavg()[0], 2)}
+    result["decode_in_cache_gweights"] = in_cache
     result.update(streaming_report(samples[threads], banks, dense))
     if threads > 1:
         result["one_thread"] = streaming_report(samples[1], banks, dense)

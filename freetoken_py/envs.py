@@ -14,7 +14,14 @@ ENV_VARS: dict[str, str] = {
     "Default: $XDG_CACHE_HOME/freetoken, else ~/.cache/freetoken.",
     "FREETOKEN_MALLOC_TUNING": "0 leaves glibc malloc's defaults alone (default 1: keep freed "
     "activation buffers in the heap instead of returning them to the OS; see docs/performance.md).",
+    "FREETOKEN_INT4_ACT": "int8 | fp32: what int4 expert/dense weights multiply on CPU (default int8 "
+    "on x86 with AVX2, else fp32; read once, when the kernels are first imported; docs/kernels.md).",
 }
+
+
+def int4_act() -> str:
+    """FREETOKEN_INT4_ACT lower-cased, "" when unset."""
+    return os.environ.get("FREETOKEN_INT4_ACT", "").strip().lower()
 
 
 def malloc_tuning() -> bool:

@@ -17,8 +17,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @functools.lru_cache(maxsize=8)
-def _hash_sources(stats: tuple) -> bytes:
-    h = hashlib.sha256()
+def _hash_sources(stats: tuple, variant: str = "") -> bytes:
+    h = hashlib.sha256(variant.encode() + b"\0")
     for name, _, _ in stats:
         with open(os.path.join(_PACKAGE_DIR, name), "rb") as f:
             h.update(name.encode() + b"\0" + f.read())
@@ -26,11 +26,13 @@ def _hash_sources(stats: tuple) -> bytes:
 
 
 def package_stamp() -> bytes:
-    """sha256 over every .py file of freetoken_py/kernels (memoised on names, mtimes, sizes)."""
+    """sha256 over every .py file of freetoken_py/kernels (memoised on names, mtimes, sizes) and
+    FREETOKEN_INT4_ACT, which changes the int4 kernels' code without changing any source."""
     names = sorted(n for n in os.listdir(_PACKAGE_DIR) if n.endswith(".py"))
     stats = tuple((n, *(lambda st: (st.st_mtime_ns, st.st_size))(os.stat(os.path.join(_PACKAGE_DIR, n))))
                   for n in names)
-    return _hash_sources(stats)
+    from freetoken_py.envs import int4_act
+    return _hash_sources(stats, int4_act())
 
 
 def _install() -> None:

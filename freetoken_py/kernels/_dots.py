@@ -4,25 +4,50 @@ Every weight matrix is held as a typed array ``[N, K]`` (float32, uint16 = bf16 
 ``uint8 [N, K/2]`` (packed int4) plus float32 scales ``[N, G]`` (G = 0 for fp32/bf16, 1 for int8,
 K/group_size for int4). ``row_dot`` picks the dot at compile time from the row's dtype, so each
 kernel is compiled once per format (a runtime ``fmt`` branch plus ``ndarray.view`` cost 30-80%
-in measurements). Activations are "prepared" once per call: for int4 the row ``x``
-becomes ``[x[0::2] | x[1::2]]`` plus ``8 * group sums`` (see ``_simd.q4_row_dot``); other formats
-use ``x`` as is.
+in measurements). Activations are "prepared" once per call; other formats use ``x`` as is. For
+int4 weights, ``INT4_ACT`` (fixed at import) decides how:
+
+- ``"int8"`` (default on x86 with AVX2): each 32-block of ``x`` quantised to int8 with its own
+  scale (``quant.q8act``), laid out ``[even x16 | odd x16]``, plus per-group offset corrections
+  (``prep_q8_row``; the dot is ``_simd.q4q8_row_dot``, integer multiply-adds, ~2x cheaper).
+- ``"fp32"`` (other CPUs, or ``FREETOKEN_INT4_ACT=fp32``): ``[x[0::2] | x[1::2]]`` plus
+  ``8 * group sums`` (``_simd.q4_row_dot``), the exact fp32-activation dot.
+
+The dot is picked from the prepared array's dtype, so both can be compiled in one process.
 
 PERF.md: each inner loop lives in its own ``@njit(fastmath=True)`` function called from the
 ``prange`` body; a loop written directly in the body was not vectorised.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from freetoken_py.envs import int4_act
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
-from freetoken_py.kernels._simd import q4_row_dot, q4_row_dot4
+from freetoken_py.kernels._simd import HAS_AVX2, q4_row_dot, q4_row_dot4, q4q8_row_dot, q4q8_row_dot4
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 ACT_SILU, ACT_GPTOSS = 0, 1
 ACTIVATIONS = {"silu": ACT_SILU, "gptoss": ACT_GPTOSS}
+Q8_BLOCK = 32              # activation elements per int8 scale (quant.q8act.BLOCK)
+
+
+def _int4_act_mode() -> str:
+    """"int8" or "fp32": FREETOKEN_INT4_ACT if set (part of the kernel cache stamp), else by CPU."""
+    want = int4_act() or ("int8" if HAS_AVX2 else "fp32")
+    if want not in ("int8", "fp32"):
+        raise ValueError(f"FREETOKEN_INT4_ACT must be 'int8' or 'fp32', got {want!r}")
+    if want == "int8" and not HAS_AVX2:
+        warnings.warn("FREETOKEN_INT4_ACT=int8 needs an x86 CPU with AVX2; using fp32 activations", stacklevel=2)
+        return "fp32"
+    return want
+
+
+INT4_ACT = _int4_act_mode()
 
 
 def widen(v):
@@ -80,6 +105,8 @@ def _row_dot_impl(w, s, xv, xg, hb):
         return lambda w, s, xv, xg, hb: dot(w, xv)
     if dtype == types.int8:
         return lambda w, s, xv, xg, hb: s[0] * dot(w, xv)
+    if dtype == types.uint8 and xv.dtype == types.int8:
+        return lambda w, s, xv, xg, hb: q4q8_row_dot(w, s, xv, xg, hb)
     if dtype == types.uint8:
         return lambda w, s, xv, xg, hb: q4_row_dot(w, s, xv, xg, hb)
     return None
@@ -100,6 +127,8 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
             a0, a1, a2, a3 = dot4(w, x0, x1, x2, x3)
             return s[0] * a0, s[0] * a1, s[0] * a2, s[0] * a3
         return impl
+    if dtype == types.uint8 and x0.dtype == types.int8:
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: q4q8_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
     if dtype == types.uint8:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: q4_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
     return None
@@ -137,6 +166,47 @@ def prep_q4_rows(x, gs):
     return xv, xg
 
 
+# fastmath=False explicitly (numba lets an unset flag inherit the fastmath caller's): x / scale must
+# round exactly as the torch reference (quant.q8act) does, not as x * (1 / scale).
+@njit(fastmath=False, cache=True)
+def prep_q8_row(x, gs, xq, xg):
+    """x [K] -> xq int8 [K] (per 32-block [q(even) x16 | q(odd) x16]), xg [NB + G] = (s_x, C).
+
+    s_x[b] = max|x_b| / 127, q = rint(x / s_x) (half to even, like torch.round); C[g] = 8 * sum
+    over the blocks of group g of s_x[b] * sum(q_b): the +8 nibble offset, removed once per group.
+    """
+    nb = x.shape[0] // Q8_BLOCK
+    bpg = gs // Q8_BLOCK
+    for g in range(nb // bpg):
+        xg[nb + g] = np.float32(0.0)
+    for b in range(nb):
+        x0 = b * Q8_BLOCK
+        amax = np.float32(0.0)
+        for j in range(Q8_BLOCK):
+            amax = max(amax, abs(x[x0 + j]))
+        scale = amax / np.float32(127.0)
+        div = scale if scale > np.float32(0.0) else np.float32(1.0)
+        qsum = 0
+        for j in range(Q8_BLOCK // 2):
+            qe = min(max(np.rint(x[x0 + 2 * j] / div), np.float32(-127.0)), np.float32(127.0))
+            qo = min(max(np.rint(x[x0 + 2 * j + 1] / div), np.float32(-127.0)), np.float32(127.0))
+            xq[x0 + j] = np.int8(qe)
+            xq[x0 + Q8_BLOCK // 2 + j] = np.int8(qo)
+            qsum += np.int32(qe) + np.int32(qo)
+        xg[b] = scale
+        xg[nb + b // bpg] += np.float32(8.0) * scale * np.float32(qsum)
+
+
+@njit(fastmath=True, cache=True)
+def prep_q8_rows(x, gs):
+    """x [R, K] -> (xq int8 [R, K], xg float32 [R, K/32 + K/gs]): prep_q8_row for every row."""
+    xq = np.empty(x.shape, np.int8)
+    xg = np.empty((x.shape[0], x.shape[1] // Q8_BLOCK + x.shape[1] // gs), np.float32)
+    for r in range(x.shape[0]):
+        prep_q8_row(x[r], gs, xq[r], xg[r])
+    return xq, xg
+
+
 def prepare(w, x, gs):
     """(xv, xg): activation rows x [R, K] as row_dot wants them for weights like w (jitted only)."""
     raise NotImplementedError("prepare is only callable from numba-compiled code")
@@ -144,6 +214,8 @@ def prepare(w, x, gs):
 
 @overload(prepare, jit_options={"fastmath": True})
 def _prepare_impl(w, x, gs):
+    if w.dtype == types.uint8 and INT4_ACT == "int8":
+        return lambda w, x, gs: prep_q8_rows(x, gs)
     if w.dtype == types.uint8:
         return lambda w, x, gs: prep_q4_rows(x, gs)
     return lambda w, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))
