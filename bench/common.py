@@ -129,6 +129,20 @@ def llama_cpp_source() -> Path:
     return root / "vendor" / "llama.cpp"
 
 
+def gguf_decode_bytes(gguf: Path, top_k: int, num_experts: int) -> int:
+    """Bytes llama.cpp streams per decode token from a GGUF: every tensor but the token embedding
+    (one row is gathered), the routed experts at top_k / num_experts of their size."""
+    sys.path.insert(0, str(llama_cpp_source() / "gguf-py"))
+    from gguf import GGUFReader
+
+    total = 0
+    for t in GGUFReader(str(gguf)).tensors:
+        if t.name == "token_embd.weight":
+            continue
+        total += t.n_bytes * top_k // num_experts if "_exps." in t.name else t.n_bytes
+    return int(total)
+
+
 _CONVERT = """
 import sys
 sys.path.insert(0, {src!r})

@@ -3,9 +3,10 @@ llama.cpp at bf16 / q8_0 / q4_0 on the same weights, same thread count, interlea
 
     python bench/cpu_decode.py [--rounds 3] [--decode-tokens 32] [--prompt-len 512] [--threads 2]
 
-Pairs: freetoken bf16 (all weights bf16)            <-> llama.cpp BF16 GGUF
-       freetoken int8 (experts + dense int8)        <-> llama.cpp Q8_0
-       freetoken int4 (experts int4 g32, dense int8) <-> llama.cpp Q4_0
+Pairs: freetoken bf16 (all weights bf16)                <-> llama.cpp BF16 GGUF
+       freetoken int8 (experts + dense int8)            <-> llama.cpp Q8_0
+       freetoken int4 (experts + attention int4 g32,    <-> llama.cpp Q4_0 (experts + attention q4_0,
+                       router + lm_head int8)                output q6_K, router f32)
 Prints one JSON line: per pair the median tokens/s, weights read per token, achieved GB/s, the
 fraction of the DRAM roofline (probe figure), and freetoken / llama.cpp ratios.
 """
@@ -17,18 +18,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-# precision -> (expert dtype, dense dtype, bytes per expert weight, bytes per dense weight, llama.cpp type)
+# precision -> (expert dtype, dense dtype, llama.cpp type)
 PAIRS = {
-    "bf16": ("bf16", "bf16", 2.0, 2.0, "bf16"),
-    "int8": ("int8", "int8", 1.0 + 4 / 256, 1.0 + 4 / 1024, "q8_0"),
-    "int4": ("int4", "int8", 0.5 + 4 / 32, 1.0 + 4 / 1024, "q4_0"),
+    "bf16": ("bf16", "bf16", "bf16"),
+    "int8": ("int8", "int8", "q8_0"),
+    "int4": ("int4", "int4", "q4_0"),
 }
 
 
-def _bytes_per_token(args, expert_b: float, dense_b: float) -> float:
-    w = common.bytes_per_token(args, 1.0)["weights_per_token"]
-    experts = sum(args.sparse_layers) * args.top_k * 3 * args.hidden_size * args.moe_intermediate_size
-    return experts * expert_b + (w - experts) * dense_b
+def _bytes_per_token(llm) -> int:
+    """Bytes one decode token streams, from the loaded weights themselves (values + scales):
+    every layer's attention and router, top-k experts of each MoE layer, dense MLPs, lm_head."""
+    m, k = llm.model, llm.args.top_k
+    total = m.weights.lm_head.nbytes
+    for lw, bank in zip(m.weights.layers, m.experts.banks):
+        total += lw.qkv.nbytes + lw.o.nbytes
+        if lw.router is not None:
+            total += lw.router.nbytes + k * bank.bytes_per_expert
+        else:
+            total += lw.mlp13.nbytes + lw.mlp2.nbytes
+    return total
 
 
 def _gguf(model_dir: Path, kind: str) -> Path:
@@ -47,16 +56,18 @@ def main() -> None:
     short, n = prompt[:16], args.decode_tokens
     precisions = args.precisions.split(",")
 
-    engines, bpt = {}, {}
+    engines, bpt, peer_bpt = {}, {}, {}
     for p in precisions:
-        expert, dense, eb, db, ggml = PAIRS[p]
+        expert, dense, ggml = PAIRS[p]
         llm = LLM(model_dir, dtype="bfloat16", backend="cpu", expert_dtype=expert, dense_dtype=dense,
                   max_num_seqs=1, max_model_len=2048, show_progress=False,
                   enable_prefix_cache=False)  # a repeated prompt must be prefilled, not matched
         engines[f"freetoken-{p}"] = common.freetoken_timers(llm)
-        bpt[p] = _bytes_per_token(llm.args, eb, db)
+        bpt[p] = _bytes_per_token(llm)
         if not args.no_llama_cpp:
-            engines[f"llama.cpp-{ggml}"] = common.llama_cpp_timers(_gguf(model_dir, ggml), args.threads)
+            gguf = _gguf(model_dir, ggml)
+            engines[f"llama.cpp-{ggml}"] = common.llama_cpp_timers(gguf, args.threads)
+            peer_bpt[p] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
     for prefill, decode in engines.values():  # warm-up: numba compile / page-in, untimed
         prefill(prompt[:32])
         decode(short, 2)
@@ -80,10 +91,11 @@ def main() -> None:
                "bytes_per_token": round(bpt[p]), "decode_gbps": round(dec * bpt[p] / 1e9, 2),
                "roofline_tps": round(dram * 1e9 / bpt[p], 1), "roofline_fraction": round(dec * bpt[p] / 1e9 / dram, 3),
                "decode_samples": [round(x, 2) for x in ours["decode"]]}
-        peer = samples.get(f"llama.cpp-{PAIRS[p][4]}")
+        peer = samples.get(f"llama.cpp-{PAIRS[p][2]}")
         if peer:
             pd, pp = common.median(peer["decode"]), common.median(peer["prefill"])
-            row["llama_cpp"] = {"type": PAIRS[p][4], "decode_tps": round(pd, 2), "prefill_tps": round(pp, 1),
+            row["llama_cpp"] = {"type": PAIRS[p][2], "decode_tps": round(pd, 2), "prefill_tps": round(pp, 1),
+                                "bytes_per_token": peer_bpt[p], "decode_gbps": round(pd * peer_bpt[p] / 1e9, 2),
                                 "decode_samples": [round(x, 2) for x in peer["decode"]]}
             row["ratio_decode"] = round(dec / pd, 3)
             row["ratio_prefill"] = round(common.median(ours["prefill"]) / pp, 3)

@@ -59,7 +59,8 @@ def run(
     expert_dtype: str = typer.Option("auto", "--expert-dtype",
                                      help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
     dense_dtype: str = typer.Option("auto", "--dense-dtype",
-                                    help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8."),
+                                    help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8, "
+                                    "int4 (router and lm_head stay int8)."),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend: auto (map the packed-expert cache "
                                      "file, else build and write it), off, or rebuild."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
@@ -116,7 +117,8 @@ def serve(
     expert_dtype: str = typer.Option("auto", "--expert-dtype",
                                      help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
     dense_dtype: str = typer.Option("auto", "--dense-dtype",
-                                    help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8."),
+                                    help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8, "
+                                    "int4 (router and lm_head stay int8)."),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend: auto (map the packed-expert cache "
                                      "file, else build and write it), off, or rebuild."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),

@@ -17,7 +17,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     backend: str = "auto"  # auto | torch | cpu (numba kernels); auto = cpu kernels on a CPU-only machine
     expert_dtype: str = "auto"  # cpu backend: auto (as loaded) | bf16 | fp32 | int8 | int4
-    dense_dtype: str = "auto"  # cpu backend: attention/router/lm_head weights: auto (as loaded) | bf16 | fp32 | int8
+    dense_dtype: str = "auto"  # cpu backend: attention/router/lm_head weights: auto (as loaded) | bf16 | fp32 | int8 | int4 (router and lm_head int8)
     expert_group_size: int = 32  # int4 quantisation group (elements sharing one scale)
     expert_cache: str = "auto"  # cpu backend: auto (map the expert-bank cache file, else build + write it) | off | rebuild
     show_progress: bool = True
@@ -40,8 +40,8 @@ class EngineConfig:
             raise FreetokenError(f"expert dtype must be auto, bf16, fp32, int8 or int4 (got {self.expert_dtype!r})")
         if self.expert_cache not in ("auto", "off", "rebuild"):
             raise FreetokenError(f"expert cache must be auto, off or rebuild (got {self.expert_cache!r})")
-        if self.dense_dtype not in ("auto", "bf16", "fp32", "int8"):
-            raise FreetokenError(f"dense dtype must be auto, bf16, fp32 or int8 (got {self.dense_dtype!r})")
+        if self.dense_dtype not in ("auto", "bf16", "fp32", "int8", "int4"):
+            raise FreetokenError(f"dense dtype must be auto, bf16, fp32, int8 or int4 (got {self.dense_dtype!r})")
         if (self.expert_dtype != "auto" or self.dense_dtype != "auto") and self.backend == "torch":
             raise FreetokenError("--expert-dtype needs the cpu backend (the torch backend runs weights as stored)")
         self._check_residency()

@@ -62,6 +62,35 @@ def test_fused_decode_matches_torch_forward(arch, kv, checkpoint_factory):
     assert err.mean().item() <= {"auto": 1e-5, "bf16": 2e-5, "fp8": 2e-4}[kv] * scale
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe_step2", "mixtral"])  # expert widths divisible by 32
+def test_fused_decode_int4_attention_matches_torch_forward(arch, checkpoint_factory):
+    """--dense-dtype int4: attention int4 (int8 activations on AVX2), router and lm_head int8 —
+    a second weight-format specialisation of the fused kernels (router type != attention type)."""
+    path = checkpoint_factory(arch)
+    seqs = [random_prompt(30, seed=s)[s * 3:] for s in range(2)]
+    kw = dict(expert_dtype="int4", dense_dtype="int4")
+    fused = _engine(path, "auto", fused=True, **kw)
+    lw = fused.model.weights.layers[0]
+    assert lw.qkv.dense.fmt == "int4" and fused.model.weights.lm_head.dense.fmt == "int8"
+    ours = _teacher_forced(fused, seqs, prefill=7)
+    ref = _teacher_forced(_engine(path, "auto", fused=False, **kw), seqs, prefill=7)
+    scale = max(1.0, ref.abs().max().item())
+    err = (ours - ref).abs()
+    print(f"{arch} int4 attention: max {err.max().item() / scale:.2e}, mean {err.mean().item() / scale:.2e}")
+    # the int8 activation quantiser sees inputs that differ in the last fp32 bits between the two
+    # paths, so an element can land on the neighbouring int8 step (1/127 of its block's max)
+    assert err.max().item() <= 5e-3 * scale and err.mean().item() <= 1e-4 * scale
+
+
+def test_int4_dense_needs_divisible_widths(checkpoint_factory):
+    from freetoken_py.errors import FreetokenError
+
+    path = checkpoint_factory("qwen3_moe")  # its dense-MLP layer is 96 wide: not a multiple of 64
+    with pytest.raises(FreetokenError, match="dense MLP width 96"):
+        LLM(path, dtype="float32", backend="cpu", dense_dtype="int4", expert_dtype="int8", expert_group_size=64,
+            show_progress=False, kv_cache_bytes=1 << 20)
+
+
 def test_fused_decode_with_routing_recorder_matches(checkpoint_factory, tmp_path):
     """A wrapped expert executor (--record-routing) takes the generic experts call inside the
     fused step; the recorded routing is the torch path's."""

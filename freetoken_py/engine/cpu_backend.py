@@ -38,8 +38,24 @@ def weight_format(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
-def _kernel(lin: TorchLinear, fmt: str) -> KernelLinear:
-    return KernelLinear(lin.weight, lin.bias, fmt)
+def _kernel(lin: TorchLinear, fmt: str, group_size: int = 32) -> KernelLinear:
+    return KernelLinear(lin.weight, lin.bias, fmt, group_size)
+
+
+def _head_format(dense_fmt: str) -> str:
+    """Router and lm_head format: int4 dense keeps these two at int8 (llama.cpp's Q4_0 likewise
+    keeps the output matrix at 6 bits and the router unquantised: both are small or sensitive)."""
+    return "int8" if dense_fmt == "int4" else dense_fmt
+
+
+def _check_int4_dense(a, group_size: int) -> None:
+    ks = {"hidden size": a.hidden_size, "attention width (heads x head dim)": a.num_heads * a.head_dim}
+    if a.intermediate_size:
+        ks["dense MLP width"] = a.intermediate_size
+    bad = [f"{name} {k}" for name, k in ks.items() if k % group_size]
+    if bad:
+        raise FreetokenError(f"--dense-dtype int4 needs every input width divisible by the group size "
+                             f"{group_size}; not: {', '.join(bad)} (use --dense-dtype int8)")
 
 
 def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = None, group_size: int = 32,
@@ -72,15 +88,18 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
     if expert_format == "int4" and (a.hidden_size % group_size or a.moe_intermediate_size % group_size):
         raise FreetokenError(f"int4 experts need hidden size ({a.hidden_size}) and expert width "
                              f"({a.moe_intermediate_size}) divisible by the group size {group_size}")
+    if dense_fmt == "int4":
+        _check_int4_dense(a, group_size)
+    head_fmt = _head_format(dense_fmt)
     w = model.weights
     prebuilt, banks = banks, []
     for i, lw in enumerate(w.layers):
-        lw.qkv, lw.o = _kernel(lw.qkv, dense_fmt), _kernel(lw.o, dense_fmt)
+        lw.qkv, lw.o = _kernel(lw.qkv, dense_fmt, group_size), _kernel(lw.o, dense_fmt, group_size)
         lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
         if lw.q_norm is not None:
             lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
         if lw.router is not None:
-            lw.router = _kernel(lw.router, dense_fmt)
+            lw.router = _kernel(lw.router, head_fmt)
             if prebuilt is not None:
                 banks.append(prebuilt[i])
             elif lw.w13 is None:
@@ -91,11 +110,11 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
                                                      fmt=expert_format, group_size=group_size))
             lw.w13 = lw.w2 = None
         else:
-            lw.mlp13, lw.mlp2 = _kernel(lw.mlp13, dense_fmt), _kernel(lw.mlp2, dense_fmt)
+            lw.mlp13, lw.mlp2 = _kernel(lw.mlp13, dense_fmt, group_size), _kernel(lw.mlp2, dense_fmt, group_size)
             banks.append(None)
         if progress is not None:
             progress()
-    w.lm_head = _kernel(w.lm_head, dense_fmt)
+    w.lm_head = _kernel(w.lm_head, head_fmt)
     w.final_norm = w.final_norm.float()
     model.experts = KernelExpertExecutor(banks)
     # KV storage of `--kv-dtype auto`: the checkpoint's precision where the kernels read it in

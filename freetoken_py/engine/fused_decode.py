@@ -40,7 +40,7 @@ class _Layer:
     qkv_bias: np.ndarray
     o: tuple
     o_bias: np.ndarray
-    router: tuple  # (w, s) or 0-row arrays for a dense-MLP layer
+    router: tuple  # (w, s, group_size); 0 rows for a dense-MLP layer
     ln1: np.ndarray
     ln2: np.ndarray
     q_norm: np.ndarray
@@ -53,7 +53,8 @@ class FusedDecoder:
         self.model, self.cache, self.args = model, cache, a
         self.qk_kind = {"none": kd.QK_NONE, "head": kd.QK_HEAD, "full": kd.QK_FULL}[a.qk_norm]
         self.clip = float(a.clip_qkv) if a.clip_qkv is not None else 0.0
-        self.layers = [self._layer(lw) for lw in model.weights.layers]
+        routers = [lw.router.dense for lw in model.weights.layers if lw.router is not None]
+        self.layers = [self._layer(lw, routers[0] if routers else lw.o.dense) for lw in model.weights.layers]
         self.final_norm = _vec(model.weights.final_norm)
         self.k = [_kv_view(cache.k[i]) for i in range(a.num_layers)]
         self.v = [_kv_view(cache.v[i]) for i in range(a.num_layers)]
@@ -66,17 +67,21 @@ class FusedDecoder:
 
     @staticmethod
     def supports(model: MoeTransformer) -> bool:
-        """Every projection on the numba kernels with one weight format (the cpu backend)."""
+        """Every projection on the numba kernels (the cpu backend): attention in one format and
+        group size, the routers in one format (one compiled specialisation per step)."""
         layers = model.weights.layers
-        lins = [lin for lw in layers for lin in (lw.qkv, lw.o, lw.router) if lin is not None]
-        return (model.dtype == torch.float32 and all(isinstance(x, KernelLinear) for x in lins)
-                and len({x.dense.fmt for x in lins}) == 1)
+        attn = [lin for lw in layers for lin in (lw.qkv, lw.o)]
+        routers = [lw.router for lw in layers if lw.router is not None]
+        if model.dtype != torch.float32 or not all(isinstance(x, KernelLinear) for x in attn + routers):
+            return False
+        return (len({(x.dense.fmt, x.dense.group_size) for x in attn}) == 1
+                and len({x.dense.fmt for x in routers}) <= 1)
 
     @staticmethod
-    def _layer(lw) -> _Layer:
+    def _layer(lw, router_like) -> _Layer:
         w = lambda lin: (lin.dense.w, lin.dense.s, lin.dense.group_size)  # noqa: E731
-        o = lw.o.dense  # a dense-MLP layer gets a 0-row router of the same type (no extra specialisation)
-        router = ((o.w[:0], o.s[:0]) if lw.router is None else (lw.router.dense.w, lw.router.dense.s))
+        r = router_like  # a dense-MLP layer gets a 0-row router of the routers' type (no extra specialisation)
+        router = (r.w[:0], r.s[:0], r.group_size) if lw.router is None else w(lw.router)
         return _Layer(w(lw.qkv), _vec(lw.qkv.bias), w(lw.o), _vec(lw.o.bias), router,
                       _vec(lw.input_norm), _vec(lw.post_norm),
                       _vec(lw.q_norm) if lw.q_norm is not None else _ONE,

@@ -235,9 +235,9 @@ def _route(logits, top_k, renorm, ids, wts):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, lut, new_slots, ctx, ctx_off,
-                scale, attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, x2, logits, top_k, renorm, ids, wts):
+                scale, attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids, wts):
     """Attention of the new tokens over their contexts, o projection added into h [T, D]; then,
-    when wr has rows, post-norm into x2 and routing into ids / wts [T, k] (a dense-MLP layer
+    when wr has rows (router weights, group size gsr), post-norm into x2 and routing into ids / wts [T, k] (a dense-MLP layer
     passes a 0-row router and gets x2 only).
 
     ctx [sum n_t] / ctx_off [T + 1]: the slots each token attends to (its own slot last);
@@ -259,7 +259,7 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
             h[t, d] += o_tmp[t, d] + (o_bias[d] if o_bias.shape[0] else np.float32(0.0))
         rms_row(h[t], ln2_w, eps, x2[t])
     if wr.shape[0]:
-        _gemv(wr, sr, gs, x2, logits)
+        _gemv(wr, sr, gsr, x2, logits)
         for t in range(T):
             _route(logits[t], top_k, renorm, ids[t], wts[t])
 

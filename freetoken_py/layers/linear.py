@@ -27,10 +27,10 @@ class TorchLinear:
 class KernelLinear:
     """Numba dense kernel; x is cast to fp32, the result is fp32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, group_size: int = 32):
         from freetoken_py.kernels import DenseWeight, dense_linear
 
-        self.dense = DenseWeight.from_tensor(weight, fmt=fmt)
+        self.dense = DenseWeight.from_tensor(weight, fmt=fmt, group_size=group_size)
         self._matmul = dense_linear  # bound once: this is called ~25x per decoded token
         self.bias = None if bias is None else bias.float()
 
