@@ -12,16 +12,26 @@ from pathlib import Path
 ENV_VARS: dict[str, str] = {
     "FREETOKEN_CACHE_DIR": "Directory for freetoken's caches (hardware profile, ...). "
     "Default: $XDG_CACHE_HOME/freetoken, else ~/.cache/freetoken.",
+    "FREETOKEN_ADAPTIVE_THREADS": "0 pins every decode step to the configured thread count (default 1: "
+    "re-decide between N, N-1 and N/2 threads from measured step times, so a core taken by another "
+    "process does not stall every parallel region; docs/kernels.md).",
     "FREETOKEN_MALLOC_TUNING": "0 leaves glibc malloc's defaults alone (default 1: keep freed "
     "activation buffers in the heap instead of returning them to the OS; see docs/performance.md).",
-    "FREETOKEN_INT4_ACT": "int8 | fp32: what int4 expert/dense weights multiply on CPU (default int8 "
-    "on x86 with AVX2, else fp32; read once, when the kernels are first imported; docs/kernels.md).",
+    "FREETOKEN_INT_ACT": "int8 | fp32: what int4 and int8 expert/dense weights multiply on CPU (default "
+    "int8 on x86 with AVX2, else fp32; read once, when the kernels are first imported; docs/kernels.md).",
+    "FREETOKEN_INT4_ACT": "Old name of FREETOKEN_INT_ACT (same meaning, now for int8 weights too); "
+    "read only when FREETOKEN_INT_ACT is unset.",
 }
 
 
-def int4_act() -> str:
-    """FREETOKEN_INT4_ACT lower-cased, "" when unset."""
-    return os.environ.get("FREETOKEN_INT4_ACT", "").strip().lower()
+def int_act() -> str:
+    """FREETOKEN_INT_ACT (else its old name FREETOKEN_INT4_ACT) lower-cased, "" when neither is set."""
+    value = os.environ.get("FREETOKEN_INT_ACT", "").strip() or os.environ.get("FREETOKEN_INT4_ACT", "")
+    return value.strip().lower()
+
+
+def adaptive_threads() -> bool:
+    return os.environ.get("FREETOKEN_ADAPTIVE_THREADS", "1") != "0"
 
 
 def malloc_tuning() -> bool:

@@ -26,6 +26,7 @@ from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
 from freetoken_py.models.loader import load_model, read_generation_defaults
 from freetoken_py.scheduler.scheduler import Scheduler
 from freetoken_py.tokenizer import IncrementalDetokenizer, Tokenizer
+from freetoken_py.utils.progress import progress_bar
 
 
 @dataclass
@@ -69,6 +70,7 @@ class LLM:
                                    self.tracker)
         self._streams: dict[int, _Stream] = {}
         self._calibrate_kv()
+        self._warm_kernels()
         self.routing_recorder = self._attach_recorder()
 
     def _resolve_backend(self) -> str:
@@ -136,6 +138,27 @@ class LLM:
         req.page_table = self.allocator.allocate(-(-n // self.config.page_size))
         self.runner.forward_batch([ScheduledChunk(req, n)])
         self.allocator.release(req.page_table)
+
+    def _warm_kernels(self) -> None:
+        """cpu backend: a 3-token prefill and one decode step of a throwaway request, so numba
+        compiles (first run on a machine, ~30 s) or loads from its disk cache (~1 s) the kernels
+        this model's formats need now, under a progress bar, instead of inside the first
+        request's time to first token. Nothing is published to the prefix cache."""
+        ps = self.config.page_size
+        if self.backend != "cpu" or self.kv_capacity_tokens < 4 or self.allocator.num_free < -(-4 // ps):
+            return
+        req = Request([t % self.args.vocab_size for t in (1, 2, 3)], SamplingParams())
+        req.page_table = self.allocator.allocate(-(-4 // ps))
+        try:
+            with progress_bar("Preparing CPU kernels (compiled once per machine)", 2,
+                              self.config.show_progress) as advance:
+                self.runner.forward_batch([ScheduledChunk(req, 3)])  # prefill path: grouped experts, GEMM
+                advance()
+                req.output_token_ids.append(0)
+                self.runner.forward_batch([ScheduledChunk(req, 1)])  # decode path: the fused step
+                advance()
+        finally:
+            self.allocator.release(req.page_table)
 
     # ---- sizing -------------------------------------------------------------------------
     def _num_pages(self) -> int:

@@ -1,6 +1,7 @@
 """ModelRunner: one forward pass over a batch of scheduled chunks -> logits of the rows to sample."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -8,6 +9,8 @@ import torch
 
 from freetoken_py.core import Request
 from freetoken_py.engine.fused_decode import FusedDecoder, decode_slots
+from freetoken_py.engine.threads_governor import ThreadGovernor
+from freetoken_py.kernels.threads import set_kernel_threads
 from freetoken_py.kvcache import KVCache
 from freetoken_py.layers.attention import AttentionMetadata, build_seq_attention
 from freetoken_py.models.moe_transformer import MoeTransformer
@@ -31,13 +34,21 @@ class ModelRunner:
         self.model = model
         self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype)
         self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)
+        self.governor = None  # its thread count, re-decided from step times (threads_governor.py)
         if fused_decode and FusedDecoder.supports(model):
+            from freetoken_py.envs import adaptive_threads
+            from freetoken_py.kernels.threads import configured_threads
+
             self.fused = FusedDecoder(model, self.cache)
+            self._max_threads = configured_threads()
+            self.governor = ThreadGovernor(self._max_threads) if adaptive_threads() else None
 
     def forward_batch(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Runs every chunk in one forward; returns fp32 logits [num_sampling_chunks, V] in chunk order."""
-        if self.fused is not None and all(ch.num_new == 1 for ch in chunks):
-            return self._forward_decode(chunks)
+        if self.fused is not None:
+            if all(ch.num_new == 1 for ch in chunks):
+                return self._forward_decode(chunks)
+            set_kernel_threads(self._max_threads)  # prefill: long regions, every core
         ids, positions, seqs, sample_rows = [], [], [], []
         row = 0
         for ch in chunks:
@@ -68,8 +79,15 @@ class ModelRunner:
         np.cumsum([len(c) for c in ctx], out=ctx_off[1:])
         flat = np.concatenate(ctx)
         new_slots = flat[ctx_off[1:] - 1]  # each token's own slot ends its context
+        gov, rows = self.governor, len(chunks)
+        threads = gov.choose(rows) if gov is not None else self._max_threads
+        set_kernel_threads(threads)
+        t0 = time.perf_counter()
         hidden = self.fused.forward([ch.req.token_at(ch.req.num_computed) for ch in chunks],
                                     [ch.req.num_computed for ch in chunks], flat, ctx_off, new_slots)
         for ch in chunks:
             ch.req.num_computed += 1
-        return self.model.logits(hidden[sample_rows])
+        logits = self.model.logits(hidden[sample_rows])
+        if gov is not None:
+            gov.record(rows, threads, time.perf_counter() - t0)
+        return logits

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+_configured: int | None = None  # the last configure_threads() count, for threads started later
+
 
 def default_threads() -> int:
     """Cores this process may run on."""
@@ -30,7 +32,24 @@ def configure_threads(n: int | None = None) -> int:
     n = min(n, numba.config.NUMBA_NUM_THREADS)  # numba's pool size is fixed at its first use
     numba.set_num_threads(n)
     torch.set_num_threads(n)
+    global _configured
+    _configured = n
     return n
+
+
+def configured_threads() -> int:
+    """The configured budget (default: the usable cores, capped by numba's pool)."""
+    import numba
+
+    return _configured or min(default_threads(), numba.config.NUMBA_NUM_THREADS)
+
+
+def set_kernel_threads(n: int) -> None:
+    """numba threads for parallel regions launched from the calling thread (numba's count is
+    per calling thread: the server's engine thread does not inherit the main thread's)."""
+    import numba
+
+    numba.set_num_threads(n)
 
 
 def tune_allocator() -> bool:
