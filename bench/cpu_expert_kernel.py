@@ -12,9 +12,10 @@ DRAM sample ("one_thread"): on a machine where another process keeps a core busy
 avoids the parallel region's barrier waiting for a descheduled worker.
 
 "decode_in_cache": the compute ceiling, the same 8 experts of one bank called repeatedly (min
-over calls; 4 MB int4 .. 25 MB fp32, in L2/L3), as Gweights/s per thread setting. "int4_act" says
-which int4 dot ran (kernels._dots.INT4_ACT); for an A/B against the fp32-activation dot run the
-same command again with FREETOKEN_INT4_ACT=fp32 and its own NUMBA_CACHE_DIR (docs/kernels.md).
+over calls; 4 MB int4 .. 25 MB fp32, in L2/L3), as Gweights/s per thread setting. "int_act" says
+which activations the int4 and int8 dots multiplied (kernels._dots.INT_ACT); for an A/B against
+the fp32-activation dots run the same command again with FREETOKEN_INT_ACT=fp32 and its own
+NUMBA_CACHE_DIR (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -170,8 +171,8 @@ def main() -> None:
         in_cache[f"threads{n}"] = {f: round(in_cache_gweights(banks[f][0], x1, w1), 1) for f in fmts}
     configure_threads(threads)
 
-    from freetoken_py.kernels._dots import INT4_ACT
-    result = {"bench": "cpu_expert_kernel", "threads": threads, "int4_act": INT4_ACT,
+    from freetoken_py.kernels._dots import INT_ACT
+    result = {"bench": "cpu_expert_kernel", "threads": threads, "int_act": INT_ACT,
               "compile_or_cache_load_s": round(compile_s, 2),
               "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "inter": INTER,
                         "layers_rotated": layers, "group_size_int4": GROUP_SIZE,

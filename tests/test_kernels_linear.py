@@ -1,8 +1,9 @@
 """Dense GEMV kernel (freetoken_py.kernels.cpu_linear), thread configuration, lazy import.
 
 Reference: float64 torch matmul on the weight's own dequantized values (`dw.dequantized()`,
-checked here against torch's bf16 rounding and the int8 quant reference). int4 on the int8-activation
-path (`_dots.INT4_ACT`): the reference multiplies the per-32-block int8 activations (`quant.q8act`).
+checked here against torch's bf16 rounding and the int8 quant reference). int4 and int8 on the
+int8-activation path (`_dots.INT_ACT`): the reference multiplies the per-32-block int8 activations
+(`quant.q8act.roundtrip_act_q8`; int8's K = 37 exercises the partial last block).
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 from freetoken_py.kernels import DenseWeight, configure_threads, dense_linear
-from freetoken_py.kernels._dots import INT4_ACT
+from freetoken_py.kernels._dots import INT_ACT
 from freetoken_py.kernels.cpu_linear import TORCH_MIN_TOKENS
-from freetoken_py.quant import dequantize_act_q8, quantize_act_q8, quantize_int8
+from freetoken_py.quant import quantize_int8, roundtrip_act_q8
 
 TOL = {"fp32": 1e-5, "bf16": 1e-5, "int8": 1e-4, "int4": 1e-4}
 
@@ -35,7 +36,7 @@ def test_matches_torch_reference(fmt, n, k, num_t):
     x = torch.randn(num_t, k, generator=g)
     out = dense_linear(dw, x)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and tuple(out.shape) == (num_t, n)
-    xs = dequantize_act_q8(*quantize_act_q8(x)) if fmt == "int4" and INT4_ACT == "int8" else x
+    xs = roundtrip_act_q8(x) if fmt in ("int4", "int8") and INT_ACT == "int8" else x
     assert rel_err(out, xs.double() @ dw.dequantized().double().T) <= TOL[fmt]
 
 

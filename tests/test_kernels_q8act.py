@@ -1,9 +1,10 @@
-"""int4 weights x int8 activations (kernels/_simd.q4q8_row_dot, _dots.prep_q8_row, quant/q8act).
+"""int4 and int8 weights x int8 activations (kernels/_simd.q4q8_row_dot / i8q8_row_dot,
+_dots.prep_q8_row / prep_q8n_row, quant/q8act).
 
 References: the torch quantiser `quantize_act_q8` (itself checked here against its round-trip
-bound), compared byte for byte with the kernel's quantiser; the kernels against float64 torch on
+bound), compared byte for byte with the kernels' quantisers; the kernels against float64 torch on
 dequant(w) and dequant(quant8(x)) (1e-4), and loosely against fp32 activations; the
-fp32-activation fallback (FREETOKEN_INT4_ACT=fp32, what non-AVX2 CPUs run) in a subprocess
+fp32-activation fallback (FREETOKEN_INT_ACT=fp32, what non-AVX2 CPUs run) in a subprocess
 against the exact fp32 reference; the emitted assembly for the integer multiply-adds.
 """
 from __future__ import annotations
@@ -20,11 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freetoken_py.kernels import DenseWeight, ExpertBank, dense_linear, moe_experts
-from freetoken_py.kernels._dots import INT4_ACT, prep_q8_rows
+from freetoken_py.kernels._dots import INT_ACT, prep_q8_rows, prep_q8n_rows
 from freetoken_py.kernels._simd import HAS_AVX2
-from freetoken_py.quant import dequantize_act_q8, quantize_act_q8
+from freetoken_py.quant import dequantize_act_q8, quantize_act_q8, roundtrip_act_q8
 
-needs_int8_path = pytest.mark.skipif(INT4_ACT != "int8", reason="int8-activation path inactive (no AVX2 or forced off)")
+needs_int8_path = pytest.mark.skipif(INT_ACT != "int8", reason="int8-activation path inactive (no AVX2 or forced off)")
 
 
 def rel_err(out, ref):
@@ -113,7 +114,7 @@ def test_moe_int4_top1_against_quantised_activations(gs):
 
 def top1_ref(w13, w2, e, x, q8):
     """SwiGLU expert e[t] on x[t] in float64; q8: x and h pass through the int8 quantiser first."""
-    seen = (lambda v: dequantize_act_q8(*quantize_act_q8(v.float())).double()) if q8 else (lambda v: v.double())
+    seen = (lambda v: roundtrip_act_q8(v.float()).double()) if q8 else (lambda v: v.double())
     gu = torch.einsum("tod,td->to", w13[e], seen(x))
     inter = gu.shape[1] // 2
     return torch.einsum("tdi,ti->td", w2[e], seen(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]))
@@ -139,8 +140,8 @@ def test_dot_compiles_to_integer_multiply_adds():
 FALLBACK = """
 import torch
 from freetoken_py.kernels import DenseWeight, ExpertBank, dense_linear, moe_experts
-from freetoken_py.kernels._dots import INT4_ACT
-assert INT4_ACT == "fp32", INT4_ACT
+from freetoken_py.kernels._dots import INT_ACT
+assert INT_ACT == "fp32", INT_ACT
 g = torch.Generator().manual_seed(0)
 dw = DenseWeight.from_tensor(torch.randn(40, 128, generator=g) * 0.1, "int4", 64)
 x = torch.randn(5, 128, generator=g)
@@ -154,6 +155,16 @@ gu = torch.einsum("tod,td->to", w13[ids[:, 0]], x[:3].double())
 ref = torch.einsum("tdi,ti->td", w2[ids[:, 0]], torch.nn.functional.silu(gu[:, :64]) * gu[:, 64:])
 out = moe_experts(bank, x[:3], ids, torch.ones(3, 1))
 assert float((out.double() - ref).norm() / ref.norm()) <= 1e-4
+bank8 = ExpertBank.from_weights(gate, up, down, fmt="int8")     # int8 weights: fp32 activations too
+w13, w2 = (t.double() for t in bank8.dequantized())
+gu = torch.einsum("tod,td->to", w13[ids[:, 0]], x[:3].double())
+ref = torch.einsum("tdi,ti->td", w2[ids[:, 0]], torch.nn.functional.silu(gu[:, :64]) * gu[:, 64:])
+out = moe_experts(bank8, x[:3], ids, torch.ones(3, 1))
+assert float((out.double() - ref).norm() / ref.norm()) <= 1e-5
+dw8 = DenseWeight.from_tensor(torch.randn(40, 100, generator=g) * 0.1, "int8")
+x8 = torch.randn(5, 100, generator=g)
+ref = x8.double() @ dw8.dequantized().double().T
+assert float((dense_linear(dw8, x8).double() - ref).norm() / ref.norm()) <= 1e-5
 print("ok")
 """
 
@@ -161,14 +172,99 @@ print("ok")
 def test_fp32_activation_fallback_still_exact():
     """The path non-AVX2 CPUs take, forced here: exact against fp32 activations (1e-4). Own numba
     cache dir (the env var is part of the cache stamp; this keeps the main cache warm)."""
-    env = dict(os.environ, FREETOKEN_INT4_ACT="fp32",
+    env = dict(os.environ, FREETOKEN_INT_ACT="fp32",
                NUMBA_CACHE_DIR=os.path.join(tempfile.gettempdir(), "freetoken-test-int4-fp32act"))
     res = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
+def _mode_in_subprocess(**env_vars):
+    env = {k: v for k, v in os.environ.items() if k not in ("FREETOKEN_INT_ACT", "FREETOKEN_INT4_ACT")}
+    return subprocess.run([sys.executable, "-c", "from freetoken_py.kernels._dots import INT_ACT; print(INT_ACT)"],
+                          capture_output=True, text=True, env=dict(env, **env_vars), timeout=120)
+
+
 def test_bad_mode_is_a_clear_error():
-    env = dict(os.environ, FREETOKEN_INT4_ACT="int3")
-    res = subprocess.run([sys.executable, "-c", "import freetoken_py.kernels._dots"], capture_output=True,
-                         text=True, env=env, timeout=120)
-    assert res.returncode != 0 and "FREETOKEN_INT4_ACT must be 'int8' or 'fp32'" in res.stderr
+    res = _mode_in_subprocess(FREETOKEN_INT_ACT="int3")
+    assert res.returncode != 0 and "FREETOKEN_INT_ACT (or its old name FREETOKEN_INT4_ACT) must be 'int8' or 'fp32', got 'int3'" in res.stderr
+
+
+def test_old_variable_name_is_an_alias_and_the_new_one_wins():
+    assert _mode_in_subprocess(FREETOKEN_INT4_ACT="FP32").stdout.strip() == "fp32"
+    assert _mode_in_subprocess(FREETOKEN_INT4_ACT="fp32", FREETOKEN_INT_ACT="int8").stdout.strip() == ("int8" if HAS_AVX2 else "fp32")
+
+
+# --- int8 weights x int8 activations ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [256, 100])
+def test_int8_quantiser_is_the_reference_byte_for_byte(k):
+    """Natural order; K = 100 ends in a 4-element block, quantised as the zero-padded reference."""
+    x = awkward_rows(k, seed=k)
+    xq, xs = prep_q8n_rows(x.numpy())
+    q, s = quantize_act_q8(torch.nn.functional.pad(x, (0, -k % 32)))
+    assert xq.dtype == np.int8 and xs.shape == (5, -(-k // 32))
+    assert np.array_equal(xq, q[:, :k].numpy()) and np.array_equal(xs, s.numpy())
+
+
+@needs_int8_path
+@pytest.mark.parametrize("k", [96, 160, 100])
+@pytest.mark.parametrize("num_t", [1, 3, 5, 7])
+def test_dense_int8_against_quantised_and_fp32_activations(k, num_t):
+    """T = 1 (row_dot), 3 (a padded 4-pass), 5 / 7 (4 + tail); K = 100: a partial last block."""
+    g = torch.Generator().manual_seed(k + num_t)
+    dw = DenseWeight.from_tensor(torch.randn(45, k, generator=g) * 0.1, "int8")
+    x = torch.randn(num_t, k, generator=g)
+    out = dense_linear(dw, x)
+    w = dw.dequantized().double()
+    assert rel_err(out, roundtrip_act_q8(x).double() @ w.T) <= 1e-4
+    assert rel_err(out, x.double() @ w.T) <= 2e-2                 # the int8 activations' own error: ~5e-3
+
+
+@needs_int8_path
+@pytest.mark.parametrize("num_t", [1, 7])
+def test_dense_int8_extremes_are_exact(num_t):
+    """|w| = |q_x| = 127 everywhere: every vpmaddubsw pair sum is 2 * 127^2 = 32258, just under i16
+    saturation (32767); signs mixed so a lost sign shows. Small integers: the result is exact."""
+    sign = torch.tensor([1.0, -1.0, -1.0, 1.0]).repeat(24)                 # [96]
+    w = torch.stack([sign, -sign, torch.ones(96), -torch.ones(96)])        # [4, 96]: scale 1/127
+    dw = DenseWeight.from_tensor(w, "int8")
+    assert np.abs(dw.w).min() == 127
+    x = torch.ones(num_t, 96) * torch.arange(1, num_t + 1)[:, None].float()   # q_x = 127, s_x = t / 127
+    ref = x.double() @ w.double().T
+    assert torch.equal(dense_linear(dw, x).double(), ref), (dense_linear(dw, x), ref)
+
+
+@needs_int8_path
+def test_moe_int8_top1_against_quantised_activations():
+    """top-k = 1, T = 1 (decode) and T = 7 (grouped, 4 + tail), D = 160 and I = 100 (a partial
+    block in stage 2): stage 1 sees quant8(x), stage 2 quant8(h)."""
+    g = torch.Generator().manual_seed(8)
+    gate, up, down = (torch.randn(*shape, generator=g) * 0.1 for shape in ((3, 100, 160),) * 2 + ((3, 160, 100),))
+    bank = ExpertBank.from_weights(gate, up, down, fmt="int8")
+    w13, w2 = (t.double() for t in bank.dequantized())
+    for num_t in (1, 7):
+        x = torch.randn(num_t, 160, generator=g)
+        ids = torch.randint(0, 3, (num_t, 1), generator=g)
+        out = moe_experts(bank, x, ids, torch.ones(num_t, 1))
+        assert rel_err(out, top1_ref(w13, w2, ids[:, 0], x, q8=True)) <= 1e-4
+        assert rel_err(out, top1_ref(w13, w2, ids[:, 0], x, q8=False)) <= 3e-2
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="AVX2 intrinsics only compile for an AVX2 target")
+def test_int8_dot_compiles_to_sign_and_integer_multiply_adds():
+    from numba import njit
+
+    from freetoken_py.kernels._dots import row_dot
+
+    @njit(fastmath=True)
+    def dot(w, s, xq, xg, hb):
+        return row_dot(w, s, xq, xg, hb)
+
+    w = np.tile(np.array([3, -2], np.int8), 48)                            # K = 96, row scale 1
+    x = np.arange(96, dtype=np.float32).reshape(1, 96) - 40.0
+    xq, xs = prep_q8n_rows(x)
+    expect = float(w.astype(np.float64) @ roundtrip_act_q8(x)[0].astype(np.float64))
+    assert dot(w, np.ones(1, np.float32), xq[0], xs[0], 16) == pytest.approx(expect, rel=1e-5)
+    asm = dot.inspect_asm(dot.signatures[0])
+    assert all(op in asm for op in ("vpsignb", "vpabsb", "vpmaddubsw", "vpmaddwd")), "not the integer dot"

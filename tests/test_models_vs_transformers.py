@@ -160,8 +160,9 @@ def test_cpu_backend_bf16_and_quantized_experts(fmt, checkpoint_factory):
     kl = torch.nn.functional.kl_div(torch.log_softmax(ours, -1), torch.log_softmax(ref_logits, -1),
                                     log_target=True, reduction="batchmean").item()
     print(f"KL({fmt} || bf16) = {kl:.2e}")
-    # measured 3.3e-7 (int8); int4 g32: 8.0e-5 with int8 activations (AVX2 default), 7.8e-5 with fp32 ones
-    assert kl <= {"int8": 1e-5, "int4": 2.5e-4}[fmt]
+    # measured int8: 7.1e-7 with int8 activations (AVX2 default), 3.0e-7 with fp32 ones; int4 g32: 8.0e-5
+    # with int8 activations, 7.8e-5 with fp32 ones
+    assert kl <= {"int8": 2e-6, "int4": 2.5e-4}[fmt]
 
 
 def test_cpu_backend_int4_attention_kl(checkpoint_factory):

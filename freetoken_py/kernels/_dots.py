@@ -4,14 +4,15 @@ Every weight matrix is held as a typed array ``[N, K]`` (float32, uint16 = bf16 
 ``uint8 [N, K/2]`` (packed int4) plus float32 scales ``[N, G]`` (G = 0 for fp32/bf16, 1 for int8,
 K/group_size for int4). ``row_dot`` picks the dot at compile time from the row's dtype, so each
 kernel is compiled once per format (a runtime ``fmt`` branch plus ``ndarray.view`` cost 30-80%
-in measurements). Activations are "prepared" once per call; other formats use ``x`` as is. For
-int4 weights, ``INT4_ACT`` (fixed at import) decides how:
+in measurements). Activations are "prepared" once per call; fp32/bf16 weights use ``x`` as is.
+For int4 and int8 weights, ``INT_ACT`` (fixed at import) decides how:
 
 - ``"int8"`` (default on x86 with AVX2): each 32-block of ``x`` quantised to int8 with its own
-  scale (``quant.q8act``), laid out ``[even x16 | odd x16]``, plus per-group offset corrections
-  (``prep_q8_row``; the dot is ``_simd.q4q8_row_dot``, integer multiply-adds, ~2x cheaper).
-- ``"fp32"`` (other CPUs, or ``FREETOKEN_INT4_ACT=fp32``): ``[x[0::2] | x[1::2]]`` plus
-  ``8 * group sums`` (``_simd.q4_row_dot``), the exact fp32-activation dot.
+  scale (``quant.q8act``). int4: laid out ``[even x16 | odd x16]``, plus per-group offset
+  corrections (``prep_q8_row``; the dot is ``_simd.q4q8_row_dot``, ~2x cheaper). int8: natural
+  order, a partial last block for K % 32 != 0 (``prep_q8n_row``; ``_simd.i8q8_row_dot``).
+- ``"fp32"`` (other CPUs, or ``FREETOKEN_INT_ACT=fp32``): int4 ``[x[0::2] | x[1::2]]`` plus
+  ``8 * group sums`` (``_simd.q4_row_dot``), int8 ``x`` as is (``dot``): exact fp32 activations.
 
 The dot is picked from the prepared array's dtype, so both can be compiled in one process.
 
@@ -26,9 +27,10 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from freetoken_py.envs import int4_act
+from freetoken_py.envs import int_act
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
-from freetoken_py.kernels._simd import HAS_AVX2, q4_row_dot, q4_row_dot4, q4q8_row_dot, q4q8_row_dot4
+from freetoken_py.kernels._simd import (HAS_AVX2, i8q8_row_dot, i8q8_row_dot4, q4_row_dot, q4_row_dot4, q4q8_row_dot,
+                                        q4q8_row_dot4)
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 ACT_SILU, ACT_GPTOSS = 0, 1
@@ -36,18 +38,20 @@ ACTIVATIONS = {"silu": ACT_SILU, "gptoss": ACT_GPTOSS}
 Q8_BLOCK = 32              # activation elements per int8 scale (quant.q8act.BLOCK)
 
 
-def _int4_act_mode() -> str:
-    """"int8" or "fp32": FREETOKEN_INT4_ACT if set (part of the kernel cache stamp), else by CPU."""
-    want = int4_act() or ("int8" if HAS_AVX2 else "fp32")
+def _int_act_mode() -> str:
+    """"int8" or "fp32": FREETOKEN_INT_ACT (old name FREETOKEN_INT4_ACT) if set (part of the kernel
+    cache stamp), else by CPU."""
+    want = int_act() or ("int8" if HAS_AVX2 else "fp32")
     if want not in ("int8", "fp32"):
-        raise ValueError(f"FREETOKEN_INT4_ACT must be 'int8' or 'fp32', got {want!r}")
+        raise ValueError(f"FREETOKEN_INT_ACT (or its old name FREETOKEN_INT4_ACT) must be 'int8' or 'fp32', got {want!r}")
     if want == "int8" and not HAS_AVX2:
-        warnings.warn("FREETOKEN_INT4_ACT=int8 needs an x86 CPU with AVX2; using fp32 activations", stacklevel=2)
+        warnings.warn("FREETOKEN_INT_ACT=int8 needs an x86 CPU with AVX2; using fp32 activations", stacklevel=2)
         return "fp32"
     return want
 
 
-INT4_ACT = _int4_act_mode()
+INT_ACT = _int_act_mode()
+INT4_ACT = INT_ACT         # old name (one switch covers int4 and int8 weights now)
 
 
 def widen(v):
@@ -103,6 +107,8 @@ def _row_dot_impl(w, s, xv, xg, hb):
     dtype = w.dtype
     if dtype in (types.uint16, types.float32):
         return lambda w, s, xv, xg, hb: dot(w, xv)
+    if dtype == types.int8 and xv.dtype == types.int8:
+        return lambda w, s, xv, xg, hb: s[0] * i8q8_row_dot(w, xv, xg)
     if dtype == types.int8:
         return lambda w, s, xv, xg, hb: s[0] * dot(w, xv)
     if dtype == types.uint8 and xv.dtype == types.int8:
@@ -122,6 +128,11 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     dtype = w.dtype
     if dtype in (types.uint16, types.float32):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
+    if dtype == types.int8 and x0.dtype == types.int8:
+        def impl_q8(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
+            a0, a1, a2, a3 = i8q8_row_dot4(w, x0, x1, x2, x3, g0, g1, g2, g3)
+            return s[0] * a0, s[0] * a1, s[0] * a2, s[0] * a3
+        return impl_q8
     if dtype == types.int8:
         def impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
             a0, a1, a2, a3 = dot4(w, x0, x1, x2, x3)
@@ -197,6 +208,34 @@ def prep_q8_row(x, gs, xq, xg):
         xg[nb + b // bpg] += np.float32(8.0) * scale * np.float32(qsum)
 
 
+@njit(fastmath=False, cache=True)
+def prep_q8n_row(x, xq, xs):
+    """x [K] -> xq int8 [K] in natural order, xs [ceil(K/32)] = s_x per 32-block; rounding as in
+    prep_q8_row. A partial last block is quantised as if zero-padded (padding changes neither its
+    max nor its q values), so quant.quantize_act_q8 of the zero-padded row is the reference."""
+    for b in range(xs.shape[0]):
+        x0 = b * Q8_BLOCK
+        x1 = min(x0 + Q8_BLOCK, x.shape[0])
+        amax = np.float32(0.0)
+        for j in range(x0, x1):
+            amax = max(amax, abs(x[j]))
+        scale = amax / np.float32(127.0)
+        div = scale if scale > np.float32(0.0) else np.float32(1.0)
+        for j in range(x0, x1):
+            xq[j] = np.int8(min(max(np.rint(x[j] / div), np.float32(-127.0)), np.float32(127.0)))
+        xs[b] = scale
+
+
+@njit(fastmath=True, cache=True)
+def prep_q8n_rows(x):
+    """x [R, K] -> (xq int8 [R, K], xs float32 [R, ceil(K/32)]): prep_q8n_row for every row."""
+    xq = np.empty(x.shape, np.int8)
+    xs = np.empty((x.shape[0], (x.shape[1] + Q8_BLOCK - 1) // Q8_BLOCK), np.float32)
+    for r in range(x.shape[0]):
+        prep_q8n_row(x[r], xq[r], xs[r])
+    return xq, xs
+
+
 @njit(fastmath=True, cache=True)
 def prep_q8_rows(x, gs):
     """x [R, K] -> (xq int8 [R, K], xg float32 [R, K/32 + K/gs]): prep_q8_row for every row."""
@@ -214,8 +253,10 @@ def prepare(w, x, gs):
 
 @overload(prepare, jit_options={"fastmath": True})
 def _prepare_impl(w, x, gs):
-    if w.dtype == types.uint8 and INT4_ACT == "int8":
+    if w.dtype == types.uint8 and INT_ACT == "int8":
         return lambda w, x, gs: prep_q8_rows(x, gs)
+    if w.dtype == types.int8 and INT_ACT == "int8":
+        return lambda w, x, gs: prep_q8n_rows(x)
     if w.dtype == types.uint8:
         return lambda w, x, gs: prep_q4_rows(x, gs)
     return lambda w, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))

@@ -1,7 +1,9 @@
-"""Hand-written LLVM vector code for the int4 row dots (numba ``@intrinsic``s).
+"""Hand-written LLVM vector code for the int4 and int8 row dots (numba ``@intrinsic``s).
 
-Two dots: ``q4_row_dot`` (fp32 activations, any CPU) and ``q4q8_row_dot`` (int8 activations,
-x86 AVX2 only, ~2x cheaper; see the section below). ``_dots.prepare`` picks one per process.
+int4: ``q4_row_dot`` (fp32 activations, any CPU) and ``q4q8_row_dot`` (int8 activations,
+x86 AVX2 only, ~2x cheaper; see the section below). int8: ``i8q8_row_dot`` (int8 activations,
+AVX2 only; int8 weights with fp32 activations need no intrinsic, see ``_dots.dot``).
+``_dots.prepare`` picks the activation form once per process.
 
 Why not a plain numba loop: numba widens small-int arithmetic to 64 bits (``b >> 4`` became
 ``vpsrlq`` plus packing), and with 16 bytes per scale group LLVM's loop vectorizer never reaches
@@ -276,3 +278,122 @@ def q4q8_row_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     _check_avx2()
     sig = types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
     return sig, _q8_codegen(4)
+
+
+# --- int8 weights x int8 activations (AVX2) -------------------------------------------------------
+#
+# Per 32 weights (llama.cpp's q8_0 x q8_0 dot): |w| (vpabsb), q_x given w's sign (vpsignb: q_x *
+# sign(w), 0 where w = 0), vpmaddubsw(|w| as u8, sign(w) q_x as s8) = w * q_x in pairs -> 16 x i16,
+# vpmaddwd with ones -> 8 x i32, one convert, one FMA with s_x[block]; the row scale multiplies once
+# at the end (in _dots.row_dot). Activations in natural order (prep_q8n_row), not [even | odd].
+# Overflow: quantize_int8 scales by max / 127 and clamps to [-127, 127], so w = -128 never occurs
+# (|w| fits u8 and vpabsb has no -128 corner), and q_x is clamped to [-127, 127] as well, so
+# vpsignb cannot overflow either; a u8 x s8 pair sum is at most 2 * 127 * 127 = 32258 < 32767, so
+# vpmaddubsw's i16 saturation never triggers, and a block's i32 sum is at most 32 * 127^2 = 516128.
+# The same llvm.x86.avx2 intrinsics as above, for the same reason (generic IR gets no vpmaddubsw).
+
+
+def _i8_block(builder, wp, blk, accs, qps, xsps):
+    """acc += float(w_blk . q_blk) * s_x[blk] for each activation (w loaded and |w| taken once)."""
+    v8f, v32b, off = ir.VectorType(_F32, 8), ir.VectorType(_I8, 32), builder.shl(blk, ir.Constant(_I64, 5))
+    w = _vload(builder, wp, off, v32b, 1)
+    absf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32b, [v32b, ir.IntType(1)]), "llvm.abs.v32i8")
+    sign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32b, [v32b, v32b]), "llvm.x86.avx2.psign.b")
+    wabs = builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)])
+    for acc, qp, xsp in zip(accs, qps, xsps):                 # |w| . (sign(w) q_x) = w . q_x, 4 per i32 lane
+        qs = builder.call(sign, [_vload(builder, qp, off, v32b, 1), w])
+        f = builder.sitofp(_pmadd(builder, wabs, qs), v8f)
+        t = builder.fmul(f, _splat(builder, builder.load(builder.gep(xsp, [blk])), 8), flags=_FAST)
+        builder.store(builder.fadd(builder.load(acc), t, flags=_FAST), acc)
+
+
+def _i8_tail(builder, wp, k, nb, qps, xsps):
+    """Per activation: s_x[nb] * sum_{i >= 32 nb} w[i] q_x[i], the partial last block (0.0 if none)."""
+    sums = [cgutils.alloca_once_value(builder, ir.Constant(_I32, 0)) for _ in qps]
+    start = builder.shl(nb, ir.Constant(_I64, 5))
+    with cgutils.for_range(builder, builder.sub(k, start)) as loop:          # K % 32 scalar steps
+        i = builder.add(start, loop.index)
+        wi = builder.sext(builder.load(builder.gep(wp, [i])), _I32)
+        for acc, qp in zip(sums, qps):
+            prod = builder.mul(wi, builder.sext(builder.load(builder.gep(qp, [i])), _I32))
+            builder.store(builder.add(builder.load(acc), prod), acc)
+    has_tail = builder.icmp_unsigned("!=", start, k)
+    res = []
+    for acc, xsp in zip(sums, xsps):
+        idx = builder.select(has_tail, nb, ir.Constant(_I64, 0))              # s_x[nb] exists only then
+        scaled = builder.fmul(builder.sitofp(builder.load(acc), _F32), builder.load(builder.gep(xsp, [idx])), flags=_FAST)
+        res.append(builder.select(has_tail, scaled, ir.Constant(_F32, 0.0)))
+    return res
+
+
+UNROLL_1 = 4        # blocks per loop trip (and FMA chains) of the one-activation dot: 2 -> 4 measured +5-20 % in cache
+# Software prefetch this many bytes ahead, one per 64-byte line (it may run past the row or array:
+# prefetches never fault). With the hardware prefetcher alone the int8 x int8 lm_head GEMV streamed
+# at 1.03-1.1x the fp32-activation dot's GB/s; with 4096 B, 1.17-1.34x and 17.2-17.4 GB/s on 2
+# threads (docs/kernels.md). 1024 / 2048 B measured in between.
+PF_DIST = 4096
+
+
+def _prefetch(builder, wp, off):
+    i8p = _I8.as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                        "llvm.prefetch.p0")
+    addr = builder.bitcast(builder.gep(wp, [builder.add(off, ir.Constant(_I64, PF_DIST))]), i8p)
+    builder.call(fn, [addr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])   # read, keep, data
+
+
+def _i8q8_codegen(num_x):
+    """int8 x int8 dot of one row with `num_x` activations: the K // 32 whole blocks rotate over 4
+    (one activation) or 2 (four) accumulators each (one FMA chain is latency-bound), prefetching
+    PF_DIST ahead; then the K % 32 tail in scalar integers (tiny test models have such widths)."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        wp = arrays[0].data
+        qps = [a.data for a in arrays[1:1 + num_x]]
+        xsps = [a.data for a in arrays[1 + num_x:]]
+        k = cgutils.unpack_tuple(builder, arrays[0].shape)[0]
+        nb = builder.lshr(k, ir.Constant(_I64, 5))
+        unroll = UNROLL_1 if num_x == 1 else 2
+        v8f = ir.VectorType(_F32, 8)
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f, None)) for _ in range(num_x)] for _ in range(unroll)]
+        u64 = ir.Constant(_I64, unroll)
+        with cgutils.for_range(builder, builder.udiv(nb, u64)) as loop:
+            for u in range(unroll):
+                blk = builder.add(builder.mul(loop.index, u64), ir.Constant(_I64, u))
+                if u % 2 == 0:                                                # one per 64-byte line
+                    _prefetch(builder, wp, builder.shl(blk, ir.Constant(_I64, 5)))
+                _i8_block(builder, wp, blk, accs[u], qps, xsps)
+        rest = builder.urem(nb, u64)
+        with cgutils.for_range(builder, rest) as loop:                        # nb % unroll last blocks
+            _i8_block(builder, wp, builder.add(builder.sub(nb, rest), loop.index), accs[0], qps, xsps)
+        tails = _i8_tail(builder, wp, k, nb, qps, xsps)
+        res = []
+        for j, tail in enumerate(tails):
+            acc = builder.load(accs[0][j])
+            for u in range(1, unroll):
+                acc = builder.fadd(acc, builder.load(accs[u][j]), flags=_FAST)
+            res.append(builder.fadd(_hsum(builder, acc), tail, flags=_FAST))
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+@intrinsic
+def i8q8_row_dot(typingctx, w, xq, xs):
+    """sum over the 32-blocks b of s_x[b] * (w_b . q_x[b]), float32 (without the row scale).
+
+    w   int8 [K]       weight row, values in [-127, 127] (quant.int8), any K
+    xq  int8 [K]       activation quantised per 32-block, natural order (prep_q8n_row)
+    xs  float32 [NB]   s_x[b], NB = ceil(K / 32) (the last block may be partial)
+    """
+    _check_avx2()
+    return types.float32(w, xq, xs), _i8q8_codegen(1)
+
+
+@intrinsic
+def i8q8_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
+    """i8q8_row_dot of one row with four activations at once (|w| taken once) -> UniTuple(float32, 4)."""
+    _check_avx2()
+    return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3, s0, s1, s2, s3), _i8q8_codegen(4)

@@ -1,4 +1,4 @@
-"""Per-block int8 activations: the form the int4 kernels use on AVX2 (llama.cpp's Q8_0 idea).
+"""Per-block int8 activations: the form the int4 and int8 kernels use on AVX2 (llama.cpp's Q8_0 idea).
 
 Each block of ``BLOCK = 32`` consecutive elements of a row gets its own scale::
 
@@ -8,8 +8,8 @@ Each block of ``BLOCK = 32`` consecutive elements of a row gets its own scale::
 This is ``quantize_int8`` applied to every 32-element block, so each element is within
 ``scale / 2`` of the input and an all-zero block gets scale 0. Block size 32, whatever the weight
 group size: an activation outlier only coarsens its own 32 neighbours, and the kernel's cost per
-32 weights is one convert + one FMA either way. The kernel's quantiser
-(``kernels._dots.prep_q8_row``) must produce exactly these values; its tests compare bytes.
+32 weights is one convert + one FMA either way. The kernels' quantisers
+(``kernels._dots.prep_q8_row`` / ``prep_q8n_row``) must produce exactly these values; tests compare bytes.
 """
 from __future__ import annotations
 
@@ -37,3 +37,13 @@ def dequantize_act_q8(q, scale):
     k = qt.shape[-1]
     w = dequantize_int8(qt.reshape(*qt.shape[:-1], k // BLOCK, BLOCK), torch.as_tensor(scale))
     return out(w.reshape(qt.shape), not isinstance(q, torch.Tensor))
+
+
+def roundtrip_act_q8(x):
+    """x [..., K] (any K) -> float32 dequantize(quantize(x)): the activation as the int8 kernels see
+    it. A partial last block (K % 32 != 0, int8 weights only) is quantised as if zero-padded: zeros
+    change neither its max nor its q values (kernels._dots.prep_q8n_row does the same)."""
+    xf, numpy = as_float32(x)
+    k = xf.shape[-1]
+    padded = torch.nn.functional.pad(xf, (0, -k % BLOCK))                 # [..., ceil(K/32) * 32]
+    return out(dequantize_act_q8(*quantize_act_q8(padded))[..., :k], numpy)
