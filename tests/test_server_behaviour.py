@@ -107,7 +107,9 @@ def test_burst_beyond_capacity_gets_exactly_the_expected_429s(srv):
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 60
 
 
-def _hogs(srv, n: int, num_tokens: int) -> list[threading.Thread]:
+def _hogs(srv, n: int, num_tokens: int = 400) -> list[threading.Thread]:
+    """n requests that keep the engine's slots busy; 400 tokens: ~1 s of decode on the demo model
+    (25 tokens once sufficed, but the fused decode step finishes them before a ping interval)."""
     hogs = [threading.Thread(target=httpx.post, args=(srv.base_url + "/chat/completions",),
                              kwargs=dict(json=long_chat(num_tokens, stream=False), timeout=300)) for _ in range(n)]
     for t in hogs:
@@ -124,7 +126,7 @@ def _wait_for(srv, key: str, value: int) -> None:
 
 def test_full_queue_refuses_anthropic_in_anthropic_shape(srv):
     wait_idle(srv)
-    hogs = _hogs(srv, 4, 25)
+    hogs = _hogs(srv, 4)
     _wait_for(srv, "active", 4)
     r = httpx.post(srv.url + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": ASK})
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -135,7 +137,7 @@ def test_full_queue_refuses_anthropic_in_anthropic_shape(srv):
 
 def test_first_event_at_once_then_keepalives_while_queued(srv):
     wait_idle(srv)
-    hogs = _hogs(srv, 2, 25)
+    hogs = _hogs(srv, 2)
     _wait_for(srv, "running", 2)  # both engine slots busy: the next requests wait, and must hear pings
     got: dict = {}
 
