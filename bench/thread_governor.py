@@ -65,7 +65,8 @@ def main() -> None:
         out["conditions"][condition] = {
             "fixed_tps": round(fixed, 2), "adaptive_tps": round(adaptive, 2), "ratio": round(adaptive / fixed, 3),
             "samples": {k: [round(x, 2) for x in v] for k, v in samples.items()},
-            "governor_s_per_step": {str(n): round(s, 5) for n, s in governor.snapshot().get(0, {}).items()}}
+            "governor_s_per_step": {f"rows_band{b[0]}_ctx_band{b[1]}": {str(n): round(s, 5) for n, s in d.items()}
+                                    for b, d in governor.snapshot().items()}}
     common.emit(out)
 
 

@@ -159,6 +159,8 @@ class LLM:
                 advance()
         finally:
             self.allocator.release(req.page_table)
+            if self.runner.governor is not None:
+                self.runner.governor.reset()  # those step times include compiling / loading kernels
 
     # ---- sizing -------------------------------------------------------------------------
     def _num_pages(self) -> int:

@@ -59,6 +59,17 @@ def test_batch_sizes_are_timed_separately():
     assert gov.best(1) == 1 and gov.best(8) == 2 and gov.best(7) == 2  # 5-8 rows share a bucket
 
 
+def test_context_bands_are_timed_separately_and_reset_forgets():
+    gov = ThreadGovernor(2, probe_every=1000)
+    _drive(gov, lambda s, n: {2: 0.010, 1: 0.016}[n], 6)  # short context: 2 threads win
+    for _ in range(6):  # a 4,000-token context: here 1 thread wins
+        n = gov.choose(1, context=4000)
+        gov.record(1, n, {2: 0.050, 1: 0.030}[n], context=4000)
+    assert gov.best(1) == 2 and gov.best(1, context=4000) == 1 and gov.best(1, context=3000) == 1
+    gov.reset()
+    assert gov.snapshot() == {} and gov.choose(1) == 2  # timing starts over, from the full count
+
+
 def test_one_outlier_does_not_flip_the_choice():
     gov = ThreadGovernor(2, probe_every=1000)
     _drive(gov, lambda s, n: {2: 0.010, 1: 0.016}[n], 10)

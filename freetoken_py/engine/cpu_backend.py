@@ -50,7 +50,7 @@ def _head_format(dense_fmt: str) -> str:
 
 def _check_int4_dense(a, group_size: int) -> None:
     ks = {"hidden size": a.hidden_size, "attention width (heads x head dim)": a.num_heads * a.head_dim}
-    if a.intermediate_size:
+    if a.intermediate_size and not all(a.sparse_layers):
         ks["dense MLP width"] = a.intermediate_size
     bad = [f"{name} {k}" for name, k in ks.items() if k % group_size]
     if bad:
@@ -67,6 +67,8 @@ def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = N
 
     tune_allocator()  # process-wide, idempotent: every cpu-backend LLM gets it, not only the CLI
     model = load_model(model_dir, dtype, show_progress, experts="skip")
+    if dense_format == "int4":  # before the expert store spends minutes building a cache file
+        _check_int4_dense(model.args, group_size)
     fmt = expert_format or dense_format or weight_format(model.dtype)
     store = open_expert_store(model_dir, model.args, model.dtype, fmt, group_size, expert_cache, show_progress)
     use_cpu_kernels(model, fmt, group_size, dense_format=dense_format, banks=store.banks)

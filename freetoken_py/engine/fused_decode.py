@@ -52,7 +52,7 @@ class FusedDecoder:
         a = model.args
         self.model, self.cache, self.args = model, cache, a
         self.qk_kind = {"none": kd.QK_NONE, "head": kd.QK_HEAD, "full": kd.QK_FULL}[a.qk_norm]
-        self.clip = float(a.clip_qkv) if a.clip_qkv is not None else 0.0
+        self.clip = float(a.clip_qkv) if a.clip_qkv is not None else -1.0  # < 0: no clipping
         routers = [lw.router.dense for lw in model.weights.layers if lw.router is not None]
         self.layers = [self._layer(lw, routers[0] if routers else lw.o.dense) for lw in model.weights.layers]
         self.final_norm = _vec(model.weights.final_norm)

@@ -79,8 +79,8 @@ class ModelRunner:
         np.cumsum([len(c) for c in ctx], out=ctx_off[1:])
         flat = np.concatenate(ctx)
         new_slots = flat[ctx_off[1:] - 1]  # each token's own slot ends its context
-        gov, rows = self.governor, len(chunks)
-        threads = gov.choose(rows) if gov is not None else self._max_threads
+        gov, rows, context = self.governor, len(chunks), len(flat)
+        threads = gov.choose(rows, context) if gov is not None else self._max_threads
         set_kernel_threads(threads)
         t0 = time.perf_counter()
         hidden = self.fused.forward([ch.req.token_at(ch.req.num_computed) for ch in chunks],
@@ -89,5 +89,5 @@ class ModelRunner:
             ch.req.num_computed += 1
         logits = self.model.logits(hidden[sample_rows])
         if gov is not None:
-            gov.record(rows, threads, time.perf_counter() - t0)
+            gov.record(rows, threads, time.perf_counter() - t0, context)
         return logits

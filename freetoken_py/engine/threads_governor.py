@@ -22,9 +22,11 @@ import statistics
 from collections import deque
 
 
-def _bucket(num_rows: int) -> int:
-    """Batch sizes 1, 2, 3-4, 5-8, ... share timings (a step's cost grows with its rows)."""
-    return (num_rows - 1).bit_length()
+def _bucket(num_rows: int, context: int = 0) -> tuple[int, int]:
+    """Steps share timings when their batch sizes (1, 2, 3-4, 5-8, ...) and total context tokens
+    (0-255, 256-511, 512-1023, ...) fall in the same power-of-two band: a step's cost grows with
+    both, and a figure from another band would be compared unfairly."""
+    return (num_rows - 1).bit_length(), (context // 256).bit_length()
 
 
 class ThreadGovernor:
@@ -44,20 +46,20 @@ class ThreadGovernor:
         times = self._times.get((bucket, n))
         return statistics.median(times) if times else None
 
-    def best(self, num_rows: int) -> int:
+    def best(self, num_rows: int, context: int = 0) -> int:
         """The candidate with the lowest recent median for this batch size (max_threads if none)."""
-        b = _bucket(num_rows)
+        b = _bucket(num_rows, context)
         timed = [(m, -n) for n in self.candidates if (m := self._median(b, n)) is not None]
         return -min(timed)[1] if timed else self.max_threads
 
-    def choose(self, num_rows: int) -> int:
+    def choose(self, num_rows: int, context: int = 0) -> int:
         """Thread count for the next decode step of `num_rows` rows."""
         self._steps += 1
-        b = _bucket(num_rows)
+        b = _bucket(num_rows, context)
         for n in self.candidates:  # first visit of a bucket: time every candidate once
             if (b, n) not in self._times:
                 return n
-        best = self.best(num_rows)
+        best = self.best(num_rows, context)
         for n in self.candidates:  # a losing candidate is re-timed now and then (backing off while
             key = (b, n)           # it stays much slower: a collapsed probe step is expensive)
             if n != best and self._steps - self._last_probe.get(key, 0) >= self._interval.get(key, self.probe_every):
@@ -65,17 +67,24 @@ class ThreadGovernor:
                 return n
         return best
 
-    def record(self, num_rows: int, threads: int, seconds: float) -> None:
-        b = _bucket(num_rows)
-        best = self.best(num_rows)
+    def record(self, num_rows: int, threads: int, seconds: float, context: int = 0) -> None:
+        b = _bucket(num_rows, context)
+        best = self.best(num_rows, context)
         self._times.setdefault((b, threads), deque(maxlen=self.window)).append(seconds)
         if threads != best and (m := self._median(b, best)) is not None:  # a probe
             slow = seconds > 1.5 * m
             cur = self._interval.get((b, threads), self.probe_every)
             self._interval[(b, threads)] = min(2 * cur, self.max_interval) if slow else self.probe_every
 
+    def reset(self) -> None:
+        """Forget every timing (the start-up warm-up's steps include compiling the kernels)."""
+        self._times.clear()
+        self._interval.clear()
+        self._last_probe.clear()
+        self._steps = 0
+
     def snapshot(self) -> dict:
-        """{batch-size bucket: {threads: median seconds}} for stats and tests."""
+        """{(batch-size band, context band): {threads: median seconds}} for stats and tests."""
         out: dict[int, dict[int, float]] = {}
         for (b, n), times in self._times.items():
             out.setdefault(b, {})[n] = statistics.median(times)

@@ -16,7 +16,7 @@ scale) — one compiled specialisation per (weight format, KV format).
 
 Semantics match `models/moe_transformer.py` + `layers/attention.py` (tested against them):
 rms_norm in fp32, qk_kind 1 = per-head norm (Qwen3), 2 = norm over the whole projection before
-clipping (OLMoE), clip <= 0 = no clipping, rotate-half rotary, softmax over every expert in fp32,
+clipping (OLMoE), clip < 0 = no clipping, rotate-half rotary, softmax over every expert in fp32,
 top-k by value (ties: the lower expert id), optional renormalisation.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _qk_post(row, bias, qn, kn, qk_kind, clip, cos, sin, nq, nkv, hd, eps):
     if qk_kind == QK_FULL:
         rms_row(row[:q_end], qn, eps, row[:q_end])
         rms_row(row[q_end:k_end], kn, eps, row[q_end:k_end])
-    if clip > 0:
+    if clip >= 0:
         for i in range(row.shape[0]):
             row[i] = min(max(row[i], -clip), clip)
     tmp = np.empty(hd, np.float32)
