@@ -62,6 +62,22 @@ def test_fused_decode_matches_torch_forward(arch, kv, checkpoint_factory):
     assert err.mean().item() <= {"auto": 1e-5, "bf16": 2e-5, "fp8": 2e-4}[kv] * scale
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fused_decode_long_context_splits_keys_into_chunks(kv, checkpoint_factory):
+    """Contexts longer than ATTN_CHUNK keys are split over several tasks and merged (rescaled
+    partial softmax); FP8's exact own K/V lands in the last chunk."""
+    from freetoken_py.kernels.cpu_decode import ATTN_CHUNK
+
+    path = checkpoint_factory("qwen3_moe")
+    seqs = [random_prompt(ATTN_CHUNK + 40, seed=9 + s) for s in range(2)]
+    prefill = ATTN_CHUNK - 16  # decode steps cross from one chunk (241 keys) to two (up to 295)
+    ours = _teacher_forced(_engine(path, kv, fused=True), seqs, prefill)
+    ref = _teacher_forced(_engine(path, kv, fused=False), seqs, prefill)
+    assert ours.shape[0] == 56
+    scale = max(1.0, ref.abs().max().item())
+    assert (ours - ref).abs().max().item() <= 1e-4 * scale
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe_step2", "mixtral"])  # expert widths divisible by 32
 def test_fused_decode_int4_attention_matches_torch_forward(arch, checkpoint_factory):
     """--dense-dtype int4: attention int4 (int8 activations on AVX2), router and lm_head int8 —

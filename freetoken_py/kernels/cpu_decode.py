@@ -170,45 +170,73 @@ def _widen_row(src, lut, scale, out):
         out[i] = kv_widen(src[i], lut) * scale
 
 
+ATTN_CHUNK = 256  # keys per attention task: tasks split the context, not the heads (see _chunk_attention)
+
+
 @njit(fastmath=True, cache=True)
-def _head_attention(qkv_t, g, group, nq, nkv, hd, ctx, kc, vc, kscale, vscale, lut, exact_last, scale, out_t):
-    """The `group` query heads of KV head g attend to the keys at slots ctx, written to out_t."""
+def _chunk_attention(qkv_t, nq, nkv, hd, ctx, j0, j1, kc, vc, kscale, vscale, lut, exact_last, scale,
+                     m_out, l_out, acc_out):
+    """Keys j0..j1 of one token's context (slots ctx) for every query head: the partial softmax
+    (max m_out [nq], sum l_out [nq]) and the unnormalised P.V acc_out [nq, hd], combined across
+    chunks by _combine. A chunk reads each slot's K (then V) rows of all KV heads together — one
+    contiguous run per slot — so the cache is streamed once, not once per head."""
     n = ctx.shape[0]
-    scores = np.empty((group, n), np.float32)
+    group = nq // nkv
+    scores = np.empty((nq, j1 - j0), np.float32)
     row = np.empty(hd, np.float32)
-    k0, v0 = (nq + g) * hd, (nq + nkv + g) * hd
-    for j in range(n):
-        if exact_last and j == n - 1:  # FP8: the new token attends to its own exact K (as the torch path)
-            row[:] = qkv_t[k0:k0 + hd]
-        else:
-            _widen_row(kc[ctx[j], g], lut, kscale, row)
-        for a in range(group):
-            q = qkv_t[(g * group + a) * hd:(g * group + a + 1) * hd]
-            acc = np.float32(0.0)
-            for i in range(hd):
-                acc += q[i] * row[i]
-            scores[a, j] = acc * scale
-    for a in range(group):
-        m = scores[a].max()
+    for j in range(j0, j1):
+        for g in range(nkv):
+            if exact_last and j == n - 1:  # FP8: the new token attends to its own exact K (as the torch path)
+                row[:] = qkv_t[(nq + g) * hd:(nq + g + 1) * hd]
+            else:
+                _widen_row(kc[ctx[j], g], lut, kscale[g], row)
+            for a in range(group):
+                h = g * group + a
+                q = qkv_t[h * hd:(h + 1) * hd]
+                acc = np.float32(0.0)
+                for i in range(hd):
+                    acc += q[i] * row[i]
+                scores[h, j - j0] = acc * scale
+    for h in range(nq):
+        m = scores[h].max()
         tot = np.float32(0.0)
-        for j in range(n):
-            e = np.exp(scores[a, j] - m)
-            scores[a, j] = e
+        for jj in range(j1 - j0):
+            e = np.exp(scores[h, jj] - m)
+            scores[h, jj] = e
             tot += e
-        for j in range(n):
-            scores[a, j] /= tot
-    acc = np.zeros((group, hd), np.float32)
-    for j in range(n):
-        if exact_last and j == n - 1:
-            row[:] = qkv_t[v0:v0 + hd]
-        else:
-            _widen_row(vc[ctx[j], g], lut, vscale, row)
-        for a in range(group):
-            p = scores[a, j]
+        m_out[h] = m
+        l_out[h] = tot
+    acc_out[:] = 0.0
+    for j in range(j0, j1):
+        for g in range(nkv):
+            if exact_last and j == n - 1:
+                row[:] = qkv_t[(nq + nkv + g) * hd:(nq + nkv + g + 1) * hd]
+            else:
+                _widen_row(vc[ctx[j], g], lut, vscale[g], row)
+            for a in range(group):
+                h = g * group + a
+                p = scores[h, j - j0]
+                for i in range(hd):
+                    acc_out[h, i] += p * row[i]
+
+
+@njit(fastmath=True, cache=True)
+def _combine(m, l, acc, c0, c1, out_t, hd):
+    """Merge chunks c0..c1 of one token: softmax over all keys = rescaled partial sums."""
+    for h in range(m.shape[1]):
+        mx = m[c0, h]
+        for c in range(c0 + 1, c1):
+            mx = max(mx, m[c, h])
+        tot = np.float32(0.0)
+        o = out_t[h * hd:(h + 1) * hd]
+        o[:] = 0.0
+        for c in range(c0, c1):
+            w = np.exp(m[c, h] - mx)
+            tot += w * l[c, h]
             for i in range(hd):
-                acc[a, i] += p * row[i]
-    for a in range(group):
-        out_t[(g * group + a) * hd:(g * group + a + 1) * hd] = acc[a]
+                o[i] += w * acc[c, h, i]
+        for i in range(hd):
+            o[i] /= tot
 
 
 @njit(fastmath=True, cache=True)
@@ -247,12 +275,24 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
     if write_kv:
         _write_kv(qkv, nq, nkv, hd, new_slots, kc, vc)
     T = qkv.shape[0]
-    group = nq // nkv
-    for task in prange(T * nkv):
-        t = task // nkv
-        g = task - t * nkv
-        _head_attention(qkv[t], g, group, nq, nkv, hd, ctx[ctx_off[t]:ctx_off[t + 1]], kc, vc,
-                        kscale[g], vscale[g], lut, exact_last, scale, attn[t])
+    first = np.empty(T + 1, np.int64)  # chunks of token t: first[t]..first[t + 1]
+    first[0] = 0
+    for t in range(T):
+        first[t + 1] = first[t] + (ctx_off[t + 1] - ctx_off[t] + ATTN_CHUNK - 1) // ATTN_CHUNK
+    owner = np.empty(first[T], np.int64)
+    for t in range(T):
+        owner[first[t]:first[t + 1]] = t
+    m = np.empty((first[T], nq), np.float32)
+    l = np.empty((first[T], nq), np.float32)
+    acc = np.empty((first[T], nq, hd), np.float32)
+    for task in prange(first[T]):
+        t = owner[task]
+        toks = ctx[ctx_off[t]:ctx_off[t + 1]]
+        j0 = (task - first[t]) * ATTN_CHUNK
+        _chunk_attention(qkv[t], nq, nkv, hd, toks, j0, min(toks.shape[0], j0 + ATTN_CHUNK), kc, vc, kscale,
+                         vscale, lut, exact_last, scale, m[task], l[task], acc[task])
+    for t in range(T):
+        _combine(m, l, acc, first[t], first[t + 1], attn[t], hd)
     _gemv(wo, so, gs, attn, o_tmp)
     for t in range(T):
         for d in range(h.shape[1]):
