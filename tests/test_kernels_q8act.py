@@ -100,12 +100,19 @@ def test_dense_int4_against_quantised_and_fp32_activations(gs, num_t):
 def test_moe_int4_top1_against_quantised_activations(gs):
     """top-k = 1, T = 1 (decode) and T = 7 (grouped, 4 + tail): stage 1 sees quant8(x), stage 2
     quant8(h) (fixed seeds without a rounding tie of h; test_kernels_moe handles ties)."""
-    g = torch.Generator().manual_seed(gs)
-    gate, up, down = (torch.randn(*shape, generator=g) * 0.1 for shape in ((3, 128, 256),) * 2 + ((3, 256, 128),))
-    bank = ExpertBank.from_weights(gate, up, down, fmt="int4", group_size=gs)
+    _check_top1("int4", gs, inter=128, hidden=256, seed=gs)
+
+
+def _check_top1(fmt: str, gs: int, inter: int, hidden: int, seed: int) -> None:
+    """3 experts, top-1 routing, T = 1 and 7: the kernel against top1_ref with quantised
+    activations (1e-4) and with fp32 ones (3e-2)."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up, down = (torch.randn(*shape, generator=g) * 0.1
+                      for shape in ((3, inter, hidden),) * 2 + ((3, hidden, inter),))
+    bank = ExpertBank.from_weights(gate, up, down, fmt=fmt, group_size=gs)
     w13, w2 = (t.double() for t in bank.dequantized())
     for num_t in (1, 7):
-        x = torch.randn(num_t, 256, generator=g)
+        x = torch.randn(num_t, hidden, generator=g)
         ids = torch.randint(0, 3, (num_t, 1), generator=g)
         out = moe_experts(bank, x, ids, torch.ones(num_t, 1))
         assert rel_err(out, top1_ref(w13, w2, ids[:, 0], x, q8=True)) <= 1e-4
@@ -239,16 +246,7 @@ def test_dense_int8_extremes_are_exact(num_t):
 def test_moe_int8_top1_against_quantised_activations():
     """top-k = 1, T = 1 (decode) and T = 7 (grouped, 4 + tail), D = 160 and I = 100 (a partial
     block in stage 2): stage 1 sees quant8(x), stage 2 quant8(h)."""
-    g = torch.Generator().manual_seed(8)
-    gate, up, down = (torch.randn(*shape, generator=g) * 0.1 for shape in ((3, 100, 160),) * 2 + ((3, 160, 100),))
-    bank = ExpertBank.from_weights(gate, up, down, fmt="int8")
-    w13, w2 = (t.double() for t in bank.dequantized())
-    for num_t in (1, 7):
-        x = torch.randn(num_t, 160, generator=g)
-        ids = torch.randint(0, 3, (num_t, 1), generator=g)
-        out = moe_experts(bank, x, ids, torch.ones(num_t, 1))
-        assert rel_err(out, top1_ref(w13, w2, ids[:, 0], x, q8=True)) <= 1e-4
-        assert rel_err(out, top1_ref(w13, w2, ids[:, 0], x, q8=False)) <= 3e-2
+    _check_top1("int8", 32, inter=100, hidden=160, seed=8)
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="AVX2 intrinsics only compile for an AVX2 target")

@@ -10,7 +10,8 @@ Here each half of a layer is one call:
                  -> rms_norm -> router GEMV -> softmax top-k                             -> x2, ids, weights
 
 The experts (moe_rows) then add into h directly. Weights use the dense kernels' row dots
-(`cpu_linear._gemv_block`), so every format of `DenseWeight` works; the KV cache may hold fp32,
+(`cpu_linear.dense_rows`, called from jitted code), so every format of `DenseWeight` works;
+the KV cache may hold fp32,
 bf16 bits (uint16) or FP8 e4m3 bits (uint8, decoded through a 256-entry table times a per-head
 scale) — one compiled specialisation per (weight format, KV format).
 
@@ -26,8 +27,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
-from freetoken_py.kernels._dots import prepare
-from freetoken_py.kernels.cpu_linear import ROWS_PER_TASK, _gemv_block
+from freetoken_py.kernels.cpu_linear import dense_rows
 
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
 
@@ -48,17 +48,6 @@ def rms_rows(x, w, eps, out):
     """rms_row for every row of x [T, D]."""
     for t in range(x.shape[0]):
         rms_row(x[t], w, eps, out[t])
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _gemv(w, s, gs, x, out):
-    """out [T, N] = x [T, K] @ dequant(w).T (cpu_linear.dense_rows, callable from jitted code)."""
-    xv, xg = prepare(w, x, gs)
-    n = w.shape[0]
-    num_tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(num_tasks):
-        n0 = task * ROWS_PER_TASK
-        _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
 
 
 @njit(fastmath=True, cache=True)
@@ -97,7 +86,7 @@ def _qk_post(row, bias, qn, kn, qk_kind, clip, cos, sin, nq, nkv, hd, eps):
 def decode_qkv(h, ln_w, eps, w, s, gs, bias, qn, kn, qk_kind, clip, cos, sin, nq, nkv, hd, x, qkv):
     """qkv [T, (nq+2nkv)*hd] of the new tokens from the residual stream h [T, D] (x: [T, D] scratch)."""
     rms_rows(h, ln_w, eps, x)
-    _gemv(w, s, gs, x, qkv)
+    dense_rows(w, s, x, gs, qkv)
     for t in range(h.shape[0]):
         _qk_post(qkv[t], bias, qn, kn, qk_kind, clip, cos[t], sin[t], nq, nkv, hd, eps)
 
@@ -293,13 +282,13 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
                          vscale, lut, exact_last, scale, m[task], l[task], acc[task])
     for t in range(T):
         _combine(m, l, acc, first[t], first[t + 1], attn[t], hd)
-    _gemv(wo, so, gs, attn, o_tmp)
+    dense_rows(wo, so, attn, gs, o_tmp)
     for t in range(T):
         for d in range(h.shape[1]):
             h[t, d] += o_tmp[t, d] + (o_bias[d] if o_bias.shape[0] else np.float32(0.0))
         rms_row(h[t], ln2_w, eps, x2[t])
     if wr.shape[0]:
-        _gemv(wr, sr, gsr, x2, logits)
+        dense_rows(wr, sr, x2, gsr, logits)
         for t in range(T):
             _route(logits[t], top_k, renorm, ids[t], wts[t])
 
