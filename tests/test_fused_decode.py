@@ -64,18 +64,33 @@ def test_fused_decode_matches_torch_forward(arch, kv, checkpoint_factory):
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_fused_decode_long_context_splits_keys_into_chunks(kv, checkpoint_factory):
-    """Contexts longer than ATTN_CHUNK keys are split over several tasks and merged (rescaled
-    partial softmax); FP8's exact own K/V lands in the last chunk."""
-    from freetoken_py.kernels.cpu_decode import ATTN_CHUNK
+    """Contexts are split over several tasks and merged (rescaled partial softmax): up to 8
+    chunks of 32-256 keys, the chunk size changing with the length (_chunk_size); FP8's exact own
+    K/V lands in the last chunk."""
+    from freetoken_py.kernels.cpu_decode import ATTN_CHUNK, _chunk_size
 
     path = checkpoint_factory("qwen3_moe")
     seqs = [random_prompt(ATTN_CHUNK + 40, seed=9 + s) for s in range(2)]
-    prefill = ATTN_CHUNK - 16  # decode steps cross from one chunk (241 keys) to two (up to 295)
+    prefill = ATTN_CHUNK - 16  # decode steps see 241 to 295 keys: 8 chunks of 31 to 37 keys
+    assert _chunk_size(241) == 31 and _chunk_size(295) == 37
     ours = _teacher_forced(_engine(path, kv, fused=True), seqs, prefill)
     ref = _teacher_forced(_engine(path, kv, fused=False), seqs, prefill)
     assert ours.shape[0] == 56
     scale = max(1.0, ref.abs().max().item())
     assert (ours - ref).abs().max().item() <= 1e-4 * scale
+
+
+def test_attention_chunks_cover_the_context():
+    """Every context length splits into chunks that cover it exactly once (last one partial), of
+    at most ATTN_CHUNK keys, short contexts into ATTN_SPLIT tasks once they have the keys."""
+    from freetoken_py.kernels.cpu_decode import ATTN_CHUNK, ATTN_MIN_CHUNK, ATTN_SPLIT, _chunk_size
+
+    for n in range(1, 5000, 7):
+        cs = _chunk_size(n)
+        chunks = -(-n // cs)
+        assert 1 <= cs <= ATTN_CHUNK and (chunks - 1) * cs < n <= chunks * cs
+        if n >= ATTN_SPLIT * ATTN_MIN_CHUNK:
+            assert chunks >= ATTN_SPLIT, (n, cs)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe_step2", "mixtral"])  # expert widths divisible by 32

@@ -33,9 +33,17 @@ def rel_err(out, ref):
 
 
 def kernel_layout(q: torch.Tensor) -> np.ndarray:
-    """Reference q [R, K] -> the kernel's per-32-block layout [even x16 | odd x16]."""
-    blocks = q.reshape(q.shape[0], -1, 16, 2)                      # [R, NB, 16, (even, odd)]
-    return blocks.transpose(-1, -2).reshape(q.shape).numpy()
+    """Reference q [R, K] -> the kernel's layout: per pair of 32-blocks [even of the first x16 |
+    even of the second x16 | odd of the first x16 | odd of the second x16]; a last unpaired
+    block [even x16 | odd x16]."""
+    r, k = q.shape
+    nb = k // 32
+    paired = 64 * (nb // 2)
+    pairs = q[:, :paired].reshape(r, nb // 2, 2, 16, 2)            # [R, pair, block, 16, (even, odd)]
+    out = [pairs.permute(0, 1, 4, 2, 3).reshape(r, paired)]        # [R, pair, (even, odd), block, 16]
+    if nb % 2:
+        out.append(q[:, paired:].reshape(r, 16, 2).transpose(-1, -2).reshape(r, 32))
+    return torch.cat(out, dim=1).numpy()
 
 
 def awkward_rows(k: int, seed: int) -> torch.Tensor:
@@ -83,12 +91,13 @@ def test_quantiser_rejects_ragged_rows():
 
 
 @needs_int8_path
-@pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("num_t", [1, 3, 5, 7])
-def test_dense_int4_against_quantised_and_fp32_activations(gs, num_t):
-    g = torch.Generator().manual_seed(gs + num_t)
-    dw = DenseWeight.from_tensor(torch.randn(45, 384, generator=g) * 0.1, "int4", gs)   # 12 blocks; 45 rows
-    x = torch.randn(num_t, 384, generator=g)
+# 32-blocks per row: 384 = 6 pairs, 416 = 6 pairs + 1, 448 = 7 pairs (gs 64: one pair per group), 480 = 7 + 1
+@pytest.mark.parametrize("gs,k", [(32, 384), (64, 384), (128, 384), (32, 416), (32, 448), (64, 448), (32, 480)])
+def test_dense_int4_against_quantised_and_fp32_activations(gs, k, num_t):
+    g = torch.Generator().manual_seed(gs + num_t + k)
+    dw = DenseWeight.from_tensor(torch.randn(45, k, generator=g) * 0.1, "int4", gs)   # 45 rows
+    x = torch.randn(num_t, k, generator=g)
     out = dense_linear(dw, x)
     w = dw.dequantized().double()
     assert rel_err(out, dequantize_act_q8(*quantize_act_q8(x)).double() @ w.T) <= 1e-4

@@ -95,7 +95,7 @@ class FusedDecoder:
         T, D = len(token_ids), a.hidden_size
         nq, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
         h = m.weights.embed[token_ids].float().numpy()  # [T, D], a fresh copy we own
-        cos, sin = (c.numpy() for c in m.rope.cos_sin(torch.tensor(positions), torch.float32))  # [T, hd]
+        cos, sin = m.rope.cos_sin_numpy(positions)  # [T, hd] float32
         x = np.empty((T, D), np.float32)
         qkv = np.empty((T, (nq + 2 * nkv) * hd), np.float32)
         attn, o_tmp = np.empty((T, nq * hd), np.float32), np.empty((T, D), np.float32)

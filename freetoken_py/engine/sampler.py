@@ -44,8 +44,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     for row, req in zip(logits, reqs):
         p = req.params
         row = apply_penalties(row, req)
-        if p.greedy:
-            out.append(int(torch.argmax(row)))
+        if p.greedy:  # on the host numpy's argmax: torch's measured 40-100 us per 32K row, numpy's ~7 us (same ties)
+            out.append(int(row.numpy().argmax()) if row.device.type == "cpu" else int(torch.argmax(row)))
             continue
         top = float(row.max())
         scaled = (row - top) / p.temperature  # max first: a tiny temperature sends the rest to -inf

@@ -8,8 +8,9 @@ in measurements). Activations are "prepared" once per call; fp32/bf16 weights us
 For int4 and int8 weights, ``INT_ACT`` (fixed at import) decides how:
 
 - ``"int8"`` (default on x86 with AVX2): each 32-block of ``x`` quantised to int8 with its own
-  scale (``quant.q8act``). int4: laid out ``[even x16 | odd x16]``, plus per-group offset
-  corrections (``prep_q8_row``; the dot is ``_simd.q4q8_row_dot``, ~2x cheaper). int8: natural
+  scale (``quant.q8act``). int4: even and odd elements of each pair of blocks grouped to match
+  the nibbles of a 32-byte weight load, plus per-group offset corrections (``prep_q8_row``; the
+  dot is ``_simd.q4q8_row_dot``, ~2x cheaper). int8: natural
   order, a partial last block for K % 32 != 0 (``prep_q8n_row``; ``_simd.i8q8_row_dot``).
 - ``"fp32"`` (other CPUs, or ``FREETOKEN_INT_ACT=fp32``): int4 ``[x[0::2] | x[1::2]]`` plus
   ``8 * group sums`` (``_simd.q4_row_dot``), int8 ``x`` as is (``dot``): exact fp32 activations.
@@ -181,17 +182,27 @@ def prep_q4_rows(x, gs):
 # round exactly as the torch reference (quant.q8act) does, not as x * (1 / scale).
 @njit(fastmath=False, cache=True)
 def prep_q8_row(x, gs, xq, xg):
-    """x [K] -> xq int8 [K] (per 32-block [q(even) x16 | q(odd) x16]), xg [NB + G] = (s_x, C).
+    """x [K] -> xq int8 [K] in the pair layout below, xg [NB + G] = (s_x, C).
 
     s_x[b] = max|x_b| / 127, q = rint(x / s_x) (half to even, like torch.round); C[g] = 8 * sum
     over the blocks of group g of s_x[b] * sum(q_b): the +8 nibble offset, removed once per group.
+
+    Layout (what _simd.q4q8_row_dot reads): blocks 2p and 2p + 1 share 64 bytes as
+    [q(even of 2p) x16 | q(even of 2p+1) x16 | q(odd of 2p) x16 | q(odd of 2p+1) x16], matching
+    the low and high nibbles of one 32-byte load of their packed weights; a last unpaired block
+    (odd NB) is [q(even) x16 | q(odd) x16].
     """
     nb = x.shape[0] // Q8_BLOCK
     bpg = gs // Q8_BLOCK
+    paired = nb - nb % 2
     for g in range(nb // bpg):
         xg[nb + g] = np.float32(0.0)
     for b in range(nb):
         x0 = b * Q8_BLOCK
+        if b < paired:      # even elements at 64p + 16r, odd ones at 64p + 32 + 16r (b = 2p + r)
+            ev, od = (b - b % 2) * Q8_BLOCK + (b % 2) * 16, (b - b % 2) * Q8_BLOCK + 32 + (b % 2) * 16
+        else:
+            ev, od = x0, x0 + Q8_BLOCK // 2
         amax = np.float32(0.0)
         for j in range(Q8_BLOCK):
             amax = max(amax, abs(x[x0 + j]))
@@ -201,8 +212,8 @@ def prep_q8_row(x, gs, xq, xg):
         for j in range(Q8_BLOCK // 2):
             qe = min(max(np.rint(x[x0 + 2 * j] / div), np.float32(-127.0)), np.float32(127.0))
             qo = min(max(np.rint(x[x0 + 2 * j + 1] / div), np.float32(-127.0)), np.float32(127.0))
-            xq[x0 + j] = np.int8(qe)
-            xq[x0 + Q8_BLOCK // 2 + j] = np.int8(qo)
+            xq[ev + j] = np.int8(qe)
+            xq[od + j] = np.int8(qo)
             qsum += np.int32(qe) + np.int32(qo)
         xg[b] = scale
         xg[nb + b // bpg] += np.float32(8.0) * scale * np.float32(qsum)

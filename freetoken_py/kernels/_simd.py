@@ -128,18 +128,23 @@ def q4_row_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
 
 # --- int4 weights x int8 activations (AVX2) -------------------------------------------------------
 #
-# Per 32 weights (16 packed bytes): split the nibbles into one <32 x u8> [lo x16 | hi x16], then
-# vpmaddubsw against the 32 int8 activations of that block (laid out [even x16 | odd x16] by
-# prep_q8_row) -> 16 x i16, vpmaddwd with ones -> 8 x i32, one convert, one FMA with
-# s_w[group] * s_x[block]. ~9 vector ops per 32 weights instead of ~18 with fp32 activations.
+# Per pair of 32-blocks (64 weights, 32 packed bytes, one load): low nibbles (b & 15) are the even
+# columns of both blocks, high nibbles ((b >> 4) & 15) the odd ones; prep_q8_row lays the int8
+# activations out to match ([even 2p | even 2p+1 | odd 2p | odd 2p+1], x16 each). Two vpmaddubsw
+# (lo . q_even, hi . q_odd) -> 16 x i16 each, one vpaddw, one vpmaddwd with ones -> 8 x i32 (lanes
+# 0-3 block 2p, 4-7 block 2p+1), one convert, one FMA with [d_2p x4 | d_2p+1 x4], d_b = s_w[group
+# of b] * s_x[b]. ~7.5 instructions per 32 weights; one block at a time (16-byte load, shift,
+# 128-bit insert, mask, two multiply-adds, scalar scale, broadcast) took ~11 and measured 1.2-1.5x
+# slower in L2 (docs/kernels.md). A last unpaired block (odd K / 32) takes the one-block form.
 # Overflow: nibbles are q_w + 8 in [1, 15] (q_w in [-7, 7]), q_x in [-127, 127], so a u8 x s8
-# pair sum is at most 2 * 15 * 127 = 3810 (pmaddubsw's i16 saturation never triggers) and a
-# block's i32 sum at most 32 * 15 * 127 = 60960. The +8 offset is removed once per group with the
-# precomputed 8 * s_x * sum(q_x) (prep_q8_row). Generic LLVM IR (zext/sext, mul, add, shuffles)
-# was tried first: LLVM 22 (llvmlite 0.50) matches vpmaddwd but not vpmaddubsw, also with an
-# explicit i16 saturating add (probably because known-bits prove the saturation cannot trigger;
-# it emits ~15 widen/pmullw ops), so these are the x86 intrinsics, used only when the
-# compile target has AVX2 (`HAS_AVX2`); elsewhere the fp32-activation dot above runs.
+# pair sum is at most 2 * 15 * 127 = 3810 (pmaddubsw's i16 saturation never triggers), the vpaddw
+# of the even and odd halves at most 7620, and a block's i32 sum at most 32 * 15 * 127 = 60960.
+# The +8 offset is removed once per group with the precomputed 8 * s_x * sum(q_x) (prep_q8_row).
+# Generic LLVM IR (zext/sext, mul, add, shuffles) was tried first: LLVM 22 (llvmlite 0.50)
+# matches vpmaddwd but not vpmaddubsw, also with an explicit i16 saturating add (probably because
+# known-bits prove the saturation cannot trigger; it emits ~15 widen/pmullw ops), so these are the
+# x86 intrinsics, used only when the compile target has AVX2 (`HAS_AVX2`); elsewhere the
+# fp32-activation dot above runs.
 
 _I16 = ir.IntType(16)
 
@@ -163,13 +168,18 @@ def _target_has_avx2() -> bool:
 HAS_AVX2 = _target_has_avx2()
 
 
-def _pmadd(builder, nib, q):
-    """<32 x u8> nib . <32 x i8> q -> <8 x i32> sums of 4 adjacent products (pmaddubsw, pmaddwd)."""
+def _pmadd_intrinsics(builder):
     v32b, v16s, v8i = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
     mod = builder.module
     ubsw = cgutils.get_or_insert_function(mod, ir.FunctionType(v16s, [v32b, v32b]), "llvm.x86.avx2.pmadd.ub.sw")
     wd = cgutils.get_or_insert_function(mod, ir.FunctionType(v8i, [v16s, v16s]), "llvm.x86.avx2.pmadd.wd")
-    return builder.call(wd, [builder.call(ubsw, [nib, q]), ir.Constant(v16s, [1] * 16)])
+    return ubsw, wd
+
+
+def _pmadd(builder, nib, q):
+    """<32 x u8> nib . <32 x i8> q -> <8 x i32> sums of 4 adjacent products (pmaddubsw, pmaddwd)."""
+    ubsw, wd = _pmadd_intrinsics(builder)
+    return builder.call(wd, [builder.call(ubsw, [nib, q]), ir.Constant(ir.VectorType(_I16, 16), [1] * 16)])
 
 
 def _nibbles32(builder, wp, off):
@@ -182,7 +192,8 @@ def _nibbles32(builder, wp, off):
 
 
 def _q8_block(builder, wp, sg, blk, accs, qps, xsps):
-    """acc += float(nib_blk . q_blk) * (sg * s_x[blk]) for each activation (accs: one per x)."""
+    """One unpaired block (activations [even x16 | odd x16]):
+    acc += float(nib_blk . q_blk) * (sg * s_x[blk]) for each activation (accs: one per x)."""
     v8f, v32b = ir.VectorType(_F32, 8), ir.VectorType(_I8, 32)
     nib = _nibbles32(builder, wp, builder.shl(blk, ir.Constant(_I64, 4)))
     for acc, qp, xsp in zip(accs, qps, xsps):
@@ -193,13 +204,42 @@ def _q8_block(builder, wp, sg, blk, accs, qps, xsps):
         builder.store(builder.fadd(builder.load(acc), t, flags=_FAST), acc)
 
 
+def _q8_pair(builder, wp, sw2, pair, accs, qps, xsps, corr2s=None, cps=None):
+    """Blocks 2 pair and 2 pair + 1 (sw2: <2 x float> their weight scales), see the section notes:
+    acc += float(lo . q_even + hi . q_odd) * [s_w s_x of block 2p x4 | of block 2p+1 x4]; with
+    corr2s (group size 32: a group per block), also corr2 += sw2 * C[2p : 2p + 2]."""
+    v32b, v16s, v8f, v2f = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_F32, 8),
+                            ir.VectorType(_F32, 2))
+    ubsw, wd = _pmadd_intrinsics(builder)
+    b = _vload(builder, wp, builder.shl(pair, ir.Constant(_I64, 5)), v32b, 1)
+    m15 = ir.Constant(v32b, [15] * 32)
+    lo = builder.and_(b, m15)
+    hi = builder.and_(builder.lshr(b, ir.Constant(v32b, [4] * 32)), m15)
+    base = builder.shl(pair, ir.Constant(_I64, 6))
+    expand = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])
+    for acc, qp, xsp in zip(accs, qps, xsps):
+        qe = _vload(builder, qp, base, v32b, 1)
+        qo = _vload(builder, qp, builder.add(base, ir.Constant(_I64, 32)), v32b, 1)
+        s16 = builder.add(builder.call(ubsw, [lo, qe]), builder.call(ubsw, [hi, qo]))
+        f = builder.sitofp(builder.call(wd, [s16, ir.Constant(v16s, [1] * 16)]), v8f)
+        d2 = builder.fmul(sw2, _vload(builder, xsp, builder.shl(pair, ir.Constant(_I64, 1)), v2f, 4), flags=_FAST)
+        d = builder.shuffle_vector(d2, d2, expand)
+        builder.store(builder.fadd(builder.load(acc), builder.fmul(f, d, flags=_FAST), flags=_FAST), acc)
+    for corr2, cp in zip(corr2s or (), cps or ()):
+        c2 = builder.fmul(sw2, _vload(builder, cp, builder.shl(pair, ir.Constant(_I64, 1)), v2f, 4), flags=_FAST)
+        builder.store(builder.fadd(builder.load(corr2), c2, flags=_FAST), corr2)
+
+
 def _q8_codegen(num_x):
     """Codegen of the int4 x int8 dot of one row with `num_x` activation rows (see q4q8_row_dot).
 
-    Blocks go in pairs into two accumulators per activation (two FMA chains: one chain is
-    latency-bound at one block per FMA latency); group size 32 (one block per group, the common
-    case) takes a flat loop over blocks instead of a one-trip inner loop per group. The offset
-    corrections are a separate loop over groups at the end.
+    Pairs of blocks alternate between two accumulators per activation (one FMA chain is
+    latency-bound); every other pair (one per 64-byte line) prefetches PF_DIST ahead (from DRAM
+    the expert kernel measured 1.2-1.35x faster with it, 2048-4096 B alike). Group size 32 (a scale per block, the common case): a flat loop over pairs,
+    the two scales one <2 x float> load, then an odd last block; larger groups (an even number of
+    blocks each, so a pair never straddles two) loop over groups with the scale splatted. The
+    offset corrections (sum_g s_w[g] C[g]) ride along: two lanes per pair in the flat loop (a
+    separate scalar loop over groups cost ~4 instructions per block), once per group otherwise.
     """
     def codegen(context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, v)
@@ -212,34 +252,54 @@ def _q8_codegen(num_x):
         bpg = builder.lshr(hb64, ir.Constant(_I64, 4))                         # 32-blocks per group
         nb = builder.mul(ngroups, bpg)
         cps = [builder.gep(p, [nb]) for p in xsps]                            # then C[g]
-        v8f = ir.VectorType(_F32, 8)
-        one, two = ir.Constant(_I64, 1), ir.Constant(_I64, 2)
+        v8f, v2f = ir.VectorType(_F32, 8), ir.VectorType(_F32, 2)
+        one = ir.Constant(_I64, 1)
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f, None)) for _ in range(num_x)] for _ in range(2)]
+        corr2s = [[cgutils.alloca_once_value(builder, ir.Constant(v2f, None)) for _ in range(num_x)] for _ in range(2)]
+        corrs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(num_x)]
+        npairs = builder.lshr(nb, one)
 
-        def pairs(first, count, scale_of):
-            """blocks first .. first + count - 1, alternating the two accumulator sets."""
-            with cgutils.for_range(builder, builder.udiv(count, two)) as loop:
-                blk = builder.add(first, builder.shl(loop.index, one))
-                _q8_block(builder, wp, scale_of(blk), blk, accs[0], qps, xsps)
-                blk1 = builder.add(blk, one)
-                _q8_block(builder, wp, scale_of(blk1), blk1, accs[1], qps, xsps)
-            with builder.if_then(builder.trunc(count, ir.IntType(1))):        # odd count: last block
-                last = builder.sub(builder.add(first, count), one)
-                _q8_block(builder, wp, scale_of(last), last, accs[0], qps, xsps)
+        def flat_pair(pair, acc_set):
+            _q8_pair(builder, wp, _vload(builder, sp, builder.shl(pair, one), v2f, 4), pair, accs[acc_set], qps, xsps,
+                     corr2s[acc_set], cps)
+
+        def add_corr(g):
+            sg = builder.load(builder.gep(sp, [g]))
+            for corr, cp in zip(corrs, cps):
+                c = builder.fmul(sg, builder.load(builder.gep(cp, [g])), flags=_FAST)
+                builder.store(builder.fadd(builder.load(corr), c, flags=_FAST), corr)
 
         with builder.if_else(builder.icmp_unsigned("==", bpg, one)) as (flat, nested):
-            with flat:
-                pairs(ir.Constant(_I64, 0), nb, lambda blk: builder.load(builder.gep(sp, [blk])))
+            with flat:     # offset corrections ride along in <2 x float> (C[b] is per block here)
+                with cgutils.for_range(builder, builder.lshr(npairs, one)) as loop:
+                    pair = builder.shl(loop.index, one)
+                    _prefetch(builder, wp, builder.shl(pair, ir.Constant(_I64, 5)))   # one per 64-byte line
+                    flat_pair(pair, 0)
+                    flat_pair(builder.add(pair, one), 1)
+                with builder.if_then(builder.trunc(npairs, ir.IntType(1))):    # odd number of pairs
+                    flat_pair(builder.sub(npairs, one), 0)
+                with builder.if_then(builder.trunc(nb, ir.IntType(1))):        # odd number of blocks
+                    last = builder.sub(nb, one)
+                    _q8_block(builder, wp, builder.load(builder.gep(sp, [last])), last, accs[1], qps, xsps)
+                    add_corr(last)
             with nested:
+                ppg = builder.lshr(bpg, one)
                 with cgutils.for_range(builder, ngroups) as group:
-                    sg = builder.load(builder.gep(sp, [group.index]))
-                    pairs(builder.mul(group.index, bpg), bpg, lambda blk: sg)
-        corrs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(num_x)]
-        with cgutils.for_range(builder, ngroups) as group:
-            sg = builder.load(builder.gep(sp, [group.index]))
-            for corr, cp in zip(corrs, cps):
-                c = builder.fmul(sg, builder.load(builder.gep(cp, [group.index])), flags=_FAST)
-                builder.store(builder.fadd(builder.load(corr), c, flags=_FAST), corr)
+                    sw2 = _splat(builder, builder.load(builder.gep(sp, [group.index])), 2)
+                    first = builder.mul(group.index, ppg)
+                    with cgutils.for_range(builder, builder.lshr(ppg, one)) as loop:
+                        pair = builder.add(first, builder.shl(loop.index, one))
+                        _prefetch(builder, wp, builder.shl(pair, ir.Constant(_I64, 5)))
+                        _q8_pair(builder, wp, sw2, pair, accs[0], qps, xsps)
+                        _q8_pair(builder, wp, sw2, builder.add(pair, one), accs[1], qps, xsps)
+                    with builder.if_then(builder.trunc(ppg, ir.IntType(1))):    # odd pairs per group
+                        _q8_pair(builder, wp, sw2, builder.sub(builder.add(first, ppg), one), accs[0], qps, xsps)
+                    add_corr(group.index)
+        for j, corr in enumerate(corrs):
+            c2 = builder.fadd(builder.load(corr2s[0][j]), builder.load(corr2s[1][j]), flags=_FAST)
+            tot = builder.fadd(builder.extract_element(c2, ir.Constant(_I32, 0)),
+                               builder.extract_element(c2, ir.Constant(_I32, 1)), flags=_FAST)
+            builder.store(builder.fadd(builder.load(corr), tot, flags=_FAST), corr)
         res = []
         for a0, a1, corr in zip(accs[0], accs[1], corrs):
             acc = builder.fadd(builder.load(a0), builder.load(a1), flags=_FAST)
@@ -262,7 +322,7 @@ def q4q8_row_dot(typingctx, w, s, xq, xg, hb):
 
     w   uint8 [K/2]        packed row (low nibble = even column), K a multiple of 32
     s   float32 [G]        group scales, G = K / (2 * hb)
-    xq  int8 [K]           q_x per 32-block b, laid out [q(x[32b+0::2]) x16 | q(x[32b+1::2]) x16]
+    xq  int8 [K]           q_x per 32-block, in prep_q8_row's pair layout
     xg  float32 [NB + G]   s_x[b] for the NB = K/32 blocks, then C[g] = 8 * sum_{b in g} s_x[b] * sum(q_x[b])
     hb  int                bytes per group = group_size / 2 (a multiple of 16)
 
@@ -397,3 +457,77 @@ def i8q8_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
     """i8q8_row_dot of one row with four activations at once (|w| taken once) -> UniTuple(float32, 4)."""
     _check_avx2()
     return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3, s0, s1, s2, s3), _i8q8_codegen(4)
+
+
+# --- vector exp (softmax, SiLU) ------------------------------------------------------------------
+#
+# numba's np.exp is a scalar libm call per element (no SVML here): ~14 cycles each, and decode
+# takes ~50K of them per token (16 heads x context per layer, plus the experts' SiLU). Here: x
+# clamped to [-87, 88] (so 2^n stays a normal float), n = rint(x log2 e), r = x - n ln 2 in two
+# parts (Cody-Waite), e^r by Cephes' expf polynomial, times 2^n built from its exponent bits;
+# 8 lanes per step, the tail as 1-lane vectors of the same code. Within 2 ulp of libm's expf for
+# x >= -87 (tests/test_kernels_exp.py); below that exact 0 is replaced by e^-87 ~ 1.6e-38, which a
+# softmax sum cannot tell from 0.
+
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+def _vexp(builder, x, lanes):
+    """e^x for a <lanes x float> value."""
+    vf = ir.VectorType(_F32, lanes)
+    vi = ir.VectorType(_I32, lanes)
+
+    def c(v):
+        return ir.Constant(vf, [v] * lanes)
+
+    mod = builder.module
+    fmin = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.minnum.v{lanes}f32")
+    fmax = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.maxnum.v{lanes}f32")
+    rint = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf]), f"llvm.rint.v{lanes}f32")
+    x = builder.call(fmax, [builder.call(fmin, [x, c(88.0)]), c(-87.0)])
+    n = builder.call(rint, [builder.fmul(x, c(1.44269504088896341), flags=_FAST)])
+    r = builder.fsub(x, builder.fmul(n, c(0.693359375)))             # ln 2 = 0.693359375 - 2.12194440e-4
+    r = builder.fsub(r, builder.fmul(n, c(-2.12194440e-4)))
+    p = c(_EXP_POLY[0])
+    for coef in _EXP_POLY[1:]:
+        p = builder.fadd(builder.fmul(p, r, flags=_FAST), c(coef), flags=_FAST)
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r, flags=_FAST), flags=_FAST), r, flags=_FAST),
+                     c(1.0), flags=_FAST)
+    bits = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * lanes)), ir.Constant(vi, [23] * lanes))
+    return builder.fmul(p, builder.bitcast(bits, vf), flags=_FAST)
+
+
+def _exp_shift_sum_codegen(context, builder, signature, args):
+    arr = context.make_array(signature.args[0])(context, builder, args[0])
+    xp = arr.data
+    n = cgutils.unpack_tuple(builder, arr.shape)[0]
+    m = context.cast(builder, args[1], signature.args[1], types.float32)
+    total = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(_F32, 8), None))
+    tail = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+    for lanes, count, first in ((8, builder.lshr(n, ir.Constant(_I64, 3)), None), (1, None, None)):
+        vf = ir.VectorType(_F32, lanes)
+        if lanes == 8:
+            loop_n, start = count, ir.Constant(_I64, 0)
+        else:
+            start = builder.and_(n, ir.Constant(_I64, ~7))
+            loop_n = builder.sub(n, start)
+        with cgutils.for_range(builder, loop_n) as loop:
+            off = builder.add(start, builder.mul(loop.index, ir.Constant(_I64, lanes)))
+            ptr = builder.bitcast(builder.gep(xp, [off]), vf.as_pointer())
+            e = _vexp(builder, builder.fsub(builder.load(ptr, align=4), _splat(builder, m, lanes), flags=_FAST), lanes)
+            builder.store(e, ptr, align=4)
+            if lanes == 8:
+                builder.store(builder.fadd(builder.load(total), e, flags=_FAST), total)
+            else:
+                builder.store(builder.fadd(builder.load(tail), builder.extract_element(e, ir.Constant(_I32, 0)),
+                                           flags=_FAST), tail)
+    return builder.fadd(_hsum(builder, builder.load(total)), builder.load(tail), flags=_FAST)
+
+
+@intrinsic
+def exp_shift_sum(typingctx, x, m):
+    """x[i] = exp(x[i] - m) in place for a contiguous 1-D float32 array; returns the sum (float32).
+    (A softmax's numerator with m its max; m = 0 for plain exp.)"""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32 and x.layout == "C"):
+        raise TypeError("exp_shift_sum needs a contiguous 1-D float32 array")
+    return types.float32(x, m), _exp_shift_sum_codegen

@@ -27,6 +27,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
+from freetoken_py.kernels._simd import exp_shift_sum
 from freetoken_py.kernels.cpu_linear import dense_rows
 
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
@@ -159,7 +160,19 @@ def _widen_row(src, lut, scale, out):
         out[i] = kv_widen(src[i], lut) * scale
 
 
-ATTN_CHUNK = 256  # keys per attention task: tasks split the context, not the heads (see _chunk_attention)
+ATTN_CHUNK = 256     # keys per attention task at most: tasks split the context, not the heads (see _chunk_attention)
+ATTN_SPLIT = 8       # a context of 8 * 32 keys or more is split into at least this many tasks ...
+ATTN_MIN_CHUNK = 32  # ... of at least this many keys
+
+
+@njit(cache=True)
+def _chunk_size(n):
+    """Keys per attention task for a context of n keys: ATTN_CHUNK, or for a short context an even
+    split into up to ATTN_SPLIT chunks of about ATTN_MIN_CHUNK keys or more. (One 256-key task per short context left every other thread idle: at 256-512 keys the
+    attention was ~13% of a 2-thread decode step, run on one thread.) A function of n alone, not
+    of the thread count or the batch, so results do not change when the thread governor does."""
+    chunks = max((n + ATTN_CHUNK - 1) // ATTN_CHUNK, min(ATTN_SPLIT, (n + ATTN_MIN_CHUNK - 1) // ATTN_MIN_CHUNK))
+    return (n + chunks - 1) // chunks
 
 
 @njit(fastmath=True, cache=True)
@@ -188,13 +201,8 @@ def _chunk_attention(qkv_t, nq, nkv, hd, ctx, j0, j1, kc, vc, kscale, vscale, lu
                 scores[h, j - j0] = acc * scale
     for h in range(nq):
         m = scores[h].max()
-        tot = np.float32(0.0)
-        for jj in range(j1 - j0):
-            e = np.exp(scores[h, jj] - m)
-            scores[h, jj] = e
-            tot += e
         m_out[h] = m
-        l_out[h] = tot
+        l_out[h] = exp_shift_sum(scores[h], m)  # vector exp (docs/kernels.md: numba np.exp is scalar libm)
     acc_out[:] = 0.0
     for j in range(j0, j1):
         for g in range(nkv):
@@ -264,10 +272,13 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
     if write_kv:
         _write_kv(qkv, nq, nkv, hd, new_slots, kc, vc)
     T = qkv.shape[0]
-    first = np.empty(T + 1, np.int64)  # chunks of token t: first[t]..first[t + 1]
+    first = np.empty(T + 1, np.int64)  # chunks of token t: first[t]..first[t + 1], cs[t] keys each
+    cs = np.empty(T, np.int64)
     first[0] = 0
     for t in range(T):
-        first[t + 1] = first[t] + (ctx_off[t + 1] - ctx_off[t] + ATTN_CHUNK - 1) // ATTN_CHUNK
+        n = ctx_off[t + 1] - ctx_off[t]
+        cs[t] = _chunk_size(n)
+        first[t + 1] = first[t] + (n + cs[t] - 1) // cs[t]
     owner = np.empty(first[T], np.int64)
     for t in range(T):
         owner[first[t]:first[t + 1]] = t
@@ -277,8 +288,8 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
     for task in prange(first[T]):
         t = owner[task]
         toks = ctx[ctx_off[t]:ctx_off[t + 1]]
-        j0 = (task - first[t]) * ATTN_CHUNK
-        _chunk_attention(qkv[t], nq, nkv, hd, toks, j0, min(toks.shape[0], j0 + ATTN_CHUNK), kc, vc, kscale,
+        j0 = (task - first[t]) * cs[t]
+        _chunk_attention(qkv[t], nq, nkv, hd, toks, j0, min(toks.shape[0], j0 + cs[t]), kc, vc, kscale,
                          vscale, lut, exact_last, scale, m[task], l[task], acc[task])
     for t in range(T):
         _combine(m, l, acc, first[t], first[t + 1], attn[t], hd)

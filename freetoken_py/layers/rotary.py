@@ -24,6 +24,14 @@ class RotaryEmbedding:
             self._grow(need)
         return self._cos[positions].to(dtype), self._sin[positions].to(dtype)  # [T, hd]
 
+    def cos_sin_numpy(self, positions: list[int]):
+        """float32 numpy cos / sin rows [T, hd] for a few positions (the fused decode step: ~3 us
+        where the torch indexing above costs ~30 us)."""
+        need = max(positions) + 1 if positions else 0
+        if need > self._cos.shape[0]:
+            self._grow(need)
+        return self._cos.numpy()[positions], self._sin.numpy()[positions]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, hd]; cos/sin: [T, hd]."""
