@@ -175,7 +175,7 @@ def test_bank_layout_and_contents():
     gate, up, down = random_experts(3, 64, 96, seed=2)
     for fmt, dtype, per_expert in [("fp32", np.float32, 3 * 64 * 96 * 4), ("bf16", np.uint16, 3 * 64 * 96 * 2),
                                    ("int8", np.int8, 3 * 64 * 96 + (128 + 96) * 4),
-                                   ("int4", np.uint8, 3 * 64 * 96 // 2 + (128 * 96 // 32 + 96 * 64 // 32) * 4)]:
+                                   ("int4", np.uint8, 3 * 64 * 96 // 2 + (128 * 96 // 32 + 96 * 64 // 32) * 2)]:  # fp16 scales
         bank = ExpertBank.from_weights(gate.bfloat16(), up.bfloat16(), down.bfloat16(), fmt=fmt)
         assert bank.fmt == fmt and bank.w13.dtype == dtype and bank.w2.dtype == dtype
         assert bank.bytes_per_expert == per_expert and bank.nbytes == 3 * per_expert
@@ -187,8 +187,9 @@ def test_bank_layout_and_contents():
     bf16 = ExpertBank.from_weights(gate, up, down, fmt="bf16").dequantized()
     assert torch.equal(bf16[0], fused.bfloat16().float()) and torch.equal(bf16[1], down.bfloat16().float())
     int4 = ExpertBank.from_weights(gate, up, down, fmt="int4", group_size=32)
-    packed, scales = quantize_int4(fused, 32)
-    assert np.array_equal(int4.w13, packed.numpy()) and np.array_equal(int4.s13, scales.numpy())
+    packed, scales = quantize_int4(fused, 32, scale_dtype=torch.float16)
+    assert int4.s13.dtype == np.uint16                                  # fp16 bits
+    assert np.array_equal(int4.w13, packed.numpy()) and np.array_equal(int4.s13.view(np.float16), scales.numpy())
     int8 = ExpertBank.from_weights(gate, up, down, fmt="int8")
     q, s = quantize_int8(down)
     assert np.array_equal(int8.w2, q.numpy()) and np.array_equal(int8.s2[..., 0], s.numpy())

@@ -148,7 +148,8 @@ def test_dot_compiles_to_integer_multiply_adds():
 
     w = np.full(16, 0x98, np.uint8)                                # nibbles 8 and 9: q_w = 0 and 1
     xq, xg = prep_q8_rows(np.arange(32, dtype=np.float32).reshape(1, 32), 32)
-    assert dot(w, np.ones(1, np.float32), xq[0], xg[0], 16) == pytest.approx(np.arange(1, 32, 2).sum(), rel=1e-2)
+    one = np.ones(1, np.float16).view(np.uint16)                   # scales: fp16 bits
+    assert dot(w, one, xq[0], xg[0], 16) == pytest.approx(np.arange(1, 32, 2).sum(), rel=1e-2)
     asm = dot.inspect_asm(dot.signatures[0])
     assert "vpmaddubsw" in asm and "vpmaddwd" in asm
 

@@ -65,6 +65,26 @@ def test_int4_round_trip_bound(group_size, dtype):
     assert q.min() >= -8 and q.max() <= 7
 
 
+def test_int4_fp16_scales_round_trip_against_the_rounded_scale():
+    """scale_dtype=float16 (what the kernels store): scales are fp16, q is computed against the
+    rounded scale, so the half-step bound holds with the stored scale; huge groups cap at fp16's
+    max instead of overflowing to inf; an all-zero group stays zero."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 6, 64, generator=g) * torch.logspace(-6, 2, 6)[None, :, None]   # rows across 8 decades
+    w[0, 0, :32] = 0.0
+    packed, scales = quantize_int4(w, 32, scale_dtype=torch.float16)
+    assert scales.dtype == torch.float16 and torch.isfinite(scales).all()
+    back = dequantize_int4(packed, scales, 32)
+    err = (back - w).abs().reshape(4, 6, 2, 32)
+    assert within_half_step(err, scales.float()[..., None], w.reshape(4, 6, 2, 32))
+    assert (back[0, 0, :32] == 0).all()
+    big = torch.full((1, 32), 1e6)
+    _, s_big = quantize_int4(big, 32, scale_dtype=torch.float16)
+    assert s_big.item() == torch.finfo(torch.float16).max                # capped, q clamped to 7
+    with pytest.raises(ValueError, match="float32 or float16"):
+        quantize_int4(w, 32, scale_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_round_trip_bound(dtype):
     w = (torch.randn(2, 7, 33, generator=torch.Generator().manual_seed(1))).to(dtype)

@@ -25,7 +25,7 @@ import torch
 from freetoken_py import envs
 from freetoken_py.engine import expert_cache as fc
 from freetoken_py.errors import FreetokenError
-from freetoken_py.kernels._buffers import row_layout
+from freetoken_py.kernels._buffers import row_layout, scale_dtype
 from freetoken_py.kernels.cpu_moe import ExpertBank
 from freetoken_py.models import model_module
 from freetoken_py.models.args import ModelArgs
@@ -135,9 +135,9 @@ class _Job:
         e, i, d = a.num_experts, a.moe_intermediate_size, a.hidden_size
         dt13, items13, g13 = row_layout(self.fmt, d, self.group_size)
         dt2, items2, g2 = row_layout(self.fmt, i, self.group_size)
-        f32 = np.dtype(np.float32).str
-        return {"w13": (dt13.str, (e, 2 * i, items13)), "s13": (f32, (e, 2 * i, g13)),
-                "w2": (dt2.str, (e, d, items2)), "s2": (f32, (e, d, g2))}
+        sdt = scale_dtype(self.fmt).str
+        return {"w13": (dt13.str, (e, 2 * i, items13)), "s13": (sdt, (e, 2 * i, g13)),
+                "w2": (dt2.str, (e, d, items2)), "s2": (sdt, (e, d, g2))}
 
     def layers(self):
         """Yields (layer index, ExpertBank) for each MoE layer, built from the checkpoint."""

@@ -35,10 +35,17 @@ def row_layout(fmt: str, k: int, group_size: int) -> tuple[np.dtype, int, int]:
     raise ValueError(f"unknown weight format {fmt!r}; expected one of fp32, bf16, int8, int4")
 
 
+def scale_dtype(fmt: str) -> np.dtype:
+    """Storage dtype of a format's scales: int4's are fp16 bits held as uint16 (numba has no
+    float16 arrays; the kernels convert them, as llama.cpp's Q4_0 stores fp16 scales: 4.5 bits
+    per weight at group 32 instead of 5), the others float32."""
+    return np.dtype(np.uint16) if fmt == "int4" else np.dtype(np.float32)
+
+
 def empty_rows(fmt: str, lead: tuple, k: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Page-aligned (weights [*lead, items], scales [*lead, G]) for rows of K inputs."""
     dtype, items, groups = row_layout(fmt, k, group_size)
-    return aligned_empty((*lead, items), dtype), aligned_empty((*lead, groups), np.float32)
+    return aligned_empty((*lead, items), dtype), aligned_empty((*lead, groups), scale_dtype(fmt))
 
 
 def encode_rows(w: torch.Tensor, fmt: str, group_size: int, w_out: np.ndarray, s_out: np.ndarray) -> None:
@@ -52,9 +59,9 @@ def encode_rows(w: torch.Tensor, fmt: str, group_size: int, w_out: np.ndarray, s
         w_out[...] = q.numpy()
         s_out[:, 0] = s.numpy()
     else:
-        q, s = quantize_int4(w, group_size)
+        q, s = quantize_int4(w, group_size, scale_dtype=torch.float16)
         w_out[...] = q.numpy()
-        s_out[...] = s.numpy()
+        s_out[...] = s.view(torch.int16).numpy().view(np.uint16)
 
 
 def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) -> torch.Tensor:
@@ -65,7 +72,8 @@ def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) ->
         return torch.from_numpy((w.astype(np.uint32) << 16).view(np.float32))
     if fmt == "int8":
         return dequantize_int8(torch.from_numpy(w), torch.from_numpy(scales[..., 0]))
-    return dequantize_int4(torch.from_numpy(w), torch.from_numpy(scales), group_size)
+    return dequantize_int4(torch.from_numpy(w), torch.from_numpy(np.ascontiguousarray(scales).view(np.float16)),
+                           group_size)
 
 
 _TORCH_DTYPES = {np.float32: torch.float32, np.int64: torch.int64}

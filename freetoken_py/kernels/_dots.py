@@ -1,7 +1,7 @@
 """Row-dot building blocks shared by the expert and dense kernels.
 
 Every weight matrix is held as a typed array ``[N, K]`` (float32, uint16 = bf16 bits, int8) or
-``uint8 [N, K/2]`` (packed int4) plus float32 scales ``[N, G]`` (G = 0 for fp32/bf16, 1 for int8,
+``uint8 [N, K/2]`` (packed int4) plus scales ``[N, G]`` (float32; int4's fp16 bits as uint16) (G = 0 for fp32/bf16, 1 for int8,
 K/group_size for int4). ``row_dot`` picks the dot at compile time from the row's dtype, so each
 kernel is compiled once per format (a runtime ``fmt`` branch plus ``ndarray.view`` cost 30-80%
 in measurements). Activations are "prepared" once per call; fp32/bf16 weights use ``x`` as is.

@@ -51,6 +51,18 @@ def _vload(builder, base, offset, vtype, align):
     return builder.load(ptr, align=align)
 
 
+def _scale(builder, sp, idx):
+    """int4 group scale idx as float: stored as fp16 bits in a uint16 array (_buffers.scale_dtype)."""
+    bits = builder.load(builder.gep(sp, [idx]))
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+
+
+def _scale2(builder, sp, idx):
+    """Scales idx, idx + 1 as <2 x float> (one 4-byte load, vcvtph2ps with F16C)."""
+    bits = _vload(builder, sp, idx, ir.VectorType(ir.IntType(16), 2), 2)
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 2)), ir.VectorType(_F32, 2))
+
+
 def _q4_codegen(num_x):
     """Codegen of the int4 dot of one row with `num_x` activation rows (nibbles unpacked once).
 
@@ -85,7 +97,7 @@ def _q4_codegen(num_x):
                     t = builder.fadd(builder.fmul(lo, _vload(builder, xep, off, v16f, 4), flags=_FAST),
                                      builder.fmul(hi, _vload(builder, xop, off, v16f, 4), flags=_FAST), flags=_FAST)
                     builder.store(builder.fadd(builder.load(part), t, flags=_FAST), part)
-            sg = builder.load(builder.gep(sp, [g]))
+            sg = _scale(builder, sp, g)
             sgv = _splat(builder, sg, _LANES)
             for acc, part, corr, xgp in zip(accs, parts, corrs, xgps):
                 scaled = builder.fmul(sgv, builder.load(part), flags=_FAST)
@@ -101,12 +113,17 @@ def _q4_codegen(num_x):
     return codegen
 
 
+def _check_scales(s):
+    if not (isinstance(s, types.Array) and s.dtype == types.uint16):
+        raise TypeError(f"int4 scales are fp16 bits in a uint16 array (_buffers.scale_dtype), got {s}")
+
+
 @intrinsic
 def q4_row_dot(typingctx, w, s, xv, xg, hb):
     """Dot of one int4 row with a prepared activation; returns float32.
 
     w   uint8 [K/2]   packed row (low nibble = even column), K/2 a multiple of 16
-    s   float32 [G]   group scales, G = K / (2 * hb)
+    s   uint16 [G]    group scales as fp16 bits, G = K / (2 * hb)
     xv  float32 [K]   activation split as [x[0::2] | x[1::2]]
     xg  float32 [G]   8 * sum of x over each group (removes the +8 offset of the nibbles)
     hb  int           bytes per group = group_size / 2 (a multiple of 16)
@@ -116,12 +133,14 @@ def q4_row_dot(typingctx, w, s, xv, xg, hb):
     (Feeding the whole byte b = lo + 16 hi against x_odd / 16 would save the shift, but LLVM then
     masks the bytes before widening, doubling the widening shuffles: measured 30% slower.)
     """
+    _check_scales(s)
     return types.float32(w, s, xv, xg, hb), _q4_codegen(1)
 
 
 @intrinsic
 def q4_row_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     """q4_row_dot of one row with four activations at once -> UniTuple(float32, 4)."""
+    _check_scales(s)
     sig = types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
     return sig, _q4_codegen(4)
 
@@ -260,11 +279,11 @@ def _q8_codegen(num_x):
         npairs = builder.lshr(nb, one)
 
         def flat_pair(pair, acc_set):
-            _q8_pair(builder, wp, _vload(builder, sp, builder.shl(pair, one), v2f, 4), pair, accs[acc_set], qps, xsps,
+            _q8_pair(builder, wp, _scale2(builder, sp, builder.shl(pair, one)), pair, accs[acc_set], qps, xsps,
                      corr2s[acc_set], cps)
 
         def add_corr(g):
-            sg = builder.load(builder.gep(sp, [g]))
+            sg = _scale(builder, sp, g)
             for corr, cp in zip(corrs, cps):
                 c = builder.fmul(sg, builder.load(builder.gep(cp, [g])), flags=_FAST)
                 builder.store(builder.fadd(builder.load(corr), c, flags=_FAST), corr)
@@ -280,12 +299,12 @@ def _q8_codegen(num_x):
                     flat_pair(builder.sub(npairs, one), 0)
                 with builder.if_then(builder.trunc(nb, ir.IntType(1))):        # odd number of blocks
                     last = builder.sub(nb, one)
-                    _q8_block(builder, wp, builder.load(builder.gep(sp, [last])), last, accs[1], qps, xsps)
+                    _q8_block(builder, wp, _scale(builder, sp, last), last, accs[1], qps, xsps)
                     add_corr(last)
             with nested:
                 ppg = builder.lshr(bpg, one)
                 with cgutils.for_range(builder, ngroups) as group:
-                    sw2 = _splat(builder, builder.load(builder.gep(sp, [group.index])), 2)
+                    sw2 = _splat(builder, _scale(builder, sp, group.index), 2)
                     first = builder.mul(group.index, ppg)
                     with cgutils.for_range(builder, builder.lshr(ppg, one)) as loop:
                         pair = builder.add(first, builder.shl(loop.index, one))
@@ -321,7 +340,7 @@ def q4q8_row_dot(typingctx, w, s, xq, xg, hb):
     """Dot of one int4 row with an int8-quantised activation (prep_q8_row); returns float32.
 
     w   uint8 [K/2]        packed row (low nibble = even column), K a multiple of 32
-    s   float32 [G]        group scales, G = K / (2 * hb)
+    s   uint16 [G]         group scales as fp16 bits, G = K / (2 * hb)
     xq  int8 [K]           q_x per 32-block, in prep_q8_row's pair layout
     xg  float32 [NB + G]   s_x[b] for the NB = K/32 blocks, then C[g] = 8 * sum_{b in g} s_x[b] * sum(q_x[b])
     hb  int                bytes per group = group_size / 2 (a multiple of 16)
@@ -329,6 +348,7 @@ def q4q8_row_dot(typingctx, w, s, xq, xg, hb):
     result = sum_g s[g] * (sum_{b in g} s_x[b] * (nib_b . q_x[b]) - C[g])
     """
     _check_avx2()
+    _check_scales(s)
     return types.float32(w, s, xq, xg, hb), _q8_codegen(1)
 
 
@@ -336,6 +356,7 @@ def q4q8_row_dot(typingctx, w, s, xq, xg, hb):
 def q4q8_row_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     """q4q8_row_dot of one row with four activations at once (nibbles split once) -> UniTuple(float32, 4)."""
     _check_avx2()
+    _check_scales(s)
     sig = types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
     return sig, _q8_codegen(4)
 

@@ -27,7 +27,8 @@ TORCH_MIN_TOKENS = 256     # from this many tokens, fp32 weights use torch's GEM
 @dataclass(frozen=True, eq=False)
 class DenseWeight:
     """A [N, K] weight in execution format: w [N, K] float32 | uint16 (bf16 bits) | int8, or
-    uint8 [N, K/2] (int4); s float32 [N, G] scales (G = 0, 1 for int8, K/group_size for int4)."""
+    uint8 [N, K/2] (int4); s [N, G] scales: float32 (G = 0, 1 for int8), int4 fp16 bits as uint16
+    (G = K/group_size)."""
 
     fmt: str
     group_size: int

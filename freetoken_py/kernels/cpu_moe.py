@@ -25,7 +25,8 @@ class ExpertBank:
 
     w13  [E, 2I, D]   gate rows 0..I-1 then up rows I..2I-1; float32 | uint16 (bf16 bits) | int8,
                       or uint8 [E, 2I, D/2] for int4 (low nibble = even column, value + 8)
-    s13  float32 [E, 2I, G]   scales: G = 0 (fp32, bf16), 1 (int8, per row), D/group_size (int4)
+    s13  [E, 2I, G]           scales: float32, G = 0 (fp32, bf16) or 1 (int8, per row); int4: fp16 bits as
+                              uint16, G = D/group_size (_buffers.scale_dtype)
     w2   [E, D, I]    down rows, same encoding (uint8 [E, D, I/2] for int4)
     s2   float32 [E, D, G']
     """

@@ -23,11 +23,14 @@ def check_group(k: int, group_size: int) -> None:
         raise ValueError(f"int4 needs K divisible by group_size: K={k}, group_size={group_size}")
 
 
-def quantize_int4(w, group_size: int = 32):
-    """w [..., N, K] -> (packed uint8 [..., N, K//2], scales float32 [..., N, K//group_size]).
+def quantize_int4(w, group_size: int = 32, scale_dtype: torch.dtype = torch.float32):
+    """w [..., N, K] -> (packed uint8 [..., N, K//2], scales [..., N, K//group_size] in scale_dtype).
 
     ``scale = max|w_group| / 7`` and ``q = round(w / scale)`` (so q is in [-7, 7] and every
-    element's round-trip error is at most ``scale / 2``); stored as ``q + 8``. Raises ValueError
+    element's round-trip error is at most ``scale / 2``); stored as ``q + 8``. With
+    ``scale_dtype=torch.float16`` (what the kernels store, as llama.cpp's Q4_0 does) the scale is
+    rounded to fp16 first (capped at fp16's max) and q computed against the rounded scale, so the
+    stored pair dequantizes exactly as quantised; q stays clamped to [-8, 7]. Raises ValueError
     when K is not divisible by group_size.
     """
     wf, numpy = as_float32(w)
@@ -36,7 +39,14 @@ def quantize_int4(w, group_size: int = 32):
     k = wf.shape[-1]
     check_group(k, group_size)
     groups = wf.reshape(*wf.shape[:-1], k // group_size, group_size)      # [..., N, G, g]
-    scale, div = safe_scale(groups.abs().amax(dim=-1), QMAX)              # [..., N, G]
+    amax = groups.abs().amax(dim=-1)                                      # [..., N, G]
+    if scale_dtype == torch.float16:
+        scale = (amax / QMAX).clamp_(max=torch.finfo(torch.float16).max).to(torch.float16)
+        div = torch.where(scale > 0, scale.float(), 1.0)                   # the rounded scale
+    elif scale_dtype == torch.float32:
+        scale, div = safe_scale(amax, QMAX)
+    else:
+        raise ValueError(f"int4 scales are float32 or float16, got {scale_dtype}")
     q = torch.round(groups / div.unsqueeze(-1)).clamp_(-8, QMAX).to(torch.int16) + 8
     q = q.reshape(wf.shape)                                               # [..., N, K] in [0, 15]
     packed = (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)         # [..., N, K/2]
