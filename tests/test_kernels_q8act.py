@@ -85,6 +85,14 @@ def test_round_trip_within_half_a_step(rows, blocks, log_scale, seed):
     assert np.array_equal(xq, kernel_layout(q)) and np.array_equal(xg[:, :blocks], s.numpy())
 
 
+@pytest.mark.parametrize("gs", [96, 160, 48])
+def test_int4_kernels_reject_group_sizes_they_cannot_walk(gs):
+    """The AVX2 dot walks pairs of 32-blocks inside a group: 32 or a multiple of 64 only (96 used
+    to be accepted and gave wrong sums)."""
+    with pytest.raises(ValueError, match="32 or a multiple of 64"):
+        DenseWeight.from_tensor(torch.zeros(4, 2 * gs), "int4", gs)
+
+
 def test_quantiser_rejects_ragged_rows():
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_act_q8(torch.zeros(2, 40))
@@ -92,8 +100,10 @@ def test_quantiser_rejects_ragged_rows():
 
 @needs_int8_path
 @pytest.mark.parametrize("num_t", [1, 3, 5, 7])
-# 32-blocks per row: 384 = 6 pairs, 416 = 6 pairs + 1, 448 = 7 pairs (gs 64: one pair per group), 480 = 7 + 1
-@pytest.mark.parametrize("gs,k", [(32, 384), (64, 384), (128, 384), (32, 416), (32, 448), (64, 448), (32, 480)])
+# 32-blocks per row: 384 = 6 pairs, 416 = 6 pairs + 1, 448 = 7 pairs (gs 64: one pair per group), 480 = 7 + 1;
+# gs 192: three pairs per group (the odd-pairs branch of a multi-pair group)
+@pytest.mark.parametrize("gs,k", [(32, 384), (64, 384), (128, 384), (32, 416), (32, 448), (64, 448), (32, 480),
+                                  (192, 576)])
 def test_dense_int4_against_quantised_and_fp32_activations(gs, k, num_t):
     g = torch.Generator().manual_seed(gs + num_t + k)
     dw = DenseWeight.from_tensor(torch.randn(45, k, generator=g) * 0.1, "int4", gs)   # 45 rows
@@ -182,15 +192,28 @@ dw8 = DenseWeight.from_tensor(torch.randn(40, 100, generator=g) * 0.1, "int8")
 x8 = torch.randn(5, 100, generator=g)
 ref = x8.double() @ dw8.dequantized().double().T
 assert float((dense_linear(dw8, x8).double() - ref).norm() / ref.norm()) <= 1e-5
+import numpy as np
+from numba import njit
+from freetoken_py.kernels._simd import exp_shift_sum
+e = np.linspace(-80, 0, 37).astype(np.float32)
+got = e.copy()
+njit(lambda a: exp_shift_sum(a, np.float32(0.0)))(got)
+assert np.allclose(got, np.exp(e.astype(np.float64)), rtol=2e-6, atol=0)   # no FMA on generic: ~11 ulp
 print("ok")
 """
 
 
-def test_fp32_activation_fallback_still_exact():
-    """The path non-AVX2 CPUs take, forced here: exact against fp32 activations (1e-4). Own numba
-    cache dir (the env var is part of the cache stamp; this keeps the main cache warm)."""
+@pytest.mark.parametrize("target", ["host", "generic"])
+def test_fp32_activation_fallback_still_exact(target):
+    """The path non-AVX2 CPUs take, forced here: exact against fp32 activations (1e-4). "generic":
+    numba compiles for a baseline x86-64 (no AVX2, F16C, FMA, SSE4.1), where fp16 scales must not
+    go through compiler-rt's __extendhfsf2 (not resolvable in numba's JIT: a crash) and exp must not
+    call libm per lane. Own numba cache dirs (keeps the main cache warm)."""
     env = dict(os.environ, FREETOKEN_INT_ACT="fp32",
-               NUMBA_CACHE_DIR=os.path.join(tempfile.gettempdir(), "freetoken-test-int4-fp32act"))
+               NUMBA_CACHE_DIR=os.path.join(tempfile.gettempdir(), f"freetoken-test-int4-fp32act-{target}"))
+    if target == "generic":
+        env.update(NUMBA_CPU_NAME="generic")
+        env.pop("NUMBA_CPU_FEATURES", None)
     res = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 

@@ -29,8 +29,8 @@ def row_layout(fmt: str, k: int, group_size: int) -> tuple[np.dtype, int, int]:
         return np.dtype(np.int8), k, 1
     if fmt == "int4":
         check_group(k, group_size)
-        if group_size % 32:
-            raise ValueError(f"int4 kernels need group_size a multiple of 32, got {group_size}")
+        if group_size != 32 and group_size % 64:   # the AVX2 dot walks pairs of 32-blocks within a group
+            raise ValueError(f"int4 kernels need group_size 32 or a multiple of 64, got {group_size}")
         return np.dtype(np.uint8), k // 2, k // group_size
     raise ValueError(f"unknown weight format {fmt!r}; expected one of fp32, bf16, int8, int4")
 

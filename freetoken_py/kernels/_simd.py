@@ -15,6 +15,8 @@ the only horizontal add is at the end of the row.
 """
 from __future__ import annotations
 
+import platform
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -51,16 +53,34 @@ def _vload(builder, base, offset, vtype, align):
     return builder.load(ptr, align=align)
 
 
+def _half_to_float(builder, bits, lanes):
+    """fp16 bits (i16 or <lanes x i16>) -> float. With F16C (`HAS_F16C`) an fpext (vcvtph2ps);
+    elsewhere in integer IR, because LLVM lowers fpext of half without F16C on x86 to a call of
+    compiler-rt's __extendhfsf2, which numba's JIT does not resolve (the process crashed). The
+    integer form puts exponent and mantissa 13 bits up and the sign at bit 31, then multiplies by
+    2^112 (127 - 15 exponent bias): exact for normal and subnormal halves (scales are finite)."""
+    if HAS_F16C or platform.machine().lower() not in ("x86_64", "amd64"):
+        ht, ft = (ir.HalfType(), _F32) if lanes == 1 else (ir.VectorType(ir.HalfType(), lanes), ir.VectorType(_F32, lanes))
+        return builder.fpext(builder.bitcast(bits, ht), ft)
+    it, ft = (_I32, _F32) if lanes == 1 else (ir.VectorType(_I32, lanes), ir.VectorType(_F32, lanes))
+
+    def c(v):
+        return ir.Constant(it, v if lanes == 1 else [v] * lanes)
+
+    w = builder.zext(bits, it)
+    f = builder.or_(builder.shl(builder.and_(w, c(0x7FFF)), c(13)), builder.shl(builder.and_(w, c(0x8000)), c(16)))
+    scale = ir.Constant(ft, 2.0 ** 112 if lanes == 1 else [2.0 ** 112] * lanes)
+    return builder.fmul(builder.bitcast(f, ft), scale)
+
+
 def _scale(builder, sp, idx):
     """int4 group scale idx as float: stored as fp16 bits in a uint16 array (_buffers.scale_dtype)."""
-    bits = builder.load(builder.gep(sp, [idx]))
-    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+    return _half_to_float(builder, builder.load(builder.gep(sp, [idx])), 1)
 
 
 def _scale2(builder, sp, idx):
-    """Scales idx, idx + 1 as <2 x float> (one 4-byte load, vcvtph2ps with F16C)."""
-    bits = _vload(builder, sp, idx, ir.VectorType(ir.IntType(16), 2), 2)
-    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 2)), ir.VectorType(_F32, 2))
+    """Scales idx, idx + 1 (idx even) as <2 x float>: one 4-byte load, one convert."""
+    return _half_to_float(builder, _vload(builder, sp, idx, ir.VectorType(ir.IntType(16), 2), 2), 2)
 
 
 def _q4_codegen(num_x):
@@ -170,8 +190,6 @@ _I16 = ir.IntType(16)
 
 def _target_has_avx2() -> bool:
     """True when numba compiles for an x86 CPU with AVX2 (honours NUMBA_CPU_NAME/FEATURES)."""
-    import platform
-
     import llvmlite.binding as llvm
     from numba.core import config
 
@@ -185,6 +203,23 @@ def _target_has_avx2() -> bool:
 
 
 HAS_AVX2 = _target_has_avx2()
+
+
+def _target_has_f16c() -> bool:
+    """True when numba compiles for an x86 CPU with F16C (half <-> float converts), as _target_has_avx2."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if config.CPU_FEATURES:
+        return "+f16c" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return False
+    return bool(llvm.get_host_cpu_features().get("f16c", False))
+
+
+HAS_F16C = _target_has_f16c()
 
 
 def _pmadd_intrinsics(builder):
@@ -255,7 +290,7 @@ def _q8_codegen(num_x):
     Pairs of blocks alternate between two accumulators per activation (one FMA chain is
     latency-bound); every other pair (one per 64-byte line) prefetches PF_DIST ahead (from DRAM
     the expert kernel measured 1.2-1.35x faster with it, 2048-4096 B alike). Group size 32 (a scale per block, the common case): a flat loop over pairs,
-    the two scales one <2 x float> load, then an odd last block; larger groups (an even number of
+    the two fp16 scales one 4-byte load and one convert, then an odd last block; larger groups (an even number of
     blocks each, so a pair never straddles two) loop over groups with the scale splatted. The
     offset corrections (sum_g s_w[g] C[g]) ride along: two lanes per pair in the flat loop (a
     separate scalar loop over groups cost ~4 instructions per block), once per group otherwise.
@@ -312,7 +347,9 @@ def _q8_codegen(num_x):
                         _q8_pair(builder, wp, sw2, pair, accs[0], qps, xsps)
                         _q8_pair(builder, wp, sw2, builder.add(pair, one), accs[1], qps, xsps)
                     with builder.if_then(builder.trunc(ppg, ir.IntType(1))):    # odd pairs per group
-                        _q8_pair(builder, wp, sw2, builder.sub(builder.add(first, ppg), one), accs[0], qps, xsps)
+                        pair = builder.sub(builder.add(first, ppg), one)
+                        _prefetch(builder, wp, builder.shl(pair, ir.Constant(_I64, 5)))   # g = 64: the only one
+                        _q8_pair(builder, wp, sw2, pair, accs[0], qps, xsps)
                     add_corr(group.index)
         for j, corr in enumerate(corrs):
             c2 = builder.fadd(builder.load(corr2s[0][j]), builder.load(corr2s[1][j]), flags=_FAST)
@@ -480,15 +517,16 @@ def i8q8_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
     return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3, s0, s1, s2, s3), _i8q8_codegen(4)
 
 
-# --- vector exp (softmax, SiLU) ------------------------------------------------------------------
+# --- vector exp (the decode softmax) ---------------------------------------------------------------
 #
 # numba's np.exp is a scalar libm call per element (no SVML here): ~14 cycles each, and decode
 # takes ~50K of them per token (16 heads x context per layer, plus the experts' SiLU). Here: x
-# clamped to [-87, 88] (so 2^n stays a normal float), n = rint(x log2 e), r = x - n ln 2 in two
+# clamped to [-87, 88] (so 2^n stays a normal float), n = round(x log2 e), r = x - n ln 2 in two
 # parts (Cody-Waite), e^r by Cephes' expf polynomial, times 2^n built from its exponent bits;
 # 8 lanes per step, the tail as 1-lane vectors of the same code. Within 2 ulp of libm's expf for
-# x >= -87 (tests/test_kernels_exp.py); below that exact 0 is replaced by e^-87 ~ 1.6e-38, which a
-# softmax sum cannot tell from 0.
+# x >= -87 on targets with FMA (tests/test_kernels_exp.py; ~11 ulp without), below that exact 0 is
+# replaced by e^-87 ~ 1.6e-38, which a softmax sum cannot tell from 0. A softmax helper, not a
+# general exp: the clamps turn NaN and +inf into e^88 and -inf into e^-87.
 
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
@@ -504,9 +542,13 @@ def _vexp(builder, x, lanes):
     mod = builder.module
     fmin = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.minnum.v{lanes}f32")
     fmax = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.maxnum.v{lanes}f32")
-    rint = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf]), f"llvm.rint.v{lanes}f32")
     x = builder.call(fmax, [builder.call(fmin, [x, c(88.0)]), c(-87.0)])
-    n = builder.call(rint, [builder.fmul(x, c(1.44269504088896341), flags=_FAST)])
+    # n = round(x log2 e): x log2 e + 128.5 is in [3, 256), so truncating it is flooring it (llvm.rint
+    # would be a libm call per lane on x86 targets without SSE4.1; adding and removing 1.5 * 2^23 was
+    # folded away under numba's fast-math)
+    ni = builder.sub(builder.fptosi(builder.fadd(builder.fmul(x, c(1.44269504088896341), flags=_FAST), c(128.5),
+                                                 flags=_FAST), vi), ir.Constant(vi, [128] * lanes))
+    n = builder.sitofp(ni, vf)
     r = builder.fsub(x, builder.fmul(n, c(0.693359375)))             # ln 2 = 0.693359375 - 2.12194440e-4
     r = builder.fsub(r, builder.fmul(n, c(-2.12194440e-4)))
     p = c(_EXP_POLY[0])
@@ -514,7 +556,7 @@ def _vexp(builder, x, lanes):
         p = builder.fadd(builder.fmul(p, r, flags=_FAST), c(coef), flags=_FAST)
     p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r, flags=_FAST), flags=_FAST), r, flags=_FAST),
                      c(1.0), flags=_FAST)
-    bits = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * lanes)), ir.Constant(vi, [23] * lanes))
+    bits = builder.shl(builder.add(ni, ir.Constant(vi, [127] * lanes)), ir.Constant(vi, [23] * lanes))
     return builder.fmul(p, builder.bitcast(bits, vf), flags=_FAST)
 
 
@@ -547,8 +589,8 @@ def _exp_shift_sum_codegen(context, builder, signature, args):
 
 @intrinsic
 def exp_shift_sum(typingctx, x, m):
-    """x[i] = exp(x[i] - m) in place for a contiguous 1-D float32 array; returns the sum (float32).
-    (A softmax's numerator with m its max; m = 0 for plain exp.)"""
+    """x[i] = exp(x[i] - m) in place for a contiguous 1-D float32 array; returns the sum (float32):
+    a softmax's numerator with m its max (finite inputs; see the section notes for the clamps)."""
     if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32 and x.layout == "C"):
         raise TypeError("exp_shift_sum needs a contiguous 1-D float32 array")
     return types.float32(x, m), _exp_shift_sum_codegen

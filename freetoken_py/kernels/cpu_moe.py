@@ -28,7 +28,7 @@ class ExpertBank:
     s13  [E, 2I, G]           scales: float32, G = 0 (fp32, bf16) or 1 (int8, per row); int4: fp16 bits as
                               uint16, G = D/group_size (_buffers.scale_dtype)
     w2   [E, D, I]    down rows, same encoding (uint8 [E, D, I/2] for int4)
-    s2   float32 [E, D, G']
+    s2   [E, D, G']           as s13
     """
 
     fmt: str

@@ -29,8 +29,9 @@ def quantize_int4(w, group_size: int = 32, scale_dtype: torch.dtype = torch.floa
     ``scale = max|w_group| / 7`` and ``q = round(w / scale)`` (so q is in [-7, 7] and every
     element's round-trip error is at most ``scale / 2``); stored as ``q + 8``. With
     ``scale_dtype=torch.float16`` (what the kernels store, as llama.cpp's Q4_0 does) the scale is
-    rounded to fp16 first (capped at fp16's max) and q computed against the rounded scale, so the
-    stored pair dequantizes exactly as quantised; q stays clamped to [-8, 7]. Raises ValueError
+    rounded to fp16 (up, when rounding to nearest went below max|w| / 7; capped at fp16's max) and
+    q computed against that scale, so the stored pair keeps the half-step bound (except groups past
+    the cap, max|w| > 458,000, whose q is clamped). Raises ValueError
     when K is not divisible by group_size.
     """
     wf, numpy = as_float32(w)
@@ -42,7 +43,11 @@ def quantize_int4(w, group_size: int = 32, scale_dtype: torch.dtype = torch.floa
     amax = groups.abs().amax(dim=-1)                                      # [..., N, G]
     if scale_dtype == torch.float16:
         scale = (amax / QMAX).clamp_(max=torch.finfo(torch.float16).max).to(torch.float16)
-        div = torch.where(scale > 0, scale.float(), 1.0)                   # the rounded scale
+        # rounded down (at most one fp16 step; subnormal scales, max|w| < ~4e-4, lose most), the
+        # largest element would need |q| > 7: take the next fp16 value up instead (bits + 1)
+        low = (scale.float() * QMAX < amax) & (scale < torch.finfo(torch.float16).max)
+        scale = torch.where(low, (scale.view(torch.int16) + 1).view(torch.float16), scale)
+        div = torch.where(scale > 0, scale.float(), 1.0)                   # the stored scale
     elif scale_dtype == torch.float32:
         scale, div = safe_scale(amax, QMAX)
     else:
