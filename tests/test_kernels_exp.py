@@ -23,7 +23,7 @@ def test_exp_shift_sum_matches_float64(n):
     shifted = (x - m).astype(np.float64)             # the kernel subtracts in fp32, as this does
     ref = np.exp(shifted)
     normal = shifted >= -87.0
-    assert np.all(np.abs(got[normal] - ref[normal]) <= 4e-7 * ref[normal])        # ~2 ulp
+    assert np.all(np.abs(got[normal] - ref[normal]) <= 4e-7 * ref[normal])        # ~3 ulp
     assert np.all(got[~normal] <= 2e-38) and np.all(got >= 0)                       # flushed to e^-87 at most
     assert abs(total - ref.sum()) <= 1e-6 * max(ref.sum(), 1e-30)
 
