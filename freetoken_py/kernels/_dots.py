@@ -52,7 +52,6 @@ def _int_act_mode() -> str:
 
 
 INT_ACT = _int_act_mode()
-INT4_ACT = INT_ACT         # old name (one switch covers int4 and int8 weights now)
 
 
 def widen(v):
@@ -199,10 +198,9 @@ def prep_q8_row(x, gs, xq, xg):
         xg[nb + g] = np.float32(0.0)
     for b in range(nb):
         x0 = b * Q8_BLOCK
-        if b < paired:      # even elements at 64p + 16r, odd ones at 64p + 32 + 16r (b = 2p + r)
-            ev, od = (b - b % 2) * Q8_BLOCK + (b % 2) * 16, (b - b % 2) * Q8_BLOCK + 32 + (b % 2) * 16
-        else:
-            ev, od = x0, x0 + Q8_BLOCK // 2
+        # even elements at 64p + 16r, odd ones 32 further (b = 2p + r); an unpaired last block [even | odd]
+        ev = (b // 2) * 2 * Q8_BLOCK + (b % 2) * 16 if b < paired else x0
+        od = ev + (Q8_BLOCK if b < paired else Q8_BLOCK // 2)
         amax = np.float32(0.0)
         for j in range(Q8_BLOCK):
             amax = max(amax, abs(x[x0 + j]))

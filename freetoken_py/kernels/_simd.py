@@ -188,38 +188,23 @@ def q4_row_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
 _I16 = ir.IntType(16)
 
 
-def _target_has_avx2() -> bool:
-    """True when numba compiles for an x86 CPU with AVX2 (honours NUMBA_CPU_NAME/FEATURES)."""
+def _target_has(feature: str) -> bool:
+    """True when numba compiles for an x86 CPU with `feature` ("avx2", "f16c"; honours
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
     import llvmlite.binding as llvm
     from numba.core import config
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     if config.CPU_FEATURES:
-        return "+avx2" in config.CPU_FEATURES.split(",")
+        return f"+{feature}" in config.CPU_FEATURES.split(",")
     if config.CPU_NAME and config.CPU_NAME != "host":
-        return False        # a named generic target (portable caches): do not assume AVX2
-    return bool(llvm.get_host_cpu_features().get("avx2", False))
+        return False        # a named generic target (portable caches): do not assume the feature
+    return bool(llvm.get_host_cpu_features().get(feature, False))
 
 
-HAS_AVX2 = _target_has_avx2()
-
-
-def _target_has_f16c() -> bool:
-    """True when numba compiles for an x86 CPU with F16C (half <-> float converts), as _target_has_avx2."""
-    import llvmlite.binding as llvm
-    from numba.core import config
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    if config.CPU_FEATURES:
-        return "+f16c" in config.CPU_FEATURES.split(",")
-    if config.CPU_NAME and config.CPU_NAME != "host":
-        return False
-    return bool(llvm.get_host_cpu_features().get("f16c", False))
-
-
-HAS_F16C = _target_has_f16c()
+HAS_AVX2 = _target_has("avx2")
+HAS_F16C = _target_has("f16c")     # half <-> float converts (vcvtph2ps)
 
 
 def _pmadd_intrinsics(builder):

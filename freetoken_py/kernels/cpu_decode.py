@@ -168,9 +168,10 @@ ATTN_MIN_CHUNK = 32  # ... of at least this many keys
 @njit(cache=True)
 def _chunk_size(n):
     """Keys per attention task for a context of n keys: ATTN_CHUNK, or for a short context an even
-    split into min(ATTN_SPLIT, ceil(n / ATTN_MIN_CHUNK)) chunks (so ~32 keys each or more). (One 256-key task per short context left every other thread idle: at 256-512 keys the
-    attention was ~13% of a 2-thread decode step, run on one thread.) A function of n alone, not
-    of the thread count or the batch, so results do not change when the thread governor does."""
+    split into min(ATTN_SPLIT, ceil(n / ATTN_MIN_CHUNK)) chunks (so ~32 keys each or more). One
+    256-key task per short context left every other thread idle: at 256-512 keys the attention
+    was ~13% of a 2-thread decode step, run on one thread. A function of n alone, not of the
+    thread count or the batch, so results do not change when the thread governor does."""
     chunks = max(1, (n + ATTN_CHUNK - 1) // ATTN_CHUNK, min(ATTN_SPLIT, (n + ATTN_MIN_CHUNK - 1) // ATTN_MIN_CHUNK))
     return (n + chunks - 1) // chunks
 
