@@ -124,6 +124,12 @@ def serve(
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
+    emulate_gpu: Optional[str] = typer.Option(None, "--emulate-gpu", help="Run the expert residency tiers on an "
+                                              "EMULATED accelerator with this hardware profile (rtx4060-laptop-8g, "
+                                              "rtx4090, rtx5090, rtx-pro-6000); telemetry in /v1/freetoken/stats."),
+    vram_budget_gb: float = typer.Option(0.0, "--vram-budget", min=0.0,
+                                         help="GB of expert slots for the residency tiers (0 = half the experts)."),
+    residency_policy: str = typer.Option("ours", "--residency-policy", help="ours, lru or static."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions) and Anthropic (/v1/messages) APIs."""
     from freetoken_py.server.protocol import ServerLimits
@@ -132,7 +138,9 @@ def serve(
     engine = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend, expert_dtype=expert_dtype,
                   dense_dtype=dense_dtype, expert_cache=expert_cache, kv_dtype=kv_dtype,
-                  enable_prefix_cache=not no_prefix_cache)
+                  enable_prefix_cache=not no_prefix_cache,
+                  residency="emulate" if emulate_gpu else "off", residency_profile=emulate_gpu or "rtx4090",
+                  vram_budget_bytes=int(vram_budget_gb * 1e9), residency_policy=residency_policy)
     serve_main(ServeOptions(model_dir=_resolve_model(model), host=host, port=port, api_key=api_key,
                             max_queue=max_queue, model_name=served_model_name, threads=threads, engine=engine,
                             limits=ServerLimits(drain_timeout_s=drain_timeout)))

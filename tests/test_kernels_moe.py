@@ -211,3 +211,25 @@ def test_bad_inputs_raise_clear_errors():
         moe_experts(bank, x, torch.full((1, 1), 2), w)
     with pytest.raises(ValueError, match="shape"):
         moe_experts(bank, torch.zeros(1, 63), torch.zeros(1, 1, dtype=torch.long), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bank_view_shares_memory_and_matches_a_built_bank(dtype):
+    """ExpertBank.view_of (the residency CPU tier's bank over the streamer's host weights) reads
+    the torch tensors in place and computes what a bank built by from_weights computes."""
+    g = torch.Generator().manual_seed(3)
+    w13 = torch.randn(4, 2 * 64, 96, generator=g).to(dtype)
+    w2 = torch.randn(4, 96, 64, generator=g).to(dtype)
+    view = ExpertBank.view_of(w13, w2)
+    built = ExpertBank.from_weights(w13[:, :64], w13[:, 64:], w2, fmt=view.fmt)
+    x = torch.randn(5, 96, generator=g)
+    ids = torch.tensor([[0, 3], [1, 2], [3, 3], [2, 0], [1, 1]])
+    wts = torch.rand(5, 2, generator=g)
+    assert torch.equal(moe_experts(view, x, ids, wts), moe_experts(built, x, ids, wts))
+    w13[1].zero_()                                  # the view sees the change: no copy was made
+    w2[1].zero_()
+    assert moe_experts(view, x[1:2], ids[1:2, :1], wts[1:2, :1]).abs().max() == 0
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        ExpertBank.view_of(w13.half(), w2.half())
+    with pytest.raises(ValueError, match="expected w13"):
+        ExpertBank.view_of(w13, w2[:, :, :32].contiguous())

@@ -63,10 +63,17 @@ def test_logits_do_not_depend_on_placement(arch, checkpoint_factory):
         assert toks == tokens, name
         assert (ours - theirs).abs().max().item() <= 1e-4, name
     s = {name: run[0].residency.telemetry.summary() for name, run in runs.items()}
+    # the CPU tier is the numba expert kernels, reading the same host weights the streamer copies
+    for llm, _, _ in runs.values():
+        ex = llm.residency
+        assert ex.cpu_banks and [b is None for b in ex.cpu_banks] == [w is None for w in ex.host_w13]
     assert s["all_cpu"]["cpu_share"] == 1.0 and s["all_cpu"]["label"].startswith("emulated:")
     assert s["all_resident"]["hit_rate"] == 1.0 and s["all_resident"]["pcie_bytes"] == 0
     for name in ("mixed_laptop", "mixed_5090_lru"):     # all three tiers were really used
         assert s[name]["hit_rate"] > 0 and s[name]["stream_share"] > 0 and s[name]["cpu_share"] > 0, (name, s[name])
+    # ours also cut experts between the two sides (planner decision 5); lru never does
+    assert s["mixed_laptop"]["split_share"] > 0 and s["mixed_5090_lru"]["split_share"] == 0
+    assert s["all_cpu"]["split_share"] == 0 and s["all_resident"]["split_share"] == 0
 
 
 def test_every_routed_pair_is_computed_exactly_once(checkpoint_factory):
@@ -85,7 +92,7 @@ def test_every_routed_pair_is_computed_exactly_once(checkpoint_factory):
     routed = {(s, l): Counter((t, int(e)) for t, row in enumerate(ids.tolist()) for e in row)
               for s, step in enumerate(recorder.trace.steps) for l, ids in step.items()}
     assert computed == routed
-    assert set(tiers) == {"hit", "stream", "cpu"}
+    assert set(tiers) == {"hit", "stream", "cpu", "split"}   # split: one expert cut between the two sides
 
 
 def test_elastic_vram_shrinks_and_grows_back_without_changing_outputs(checkpoint_factory):
@@ -153,6 +160,9 @@ def test_cli_stats_and_record_routing(tmp_path):
 def test_bad_residency_options_are_one_line_errors():
     proc = freetoken("x", "--emulate-gpu", "h100")
     assert proc.returncode == 2 and "unknown hardware profile 'h100'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "freetoken_py", "serve", "--emulate-gpu", "h100", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown hardware profile 'h100'" in proc.stderr and "Traceback" not in proc.stderr
     with pytest.raises(FreetokenError, match="drop --backend cpu"):
         EngineConfig(model="m", residency="emulate", backend="cpu")
     with pytest.raises(FreetokenError, match="residency must be off, emulate or cuda"):
@@ -174,3 +184,30 @@ def test_measured_cpu_speed_feeds_the_cost_model(checkpoint_factory):
     assert 0 < ex.cost.cpu_expert_gbps < prior
     ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
     assert out.token_ids == ref.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def test_serve_with_emulated_tiers_reports_residency_in_stats():
+    """`freetoken serve --emulate-gpu`: real HTTP on loopback, the same greedy completion as the
+    plain torch backend, and the residency telemetry in /v1/freetoken/stats."""
+    import httpx
+
+    from server_util import ServerThread
+
+    body = {"model": "demo", "messages": [{"role": "user", "content": "def add(a, b):"}],
+            "max_tokens": 12, "temperature": 0}
+    texts, stats = {}, {}
+    for name, engine in {"plain": dict(backend="torch"),
+                         "tiers": dict(residency="emulate", residency_profile="rtx4060-laptop-8g")}.items():
+        with ServerThread(**engine) as srv:
+            r = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            texts[name] = r.json()["choices"][0]["message"]["content"]
+            stats[name] = srv.stats()
+    assert texts["tiers"] == texts["plain"]
+    assert "residency" not in stats["plain"]
+    res = stats["tiers"]["residency"]
+    assert res["label"] == "emulated:rtx4060-laptop-8g" and res["steps"] >= 12 and res["expert_slots"] > 0
+    for c in res["layers"].values():
+        assert c["hit_pairs"] + c["stream_pairs"] + c["cpu_pairs"] + c["split_pairs"] == c["routed_pairs"] > 0
+    total = sum(c["routed_pairs"] for c in res["layers"].values())
+    assert res["hit_rate"] == pytest.approx(sum(c["hit_pairs"] for c in res["layers"].values()) / total)

@@ -133,3 +133,43 @@ def test_measured_hardware_profile_converts_with_concurrent_figures_first():
         ("this box", 32 * 2**30, 1500.0, 41.0, 22.0)
     no_gpu = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, gpus=()), figures=figures)
     assert from_hardware_profile(no_gpu) is None
+
+
+def test_one_miss_is_cut_so_both_sides_finish_together():
+    # PRO 6000, one decode miss, nothing resident. Whole: CPU 2.65 MB / 110 GB/s + 30 us call
+    # = 54 us beats a copy (51 us + 5 us + 1.5 us compute). Cut at fraction f of the columns:
+    #   accelerator: 5 us + f * (copy 51.0 us + compute 1.48 us); CPU: 30 us + (1 - f) * 24.1 us
+    # equal at f = (30 + 24.1 - 5) / (51.0 + 1.48 + 24.1) = 0.641, layer time 38.7 us.
+    c = cost("rtx-pro-6000")
+    b = SPEC.expert_bytes
+    copy, comp, cpu = b / 52e9, b / 1792e9, b / 110e9
+    f = (30e-6 + cpu - 5e-6) / (copy + comp + cpu)
+    stats = LayerStats({9: 1}, frozenset())
+    whole = plan(stats, c, Budgets(stream_slots=8))
+    assert (whole.stream, whole.cpu, whole.split) == ((), (9,), ())
+    p = plan(stats, c, Budgets(stream_slots=8, split_experts=True))
+    assert (p.stream, p.cpu) == ((), ()) and p.split[0][0] == 9
+    assert p.split[0][1] == pytest.approx(f, rel=1e-6)
+    assert p.gpu_s == pytest.approx(p.cpu_s, rel=1e-6) == pytest.approx(5e-6 + f * (copy + comp), rel=1e-6)
+    assert p.seconds < 0.72 * whole.seconds and p.reasons[9].startswith("split")
+
+
+def test_the_cut_expert_comes_from_the_side_that_finishes_last():
+    c = cost("rtx5090")          # PCIe faster than the CPU: both misses stream, the copies end last
+    whole = plan(DECODE, c, Budgets(stream_slots=8))
+    assert whole.stream == (9, 12) and whole.gpu_s > whole.cpu_s
+    p = plan(DECODE, c, Budgets(stream_slots=8, split_experts=True))
+    assert p.stream == (9,) and p.cpu == () and p.split[0][0] == 12     # the last-placed stream
+    assert 0 < p.split[0][1] < 1 and p.gpu_s == pytest.approx(p.cpu_s, rel=1e-6) and p.seconds < whole.seconds
+    # worth keeping for longer than the cut saves: streamed whole, not cut
+    kept = plan(DECODE, c, Budgets(stream_slots=8, split_experts=True, stream_values={12: 1e-3}))
+    assert (kept.stream, kept.split) == ((9, 12), ())
+
+
+def test_no_cut_without_a_cpu_or_when_the_sides_already_balance():
+    c = cost("rtx4060-laptop-8g")
+    stats = LayerStats({e: 1 for e in range(4)}, frozenset())
+    p = plan(stats, c, Budgets(stream_slots=0, cpu_enabled=False, split_experts=True))
+    assert p.split == () and len(p.stream) == 4
+    p = plan(LayerStats({1: 1}, frozenset({1})), c, Budgets(stream_slots=8, split_experts=True))
+    assert (p.hits, p.split) == ((1,), ())

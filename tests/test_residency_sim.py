@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from itertools import combinations
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,9 @@ from freetoken_py.residency.adaptive import AdaptivePolicy
 from freetoken_py.residency.planner import CostModel
 from freetoken_py.residency.policy import LruPolicy, PinPolicy, StaticPolicy
 from freetoken_py.residency.profiles import PROFILES, ModelSpec
-from freetoken_py.residency.simulate import simulate, synthetic_trace
-from freetoken_py.residency.stats import RoutingStats, RoutingTrace
+from freetoken_py.residency.simulate import (belady_misses, online_ceiling_flat_tok_s, simulate, synthetic_trace,
+                                             upper_bound_tok_s)
+from freetoken_py.residency.stats import RoutingStats, RoutingTrace, iter_layer_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("small", num_layers=6, num_experts=16, top_k=4, hidden=2048, moe_intermediate=768,
@@ -71,9 +73,12 @@ def test_accounting_is_consistent(make):
     policy = make(40)
     r = simulate(trace, policy, cost, SMALL.dense_bytes)
     assert r.routed_pairs == 60 * 6 * 4 == trace.num_pairs()
-    assert r.hit_pairs + r.stream_pairs + r.cpu_pairs == r.routed_pairs
+    assert r.hit_pairs + r.stream_pairs + r.cpu_pairs + r.split_pairs == r.routed_pairs
     assert r.stream_pairs == r.streamed_experts          # decode: one token per streamed expert
-    assert r.pcie_bytes == r.streamed_experts * SMALL.expert_bytes
+    # a cut expert (ours only) sends part of its bytes over PCIe
+    assert r.streamed_experts * SMALL.expert_bytes <= r.pcie_bytes
+    assert r.pcie_bytes <= (r.streamed_experts + r.split_pairs) * SMALL.expert_bytes
+    assert r.split_cpu_share <= r.split_pairs
     assert r.tokens == r.decode_tokens == 60 and r.decode_seconds == pytest.approx(r.seconds)
     assert len(policy.keys) <= 40
 
@@ -117,3 +122,94 @@ def test_bench_prints_one_line_per_profile_trace_policy(tmp_path):
     assert {r["trace"] for r in rows} == {"flat@qwen3-30b-a3b", "rec@qwen3-235b-a22b-bytes"}
     assert all(0 <= r["hit_rate"] <= 1 and 0 <= r["cpu_share"] <= 1 for r in rows)
     assert "static" in proc.stderr and ("PASS" in proc.stderr or "FAIL" in proc.stderr or "n/a" in proc.stderr)
+
+
+def _fewest_misses_exhaustive(trace: RoutingTrace, capacity: int) -> int:
+    """Independent reference for MIN: a search over every cache state (tiny traces only). Any
+    starting set is free; on a miss the new expert is dropped or replaces any one resident."""
+    accesses = [l * trace.num_experts + int(e) for _, l, ids in iter_layer_steps(trace) for e in np.unique(ids)]
+    universe = sorted(set(accesses))
+    states = {frozenset(c): 0 for c in combinations(universe, min(capacity, len(universe)))}
+    for key in accesses:
+        nxt: dict[frozenset, int] = {}
+        for st, cost in states.items():
+            if key in st:
+                cands = [(st, cost)]
+            else:
+                cands = [(st, cost + 1)] + [((st - {v}) | {key}, cost + 1) for v in st]
+            for s2, c2 in cands:
+                if c2 < nxt.get(s2, 1 << 30):
+                    nxt[s2] = c2
+        states = nxt
+    return min(states.values())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_belady_matches_an_exhaustive_search(seed):
+    spec = ModelSpec("tiny", num_layers=2, num_experts=5, top_k=2, hidden=64, moe_intermediate=32, dense_params=1e3)
+    trace = synthetic_trace(["locality", "flat_skew", "flat"][seed % 3], spec, steps=7, seed=seed)
+    for cap in (1, 3, 4):
+        assert int(belady_misses(trace, cap).sum()) == _fewest_misses_exhaustive(trace, cap), (seed, cap)
+    assert belady_misses(trace, 10).sum() == 0          # everything fits: the free preload covers it
+
+
+@pytest.mark.parametrize("regime", ["locality", "flat_skew", "flat"])
+@pytest.mark.parametrize("profile", ["rtx4060-laptop-8g", "rtx-pro-6000"])
+def test_no_policy_beats_the_upper_bound(regime, profile):
+    trace = synthetic_trace(regime, SMALL, steps=60, seed=2)
+    calib = synthetic_trace(regime, SMALL, steps=60, seed=5)
+    counts = np.zeros((6, 16))
+    for step in calib.steps:
+        for l, ids in step.items():
+            np.add.at(counts[l], ids.ravel(), 1)
+    cost = CostModel(PROFILES[profile], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    cap = 30
+    bound = upper_bound_tok_s(trace, cost, SMALL.dense_bytes, cap)
+    fewest = int(belady_misses(trace, cap).sum())
+    for make in (lambda: StaticPolicy(list(range(6)), 16, cap), lambda: PinPolicy(list(range(6)), counts, cap),
+                 lambda: LruPolicy(cap, 0.4), lambda: AdaptivePolicy(list(range(6)), 16, cap)):
+        policy = make()
+        if hasattr(policy, "warm_start"):
+            policy.warm_start(counts)
+        r = simulate(trace, policy, cost, SMALL.dense_bytes)
+        assert r.routed_pairs - r.hit_pairs >= fewest, policy.name
+        assert r.decode_tok_s <= bound, policy.name
+
+
+@pytest.mark.parametrize("profile", ["rtx4060-laptop-8g", "rtx-pro-6000"])
+def test_online_policies_stay_under_the_flat_ceiling(profile):
+    """On uniform, step-independent routing no online policy beats the expected-hit ceiling (up
+    to sampling noise), the static set's hit rate is capacity / experts, and clairvoyant MIN
+    does better than any of them."""
+    trace = synthetic_trace("flat", SMALL, steps=300, seed=7)
+    calib = synthetic_trace("flat", SMALL, steps=300, seed=8)
+    counts = np.zeros((6, 16))
+    for step in calib.steps:
+        for l, ids in step.items():
+            np.add.at(counts[l], ids.ravel(), 1)
+    cost = CostModel(PROFILES[profile], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    cap = 40
+    ceiling = online_ceiling_flat_tok_s(trace, cost, SMALL.dense_bytes, cap)
+    pin = simulate(trace, PinPolicy(list(range(6)), counts, cap), cost, SMALL.dense_bytes)
+    assert pin.hit_rate == pytest.approx(cap / (6 * 16), abs=0.03)
+    speeds = [pin.decode_tok_s] + [simulate(trace, p, cost, SMALL.dense_bytes).decode_tok_s
+                                    for p in (LruPolicy(cap, 0.4), AdaptivePolicy(list(range(6)), 16, cap))]
+    assert max(speeds) <= 1.03 * ceiling
+    assert speeds[-1] >= 0.75 * ceiling          # ours gets close: the ceiling is not a loose one
+    assert upper_bound_tok_s(trace, cost, SMALL.dense_bytes, cap) > ceiling
+
+
+def test_the_upper_bound_counts_decode_only_after_a_prefill():
+    """A prefill may cost a policy misses that are not counted; MIN is then run on the decode
+    steps with its own free preload, so a policy warmed on exactly the decode set stays under it."""
+    spec = ModelSpec("tiny", num_layers=2, num_experts=16, top_k=4, hidden=2048, moe_intermediate=768,
+                     dense_params=1e6)
+    trace = RoutingTrace(2, 16, 4)
+    trace.add_step({l: np.array([[0, 1, 2, 3], [4, 5, 6, 7]]) for l in range(2)})     # prefill
+    for _ in range(6):
+        trace.add_step({l: np.array([[8, 9, 10, 11]]) for l in range(2)})
+    counts = np.zeros((2, 16))
+    counts[:, 8:12] = 1
+    cost = CostModel(PROFILES["rtx4090"], spec.expert_bytes, spec.expert_flops_per_token)
+    r = simulate(trace, PinPolicy([0, 1], counts, 8), cost, spec.dense_bytes)
+    assert r.hit_rate > 0.5 and r.decode_tok_s <= upper_bound_tok_s(trace, cost, spec.dense_bytes, 8)

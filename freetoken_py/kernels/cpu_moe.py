@@ -91,6 +91,27 @@ class ExpertBank:
         encode_rows(_cpu(up), self.fmt, self.group_size, self.w13[e, inter:], self.s13[e, inter:])
         encode_rows(_cpu(down), self.fmt, self.group_size, self.w2[e], self.s2[e])
 
+    @classmethod
+    def view_of(cls, w13: torch.Tensor, w2: torch.Tensor) -> "ExpertBank":
+        """A bank over existing torch weights, without a copy: w13 [E, 2I, D] (gate rows then up
+        rows) and w2 [E, D, I], both contiguous bf16 or fp32 on the host. The bank shares their
+        memory (the residency tiers keep one host copy that the PCIe streamer and the CPU
+        kernels both read)."""
+        fmt = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(w13.dtype)
+        if fmt is None or w2.dtype != w13.dtype:
+            raise ValueError(f"a bank view needs bf16 or fp32 weights, got {w13.dtype} / {w2.dtype}")
+        if w13.device.type != "cpu" or not (w13.is_contiguous() and w2.is_contiguous()):
+            raise ValueError("a bank view needs contiguous host tensors")
+        num_e, two_i, hidden = w13.shape
+        if two_i % 2 or tuple(w2.shape) != (num_e, hidden, two_i // 2):
+            raise ValueError(f"expected w13 [E, 2I, D] and w2 [E, D, I], got {tuple(w13.shape)}, {tuple(w2.shape)}")
+
+        def arr(t: torch.Tensor) -> np.ndarray:
+            return t.numpy() if fmt == "fp32" else t.view(torch.int16).numpy().view(np.uint16)
+
+        no_scales = np.zeros((num_e, two_i, 0), np.float32), np.zeros((num_e, hidden, 0), np.float32)
+        return cls(fmt, 32, arr(w13), no_scales[0], arr(w2), no_scales[1])
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 fp32 [E, 2I, D], w2 fp32 [E, D, I]) as the kernels see them, for references."""
         return (decode_rows(self.w13, self.s13, self.fmt, self.group_size),

@@ -11,6 +11,12 @@ Changes from plain LeCaR, each for a reason measured on MoE routing:
   within one forward pass (with a global counter one end of the network crowds the other out).
 - Per-layer fairness: a layer holding no more than `floor_share` of its fair share
   (capacity / layers) never loses a slot.
+- Shadow duel (set-dueling, Qureshi et al., ISCA '07, applied to the two experts): two
+  metadata-only caches of the same capacity, one pure LRU and one pure LFU, replay every access.
+  When one of them has scored clearly more hits lately (decayed over SHADOW_HALF_LIFE steps), its
+  rule decides each eviction outright; only while they are close does the LeCaR draw decide. The
+  ghost-list learning alone needs many regrets to move the weights, and the random draws it makes
+  meanwhile cost hits on a short trace (a recency workload reached only 0.95x LRU's speed).
 - Admission by the cost model: only misses the planner streams ask for a slot (a miss the CPU
   absorbs evicts nothing). The planner is told what keeping each missed expert is worth
   (`Budgets.stream_values`): its decayed routing rate minus the rate of the expert it would
@@ -19,23 +25,28 @@ Changes from plain LeCaR, each for a reason measured on MoE routing:
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 
 import numpy as np
+from numba import njit
 
 from freetoken_py.residency.planner import Budgets, CostModel, LayerStats, Plan, plan
 
 Key = tuple[int, int]
 LRU, LFU = 0, 1
 WINDOW = 8          # steps over which a kept expert's value is counted
+SHADOW_HALF_LIFE = 16.0   # steps over which the shadow caches' hits are compared
+SHADOW_MARGIN = 0.02      # a shadow leads "clearly" when ahead by this share of their hits
 
 
 class AdaptivePolicy:
     name = "ours"
 
     def __init__(self, layers: list[int], num_experts: int, capacity: int, half_life_steps: float = 64.0,
-                 learning_rate: float = 0.45, floor_share: float = 0.5, seed: int = 0):
+                 learning_rate: float = 0.45, floor_share: float = 0.5, seed: int = 0,
+                 shadow_margin: float = SHADOW_MARGIN):
         self.layers = list(layers)
         self.capacity = capacity
         n = max(layers) + 1 if layers else 1
@@ -56,8 +67,14 @@ class AdaptivePolicy:
         self.learning_rate = learning_rate
         self.floor_share = floor_share
         self.ghosts: OrderedDict[Key, tuple[int, int]] = OrderedDict()   # key -> (expert, step)
+        self.shadows = (_LruShadow(), _LfuShadow())           # metadata-only pure-LRU / pure-LFU caches
+        self.shadow_hits = np.zeros(2)                         # decayed hits of each shadow
+        self._shadow_decay = 0.5 ** (1.0 / SHADOW_HALF_LIFE)
+        self._shadow_step = 0
+        self.shadow_margin = shadow_margin    # >= 1: the duel never decides (plain LeCaR)
         self._rng = np.random.default_rng(seed)
         self.now = 0
+        self._victim_rate = (-1, 0.0)                          # (step, slowest resident's rate)
 
     # ---- queries --------------------------------------------------------------------------
     def resident(self, layer: int) -> frozenset[int]:
@@ -79,10 +96,13 @@ class AdaptivePolicy:
 
     def stream_values(self, layer: int, misses: list[int], cost: CostModel) -> dict[int, float]:
         """Seconds each missed expert would save over the next WINDOW steps if kept, net of what
-        the slowest-routed resident (the one it would displace; none while slots are free) would."""
+        the slowest-routed resident (the one it would displace; none while slots are free) would.
+        The slowest resident's rate is taken once per step (a scan of the whole cache)."""
         victim = 0.0
         if self.count.sum() >= self.capacity:
-            victim = float(np.where(self.res, self._rates(np.s_[:]), np.inf).min())
+            if self._victim_rate[0] != self.now:      # once per step: a scan of every resident
+                self._victim_rate = (self.now, float(np.where(self.res, self._rates(np.s_[:]), np.inf).min()))
+            victim = self._victim_rate[1]
         rates = self._rates((layer, misses))
         per_miss = min(cost.cpu_s(1), cost.copy_s())
         return {e: max(0.0, float(r) - victim) * WINDOW * per_miss for e, r in zip(misses, rates)}
@@ -97,32 +117,62 @@ class AdaptivePolicy:
             self.count[l] += 1
         total = counts[self.layers].sum(axis=1, keepdims=True).clip(min=1)
         self.freq[self.layers] += counts[self.layers] / total * 8.0 * self._decay ** (self._base - self.now)
+        for shadow in self.shadows:
+            shadow.fill([(int(l), int(e)) for l, e in zip(*np.nonzero(self.res))], self.freq)
 
     # ---- the interface --------------------------------------------------------------------
     def split(self, layer: int, stats: LayerStats, cost: CostModel) -> Plan:
         misses = [e for e in stats.tokens if e not in stats.resident]
         values = self.stream_values(layer, misses, cost) if misses and self.capacity else {}
-        return plan(stats, cost, Budgets(stream_slots=self.capacity, stream_values=values))
+        return plan(stats, cost, Budgets(stream_slots=self.capacity, stream_values=values,
+                                         split_experts=self.capacity > 0))
 
     def touch(self, layer: int, step: int, tokens: dict[int, int]) -> None:
         self.now = step
         scale = self._decay ** (self._base - step)
-        for e, n in tokens.items():
-            self._regret((layer, e), step)
-            self.freq[layer, e] += n * scale
-            self.fast[layer, e] = self.fast[layer, e] * self._fast_decay ** (step - self._fast_step[layer, e]) + n
-            self._fast_step[layer, e] = step
-            self.last[layer, e] = step
+        if self.ghosts:
+            for e in tokens:
+                self._regret((layer, e), step)
+        idx = np.fromiter(tokens.keys(), np.int64, len(tokens))
+        n = np.fromiter(tokens.values(), np.float64, len(tokens))
+        self.freq[layer, idx] += n * scale
+        self.fast[layer, idx] = self.fast[layer, idx] * self._fast_decay ** (step - self._fast_step[layer, idx]) + n
+        self._fast_step[layer, idx] = step
+        self.last[layer, idx] = step
         if scale > 1e100:        # re-base the inflated counts before they overflow
             self.freq *= self._decay ** (step - self._base)
             self._base = step
+            lfu = self.shadows[LFU]
+            lfu.fill(list(lfu.resident), self.freq)     # its heap holds the old counts
+        self._shadow_touch(layer, step, tokens)
+
+    def _shadow_touch(self, layer: int, step: int, tokens: dict[int, int]) -> None:
+        """Replay this layer-step on the pure-LRU and pure-LFU shadows (every miss asks for a slot;
+        the LFU shadow, like the real cache under LFU, turns away one rarer than its victim)."""
+        if step != self._shadow_step:
+            self.shadow_hits *= self._shadow_decay ** (step - self._shadow_step)
+            self._shadow_step = step
+        if self.capacity == 0:
+            return
+        keys = [(layer, int(e)) for e in tokens]
+        for which, shadow in enumerate(self.shadows):
+            self.shadow_hits[which] += shadow.access(keys, self.capacity, self.freq)
+
+    def _leader(self) -> int | None:
+        """LRU or LFU when its shadow has clearly scored more hits lately; None while they are close."""
+        lru, lfu = self.shadow_hits
+        if abs(lru - lfu) <= self.shadow_margin * (lru + lfu):
+            return None
+        return LRU if lru > lfu else LFU
 
     def admit(self, layer: int, expert: int, step: int) -> list[Key]:
         if self.capacity == 0 or self.res[layer, expert]:
             return []
         evicted = []
         if self.count.sum() >= self.capacity:
-            which = LRU if self._rng.random() < self.weights[LRU] else LFU
+            which = self._leader()
+            if which is None:
+                which = LRU if self._rng.random() < self.weights[LRU] else LFU
             victim = self._victim(which, exclude=(layer, expert), busy_layer=layer)
             if victim is None:
                 return []
@@ -142,28 +192,27 @@ class AdaptivePolicy:
             victim = self._victim(LRU if self.weights[LRU] >= self.weights[LFU] else LFU, floor=False)
             self._evict(victim, LRU, self.now)
             evicted.append(victim)
+        for shadow in self.shadows:     # the shadows shrink with the cache
+            shadow.trim(capacity, self.freq)
         return evicted
 
     # ---- internals ------------------------------------------------------------------------
+    def _score(self, which: int) -> np.ndarray:
+        """[L, E] eviction order of one expert, lowest first."""
+        if which == LRU:   # oldest step first; among equals the rarer
+            return self.last + 0.5 * self.freq / (1.0 + self.freq.max())
+        return self.freq + 1e-9 * (self.last + 1) / (self.now + 2)    # rarest first; among equals the older
+
     def _victim(self, which: int, exclude: Key | None = None, floor: bool = True,
                 busy_layer: int | None = None) -> Key | None:
-        if which == LRU:   # oldest step first; among equals the rarer
-            score = self.last + 0.5 * self.freq / (1.0 + self.freq.max())
-        else:              # rarest first; among equals the older
-            score = self.freq + 1e-9 * (self.last + 1) / (self.now + 2)
-        score = np.where(self.res, score, np.inf)
-        if exclude is not None:
-            score[exclude] = np.inf
-        if busy_layer is not None:                     # experts this layer-step is using stay
-            score[busy_layer, self.last[busy_layer] == self.now] = np.inf
-        if floor and self.layers:
-            fair = int(self.floor_share * self.capacity / len(self.layers))
-            guarded = score.copy()
-            guarded[self.count <= fair] = np.inf        # protected layers
-            if np.isfinite(guarded).any():
-                score = guarded
-        flat = int(np.argmin(score))
-        return divmod(flat, self.res.shape[1]) if np.isfinite(score.flat[flat]) else None
+        """The resident to evict under LRU or LFU (`_score` order), never `exclude` nor an expert
+        `busy_layer` is using this step; with `floor`, outside the layers at or under their floor
+        while any other layer has one. One pass over the cache (numba)."""
+        fair = int(self.floor_share * self.capacity / len(self.layers)) if floor and self.layers else -1
+        ex_l, ex_e = exclude if exclude is not None else (-1, -1)
+        flat = _victim_scan(self.res, self.last, self.freq, self.count, which == LRU,
+                            self.now, ex_l, ex_e, -1 if busy_layer is None else busy_layer, fair)
+        return divmod(flat, self.res.shape[1]) if flat >= 0 else None
 
     def _evict(self, key: Key, which: int, step: int) -> None:
         self.res[key] = False
@@ -185,3 +234,122 @@ class AdaptivePolicy:
         self.weights[which] *= math.exp(-self.learning_rate * discount ** (step - when))
         self.weights = np.clip(self.weights / self.weights.sum(), 0.01, 0.99)  # never lock one out
         self.weights /= self.weights.sum()
+
+
+class _LruShadow:
+    """Pure LRU over (layer, expert) keys, metadata only: O(1) per access."""
+
+    def __init__(self) -> None:
+        self.keys: OrderedDict[Key, None] = OrderedDict()
+
+    def fill(self, keys: list[Key], freq: np.ndarray) -> None:
+        self.keys = OrderedDict((k, None) for k in keys)
+
+    def access(self, keys: list[Key], capacity: int, freq: np.ndarray) -> int:
+        """One layer-step's experts: returns the hits; misses are admitted, the least recently
+        used key out (never one of this layer-step's, which are all moved to the end first)."""
+        hits = 0
+        for k in keys:
+            if k in self.keys:
+                hits += 1
+                self.keys.move_to_end(k)
+        for k in keys:
+            if k not in self.keys:
+                if len(self.keys) >= capacity:
+                    if len(self.keys) <= len(keys):
+                        continue                  # every slot holds this layer-step's experts
+                    self.keys.popitem(last=False)
+                self.keys[k] = None
+        return hits
+
+    def trim(self, capacity: int, freq: np.ndarray) -> None:
+        while len(self.keys) > capacity:
+            self.keys.popitem(last=False)
+
+
+class _LfuShadow:
+    """Pure LFU (decayed counts, the policy's own `freq`) with the same admission rule as the real
+    cache under LFU, metadata only: a lazy min-heap of (count when pushed, order, key), where an
+    entry is current only while the key is resident and its count unchanged (counts only grow)."""
+
+    def __init__(self) -> None:
+        self.resident: set[Key] = set()
+        self.heap: list[tuple[float, int, Key]] = []
+        self._order = 0                           # push order: among equal counts the older goes
+
+    def _push(self, key: Key, freq: np.ndarray) -> None:
+        self._order += 1
+        heapq.heappush(self.heap, (float(freq[key]), self._order, key))
+
+    def fill(self, keys: list[Key], freq: np.ndarray) -> None:
+        self.resident, self.heap = set(), []
+        for k in keys:
+            self.resident.add(k)
+            self._push(k, freq)
+
+    def _pop_victim(self, freq: np.ndarray, busy: set[Key]):
+        """The resident with the lowest count, not in `busy`; its heap entry stays (peek)."""
+        held = []
+        victim = None
+        while self.heap:
+            f, order, k = self.heap[0]
+            if k not in self.resident or f != float(freq[k]):
+                heapq.heappop(self.heap)          # stale: evicted, or touched since (a newer entry exists)
+                continue
+            if k in busy:
+                held.append(heapq.heappop(self.heap))
+                continue
+            victim = k
+            break
+        for entry in held:
+            heapq.heappush(self.heap, entry)
+        return victim
+
+    def access(self, keys: list[Key], capacity: int, freq: np.ndarray) -> int:
+        hits = 0
+        busy = set(keys)
+        for k in keys:                            # counts were raised by touch(): re-key them
+            if k in self.resident:
+                hits += 1
+                self._push(k, freq)
+        for k in keys:
+            if k in self.resident:
+                continue
+            if len(self.resident) >= capacity:
+                victim = self._pop_victim(freq, busy)
+                if victim is None or freq[k] < freq[victim]:
+                    continue                      # rarer than the victim: not kept
+                self.resident.discard(victim)
+            self.resident.add(k)
+            self._push(k, freq)
+        if len(self.heap) > 4 * max(64, len(self.resident)):   # drop stale entries now and then
+            self.fill(list(self.resident), freq)
+        return hits
+
+    def trim(self, capacity: int, freq: np.ndarray) -> None:
+        while len(self.resident) > capacity:
+            victim = self._pop_victim(freq, set())
+            self.resident.discard(victim)
+
+
+@njit(cache=True)
+def _victim_scan(res, last, freq, count, lru, now, ex_l, ex_e, busy_layer, fair):  # pragma: no cover - jitted
+    """Flat index of the lowest-scoring resident (the scores of AdaptivePolicy._score), skipping
+    (ex_l, ex_e) and busy_layer's experts routed at step `now`; a candidate in a layer above its
+    floor (count > fair) wins over any in a protected layer. -1 when there is none."""
+    num_l, num_e = res.shape
+    fmax = freq.max()
+    best, best_i, guarded, guarded_i = np.inf, -1, np.inf, -1
+    for l in range(num_l):
+        for e in range(num_e):
+            if not res[l, e] or (l == ex_l and e == ex_e) or (l == busy_layer and last[l, e] == now):
+                continue
+            if lru:
+                score = last[l, e] + 0.5 * freq[l, e] / (1.0 + fmax)
+            else:
+                score = freq[l, e] + 1e-9 * (last[l, e] + 1) / (now + 2)
+            if score < best:
+                best, best_i = score, l * num_e + e
+            if count[l] > fair and score < guarded:
+                guarded, guarded_i = score, l * num_e + e
+    return guarded_i if guarded_i >= 0 else best_i

@@ -34,9 +34,11 @@ def make_policy(name: str, layers: list[int], num_experts: int, capacity: int, p
 
 def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int = 0, policy: str = "ours",
                      memory_probe: Optional[Callable[[], int]] = None, audit: bool = False,
-                     prefetch: bool = True) -> ResidencyExecutor:
+                     prefetch: bool = True, cpu_kernels: bool = True) -> ResidencyExecutor:
     """`vram_budget_bytes`: bytes for expert slots (0 = room for half the model's experts, so a
-    tiny model exercises hits, streaming and the CPU at once)."""
+    tiny model exercises hits, streaming and the CPU at once). `cpu_kernels`: the CPU tier runs
+    the numba expert kernels on views of the host weights (bf16 / fp32 SwiGLU experts); False,
+    or any other dtype, runs torch there."""
     layers = model.weights.layers
     w13 = [lw.w13 for lw in layers]
     w2 = [lw.w2 for lw in layers]
@@ -65,6 +67,27 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     executor = ResidencyExecutor(w13, w2, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,
                                  memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
-                                 audit=audit, measure_cpu=mode == "cuda")
+                                 audit=audit, measure_cpu=mode == "cuda",
+                                 cpu_banks=_cpu_banks(w13, w2, getattr(model.args, "hidden_act", "silu"))
+                                 if cpu_kernels else None)
     model.experts = executor
     return executor
+
+
+def _cpu_banks(w13: list, w2: list, activation: str) -> Optional[list]:
+    """Per layer, a numba ExpertBank viewing the host expert weights (no copy); None where the
+    kernels cannot take them (fp16 weights, another activation)."""
+    from freetoken_py.kernels.cpu_moe import ExpertBank, moe_experts
+
+    if activation != "silu":
+        return None
+    try:
+        banks = [ExpertBank.view_of(a, b) if a is not None else None for a, b in zip(w13, w2)]
+    except ValueError:
+        return None
+    bank = next((b for b in banks if b is not None), None)
+    if bank is None:
+        return None
+    # compile / load the kernel now, not in the first step
+    moe_experts(bank, torch.zeros(1, bank.hidden), torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1))
+    return banks

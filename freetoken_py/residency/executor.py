@@ -5,12 +5,16 @@ Per call (one MoE layer of one forward pass):
     routed pairs (token, expert) --group by expert--> tokens per expert
         hits    (resident in a slot)      -> accelerator, from the slot
         stream  (planner: copy is worth it) -> copy into a slot (or staging), then accelerator
+        split   (planner decision 5)      -> the first columns of its intermediate dimension
+                                             copied to staging and computed on the accelerator,
+                                             the other columns computed on the CPU
         cpu     (the rest)                -> host weights, on the CPU
-    out = accelerator part + CPU part     (each pair lands in exactly one of the three)
+    out = accelerator part + CPU part     (each pair lands in exactly one of the four; a split
+                                           pair's two column ranges are disjoint and add up)
 
-Then the next MoE layer's experts are predicted through its router from this layer's input
-(the residual stream changes little between layers) and copied ahead (look-ahead prefetch);
-the next call scores the prediction. At the start of each step (a call for a layer not above the
+Before the CPU part runs, the next MoE layer's experts are predicted through its router from this
+layer's input (the residual stream changes little between layers) and copied ahead (look-ahead
+prefetch), so the copies overlap the CPU's work; the next call scores the prediction. At the start of each step (a call for a layer not above the
 previous one) the free-memory probe may shrink or grow the slot cache (elastic VRAM).
 
 device="cpu" is the emulated accelerator: identical code, CPU tensors, times from the profile.
@@ -39,8 +43,11 @@ class ResidencyExecutor:
     def __init__(self, host_w13: list, host_w2: list, policy, cost: CostModel, slots: SlotCache, *,
                  routers: Optional[list] = None, top_k: int = 0, elastic: Optional[ElasticVram] = None,
                  memory_probe: Optional[Callable[[], int]] = None, label: str = "emulated",
-                 audit: bool = False, measure_cpu: bool = False):
+                 audit: bool = False, measure_cpu: bool = False, cpu_banks: Optional[list] = None):
         self.host_w13, self.host_w2 = host_w13, host_w2   # per layer [E, 2I, D] / [E, D, I] or None
+        # per layer: a kernels.cpu_moe.ExpertBank viewing the same host weights (the numba CPU
+        # kernels), or None (the CPU tier then runs torch on the host weights)
+        self.cpu_banks = cpu_banks
         self.policy, self.cost, self.slots = policy, cost, slots
         self.streamer = Streamer(slots, host_w13, host_w2)
         self.routers, self.top_k = routers, top_k
@@ -80,12 +87,35 @@ class ResidencyExecutor:
             self._run(out_dev, xd, groups[e], *self.slots.get((layer, e)), layer, e, "hit")
         for e in plan.stream:
             self._run(out_dev, xd, groups[e], *self._stream_in(layer, e), layer, e, "stream")
-        out = out_dev.to(x.device)
-        if plan.cpu:
-            out = out + self._cpu_tier(layer, x, groups, plan.cpu)
-        self._count(layer, plan, tokens)
+        cuts = [(e, self._cut_columns(layer, f)) for e, f in plan.split]
+        for e, cols in cuts:
+            if cols:
+                self._run(out_dev, xd, groups[e], *self.streamer.to_staging_columns(layer, e, cols), layer, e, "split")
+        out, ready = self._to_host(out_dev, x)
+        # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
+        # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
         self._prefetch_next(layer, x)
+        inter = self.host_w2[layer].shape[-1]
+        cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
+        cpu_part = self._cpu_tier(layer, x, groups, plan.cpu, cpu_cuts) if plan.cpu or cpu_cuts else None
+        if ready is not None:
+            ready.synchronize()           # the accelerator's part has reached the host
+        if cpu_part is not None:
+            out = out + cpu_part
+        self._count(layer, plan, tokens, cuts)
         return out
+
+    @staticmethod
+    def _to_host(out_dev: torch.Tensor, x: torch.Tensor):
+        """The accelerator's part on x's device: on CUDA an asynchronous copy into pinned memory
+        and an event to wait on before reading it (the CPU tier runs meanwhile); otherwise as is."""
+        if out_dev.device.type != "cuda" or x.device.type == "cuda":
+            return out_dev.to(x.device), None
+        host = torch.empty(out_dev.shape, dtype=out_dev.dtype, pin_memory=True)
+        host.copy_(out_dev, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     # ---- pieces ---------------------------------------------------------------------------
     @staticmethod
@@ -99,22 +129,59 @@ class ResidencyExecutor:
         wts = weights.flatten()[order].split(counts.tolist())
         return {int(e): (r, w) for e, r, w in zip(experts.tolist(), rows, wts)}
 
-    def _run(self, out, x, group, w13, w2, layer: int, expert: int, tier: str) -> None:
+    def _run(self, out, x, group, w13, w2, layer: int, expert: int, tier: Optional[str]) -> None:
         rows, w = group
         rows_d = rows.to(out.device)
         y = _swiglu(x[rows_d], w13, w2)  # [n, D]
         out.index_add_(0, rows_d, y * w.to(out.device, out.dtype)[:, None])
-        if self.audit is not None:
+        if self.audit is not None and tier is not None:   # a cut expert's CPU columns: audited once, above
             self.audit.extend((self.step, layer, int(t), expert, tier) for t in rows.tolist())
 
-    def _cpu_tier(self, layer: int, x: torch.Tensor, groups, experts) -> torch.Tensor:
+    def _run_bank(self, out, x, groups, experts, bank, layer: int) -> None:
+        """Whole CPU experts through the numba kernels: every (token, expert) pair as one row
+        (its token's activations, its expert id, its routing weight), summed back per token."""
+        from freetoken_py.kernels.cpu_moe import moe_experts
+
+        rows = torch.cat([groups[e][0] for e in experts])                          # [P] token of each pair
+        wts = torch.cat([groups[e][1] for e in experts]).float()[:, None]          # [P, 1]
+        ids = torch.cat([torch.full((len(groups[e][0]),), e) for e in experts])[:, None]  # [P, 1]
+        y = moe_experts(bank, x[rows].float(), ids, wts)                          # [P, D] fp32
+        out.index_add_(0, rows, y.to(out.dtype))
+        if self.audit is not None:
+            self.audit.extend((self.step, layer, int(t), int(e), "cpu") for t, e in zip(rows.tolist(), ids[:, 0].tolist()))
+
+    def _cut_columns(self, layer: int, fraction: float) -> int:
+        """The planner's fraction as a column count of the intermediate dimension, in whole
+        32-column blocks (what a quantised slice needs), at least one block on each side when
+        the dimension has two."""
+        inter = self.host_w2[layer].shape[-1]
+        blocks = inter // 32
+        if blocks < 2:
+            return int(round(fraction * inter))
+        return 32 * min(blocks - 1, max(1, int(round(fraction * blocks))))
+
+    def _cpu_tier(self, layer: int, x: torch.Tensor, groups, experts, cuts=()) -> torch.Tensor:
         t0 = time.perf_counter()
         out_cpu = torch.zeros_like(x)  # [T, D] host part
-        for e in experts:
-            self._run(out_cpu, x, groups[e], self.host_w13[layer][e], self.host_w2[layer][e], layer, e, "cpu")
+        bank = self.cpu_banks[layer] if self.cpu_banks else None
+        if bank is not None and experts:
+            self._run_bank(out_cpu, x, groups, experts, bank, layer)
+        else:
+            for e in experts:
+                self._run(out_cpu, x, groups[e], self.host_w13[layer][e], self.host_w2[layer][e], layer, e, "cpu")
+        for e, cols in cuts:          # the columns the accelerator did not take
+            w13, w2 = self.host_w13[layer][e], self.host_w2[layer][e]   # [2I, D], [D, I]
+            inter = w2.shape[-1]
+            if cols < inter:
+                rest13 = torch.cat([w13[cols:inter], w13[inter + cols:]])  # gate and up rows cols..I
+                self._run(out_cpu, x, groups[e], rest13, w2[:, cols:], layer, e, "split" if not cols else None)
         seconds = time.perf_counter() - t0
-        if self.measure_cpu and seconds > 0:
-            self.cost = self.cost.observe(cpu_gbps=len(experts) * self.cost.expert_bytes / seconds / 1e9)
+        share = len(experts) + sum(1 - cols / self.host_w2[layer].shape[-1] for _, cols in cuts)
+        c = self.telemetry.layers[layer]       # measured on this machine, emulated or not
+        c.cpu_tier_s += seconds
+        c.cpu_tier_bytes += int(share * self.cost.expert_bytes)
+        if self.measure_cpu and seconds > 0 and share > 0:
+            self.cost = self.cost.observe(cpu_gbps=share * self.cost.expert_bytes / seconds / 1e9)
         return out_cpu
 
     def _stream_in(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,13 +191,17 @@ class ResidencyExecutor:
             return self.streamer.to_slot(layer, expert)
         return self.streamer.to_staging(layer, expert)
 
-    def _count(self, layer: int, plan, tokens: dict[int, int]) -> None:
+    def _count(self, layer: int, plan, tokens: dict[int, int], cuts=()) -> None:
         c = self.telemetry.layers[layer]
         c.routed_pairs += sum(tokens.values())
         c.hit_pairs += sum(tokens[e] for e in plan.hits)
         c.stream_pairs += sum(tokens[e] for e in plan.stream)
         c.cpu_pairs += sum(tokens[e] for e in plan.cpu)
+        c.split_pairs += sum(tokens[e] for e, _ in plan.split)
         c.pcie_bytes += len(plan.stream) * self.cost.expert_bytes
+        inter = self.host_w2[layer].shape[-1]
+        c.pcie_bytes += sum(self.cost.expert_bytes * cols // inter for _, cols in cuts)
+        c.split_cpu_share += sum(tokens[e] * (1 - cols / inter) for e, cols in cuts)
         resident_s = sum(self.cost.gpu_compute_s(n) for n in tokens.values())
         c.stall_s += max(0.0, plan.seconds - resident_s)
 

@@ -19,6 +19,14 @@ Decisions (each one is tested with hand-built numbers in tests/test_residency_pl
    resident and hit next time; a CPU-evaluated one never will.
 4. Streaming needs a free or evictable slot (`budgets.stream_slots`); beyond that, misses go to
    the CPU. With `budgets.cpu_enabled` False (no host copy), every miss streams.
+5. With `budgets.split_experts`, whole experts leave the two sides unequal (two decode misses
+   with the CPU twice as fast as PCIe: one each, and the copy finishes last). One miss is then cut
+   along its intermediate dimension (columns of gate/up, rows of down: the two parts' outputs add
+   up to the whole expert's, exactly): the first `fraction` of its columns is copied (into
+   staging, not kept) and computed on the accelerator, the rest on the CPU, with the fraction
+   chosen so both sides finish together. The cut expert is the smallest miss on the side that
+   finishes last; a streamed one is only cut when the time saved exceeds what keeping it was
+   worth (`stream_values`), as a cut expert is not kept.
 """
 from __future__ import annotations
 
@@ -68,6 +76,7 @@ class Budgets:
     cpu_enabled: bool = True
     stream_value_s: float = 0.0   # expected future seconds saved per streamed (kept) expert
     stream_values: Mapping[int, float] = field(default_factory=dict)   # per expert, overrides the above
+    split_experts: bool = False   # decision 5: cut one miss between the two sides
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,7 @@ class Plan:
     gpu_s: float               # predicted accelerator finish (hits + streamed, copies included)
     cpu_s: float               # predicted CPU finish (0 when nothing runs there)
     reasons: dict[int, str] = field(default_factory=dict)
+    split: tuple[tuple[int, float], ...] = ()   # (expert, fraction of its columns on the accelerator)
 
     @property
     def seconds(self) -> float:
@@ -97,32 +107,76 @@ def _gpu_finish(hit_s: float, copy_s: float, computes: list[float]) -> float:
 
 
 def plan(stats: LayerStats, cost: CostModel, budgets: Budgets) -> Plan:
-    hits = tuple(sorted(e for e in stats.tokens if e in stats.resident))
-    misses = sorted((e for e in stats.tokens if e not in stats.resident),
-                    key=lambda e: (-stats.tokens[e], e))
-    hit_s = sum(cost.gpu_compute_s(stats.tokens[e]) for e in hits)
-    call = cost.profile.cpu_call_s
-    copy_q, computes, cpu_q = 0.0, [], 0.0
+    tokens = stats.tokens
+    hits = tuple(sorted(e for e in tokens if e in stats.resident))
+    misses = sorted((e for e in tokens if e not in stats.resident), key=lambda e: (-tokens[e], e))
+    gpu_c, cpu_c = {}, {}                      # per token count: accelerator / CPU seconds
+    for n in set(tokens.values()):
+        gpu_c[n], cpu_c[n] = cost.gpu_compute_s(n), cost.cpu_s(n)
+    hit_s = sum(gpu_c[tokens[e]] for e in hits)
+    call, copy = cost.profile.cpu_call_s, cost.copy_s()
+    copy_q, sum_c, last_c, cpu_q = 0.0, 0.0, 0.0, 0.0   # the accelerator side as _gpu_finish keeps it
     stream, cpu, reasons = [], [], {}
     for e in misses:
-        n = stats.tokens[e]
-        gpu_now = _gpu_finish(hit_s, copy_q, computes)
-        gpu_after = _gpu_finish(hit_s, copy_q + cost.copy_s(), computes + [cost.gpu_compute_s(n)])
+        n = tokens[e]
+        gpu_now = max(hit_s + sum_c, copy_q + last_c) if stream else hit_s
+        gpu_after = max(hit_s + sum_c + gpu_c[n], copy_q + copy + gpu_c[n])
         cpu_now = cpu_q + call if cpu else 0.0
-        cpu_after = cpu_q + cost.cpu_s(n) + call
+        cpu_after = cpu_q + cpu_c[n] + call
         can_stream = len(stream) < budgets.stream_slots or not budgets.cpu_enabled
         value = budgets.stream_values.get(e, budgets.stream_value_s)
         if can_stream and (not budgets.cpu_enabled or max(gpu_after, cpu_now) - value <= max(gpu_now, cpu_after)):
-            copy_q += cost.copy_s()
-            computes.append(cost.gpu_compute_s(n))
+            copy_q += copy
+            sum_c += gpu_c[n]
+            last_c = gpu_c[n]
             stream.append(e)
             reasons[e] = "stream: the layer finishes no later than with it on the CPU"
         else:
-            cpu_q += cost.cpu_s(n)
+            cpu_q += cpu_c[n]
             cpu.append(e)
             reasons[e] = "cpu: finishes sooner than a copy" if can_stream else "cpu: no slot to stream into"
-    return Plan(hits, tuple(stream), tuple(cpu), _gpu_finish(hit_s, copy_q, computes),
-                cpu_q + call if cpu else 0.0, reasons)
+    whole = Plan(hits, tuple(stream), tuple(cpu), max(hit_s + sum_c, copy_q + last_c) if stream else hit_s,
+                 cpu_q + call if cpu else 0.0, reasons)
+    if budgets.split_experts and budgets.cpu_enabled and (stream or cpu):
+        return _cut_one(whole, stats, cost, budgets, hit_s) or whole
+    return whole
+
+
+def _cut_one(whole: Plan, stats: LayerStats, cost: CostModel, budgets: Budgets, hit_s: float) -> Plan | None:
+    """Decision 5: move part of one miss from the side that finishes last to the other side, so
+    both finish together. None when no cut gains time (or gains less than keeping was worth)."""
+    copy_bytes_s = cost.expert_bytes / (cost.pcie_gbps * GB)
+    call, copy_call = cost.profile.cpu_call_s, cost.profile.copy_call_s
+    stream, cpu = list(whole.stream), list(whole.cpu)
+    if whole.cpu_s > whole.gpu_s and cpu:
+        x, value = cpu.pop(), 0.0              # the smallest CPU miss (placed last)
+    elif whole.gpu_s > whole.cpu_s and stream:
+        x = stream.pop()                       # the smallest streamed miss; a cut one is not kept
+        value = budgets.stream_values.get(x, budgets.stream_value_s)
+    else:
+        return None
+    n = stats.tokens[x]
+    copy_q = cost.copy_s() * len(stream)
+    computes = [cost.gpu_compute_s(stats.tokens[e]) for e in stream]
+    cpu_q = sum(cost.cpu_s(stats.tokens[e]) for e in cpu)
+    cx, cs = cost.gpu_compute_s(n), cost.cpu_s(n)
+    # with the first fraction f of x's columns on the accelerator (as _gpu_finish, x's part last):
+    #   accelerator = max(hit_s + sum(computes) + f cx,  copy_q + copy_call + f (copy_bytes_s + cx))
+    #   CPU         = cpu_q + call + (1 - f) cs
+    # the accelerator side rises with f and the CPU side falls: they cross where the CPU line
+    # meets the first of the two accelerator lines
+    cpu0 = cpu_q + call + cs
+    lines = ((hit_s + sum(computes), cx), (copy_q + copy_call, copy_bytes_s + cx))
+    f = min((cpu0 - a0) / (a1 + cs) for a0, a1 in lines)
+    if not 0.0 < f < 1.0:
+        return None
+    gpu_s = max(a0 + a1 * f for a0, a1 in lines)
+    cpu_s = cpu0 - f * cs
+    if max(gpu_s, cpu_s) + value >= whole.seconds * (1 - 1e-3):
+        return None
+    reasons = dict(whole.reasons)
+    reasons[x] = f"split: {f:.0%} of its columns copied and computed on the accelerator, the rest on the CPU"
+    return Plan(whole.hits, tuple(stream), tuple(cpu), gpu_s, cpu_s, reasons, ((x, f),))
 
 
 def evaluate(stats: LayerStats, stream: tuple[int, ...] | list[int], cost: CostModel) -> Plan:

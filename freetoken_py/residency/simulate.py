@@ -23,6 +23,8 @@ class SimResult:
     hit_pairs: int = 0
     stream_pairs: int = 0
     cpu_pairs: int = 0
+    split_pairs: int = 0             # pairs of an expert cut between the two sides (planner decision 5)
+    split_cpu_share: float = 0.0     # of those, the CPU's part (sum of 1 - fraction per pair)
     streamed_experts: int = 0        # copies over PCIe (one per streamed expert per layer-step)
     tokens: int = 0
     decode_tokens: int = 0
@@ -36,7 +38,8 @@ class SimResult:
 
     @property
     def cpu_share(self) -> float:
-        return self.cpu_pairs / self.routed_pairs if self.routed_pairs else 0.0
+        """Share of routed pairs the CPU computed (a cut expert's pairs count by the CPU's part)."""
+        return (self.cpu_pairs + self.split_cpu_share) / self.routed_pairs if self.routed_pairs else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -72,8 +75,10 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int) -> 
         r.hit_pairs += sum(tokens[e] for e in p.hits)
         r.stream_pairs += sum(tokens[e] for e in p.stream)
         r.cpu_pairs += sum(tokens[e] for e in p.cpu)
+        r.split_pairs += sum(tokens[e] for e, _ in p.split)
+        r.split_cpu_share += sum(tokens[e] * (1 - f) for e, f in p.split)
         r.streamed_experts += len(p.stream)
-        r.pcie_bytes += len(p.stream) * cost.expert_bytes
+        r.pcie_bytes += len(p.stream) * cost.expert_bytes + sum(int(f * cost.expert_bytes) for _, f in p.split)
         step_s += dense_layer_s + p.seconds
     r.seconds += step_s
     if step_tokens == 1:
@@ -133,3 +138,110 @@ def _locality_step(rng, recent: list[int], num_experts: int, k: int) -> list[int
         if e not in chosen:
             chosen.append(e)
     return chosen
+
+
+# ---- the ceiling no placement can beat ------------------------------------------------------
+def belady_misses(trace: RoutingTrace, capacity: int) -> np.ndarray:
+    """Fewest possible misses per step [steps] for a cache of `capacity` (layer, expert) slots.
+
+    Belady's MIN over the trace's access stream (one access per distinct expert per layer-step, in
+    execution order): on a miss with the cache full, drop whichever of the residents and the new
+    expert is next used furthest in the future (dropping the new one = evaluating it elsewhere).
+    The cache starts preloaded for free with the first `capacity` experts the trace uses (the best
+    possible warm start), so only misses a cache of this size cannot avoid are counted. No online
+    policy, with or without prefetch, fetches fewer experts than MIN.
+    """
+    import heapq
+
+    keys, steps = [], []
+    for s, layer, ids in iter_layer_steps(trace):
+        for e in np.unique(ids):
+            keys.append(layer * trace.num_experts + int(e))
+            steps.append(s)
+    n = len(keys)
+    nxt, seen = [n] * n, {}
+    for i in range(n - 1, -1, -1):          # next use of the same key (n = never)
+        nxt[i] = seen.get(keys[i], n)
+        seen[keys[i]] = i
+    misses = np.zeros(len(trace.steps), np.int64)
+    resident: dict[int, int] = {}           # key -> its next use
+    heap: list[tuple[int, int]] = []        # (-next use, key), stale entries skipped
+    for i, key in enumerate(keys):
+        if key in resident:
+            resident[key] = nxt[i]
+            heapq.heappush(heap, (-nxt[i], key))
+            continue
+        if len(resident) < capacity:        # still filling: the free preload (nothing evicted yet)
+            resident[key] = nxt[i]
+            heapq.heappush(heap, (-nxt[i], key))
+            continue
+        misses[steps[i]] += 1
+        if capacity == 0:
+            continue
+        while True:                         # the resident used furthest ahead
+            far, victim = heap[0]
+            if resident.get(victim) == -far:
+                break
+            heapq.heappop(heap)
+        if -far > nxt[i]:                   # it is used later than the new one: swap them
+            heapq.heappop(heap)
+            del resident[victim]
+            resident[key] = nxt[i]
+            heapq.heappush(heap, (-nxt[i], key))
+    return misses
+
+
+def upper_bound_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, capacity: int) -> float:
+    """Decode tokens/s that no placement policy can exceed under this cost model.
+
+    Over the decode steps, the time is at least the dense weights read from VRAM, and at least
+    MIN's misses moved at the PCIe and CPU bandwidths added together (a perfect split, copies
+    overlapped across layers and steps, no per-call latency, the accelerator's expert compute
+    free). Hits cost nothing here, so a higher figure than this cannot come from a better cache.
+    Only decode steps count; MIN runs on each stretch of consecutive decode steps with its own
+    free preload, since a policy may take any number of misses in a prefill to prepare for it.
+    """
+    profile = cost.profile
+    layers = trace.moe_layers
+    dense_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB)
+    decode = [s for s, step in enumerate(trace.steps) if step and next(iter(step.values())).shape[0] == 1]
+    if not decode:
+        return 0.0
+    # MIN over each run of consecutive decode steps on its own, each with a free preload: a
+    # policy may spend misses in a prefill (not counted) to arrive with exactly the right set
+    missed, run = 0, [decode[0]]
+    for s in decode[1:] + [None]:
+        if s is not None and s == run[-1] + 1:
+            run.append(s)
+            continue
+        sub = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
+        sub.steps = [trace.steps[i] for i in run]
+        missed += int(belady_misses(sub, capacity).sum())
+        run = [s]
+    dense_s = sum(len(trace.steps[s]) for s in decode) * dense_layer_s
+    miss_s = missed * cost.expert_bytes / ((cost.pcie_gbps + cost.cpu_expert_gbps) * GB)
+    return len(decode) / max(dense_s, miss_s)
+
+
+def online_ceiling_flat_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, capacity: int) -> float:
+    """Expected decode tokens/s no *online* policy can exceed on a `flat` trace (every step routes
+    k distinct experts per layer uniformly at random, independently of everything before), in
+    this simulator's execution model: experts are fetched on demand, inside their layer.
+
+    Each resident expert is routed with probability k/E per layer-step whatever the policy did
+    before (the past carries no information), so at most capacity * k / E of the L * k routed
+    pairs per step hit, in expectation. In the model a layer's misses are served inside the layer
+    (its routing is known once its attention has run, and the next layer needs its output): per
+    step at least the dense weights read from VRAM plus the expected misses moved at the PCIe and
+    CPU bandwidths added together (a perfect split, no per-call latency, the accelerator's compute
+    free). Clairvoyant caching (`upper_bound_tok_s`) can do better. Speculative copies that
+    overlap other layers' work (look-ahead prefetch, which the executor has and the simulator
+    does not model for any policy) are outside the model; with them the bound is the larger of
+    the two terms instead of their sum.
+    """
+    profile = cost.profile
+    layers = trace.moe_layers
+    n_layers, k, experts = len(layers), trace.top_k, trace.num_experts
+    dense_s = dense_bytes / (profile.vram_gbps * GB)
+    misses = n_layers * k - min(capacity, n_layers * experts) * k / experts
+    return 1.0 / (dense_s + misses * cost.expert_bytes / ((cost.pcie_gbps + cost.cpu_expert_gbps) * GB))

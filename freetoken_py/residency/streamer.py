@@ -28,16 +28,19 @@ class Streamer:
                 torch.empty(s.w2_shape, dtype=s.dtype, device=s.device))
 
     def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int) -> None:
-        src13, src2 = self.host_w13[layer][expert], self.host_w2[layer][expert]
+        self._copy_pairs([(dst13, self.host_w13[layer][expert]), (dst2, self.host_w2[layer][expert])])
+
+    def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """(device destination, host source) copies, on the copy stream where there is one."""
         if self._stream is None:
-            dst13.copy_(src13)
-            dst2.copy_(src2)
+            for dst, src in pairs:
+                dst.copy_(src)
             return
         with torch.cuda.stream(self._stream):
             # the slot or staging buffer may still be read by compute queued earlier: wait for it first
             self._stream.wait_stream(torch.cuda.current_stream())
-            dst13.copy_(src13, non_blocking=True)
-            dst2.copy_(src2, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
         torch.cuda.current_stream().wait_stream(self._stream)   # compute waits for this copy only
 
     def to_slot(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,3 +55,20 @@ class Streamer:
         self._next ^= 1
         self._copy(dst[0], dst[1], layer, expert)
         return dst
+
+    def to_staging_columns(self, layer: int, expert: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the first `cols` columns of an expert's intermediate dimension (gate rows [0, cols),
+        up rows [I, I + cols), down columns [0, cols)) into the next staging buffer: the
+        accelerator's part of an expert the planner cut in two. Returns ([2 cols, D], [D, cols])."""
+        w13, w2 = self.host_w13[layer][expert], self.host_w2[layer][expert]   # [2I, D], [D, I]
+        inter, dim = w2.shape[-1], w2.shape[0]
+        down = w2[:, :cols].contiguous()       # the one strided part: gathered on the host
+        if self.cuda:                          # pinned, so its copy stays an asynchronous DMA
+            down = down.pin_memory()
+        dst = self._staging[self._next]
+        self._next ^= 1
+        dst13 = dst[0][:2 * cols]
+        dst2 = dst[1].view(-1)[:dim * cols].view(dim, cols)
+        # gate rows [0, cols) and up rows [I, I + cols) are contiguous slices of the host bank
+        self._copy_pairs([(dst13[:cols], w13[:cols]), (dst13[cols:], w13[inter:inter + cols]), (dst2, down)])
+        return dst13, dst2

@@ -17,8 +17,12 @@ class LayerCounters:
     hit_pairs: int = 0
     stream_pairs: int = 0
     cpu_pairs: int = 0
+    split_pairs: int = 0      # pairs of an expert cut between the accelerator and the CPU
+    split_cpu_share: float = 0.0   # of those, the CPU's part (pairs x share of the columns)
     pcie_bytes: int = 0
     stall_s: float = 0.0
+    cpu_tier_s: float = 0.0   # measured wall time in the CPU tier (real even under emulation)
+    cpu_tier_bytes: int = 0   # expert weight bytes the CPU tier read
     prefetch_predicted: int = 0
     prefetch_correct: int = 0
 
@@ -42,19 +46,28 @@ class Telemetry:
         t = self.totals()
         n = max(1, t.routed_pairs)
         return {"label": self.label, "steps": self.steps, "hit_rate": t.hit_pairs / n,
-                "stream_share": t.stream_pairs / n, "cpu_share": t.cpu_pairs / n,
+                "stream_share": t.stream_pairs / n,
+                # the CPU's share of the routed work: whole experts plus its columns of cut ones
+                "cpu_share": (t.cpu_pairs + t.split_cpu_share) / n,
+                "split_share": t.split_pairs / n,
                 "pcie_bytes": t.pcie_bytes, "stall_s": t.stall_s,
                 "prefetch_accuracy": t.prefetch_correct / t.prefetch_predicted if t.prefetch_predicted else None,
+                "cpu_tier_s": t.cpu_tier_s,
+                "cpu_tier_gbps": t.cpu_tier_bytes / t.cpu_tier_s / 1e9 if t.cpu_tier_s else None,
                 "resizes": len(self.resizes), "oom_retries": self.oom_retries}
 
     def format_lines(self) -> list[str]:
         """The `freetoken run --stats` table: one line per MoE layer and a total."""
         emu = "EMULATED accelerator, times from the injected profile; " if self.label.startswith("emulated") else ""
         lines = [f"residency ({self.label}; {emu}{self.steps} steps)",
-                 f"{'layer':>5} {'hit%':>6} {'stream%':>8} {'cpu%':>6} {'PCIe MB':>9} {'stall ms':>9} {'prefetch%':>10}"]
+                 f"{'layer':>5} {'hit%':>6} {'stream%':>8} {'cpu%':>6} {'split%':>7} {'PCIe MB':>9} {'stall ms':>9} {'prefetch%':>10}"]
         for layer in sorted(self.layers):
             lines.append(self._line(str(layer), self.layers[layer]))
-        lines.append(self._line("all", self.totals()))
+        t = self.totals()
+        lines.append(self._line("all", t))
+        if t.cpu_tier_s:
+            lines.append(f"CPU tier (measured): {t.cpu_tier_bytes / 1e6:.1f} MB of expert weights in "
+                         f"{t.cpu_tier_s * 1e3:.1f} ms = {t.cpu_tier_bytes / t.cpu_tier_s / 1e9:.2f} GB/s")
         if self.resizes:
             lines.append(f"elastic VRAM: {len(self.resizes)} resizes, last to {self.resizes[-1][1]} slots; "
                          f"{self.oom_retries} allocation retries")
@@ -65,4 +78,4 @@ class Telemetry:
         n = max(1, c.routed_pairs)
         pf = f"{100 * c.prefetch_correct / c.prefetch_predicted:9.1f}%" if c.prefetch_predicted else f"{'-':>10}"
         return (f"{name:>5} {100 * c.hit_pairs / n:5.1f}% {100 * c.stream_pairs / n:7.1f}% "
-                f"{100 * c.cpu_pairs / n:5.1f}% {c.pcie_bytes / 1e6:9.2f} {c.stall_s * 1e3:9.3f} {pf}")
+                f"{100 * c.cpu_pairs / n:5.1f}% {100 * c.split_pairs / n:6.1f}% {c.pcie_bytes / 1e6:9.2f} {c.stall_s * 1e3:9.3f} {pf}")
