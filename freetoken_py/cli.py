@@ -71,6 +71,9 @@ def run(
     emulate_gpu: Optional[str] = typer.Option(None, "--emulate-gpu", help="Run the expert residency tiers on an "
                                               "EMULATED accelerator with this hardware profile (rtx4060-laptop-8g, "
                                               "rtx4090, rtx5090, rtx-pro-6000); times come from the profile."),
+    gpu_experts: bool = typer.Option(False, "--gpu-experts", help="Run the expert residency tiers on this "
+                                     "machine's CUDA GPU (VRAM slots, PCIe streaming, CPU tier), planned with its "
+                                     "measured profile (freetoken probe)."),
     vram_budget_gb: float = typer.Option(0.0, "--vram-budget", min=0.0,
                                          help="GB of expert slots for the residency tiers (0 = half the experts)."),
     residency_policy: str = typer.Option("ours", "--residency-policy", help="ours, lru or static."),
@@ -87,12 +90,20 @@ def run(
         max_model_len=max_model_len, kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend,
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, expert_cache=expert_cache, threads=threads,
         kv_dtype=kv_dtype, prefix_cache=not no_prefix_cache, stats=stats,
-        residency=dict(residency="emulate" if emulate_gpu else "off", residency_profile=emulate_gpu or "rtx4090",
-                       vram_budget_bytes=int(vram_budget_gb * 1e9), residency_policy=residency_policy,
+        residency=dict(_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy),
                        record_routing=str(record_routing or "")),
         sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                       repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ())))
     run_main(opts)
+
+
+def _residency(emulate_gpu: Optional[str], gpu_experts: bool, vram_budget_gb: float, policy: str) -> dict:
+    """EngineConfig's residency fields from the CLI flags."""
+    if emulate_gpu and gpu_experts:
+        raise FreetokenError("pass --gpu-experts (the real GPU) or --emulate-gpu PROFILE, not both")
+    mode = "cuda" if gpu_experts else "emulate" if emulate_gpu else "off"
+    return dict(residency=mode, residency_profile="measured" if gpu_experts else emulate_gpu or "rtx4090",
+                vram_budget_bytes=int(vram_budget_gb * 1e9), residency_policy=policy)
 
 
 @app.command()
@@ -127,6 +138,9 @@ def serve(
     emulate_gpu: Optional[str] = typer.Option(None, "--emulate-gpu", help="Run the expert residency tiers on an "
                                               "EMULATED accelerator with this hardware profile (rtx4060-laptop-8g, "
                                               "rtx4090, rtx5090, rtx-pro-6000); telemetry in /v1/freetoken/stats."),
+    gpu_experts: bool = typer.Option(False, "--gpu-experts", help="Run the expert residency tiers on this "
+                                     "machine's CUDA GPU (VRAM slots, PCIe streaming, CPU tier), planned with its "
+                                     "measured profile (freetoken probe)."),
     vram_budget_gb: float = typer.Option(0.0, "--vram-budget", min=0.0,
                                          help="GB of expert slots for the residency tiers (0 = half the experts)."),
     residency_policy: str = typer.Option("ours", "--residency-policy", help="ours, lru or static."),
@@ -139,8 +153,7 @@ def serve(
                   kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend, expert_dtype=expert_dtype,
                   dense_dtype=dense_dtype, expert_cache=expert_cache, kv_dtype=kv_dtype,
                   enable_prefix_cache=not no_prefix_cache,
-                  residency="emulate" if emulate_gpu else "off", residency_profile=emulate_gpu or "rtx4090",
-                  vram_budget_bytes=int(vram_budget_gb * 1e9), residency_policy=residency_policy)
+                  **_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy))
     serve_main(ServeOptions(model_dir=_resolve_model(model), host=host, port=port, api_key=api_key,
                             max_queue=max_queue, model_name=served_model_name, threads=threads, engine=engine,
                             limits=ServerLimits(drain_timeout_s=drain_timeout)))

@@ -25,7 +25,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True  # share full KV pages of common prefixes across requests and turns
     kv_integrity_check: bool = True  # page generation tags checked before every step (see kvcache/tags.py)
     residency: str = "off"  # off | emulate (accelerator tier on CPU tensors, times from a profile) | cuda
-    residency_profile: str = "rtx4090"  # hand-built tier profile (residency/profiles.py)
+    residency_profile: str = "rtx4090"  # hand-built tier profile (residency/profiles.py), or "measured" (cuda)
     residency_policy: str = "ours"  # ours | lru | static
     vram_budget_bytes: int = 0  # expert slots; 0 = room for half the experts
     record_routing: str = ""  # write the routing trace (JSON lines) here
@@ -57,7 +57,11 @@ class EngineConfig:
             return
         from freetoken_py.residency.profiles import PROFILES
 
-        if self.residency_profile not in PROFILES:
+        if self.residency_profile == "measured":
+            if self.residency != "cuda":
+                raise FreetokenError("the measured profile describes this machine's GPU: it needs residency=cuda "
+                                     "(--gpu-experts); to emulate, name a profile")
+        elif self.residency_profile not in PROFILES:
             raise FreetokenError(f"unknown hardware profile {self.residency_profile!r}; "
                                  f"choose one of {', '.join(PROFILES)}")
         if self.residency_policy not in ("ours", "lru", "static"):

@@ -86,7 +86,7 @@ class LLM:
         if c.residency == "off":
             return None
         if c.residency == "cuda" and not torch.cuda.is_available():
-            raise FreetokenError("residency=cuda needs a CUDA GPU; use --emulate-gpu PROFILE on this machine")
+            raise FreetokenError("residency=cuda (--gpu-experts) needs a CUDA GPU; use --emulate-gpu PROFILE on this machine")
         from freetoken_py.residency.attach import attach_residency
 
         return attach_residency(self.model, c.residency, c.residency_profile, c.vram_budget_bytes, c.residency_policy)

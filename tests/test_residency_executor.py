@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from freetoken_py.llm import LLM
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.stats import RoutingRecorder, RoutingTrace
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT = random_prompt(19, seed=4)
 NUM_DECODE = 10
 # name -> LLM overrides. vram_budget_bytes=1: no slot, everything on the CPU; "static" with an
@@ -53,10 +55,16 @@ def transformers_logits(path, tokens):
         return ref(torch.tensor([PROMPT + tokens[:-1]])).logits[0, len(PROMPT) - 1:]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
+
+
+@pytest.mark.parametrize("mode", ["emulate", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_logits_do_not_depend_on_placement(arch, checkpoint_factory):
+def test_logits_do_not_depend_on_placement(arch, mode, checkpoint_factory):
+    """Under the emulated accelerator everywhere; on the real GPU tiers (VRAM slots, the copy
+    stream, pinned banks) where one is present."""
     path = checkpoint_factory(arch)
-    runs = {name: drive(path, residency="emulate", **kw) for name, kw in PLACEMENTS.items()}
+    runs = {name: drive(path, residency=mode, **kw) for name, kw in PLACEMENTS.items()}
     tokens = runs["all_cpu"][1]
     theirs = transformers_logits(path, tokens)
     for name, (llm, toks, ours) in runs.items():
@@ -67,7 +75,8 @@ def test_logits_do_not_depend_on_placement(arch, checkpoint_factory):
     for llm, _, _ in runs.values():
         ex = llm.residency
         assert ex.cpu_banks and [b is None for b in ex.cpu_banks] == [w is None for w in ex.host_w13]
-    assert s["all_cpu"]["cpu_share"] == 1.0 and s["all_cpu"]["label"].startswith("emulated:")
+    assert s["all_cpu"]["cpu_share"] == 1.0
+    assert s["all_cpu"]["label"].startswith("emulated:") if mode == "emulate" else s["all_cpu"]["label"] == "cuda"
     assert s["all_resident"]["hit_rate"] == 1.0 and s["all_resident"]["pcie_bytes"] == 0
     for name in ("mixed_laptop", "mixed_5090_lru"):     # all three tiers were really used
         assert s[name]["hit_rate"] > 0 and s[name]["stream_share"] > 0 and s[name]["cpu_share"] > 0, (name, s[name])
@@ -163,6 +172,13 @@ def test_bad_residency_options_are_one_line_errors():
     proc = subprocess.run([sys.executable, "-m", "freetoken_py", "serve", "--emulate-gpu", "h100", "--port", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown hardware profile 'h100'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = freetoken("x", "--gpu-experts", "--emulate-gpu", "rtx4090")
+    assert proc.returncode == 2 and "not both" in proc.stderr and "Traceback" not in proc.stderr
+    if not torch.cuda.is_available():
+        proc = freetoken("x", "--gpu-experts")
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(FreetokenError, match="needs residency=cuda"):
+        EngineConfig(model="m", residency="emulate", residency_profile="measured")
     with pytest.raises(FreetokenError, match="drop --backend cpu"):
         EngineConfig(model="m", residency="emulate", backend="cpu")
     with pytest.raises(FreetokenError, match="residency must be off, emulate or cuda"):
@@ -211,3 +227,26 @@ def test_serve_with_emulated_tiers_reports_residency_in_stats():
         assert c["hit_pairs"] + c["stream_pairs"] + c["cpu_pairs"] + c["split_pairs"] == c["routed_pairs"] > 0
     total = sum(c["routed_pairs"] for c in res["layers"].values())
     assert res["hit_rate"] == pytest.approx(sum(c["hit_pairs"] for c in res["layers"].values()) / total)
+
+
+def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, tmp_path):
+    """bench/residency_gpu.py (the check to run when a GPU is lent): under --emulate it decodes on
+    the tiers, records routing, replays it in the simulator and reports both, marked not
+    comparable; without a GPU and without --emulate it skips cleanly."""
+    path = checkpoint_factory("qwen3_moe")
+    script = str(ROOT / "bench" / "residency_gpu.py")
+    proc = subprocess.run([sys.executable, script, "--emulate", "rtx4090", "--model", str(path), "--decode-tokens", "8",
+                           "--threads", "1", "--out", str(tmp_path / "gpu.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads((tmp_path / "gpu.json").read_text())
+    assert row["mode"] == "emulate" and row["comparable"] is False and row["within_25pct"] is None
+    assert row["label"] == "emulated:rtx4090" and row["expert_slots"] > 0
+    ms = row["expert_ms_per_token"]
+    assert ms["measured"] > 0 and ms["planner"] > 0 and ms["simulator"] > 0
+    # the live planner and the replay share the cost model: close, though prefetch differs
+    assert 0.5 <= ms["planner"] / ms["simulator"] <= 2.0
+    assert 0 <= row["hit_rate"] <= 1 and row["hit_rate"] + row["stream_share"] + row["cpu_share"] <= 1 + 1e-6 + row["split_share"]
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["skipped"] is True

@@ -11,12 +11,13 @@ from typing import Callable, Optional
 
 import torch
 
+from freetoken_py.errors import FreetokenError
 from freetoken_py.residency.adaptive import AdaptivePolicy
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.executor import ResidencyExecutor
 from freetoken_py.residency.planner import CostModel
 from freetoken_py.residency.policy import LruPolicy, StaticPolicy
-from freetoken_py.residency.profiles import emulated, get_profile
+from freetoken_py.residency.profiles import emulated, from_hardware_profile, get_profile
 from freetoken_py.residency.slots import SlotCache
 
 POLICIES = ("ours", "lru", "static")
@@ -49,7 +50,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     num_experts, dtype = first.shape[0], first.dtype
     expert_bytes = (first[0].numel() + w2[moe[0]][0].numel()) * first.element_size()
     device = "cpu" if mode == "emulate" else "cuda"
-    profile = get_profile(profile_name)
+    profile = _measured_profile() if profile_name == "measured" else get_profile(profile_name)
     profile = emulated(profile) if mode == "emulate" else profile
     if mode == "cuda":   # pinned banks make the host -> device copies asynchronous DMA
         w13 = [w.pin_memory() if w is not None else None for w in w13]
@@ -91,3 +92,14 @@ def _cpu_banks(w13: list, w2: list, activation: str) -> Optional[list]:
     # compile / load the kernel now, not in the first step
     moe_experts(bank, torch.zeros(1, bank.hidden), torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1))
     return banks
+
+
+def _measured_profile():
+    """This machine's tier profile from `freetoken probe` (cached, revalidated, or measured now)."""
+    from freetoken_py.hw import get_profile as machine_profile
+
+    profile = from_hardware_profile(machine_profile(progress=False))
+    if profile is None:
+        raise FreetokenError("this machine's profile has no GPU figures (PCIe, VRAM); run `freetoken probe` "
+                             "with the GPU visible, or name a hand-built profile")
+    return profile

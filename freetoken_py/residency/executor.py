@@ -70,6 +70,7 @@ class ResidencyExecutor:
 
     # ---- the ExpertExecutor call ------------------------------------------------------------
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         if self._last_layer is None or layer <= self._last_layer:
             self._new_step()
         self._last_layer = layer
@@ -103,6 +104,9 @@ class ResidencyExecutor:
         if cpu_part is not None:
             out = out + cpu_part
         self._count(layer, plan, tokens, cuts)
+        c = self.telemetry.layers[layer]
+        c.predicted_s += plan.seconds
+        c.measured_s += time.perf_counter() - t0   # the accelerator's part has reached the host
         return out
 
     @staticmethod

@@ -21,6 +21,8 @@ class LayerCounters:
     split_cpu_share: float = 0.0   # of those, the CPU's part (pairs x share of the columns)
     pcie_bytes: int = 0
     stall_s: float = 0.0
+    predicted_s: float = 0.0  # the planner's time for the layer's experts (cost model, its profile)
+    measured_s: float = 0.0   # wall time of the executor call on this machine (emulated or not)
     cpu_tier_s: float = 0.0   # measured wall time in the CPU tier (real even under emulation)
     cpu_tier_bytes: int = 0   # expert weight bytes the CPU tier read
     prefetch_predicted: int = 0
@@ -52,6 +54,7 @@ class Telemetry:
                 "split_share": t.split_pairs / n,
                 "pcie_bytes": t.pcie_bytes, "stall_s": t.stall_s,
                 "prefetch_accuracy": t.prefetch_correct / t.prefetch_predicted if t.prefetch_predicted else None,
+                "predicted_s": t.predicted_s, "measured_s": t.measured_s,
                 "cpu_tier_s": t.cpu_tier_s,
                 "cpu_tier_gbps": t.cpu_tier_bytes / t.cpu_tier_s / 1e9 if t.cpu_tier_s else None,
                 "resizes": len(self.resizes), "oom_retries": self.oom_retries}
@@ -65,6 +68,10 @@ class Telemetry:
             lines.append(self._line(str(layer), self.layers[layer]))
         t = self.totals()
         lines.append(self._line("all", t))
+        if t.measured_s:
+            lines.append(f"expert time: predicted {t.predicted_s * 1e3:.1f} ms ({self.label} profile), measured "
+                         f"{t.measured_s * 1e3:.1f} ms (this machine's wall clock"
+                         f"{'; not comparable under emulation' if self.label.startswith('emulated') else ''})")
         if t.cpu_tier_s:
             lines.append(f"CPU tier (measured): {t.cpu_tier_bytes / 1e6:.1f} MB of expert weights in "
                          f"{t.cpu_tier_s * 1e3:.1f} ms = {t.cpu_tier_bytes / t.cpu_tier_s / 1e9:.2f} GB/s")

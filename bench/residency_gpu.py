@@ -1,0 +1,147 @@
+"""The GPU check for the expert residency tiers: real VRAM slots, PCIe streaming and the CPU tier
+on a model whose experts do not fit the VRAM budget given, measured next to the simulator.
+
+    python bench/residency_gpu.py [--budget-share 0.25] [--decode-tokens 48] [--out FILE]
+    python bench/residency_gpu.py --emulate rtx4090 [--model DIR]     # the same pipeline, no GPU
+
+On a CUDA machine: the ~0.5B bf16 qwen3_moe (or --model), residency="cuda" with this machine's
+measured profile (`freetoken probe`, cached), expert slots for --budget-share of the experts.
+It decodes --decode-tokens greedy tokens and records the routing, then reports:
+
+- decode tokens/s;
+- the experts' wall time per decoded token (the executor's calls, the accelerator's part waited
+  for);
+- the planner's prediction for the same layer-steps, and the simulator's replay of the recorded
+  trace (policy "ours", same slots and profile, no prefetch);
+- their ratios, with `within_25pct` for the simulator.
+
+Dense weights and the KV cache stay on the host in this configuration. So the comparison is
+about expert time, and decode tokens/s is reported as is.
+
+Without CUDA and without --emulate it prints {"skipped": true, ...} and exits 0. Under --emulate
+the accelerator tier runs on CPU tensors with the named profile's times: the pipeline is
+exercised, but measured and predicted describe different machines (`comparable: false`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+
+def decode(llm, ex, prompt: list[int], n: int) -> dict:
+    """Greedy decode after the prompt; the executor's telemetry over the decode steps only."""
+    from freetoken_py.core import SamplingParams
+
+    req = llm.add_request(prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
+    llm.step()                                              # prefill + the first token
+    before = ex.telemetry.totals()
+    t0 = time.perf_counter()
+    while not req.finished:
+        llm.step()
+    seconds = time.perf_counter() - t0
+    after = ex.telemetry.totals()
+    diff = {f: getattr(after, f) - getattr(before, f) for f in after.__dataclass_fields__}
+    return {"seconds": seconds, "tokens": n, **diff}
+
+
+def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[float, int]:
+    """The simulator's replay of the recorded trace with the executor's profile and slot count:
+    (expert seconds over the decode steps from `first_decode_step`, decode steps counted)."""
+    from freetoken_py.residency.adaptive import AdaptivePolicy
+    from freetoken_py.residency.simulate import simulate
+    from freetoken_py.residency.stats import RoutingTrace
+
+    trace = RoutingTrace.load(trace_path)
+    policy = AdaptivePolicy(trace.moe_layers, trace.num_experts, ex.slots.num_slots)
+    head = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
+    head.steps = trace.steps[:first_decode_step]
+    simulate(head, policy, ex.cost, 0)                      # the warm-up steps, as in the run
+    tail = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
+    tail.steps = trace.steps[first_decode_step:]
+    r = simulate(tail, policy, ex.cost, 0)                  # dense bytes 0: expert time only
+    return r.decode_seconds, r.decode_tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = common.bench_args(__doc__)
+    ap.add_argument("--emulate", metavar="PROFILE", help="no GPU: run the pipeline on the emulated accelerator")
+    ap.add_argument("--model", type=Path, help="checkpoint (default: the ~0.5B bench qwen3_moe, bf16)")
+    ap.add_argument("--budget-share", type=float, default=0.25, help="expert slots for this share of the experts")
+    ap.add_argument("--out", type=Path, help="also write the JSON line here")
+    ap.set_defaults(decode_tokens=48, prompt_len=64)
+    args = ap.parse_args(argv)
+    import torch
+
+    if not args.emulate and not torch.cuda.is_available():
+        return _emit({"bench": "residency_gpu", "skipped": True,
+                      "reason": "no CUDA GPU here; pass --emulate PROFILE to run the pipeline on CPU tensors"}, args)
+    if args.model:                                          # no bench checkpoint to build
+        from freetoken_py.kernels import configure_threads
+
+        configure_threads(args.threads)
+        model_dir = args.model
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, 1 << 30, (args.prompt_len,), generator=g).tolist()
+    else:
+        model_dir, prompt = common.setup(args)
+    from freetoken_py.llm import LLM
+
+    mode = "emulate" if args.emulate else "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = Path(tmp) / "routing.jsonl"
+        probe = LLM(model_dir, max_model_len=1024, show_progress=False, backend="torch")
+        w13 = [lw.w13 for lw in probe.model.weights.layers if lw.w13 is not None]
+        expert_bytes = sum(w.numel() * w.element_size() * 3 // 2 for w in w13)   # gate+up and down
+        dtype = str(probe.model.dtype).removeprefix("torch.")
+        prompt = [t % probe.args.vocab_size for t in prompt]
+        del probe
+        llm = LLM(model_dir, max_model_len=1024, show_progress=False, enable_prefix_cache=False, dtype=dtype,
+                  residency=mode, residency_profile=args.emulate or "measured",
+                  vram_budget_bytes=max(1, int(args.budget_share * expert_bytes)), record_routing=str(trace_path))
+        ex = llm.residency
+        decode(llm, ex, prompt, 4)                           # warm: kernels, slots, allocator
+        run = decode(llm, ex, prompt, args.decode_tokens)
+        llm.save_routing()
+        steps_before = 4 + 1 + 1                             # warm request (prefill + 4) and this prefill
+        sim_s, sim_tokens = simulated_expert_s(trace_path, ex, steps_before)
+    n = run["tokens"]
+    measured, predicted = run["measured_s"] / n, run["predicted_s"] / n
+    simulated = sim_s / max(1, sim_tokens)
+    routed = max(1, run["routed_pairs"])
+    row = {
+        "bench": "residency_gpu", "skipped": False, "mode": mode, "label": ex.telemetry.label,
+        "comparable": mode == "cuda",
+        "device": torch.cuda.get_device_name(0) if mode == "cuda" else f"EMULATED {args.emulate} (CPU tensors)",
+        "model": str(model_dir), "expert_slots": ex.slots.num_slots, "budget_share": args.budget_share,
+        "profile": {k: getattr(ex.cost.profile, k) for k in ("pcie_gbps", "vram_gbps", "cpu_expert_gbps")},
+        "decode_tok_s": round(n / run["seconds"], 2),
+        "expert_ms_per_token": {"measured": round(measured * 1e3, 3), "planner": round(predicted * 1e3, 3),
+                                "simulator": round(simulated * 1e3, 3)},
+        "measured_over_simulator": round(measured / simulated, 3) if simulated else None,
+        "within_25pct": bool(simulated and abs(measured / simulated - 1) <= 0.25) if mode == "cuda" else None,
+        "hit_rate": round(run["hit_pairs"] / routed, 3), "stream_share": round(run["stream_pairs"] / routed, 3),
+        "cpu_share": round((run["cpu_pairs"] + run["split_cpu_share"]) / routed, 3),
+        "split_share": round(run["split_pairs"] / routed, 3),
+        "pcie_mb_per_token": round(run["pcie_bytes"] / n / 1e6, 2),
+        "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
+    }
+    return _emit(row, args)
+
+
+def _emit(row: dict, args) -> int:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if args.out:
+        args.out.write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
