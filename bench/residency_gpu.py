@@ -1,7 +1,7 @@
 """The GPU check for the expert residency tiers: real VRAM slots, PCIe streaming and the CPU tier
 on a model whose experts do not fit the VRAM budget given, measured next to the simulator.
 
-    python bench/residency_gpu.py [--budget-share 0.25] [--decode-tokens 48] [--out FILE]
+    python bench/residency_gpu.py [--budget-share 0.25] [--decode-tokens 48] [--threads 0] [--out FILE]
     python bench/residency_gpu.py --emulate rtx4090 [--model DIR]     # the same pipeline, no GPU
 
 On a CUDA machine: the ~0.5B bf16 qwen3_moe (or --model), residency="cuda" with this machine's
@@ -16,7 +16,8 @@ It decodes --decode-tokens greedy tokens and records the routing, then reports:
 - their ratios, with `within_25pct` for the simulator.
 
 Dense weights and the KV cache stay on the host in this configuration. So the comparison is
-about expert time, and decode tokens/s is reported as is.
+about expert time, and decode tokens/s is reported as is. Threads default to every core (what the
+probe measured the CPU tier with).
 
 Without CUDA and without --emulate it prints {"skipped": true, ...} and exits 0. Under --emulate
 the accelerator tier runs on CPU tensors with the named profile's times: the pipeline is
@@ -40,7 +41,9 @@ def decode(llm, ex, prompt: list[int], n: int) -> dict:
     from freetoken_py.core import SamplingParams
 
     req = llm.add_request(prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
-    llm.step()                                              # prefill + the first token
+    while not req.output_token_ids:                         # prefill (in chunks if long) + the first token
+        llm.step()
+    first_decode_step = len(llm.routing_recorder.trace.steps) if llm.routing_recorder else 0
     before = ex.telemetry.totals()
     t0 = time.perf_counter()
     while not req.finished:
@@ -48,7 +51,7 @@ def decode(llm, ex, prompt: list[int], n: int) -> dict:
     seconds = time.perf_counter() - t0
     after = ex.telemetry.totals()
     diff = {f: getattr(after, f) - getattr(before, f) for f in after.__dataclass_fields__}
-    return {"seconds": seconds, "tokens": n, **diff}
+    return {"seconds": seconds, "tokens": n, "first_decode_step": first_decode_step, **diff}
 
 
 def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[float, int]:
@@ -64,7 +67,8 @@ def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[fl
     head.steps = trace.steps[:first_decode_step]
     simulate(head, policy, ex.cost, 0)                      # the warm-up steps, as in the run
     tail = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
-    tail.steps = trace.steps[first_decode_step:]
+    # empty steps in front keep the step numbers absolute (the policy's recency and decay use them)
+    tail.steps = [{}] * first_decode_step + trace.steps[first_decode_step:]
     r = simulate(tail, policy, ex.cost, 0)                  # dense bytes 0: expert time only
     return r.decode_seconds, r.decode_tokens
 
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="checkpoint (default: the ~0.5B bench qwen3_moe, bf16)")
     ap.add_argument("--budget-share", type=float, default=0.25, help="expert slots for this share of the experts")
     ap.add_argument("--out", type=Path, help="also write the JSON line here")
-    ap.set_defaults(decode_tokens=48, prompt_len=64)
+    ap.set_defaults(decode_tokens=48, prompt_len=64, threads=0)
     args = ap.parse_args(argv)
     import torch
 
@@ -85,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:                                          # no bench checkpoint to build
         from freetoken_py.kernels import configure_threads
 
-        configure_threads(args.threads)
+        configure_threads(args.threads or None)
         model_dir = args.model
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, 1 << 30, (args.prompt_len,), generator=g).tolist()
     else:
+        args.threads = args.threads or None                 # 0: every core, as the measured profile
         model_dir, prompt = common.setup(args)
     from freetoken_py.llm import LLM
 
@@ -109,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         decode(llm, ex, prompt, 4)                           # warm: kernels, slots, allocator
         run = decode(llm, ex, prompt, args.decode_tokens)
         llm.save_routing()
-        steps_before = 4 + 1 + 1                             # warm request (prefill + 4) and this prefill
-        sim_s, sim_tokens = simulated_expert_s(trace_path, ex, steps_before)
+        sim_s, sim_tokens = simulated_expert_s(trace_path, ex, run["first_decode_step"])
     n = run["tokens"]
     measured, predicted = run["measured_s"] / n, run["predicted_s"] / n
     simulated = sim_s / max(1, sim_tokens)

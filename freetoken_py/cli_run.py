@@ -53,7 +53,8 @@ def run_main(opts: RunOptions) -> None:
 
 def _print_residency(llm) -> None:
     if llm.residency is None:
-        print("[--stats: the residency tiers are off; pass --emulate-gpu PROFILE]", file=sys.stderr)
+        print("[--stats: the residency tiers are off; pass --gpu-experts (CUDA) or --emulate-gpu PROFILE]",
+              file=sys.stderr)
         return
     print("\n".join(llm.residency.telemetry.format_lines()), file=sys.stderr)
 

@@ -133,6 +133,9 @@ def test_measured_hardware_profile_converts_with_concurrent_figures_first():
         ("this box", 32 * 2**30, 1500.0, 41.0, 22.0)
     no_gpu = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, gpus=()), figures=figures)
     assert from_hardware_profile(no_gpu) is None
+    # the measured batch-1 expert kernel (launches included) is the accelerator's rate when present
+    with_kernel = dict(figures, gpu_expert_kernel=fig("gpu_expert_kernel", 240.0))
+    assert from_hardware_profile(dataclasses.replace(hw, figures=with_kernel)).vram_gbps == 240.0
 
 
 def test_one_miss_is_cut_so_both_sides_finish_together():

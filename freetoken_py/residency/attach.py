@@ -53,8 +53,10 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     profile = _measured_profile() if profile_name == "measured" else get_profile(profile_name)
     profile = emulated(profile) if mode == "emulate" else profile
     if mode == "cuda":   # pinned banks make the host -> device copies asynchronous DMA
-        w13 = [w.pin_memory() if w is not None else None for w in w13]
-        w2 = [w.pin_memory() if w is not None else None for w in w2]
+        model.experts = None   # the torch executor's references to the unpinned weights go first
+        for i in moe:    # layer by layer, replacing the model's own reference: one host copy, not two
+            layers[i].w13, layers[i].w2 = layers[i].w13.pin_memory(), layers[i].w2.pin_memory()
+            w13[i], w2[i] = layers[i].w13, layers[i].w2
     budget = vram_budget_bytes or expert_bytes * (len(moe) * num_experts // 2)
     num_slots = min(budget // expert_bytes, len(moe) * num_experts)
     slots = SlotCache(num_slots, tuple(first.shape[1:]), tuple(w2[moe[0]].shape[1:]), dtype, device)

@@ -84,14 +84,17 @@ class ResidencyExecutor:
         dev = self.slots.device
         xd = x.to(dev)
         out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
-        for e in plan.hits:
-            self._run(out_dev, xd, groups[e], *self.slots.get((layer, e)), layer, e, "hit")
-        for e in plan.stream:
-            self._run(out_dev, xd, groups[e], *self._stream_in(layer, e), layer, e, "stream")
         cuts = [(e, self._cut_columns(layer, f)) for e, f in plan.split]
+        on_dev = self._to_device(groups, list(plan.hits) + list(plan.stream) + [e for e, c in cuts if c], dev,
+                                 out_dev.dtype)
+        for e in plan.hits:
+            self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
+        for e in plan.stream:
+            self._run(out_dev, xd, on_dev[e], *self._stream_in(layer, e), layer, e, "stream", groups[e][0])
         for e, cols in cuts:
             if cols:
-                self._run(out_dev, xd, groups[e], *self.streamer.to_staging_columns(layer, e, cols), layer, e, "split")
+                self._run(out_dev, xd, on_dev[e], *self.streamer.to_staging_columns(layer, e, cols), layer, e,
+                          "split", groups[e][0])
         out, ready = self._to_host(out_dev, x)
         # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
         # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
@@ -133,12 +136,25 @@ class ResidencyExecutor:
         wts = weights.flatten()[order].split(counts.tolist())
         return {int(e): (r, w) for e, r, w in zip(experts.tolist(), rows, wts)}
 
-    def _run(self, out, x, group, w13, w2, layer: int, expert: int, tier: Optional[str]) -> None:
+    @staticmethod
+    def _to_device(groups, experts: list[int], dev: torch.device, dtype: torch.dtype) -> dict:
+        """The accelerator's experts' (token rows, routing weights) on `dev`: one host-to-device
+        copy per layer for all of them, not two per expert."""
+        if dev.type == "cpu" or not experts:
+            return {e: (groups[e][0], groups[e][1].to(dtype)) for e in experts}
+        sizes = [len(groups[e][0]) for e in experts]
+        rows = torch.cat([groups[e][0] for e in experts]).to(dev, non_blocking=True)
+        wts = torch.cat([groups[e][1] for e in experts]).to(dev, dtype, non_blocking=True)
+        return dict(zip(experts, zip(rows.split(sizes), wts.split(sizes))))
+
+    def _run(self, out, x, group, w13, w2, layer: int, expert: int, tier: Optional[str],
+             host_rows: Optional[torch.Tensor] = None) -> None:
+        """out[rows] += w * expert(x[rows]); `group` = (rows, weights) on out's device."""
         rows, w = group
-        rows_d = rows.to(out.device)
-        y = _swiglu(x[rows_d], w13, w2)  # [n, D]
-        out.index_add_(0, rows_d, y * w.to(out.device, out.dtype)[:, None])
+        y = _swiglu(x[rows], w13, w2)  # [n, D]
+        out.index_add_(0, rows, y * w.to(out.dtype)[:, None])
         if self.audit is not None and tier is not None:   # a cut expert's CPU columns: audited once, above
+            rows = rows if host_rows is None else host_rows
             self.audit.extend((self.step, layer, int(t), expert, tier) for t in rows.tolist())
 
     def _run_bank(self, out, x, groups, experts, bank, layer: int) -> None:

@@ -67,7 +67,9 @@ def emulated(profile: TierProfile, vram_bytes: Optional[int] = None) -> TierProf
 def from_hardware_profile(hw, name: str = "measured") -> Optional[TierProfile]:
     """A measured `hw.profile.HardwareProfile` as a TierProfile; None without GPU figures."""
     gpus = hw.gpu.gpus
-    vram = hw.gbps("vram_d2d")
+    # the accelerator's expert rate: batch-1 torch SwiGLU experts, launches included (what a decode
+    # step does per expert); a plain VRAM copy rate only if that probe did not run
+    vram = hw.gbps("gpu_expert_kernel", hw.gbps("vram_d2d"))
     pcie = hw.gbps("pcie_h2d_pinned_concurrent", hw.gbps("pcie_h2d_pinned"))
     cpu = hw.gbps("cpu_expert_bf16_concurrent", hw.gbps("cpu_expert_bf16", hw.gbps("dram_read_all_cores")))
     if not gpus or gpus[0].vram_total_bytes is None or None in (vram, pcie, cpu):

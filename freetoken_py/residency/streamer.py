@@ -36,12 +36,13 @@ class Streamer:
             for dst, src in pairs:
                 dst.copy_(src)
             return
+        compute = torch.cuda.current_stream()     # taken outside the block: inside it, this is the copy stream
+        # the slot or staging buffer may still be read by compute queued earlier: wait for it first
+        self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            # the slot or staging buffer may still be read by compute queued earlier: wait for it first
-            self._stream.wait_stream(torch.cuda.current_stream())
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-        torch.cuda.current_stream().wait_stream(self._stream)   # compute waits for this copy only
+        compute.wait_stream(self._stream)           # compute waits for this copy only
 
     def to_slot(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy into the slot the cache reserved for (layer, expert); returns the slot's views."""
