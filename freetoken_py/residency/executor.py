@@ -261,10 +261,18 @@ class ResidencyExecutor:
         self.step += 1
         self.telemetry.steps += 1
         self._predicted.clear()
+        self._observe_copies()
         if self.elastic is not None and self.memory_probe is not None:
             target = self.elastic.target(self.memory_probe(), self.slots.num_slots)
             if target != self.slots.num_slots:
                 self.resize(target)
+
+    def _observe_copies(self) -> None:
+        """Feed the measured PCIe rate of last step's copies into the cost model (EMA), with the
+        same opt-in as the CPU tier's speed: a measurement only describes this machine."""
+        nbytes, seconds = self.streamer.finished_copies()
+        if self.measure_cpu and nbytes and seconds > 0:
+            self.cost = self.cost.observe(copy_gbps=nbytes / seconds / 1e9)
 
     def resize(self, num_slots: int) -> int:
         """Shrink or grow the slot cache; on an allocation failure halve the request and retry.

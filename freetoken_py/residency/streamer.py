@@ -5,6 +5,8 @@ the compute stream waits on an event, so copies overlap compute. Under an emulat
 (device="cpu") the copy is a plain tensor copy and its *duration* is taken from the cost model
 (bytes / profile PCIe bandwidth): the emulated time is what telemetry reports, labelled as such.
 The CUDA branch is the same code with a stream; it is not exercised on a machine without a GPU.
+There, each copy is timed with a pair of CUDA events on the copy stream, read back without
+waiting (`finished_copies`), so the cost model's PCIe figure follows what the link delivers.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class Streamer:
         self._stream = torch.cuda.Stream() if self.cuda else None
         self._staging = [self._staging_pair(), self._staging_pair()]   # double buffer for unkept copies
         self._next = 0
+        self._timed: list = []     # CUDA: (start event, end event, bytes) of copies not yet read back
 
     def _staging_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slots
@@ -39,10 +42,23 @@ class Streamer:
         compute = torch.cuda.current_stream()     # taken outside the block: inside it, this is the copy stream
         # the slot or staging buffer may still be read by compute queued earlier: wait for it first
         self._stream.wait_stream(compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
+            start.record()
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+            end.record()
         compute.wait_stream(self._stream)           # compute waits for this copy only
+        self._timed.append((start, end, sum(src.numel() * src.element_size() for _, src in pairs)))
+
+    def finished_copies(self) -> tuple[int, float]:
+        """(bytes, seconds) of the timed copies that have completed since the last call (CUDA
+        events on the copy stream; never waits). (0, 0.0) without CUDA."""
+        done, pending = [], []
+        for item in self._timed:
+            (done if item[1].query() else pending).append(item)
+        self._timed = pending
+        return (sum(b for _, _, b in done), sum(s.elapsed_time(e) for s, e, _ in done) / 1e3)
 
     def to_slot(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy into the slot the cache reserved for (layer, expert); returns the slot's views."""
