@@ -261,3 +261,24 @@ def llama_cpp_timers(gguf: Path, threads: int):
 
 def emit(result: dict) -> None:
     print(json.dumps(result), flush=True)
+
+
+def residency_decode(llm, ex, prompt: list[int], n: int) -> dict:
+    """Greedy decode of n tokens after the prompt on an LLM with the residency tiers (`ex` its
+    executor). Returns the decode steps' wall seconds, n, the trace step where decoding starts (0
+    when routing is not recorded) and every telemetry counter's change over the decode steps only
+    (prefill excluded)."""
+    from freetoken_py.core import SamplingParams
+
+    req = llm.add_request(prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
+    while not req.output_token_ids:                         # prefill (in chunks if long) + the first token
+        llm.step()
+    first_decode_step = len(llm.routing_recorder.trace.steps) if llm.routing_recorder else 0
+    before = ex.telemetry.totals()
+    t0 = time.perf_counter()
+    while not req.finished:
+        llm.step()
+    seconds = time.perf_counter() - t0
+    after = ex.telemetry.totals()
+    diff = {f: getattr(after, f) - getattr(before, f) for f in after.__dataclass_fields__}
+    return {"seconds": seconds, "tokens": n, "first_decode_step": first_decode_step, **diff}

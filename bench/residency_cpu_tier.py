@@ -16,27 +16,10 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
-
-def decode(llm, ex, prompt: list[int], n: int) -> tuple[float, float, int]:
-    """Greedy decode of n tokens after the prompt: (tokens/s, seconds in the CPU tier, expert bytes
-    it read), the last two over the decode steps only (prefill excluded)."""
-    from freetoken_py.core import SamplingParams
-
-    req = llm.add_request(prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
-    llm.step()                                   # prefill + the first token
-    before = ex.telemetry.totals()
-    t0 = time.perf_counter()
-    while not req.finished:
-        llm.step()
-    seconds = time.perf_counter() - t0
-    after = ex.telemetry.totals()
-    return n / seconds, after.cpu_tier_s - before.cpu_tier_s, after.cpu_tier_bytes - before.cpu_tier_bytes
 
 
 def main() -> None:
@@ -61,12 +44,12 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, ex in variants.items():
             llm.model.experts = ex
-            decode(llm, ex, prompt, 4)                         # warm: jit, slots
-            tok_s, secs, nbytes = decode(llm, ex, prompt, args.decode_tokens)
-            results[name].append(tok_s)
-            tier[name][0] += secs
-            tier[name][1] += nbytes
-            tier[name][2] += args.decode_tokens / tok_s
+            common.residency_decode(llm, ex, prompt, 4)        # warm: jit, slots
+            run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
+            results[name].append(run["tokens"] / run["seconds"])
+            tier[name][0] += run["cpu_tier_s"]
+            tier[name][1] += run["cpu_tier_bytes"]
+            tier[name][2] += run["seconds"]
     tel = {name: ex.telemetry.summary() for name, ex in variants.items()}
     tok_s = {k: statistics.median(v) for k, v in results.items()}
     dram, method = common.dram_gbps()

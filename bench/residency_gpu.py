@@ -28,30 +28,11 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-
-
-def decode(llm, ex, prompt: list[int], n: int) -> dict:
-    """Greedy decode after the prompt; the executor's telemetry over the decode steps only."""
-    from freetoken_py.core import SamplingParams
-
-    req = llm.add_request(prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
-    while not req.output_token_ids:                         # prefill (in chunks if long) + the first token
-        llm.step()
-    first_decode_step = len(llm.routing_recorder.trace.steps) if llm.routing_recorder else 0
-    before = ex.telemetry.totals()
-    t0 = time.perf_counter()
-    while not req.finished:
-        llm.step()
-    seconds = time.perf_counter() - t0
-    after = ex.telemetry.totals()
-    diff = {f: getattr(after, f) - getattr(before, f) for f in after.__dataclass_fields__}
-    return {"seconds": seconds, "tokens": n, "first_decode_step": first_decode_step, **diff}
 
 
 def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[float, int]:
@@ -111,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                   residency=mode, residency_profile=args.emulate or "measured",
                   vram_budget_bytes=max(1, int(args.budget_share * expert_bytes)), record_routing=str(trace_path))
         ex = llm.residency
-        decode(llm, ex, prompt, 4)                           # warm: kernels, slots, allocator
-        run = decode(llm, ex, prompt, args.decode_tokens)
+        common.residency_decode(llm, ex, prompt, 4)          # warm: kernels, slots, allocator
+        run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
         llm.save_routing()
         sim_s, sim_tokens = simulated_expert_s(trace_path, ex, run["first_decode_step"])
     n = run["tokens"]

@@ -22,7 +22,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,18 +31,11 @@ from freetoken_py.residency.policy import LruPolicy, PinPolicy, StaticPolicy  # 
 from freetoken_py.residency.profiles import FRONTIER_MODELS, PROFILES, ModelSpec, TierProfile  # noqa: E402
 from freetoken_py.residency.simulate import (online_ceiling_flat_tok_s, simulate, synthetic_trace,  # noqa: E402
                                              upper_bound_tok_s)  # noqa: E402
-from freetoken_py.residency.stats import RoutingTrace, iter_layer_steps, tokens_per_expert  # noqa: E402
+from freetoken_py.residency.stats import RoutingTrace, routing_counts  # noqa: E402
 
 REGIMES = ("locality", "flat_skew", "flat")
 POLICIES = ("static", "pin", "lru", "ours")
 SCALE_MODEL = "qwen3-235b-a22b"
-
-
-def routing_counts(trace: RoutingTrace) -> np.ndarray:
-    counts = np.zeros((trace.num_layers, trace.num_experts), np.int64)  # [L, E]
-    for _, layer, ids in iter_layer_steps(trace):
-        counts[layer] += tokens_per_expert(ids, trace.num_experts)
-    return counts
 
 
 def make_policy(name: str, trace: RoutingTrace, calib: RoutingTrace, capacity: int, profile: TierProfile):

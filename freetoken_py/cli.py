@@ -35,6 +35,18 @@ def _resolve_model(model: Optional[Path]) -> Path:
     return model
 
 
+# The expert residency options `run` and `serve` share (one definition, one help text).
+_EMULATE_GPU = typer.Option(None, "--emulate-gpu", help="Run the expert residency tiers on an EMULATED accelerator "
+                            "with this hardware profile (rtx4060-laptop-8g, rtx4090, rtx5090, rtx-pro-6000); times "
+                            "come from the profile. Telemetry: run --stats, serve /v1/freetoken/stats.")
+_GPU_EXPERTS = typer.Option(False, "--gpu-experts", help="Run the expert residency tiers on this machine's CUDA GPU "
+                            "(VRAM slots, PCIe streaming, CPU tier), planned with its measured profile "
+                            "(freetoken probe).")
+_VRAM_BUDGET = typer.Option(0.0, "--vram-budget", min=0.0,
+                            help="GB of expert slots for the residency tiers (0 = half the experts).")
+_RESIDENCY_POLICY = typer.Option("ours", "--residency-policy", help="ours, lru or static.")
+
+
 @app.command()
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text. Without it: an interactive chat."),
@@ -68,15 +80,10 @@ def run(
                                  "(e4m3: twice the tokens in the same memory)."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache",
                                          help="Do not reuse KV pages of earlier turns/requests."),
-    emulate_gpu: Optional[str] = typer.Option(None, "--emulate-gpu", help="Run the expert residency tiers on an "
-                                              "EMULATED accelerator with this hardware profile (rtx4060-laptop-8g, "
-                                              "rtx4090, rtx5090, rtx-pro-6000); times come from the profile."),
-    gpu_experts: bool = typer.Option(False, "--gpu-experts", help="Run the expert residency tiers on this "
-                                     "machine's CUDA GPU (VRAM slots, PCIe streaming, CPU tier), planned with its "
-                                     "measured profile (freetoken probe)."),
-    vram_budget_gb: float = typer.Option(0.0, "--vram-budget", min=0.0,
-                                         help="GB of expert slots for the residency tiers (0 = half the experts)."),
-    residency_policy: str = typer.Option("ours", "--residency-policy", help="ours, lru or static."),
+    emulate_gpu: Optional[str] = _EMULATE_GPU,
+    gpu_experts: bool = _GPU_EXPERTS,
+    vram_budget_gb: float = _VRAM_BUDGET,
+    residency_policy: str = _RESIDENCY_POLICY,
     stats: bool = typer.Option(False, "--stats", help="Print residency telemetry per layer (hit rate, PCIe bytes, "
                                "CPU share, stall time, prefetch accuracy)."),
     record_routing: Optional[Path] = typer.Option(None, "--record-routing",
@@ -135,15 +142,10 @@ def serve(
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
-    emulate_gpu: Optional[str] = typer.Option(None, "--emulate-gpu", help="Run the expert residency tiers on an "
-                                              "EMULATED accelerator with this hardware profile (rtx4060-laptop-8g, "
-                                              "rtx4090, rtx5090, rtx-pro-6000); telemetry in /v1/freetoken/stats."),
-    gpu_experts: bool = typer.Option(False, "--gpu-experts", help="Run the expert residency tiers on this "
-                                     "machine's CUDA GPU (VRAM slots, PCIe streaming, CPU tier), planned with its "
-                                     "measured profile (freetoken probe)."),
-    vram_budget_gb: float = typer.Option(0.0, "--vram-budget", min=0.0,
-                                         help="GB of expert slots for the residency tiers (0 = half the experts)."),
-    residency_policy: str = typer.Option("ours", "--residency-policy", help="ours, lru or static."),
+    emulate_gpu: Optional[str] = _EMULATE_GPU,
+    gpu_experts: bool = _GPU_EXPERTS,
+    vram_budget_gb: float = _VRAM_BUDGET,
+    residency_policy: str = _RESIDENCY_POLICY,
 ) -> None:
     """Serve the model over HTTP: OpenAI (/v1/chat/completions) and Anthropic (/v1/messages) APIs."""
     from freetoken_py.server.protocol import ServerLimits

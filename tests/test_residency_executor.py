@@ -194,7 +194,7 @@ def test_measured_cpu_speed_feeds_the_cost_model(checkpoint_factory):
     llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=1,
               residency_profile="rtx4060-laptop-8g")
     ex = llm.residency
-    ex.measure_cpu = True
+    ex.measure_live = True
     prior = ex.cost.cpu_expert_gbps
     out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert 0 < ex.cost.cpu_expert_gbps < prior
@@ -246,7 +246,10 @@ def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, 
     assert ms["measured"] > 0 and ms["planner"] > 0 and ms["simulator"] > 0
     # the live planner and the replay share the cost model: close, though prefetch differs
     assert 0.5 <= ms["planner"] / ms["simulator"] <= 2.0
-    assert 0 <= row["hit_rate"] <= 1 and row["hit_rate"] + row["stream_share"] + row["cpu_share"] <= 1 + 1e-6 + row["split_share"]
+    # every routed pair is a hit, a stream, on the CPU, or cut (cpu_share holds the CPU's part of
+    # the cut ones): the shares add up to between 1 - split and 1 (rounded to 3 places)
+    whole = row["hit_rate"] + row["stream_share"] + row["cpu_share"]
+    assert 1 - row["split_share"] - 2e-3 <= whole <= 1 + 2e-3
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and json.loads(proc.stdout)["skipped"] is True

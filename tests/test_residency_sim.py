@@ -16,7 +16,7 @@ from freetoken_py.residency.policy import LruPolicy, PinPolicy, StaticPolicy
 from freetoken_py.residency.profiles import PROFILES, ModelSpec
 from freetoken_py.residency.simulate import (belady_misses, online_ceiling_flat_tok_s, simulate, synthetic_trace,
                                              upper_bound_tok_s)
-from freetoken_py.residency.stats import RoutingStats, RoutingTrace, iter_layer_steps
+from freetoken_py.residency.stats import RoutingStats, RoutingTrace, iter_layer_steps, routing_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("small", num_layers=6, num_experts=16, top_k=4, hidden=2048, moe_intermediate=768,
@@ -37,6 +37,16 @@ def test_trace_round_trip(tmp_path):
         RoutingTrace.load(tmp_path / "bad.jsonl")
 
 
+def test_routing_counts_add_up_every_routed_pair():
+    trace = synthetic_trace("flat_skew", SMALL, steps=40, seed=3)
+    trace.add_step({1: np.array([[0, 1, 2, 3], [0, 5, 6, 7]])})          # a two-token step
+    expected = np.zeros((6, 16), np.int64)
+    for step in trace.steps:
+        for l, ids in step.items():
+            np.add.at(expected[l], ids.ravel(), 1)
+    assert np.array_equal(routing_counts(trace), expected) and expected[1, 0] >= 2
+
+
 @pytest.mark.parametrize("regime", ["locality", "flat_skew", "flat"])
 def test_synthetic_traces_route_k_distinct_experts(regime):
     trace = synthetic_trace(regime, SMALL, steps=50)
@@ -53,10 +63,7 @@ def test_regimes_have_the_published_character():
     loc = simulate(synthetic_trace("locality", spec, 400), LruPolicy(cap, 1.0), cost, spec.dense_bytes)
     assert loc.hit_rate > 0.5
     skew, calib = synthetic_trace("flat_skew", spec, 400), synthetic_trace("flat_skew", spec, 400, seed=9)
-    counts = np.zeros((4, 64))
-    for step in calib.steps:
-        for l, ids in step.items():
-            np.add.at(counts[l], ids.ravel(), 1)
+    counts = routing_counts(calib)
     lru = simulate(skew, LruPolicy(cap, 1.0), cost, spec.dense_bytes).hit_rate
     pin = simulate(skew, PinPolicy(list(range(4)), counts, cap), cost, spec.dense_bytes).hit_rate
     assert pin > lru + 0.1
@@ -158,10 +165,7 @@ def test_belady_matches_an_exhaustive_search(seed):
 def test_no_policy_beats_the_upper_bound(regime, profile):
     trace = synthetic_trace(regime, SMALL, steps=60, seed=2)
     calib = synthetic_trace(regime, SMALL, steps=60, seed=5)
-    counts = np.zeros((6, 16))
-    for step in calib.steps:
-        for l, ids in step.items():
-            np.add.at(counts[l], ids.ravel(), 1)
+    counts = routing_counts(calib)
     cost = CostModel(PROFILES[profile], SMALL.expert_bytes, SMALL.expert_flops_per_token)
     cap = 30
     bound = upper_bound_tok_s(trace, cost, SMALL.dense_bytes, cap)
@@ -183,10 +187,7 @@ def test_online_policies_stay_under_the_flat_ceiling(profile):
     does better than any of them."""
     trace = synthetic_trace("flat", SMALL, steps=300, seed=7)
     calib = synthetic_trace("flat", SMALL, steps=300, seed=8)
-    counts = np.zeros((6, 16))
-    for step in calib.steps:
-        for l, ids in step.items():
-            np.add.at(counts[l], ids.ravel(), 1)
+    counts = routing_counts(calib)
     cost = CostModel(PROFILES[profile], SMALL.expert_bytes, SMALL.expert_flops_per_token)
     cap = 40
     ceiling = online_ceiling_flat_tok_s(trace, cost, SMALL.dense_bytes, cap)

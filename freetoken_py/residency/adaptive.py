@@ -197,15 +197,9 @@ class AdaptivePolicy:
         return evicted
 
     # ---- internals ------------------------------------------------------------------------
-    def _score(self, which: int) -> np.ndarray:
-        """[L, E] eviction order of one expert, lowest first."""
-        if which == LRU:   # oldest step first; among equals the rarer
-            return self.last + 0.5 * self.freq / (1.0 + self.freq.max())
-        return self.freq + 1e-9 * (self.last + 1) / (self.now + 2)    # rarest first; among equals the older
-
     def _victim(self, which: int, exclude: Key | None = None, floor: bool = True,
                 busy_layer: int | None = None) -> Key | None:
-        """The resident to evict under LRU or LFU (`_score` order), never `exclude` nor an expert
+        """The resident to evict under LRU or LFU (`_victim_scan`'s order), never `exclude` nor an expert
         `busy_layer` is using this step; with `floor`, outside the layers at or under their floor
         while any other layer has one. One pass over the cache (numba)."""
         fair = int(self.floor_share * self.capacity / len(self.layers)) if floor and self.layers else -1
@@ -334,9 +328,10 @@ class _LfuShadow:
 
 @njit(cache=True)
 def _victim_scan(res, last, freq, count, lru, now, ex_l, ex_e, busy_layer, fair):  # pragma: no cover - jitted
-    """Flat index of the lowest-scoring resident (the scores of AdaptivePolicy._score), skipping
-    (ex_l, ex_e) and busy_layer's experts routed at step `now`; a candidate in a layer above its
-    floor (count > fair) wins over any in a protected layer. -1 when there is none."""
+    """Flat index of the lowest-scoring resident, skipping (ex_l, ex_e) and busy_layer's experts
+    routed at step `now`; a candidate in a layer above its floor (count > fair) wins over any in a
+    protected layer. -1 when there is none. Scores: LRU = last step routed, among equals the
+    rarer; LFU = decayed count, among equals the older."""
     num_l, num_e = res.shape
     fmax = freq.max()
     best, best_i, guarded, guarded_i = np.inf, -1, np.inf, -1

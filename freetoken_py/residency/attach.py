@@ -70,7 +70,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     executor = ResidencyExecutor(w13, w2, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,
                                  memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
-                                 audit=audit, measure_cpu=mode == "cuda",
+                                 audit=audit, measure_live=mode == "cuda",
                                  cpu_banks=_cpu_banks(w13, w2, getattr(model.args, "hidden_act", "silu"))
                                  if cpu_kernels else None)
     model.experts = executor

@@ -14,8 +14,10 @@ Per call (one MoE layer of one forward pass):
 
 Before the CPU part runs, the next MoE layer's experts are predicted through its router from this
 layer's input (the residual stream changes little between layers) and copied ahead (look-ahead
-prefetch), so the copies overlap the CPU's work; the next call scores the prediction. At the start of each step (a call for a layer not above the
-previous one) the free-memory probe may shrink or grow the slot cache (elastic VRAM).
+prefetch), so the copies overlap the CPU's work; the next call scores the prediction. At the
+start of each step (a call for a layer not above the previous one) the free-memory probe may
+shrink or grow the slot cache (elastic VRAM), and the last step's measured copy times feed the
+cost model.
 
 device="cpu" is the emulated accelerator: identical code, CPU tensors, times from the profile.
 """
@@ -43,7 +45,7 @@ class ResidencyExecutor:
     def __init__(self, host_w13: list, host_w2: list, policy, cost: CostModel, slots: SlotCache, *,
                  routers: Optional[list] = None, top_k: int = 0, elastic: Optional[ElasticVram] = None,
                  memory_probe: Optional[Callable[[], int]] = None, label: str = "emulated",
-                 audit: bool = False, measure_cpu: bool = False, cpu_banks: Optional[list] = None):
+                 audit: bool = False, measure_live: bool = False, cpu_banks: Optional[list] = None):
         self.host_w13, self.host_w2 = host_w13, host_w2   # per layer [E, 2I, D] / [E, D, I] or None
         # per layer: a kernels.cpu_moe.ExpertBank viewing the same host weights (the numba CPU
         # kernels), or None (the CPU tier then runs torch on the host weights)
@@ -56,9 +58,9 @@ class ResidencyExecutor:
         self.audit: Optional[list] = [] if audit else None   # (step, layer, token, expert, tier)
         self.step, self._last_layer = -1, None
         self._predicted: dict[int, set[int]] = {}
-        # feed the CPU tier's measured speed into the cost model: right when the profile describes
-        # this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
-        self.measure_cpu = measure_cpu
+        # feed the measured CPU-tier speed and copy rate into the cost model: right when the profile
+        # describes this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
+        self.measure_live = measure_live
         self.sync_slots()
 
     def sync_slots(self) -> None:
@@ -200,7 +202,7 @@ class ResidencyExecutor:
         c = self.telemetry.layers[layer]       # measured on this machine, emulated or not
         c.cpu_tier_s += seconds
         c.cpu_tier_bytes += int(share * self.cost.expert_bytes)
-        if self.measure_cpu and seconds > 0 and share > 0:
+        if self.measure_live and seconds > 0 and share > 0:
             self.cost = self.cost.observe(cpu_gbps=share * self.cost.expert_bytes / seconds / 1e9)
         return out_cpu
 
@@ -271,7 +273,7 @@ class ResidencyExecutor:
         """Feed the measured PCIe rate of last step's copies into the cost model (EMA), with the
         same opt-in as the CPU tier's speed: a measurement only describes this machine."""
         nbytes, seconds = self.streamer.finished_copies()
-        if self.measure_cpu and nbytes and seconds > 0:
+        if self.measure_live and nbytes and seconds > 0:
             self.cost = self.cost.observe(copy_gbps=nbytes / seconds / 1e9)
 
     def resize(self, num_slots: int) -> int:

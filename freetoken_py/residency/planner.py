@@ -101,9 +101,11 @@ class Plan:
         return max(self.gpu_s, self.cpu_s)
 
 
-def _gpu_finish(hit_s: float, copy_s: float, computes: list[float]) -> float:
-    """Copies run on the copy engine while hits compute; each streamed expert computes after its copy."""
-    return max(hit_s + sum(computes), copy_s + computes[-1]) if computes else hit_s
+def _gpu_finish(hit_s: float, copy_q: float, sum_c: float, last_c: float) -> float:
+    """Copies run on the copy engine while hits compute; each streamed expert computes after its
+    copy: the accelerator ends after all its compute (hits + streamed, `sum_c`) or after the last
+    copy (`copy_q`) and that expert's compute (`last_c`). With nothing streamed it is `hit_s`."""
+    return max(hit_s + sum_c, copy_q + last_c)
 
 
 def plan(stats: LayerStats, cost: CostModel, budgets: Budgets) -> Plan:
@@ -115,12 +117,12 @@ def plan(stats: LayerStats, cost: CostModel, budgets: Budgets) -> Plan:
         gpu_c[n], cpu_c[n] = cost.gpu_compute_s(n), cost.cpu_s(n)
     hit_s = sum(gpu_c[tokens[e]] for e in hits)
     call, copy = cost.profile.cpu_call_s, cost.copy_s()
-    copy_q, sum_c, last_c, cpu_q = 0.0, 0.0, 0.0, 0.0   # the accelerator side as _gpu_finish keeps it
+    copy_q, sum_c, last_c, cpu_q = 0.0, 0.0, 0.0, 0.0   # the accelerator side, as _gpu_finish takes it
     stream, cpu, reasons = [], [], {}
     for e in misses:
         n = tokens[e]
-        gpu_now = max(hit_s + sum_c, copy_q + last_c) if stream else hit_s
-        gpu_after = max(hit_s + sum_c + gpu_c[n], copy_q + copy + gpu_c[n])
+        gpu_now = _gpu_finish(hit_s, copy_q, sum_c, last_c)
+        gpu_after = _gpu_finish(hit_s, copy_q + copy, sum_c + gpu_c[n], gpu_c[n])
         cpu_now = cpu_q + call if cpu else 0.0
         cpu_after = cpu_q + cpu_c[n] + call
         can_stream = len(stream) < budgets.stream_slots or not budgets.cpu_enabled
@@ -135,7 +137,7 @@ def plan(stats: LayerStats, cost: CostModel, budgets: Budgets) -> Plan:
             cpu_q += cpu_c[n]
             cpu.append(e)
             reasons[e] = "cpu: finishes sooner than a copy" if can_stream else "cpu: no slot to stream into"
-    whole = Plan(hits, tuple(stream), tuple(cpu), max(hit_s + sum_c, copy_q + last_c) if stream else hit_s,
+    whole = Plan(hits, tuple(stream), tuple(cpu), _gpu_finish(hit_s, copy_q, sum_c, last_c),
                  cpu_q + call if cpu else 0.0, reasons)
     if budgets.split_experts and budgets.cpu_enabled and (stream or cpu):
         return _cut_one(whole, stats, cost, budgets, hit_s) or whole
@@ -157,16 +159,16 @@ def _cut_one(whole: Plan, stats: LayerStats, cost: CostModel, budgets: Budgets, 
         return None
     n = stats.tokens[x]
     copy_q = cost.copy_s() * len(stream)
-    computes = [cost.gpu_compute_s(stats.tokens[e]) for e in stream]
+    sum_c = sum(cost.gpu_compute_s(stats.tokens[e]) for e in stream)
     cpu_q = sum(cost.cpu_s(stats.tokens[e]) for e in cpu)
     cx, cs = cost.gpu_compute_s(n), cost.cpu_s(n)
     # with the first fraction f of x's columns on the accelerator (as _gpu_finish, x's part last):
-    #   accelerator = max(hit_s + sum(computes) + f cx,  copy_q + copy_call + f (copy_bytes_s + cx))
+    #   accelerator = max(hit_s + sum_c + f cx,  copy_q + copy_call + f (copy_bytes_s + cx))
     #   CPU         = cpu_q + call + (1 - f) cs
     # the accelerator side rises with f and the CPU side falls: they cross where the CPU line
     # meets the first of the two accelerator lines
     cpu0 = cpu_q + call + cs
-    lines = ((hit_s + sum(computes), cx), (copy_q + copy_call, copy_bytes_s + cx))
+    lines = ((hit_s + sum_c, cx), (copy_q + copy_call, copy_bytes_s + cx))
     f = min((cpu0 - a0) / (a1 + cs) for a0, a1 in lines)
     if not 0.0 < f < 1.0:
         return None
@@ -190,4 +192,5 @@ def evaluate(stats: LayerStats, stream: tuple[int, ...] | list[int], cost: CostM
     hit_s = sum(cost.gpu_compute_s(stats.tokens[e]) for e in hits)
     computes = [cost.gpu_compute_s(stats.tokens[e]) for e in streamed]
     cpu_s = sum(cost.cpu_s(stats.tokens[e]) for e in cpu) + cost.profile.cpu_call_s if cpu else 0.0
-    return Plan(hits, streamed, cpu, _gpu_finish(hit_s, cost.copy_s() * len(streamed), computes), cpu_s)
+    gpu_s = _gpu_finish(hit_s, cost.copy_s() * len(streamed), sum(computes), computes[-1] if computes else 0.0)
+    return Plan(hits, streamed, cpu, gpu_s, cpu_s)

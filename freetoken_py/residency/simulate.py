@@ -8,6 +8,7 @@ prefetch is not modelled here (a conservative omission: it only hides copy time)
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -151,8 +152,6 @@ def belady_misses(trace: RoutingTrace, capacity: int) -> np.ndarray:
     possible warm start), so only misses a cache of this size cannot avoid are counted. No online
     policy, with or without prefetch, fetches fewer experts than MIN.
     """
-    import heapq
-
     keys, steps = [], []
     for s, layer, ids in iter_layer_steps(trace):
         for e in np.unique(ids):

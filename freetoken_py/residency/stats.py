@@ -97,6 +97,14 @@ class RoutingStats:
         return n
 
 
+def routing_counts(trace: RoutingTrace) -> np.ndarray:
+    """[L, E] routed pairs per (layer, expert) over the whole trace (a calibration run's counts)."""
+    counts = np.zeros((trace.num_layers, trace.num_experts), np.int64)
+    for _, layer, ids in iter_layer_steps(trace):
+        counts[layer] += tokens_per_expert(ids, trace.num_experts)
+    return counts
+
+
 def iter_layer_steps(trace: RoutingTrace) -> Iterator[tuple[int, int, np.ndarray]]:
     """(step, layer, ids [T, k]) in execution order: layers in order within each step."""
     for s, step in enumerate(trace.steps):

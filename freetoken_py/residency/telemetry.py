@@ -8,7 +8,7 @@ accelerator every time here is *emulated* (from the injected profile), never a G
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -58,6 +58,10 @@ class Telemetry:
                 "cpu_tier_s": t.cpu_tier_s,
                 "cpu_tier_gbps": t.cpu_tier_bytes / t.cpu_tier_s / 1e9 if t.cpu_tier_s else None,
                 "resizes": len(self.resizes), "oom_retries": self.oom_retries}
+
+    def as_dict(self) -> dict:
+        """`summary()` plus every counter per layer (what `/v1/freetoken/stats` serves)."""
+        return {**self.summary(), "layers": {str(l): asdict(c) for l, c in sorted(self.layers.items())}}
 
     def format_lines(self) -> list[str]:
         """The `freetoken run --stats` table: one line per MoE layer and a total."""

@@ -185,16 +185,12 @@ class AsyncEngine:
                 **self._residency_stats()}
 
     def _residency_stats(self) -> dict:
-        """The expert residency telemetry (`--emulate-gpu`), totals and per layer; {} when off."""
+        """The expert residency telemetry (`--emulate-gpu` / `--gpu-experts`), totals and every
+        counter per layer; {} when off."""
         ex = getattr(self.llm, "residency", None)
         if ex is None:
             return {}
-        tel = ex.telemetry
-        layers = {str(l): {"routed_pairs": c.routed_pairs, "hit_pairs": c.hit_pairs, "stream_pairs": c.stream_pairs,
-                           "cpu_pairs": c.cpu_pairs, "split_pairs": c.split_pairs, "pcie_bytes": c.pcie_bytes,
-                           "stall_s": c.stall_s, "prefetch_predicted": c.prefetch_predicted,
-                           "prefetch_correct": c.prefetch_correct} for l, c in sorted(tel.layers.items())}
-        return {"residency": {**tel.summary(), "expert_slots": ex.slots.num_slots, "layers": layers}}
+        return {"residency": {**ex.telemetry.as_dict(), "expert_slots": ex.slots.num_slots}}
 
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
