@@ -27,7 +27,7 @@ class EngineConfig:
     residency: str = "off"  # off | emulate (accelerator tier on CPU tensors, times from a profile) | cuda
     residency_profile: str = "rtx4090"  # hand-built tier profile (residency/profiles.py), or "measured" (cuda)
     residency_policy: str = "ours"  # ours | lru | static
-    vram_budget_bytes: int = 0  # expert slots; 0 = room for half the experts
+    vram_budget_bytes: int = 0  # expert slots; 0 = cuda: the VRAM left; emulated: half the experts
     record_routing: str = ""  # write the routing trace (JSON lines) here
 
     def __post_init__(self) -> None:

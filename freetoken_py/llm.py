@@ -51,7 +51,11 @@ class LLM:
                                         auto(c.dense_dtype), c.expert_cache, c.show_progress)
         else:
             self.model = load_model(model_dir, self.config.dtype, self.config.show_progress)
-        self.residency = self._attach_residency()
+        if self.config.residency == "cuda":
+            if not torch.cuda.is_available():
+                raise FreetokenError("residency=cuda (--gpu-experts) needs a CUDA GPU; use --emulate-gpu PROFILE "
+                                     "on this machine")
+            self.model.to_accelerator("cuda")   # dense weights, activations and (below) the KV cache in VRAM
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.generation = read_generation_defaults(model_dir)
@@ -60,6 +64,7 @@ class LLM:
         self.kv_dtype = {"auto": auto_kv, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype)
+        self.residency = self._attach_residency()   # after the KV cache: on a GPU the slots take what is left
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = RadixCache(self.allocator, self.config.page_size) if self.config.enable_prefix_cache else None
         self.tracker = (IntegrityTracker if self.config.kv_integrity_check else NullTracker)(self.allocator)
@@ -85,8 +90,6 @@ class LLM:
         c = self.config
         if c.residency == "off":
             return None
-        if c.residency == "cuda" and not torch.cuda.is_available():
-            raise FreetokenError("residency=cuda (--gpu-experts) needs a CUDA GPU; use --emulate-gpu PROFILE on this machine")
         from freetoken_py.residency.attach import attach_residency
 
         return attach_residency(self.model, c.residency, c.residency_profile, c.vram_budget_bytes, c.residency_policy)
@@ -169,7 +172,10 @@ class LLM:
         budget = c.kv_cache_bytes
         if budget == 0:  # enough for every sequence at full length, capped at 1/8 of free RAM
             want = c.max_num_seqs * self.max_model_len * per_page // c.page_size
-            budget = min(want, psutil.virtual_memory().available // 8)
+            if self.model.device.type == "cuda":   # in VRAM: a quarter of what the dense weights left
+                budget = min(want, torch.cuda.mem_get_info()[0] // 4)
+            else:
+                budget = min(want, psutil.virtual_memory().available // 8)
         return max(2, budget // per_page)
 
     @property

@@ -75,6 +75,10 @@ def test_logits_do_not_depend_on_placement(arch, mode, checkpoint_factory):
     for llm, _, _ in runs.values():
         ex = llm.residency
         assert ex.cpu_banks and [b is None for b in ex.cpu_banks] == [w is None for w in ex.host_w13]
+    if mode == "cuda":    # dense weights, activations and the KV cache in VRAM; experts in pinned host banks
+        for llm, _, _ in runs.values():
+            assert llm.runner.cache.k.is_cuda and llm.model.weights.layers[0].qkv.weight.is_cuda
+            assert all(w is None or w.is_pinned() for w in llm.residency.host_w13)
     assert s["all_cpu"]["cpu_share"] == 1.0
     assert s["all_cpu"]["label"].startswith("emulated:") if mode == "emulate" else s["all_cpu"]["label"] == "cuda"
     assert s["all_resident"]["hit_rate"] == 1.0 and s["all_resident"]["pcie_bytes"] == 0
@@ -242,6 +246,7 @@ def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, 
     row = json.loads((tmp_path / "gpu.json").read_text())
     assert row["mode"] == "emulate" and row["comparable"] is False and row["within_25pct"] is None
     assert row["label"] == "emulated:rtx4090" and row["expert_slots"] > 0
+    assert row["dense_on"] == row["kv_on"] == "cpu" and row["simulator_decode_tok_s"] > 0
     ms = row["expert_ms_per_token"]
     assert ms["measured"] > 0 and ms["planner"] > 0 and ms["simulator"] > 0
     # the live planner and the replay share the cost model: close, though prefetch differs
@@ -253,3 +258,31 @@ def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, 
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and json.loads(proc.stdout)["skipped"] is True
+
+
+def test_dense_weights_move_to_the_accelerator_and_experts_stay(checkpoint_factory):
+    """`MoeTransformer.to_accelerator` (what --gpu-experts does before the KV cache is built) moves
+    every dense weight and nothing else. Run with the `meta` device, so it is checked here
+    without a GPU: a weight the move forgot would stay on the host and fail this."""
+    from freetoken_py.kvcache import KVCache
+    from freetoken_py.layers.linear import TorchLinear
+    from freetoken_py.models.loader import load_model
+
+    model = load_model(checkpoint_factory("qwen3_moe"), "float32", show_progress=False)
+    model.to_accelerator("meta")
+    w = model.weights
+
+    def tensors(obj):
+        return [obj.weight] + ([obj.bias] if obj.bias is not None else []) if isinstance(obj, TorchLinear) else [obj]
+
+    dense = [w.final_norm, *tensors(w.lm_head)]
+    for lw in w.layers:
+        for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "router", "mlp13", "mlp2"):
+            if getattr(lw, name) is not None:
+                dense += tensors(getattr(lw, name))
+    assert dense and all(t.device.type == "meta" for t in dense)
+    assert w.embed.device.type == "cpu"                          # looked up on the host, one row per token
+    assert all(t.device.type == "cpu" for lw in w.layers for t in (lw.w13, lw.w2) if t is not None)
+    assert model.device.type == "meta"
+    a = model.args
+    assert KVCache(a.num_layers, 2, 16, a.num_kv_heads, a.head_dim, torch.float32, model.device).k.device.type == "meta"

@@ -13,7 +13,7 @@ import pytest
 from freetoken_py.residency.adaptive import AdaptivePolicy
 from freetoken_py.residency.planner import CostModel
 from freetoken_py.residency.policy import LruPolicy, PinPolicy, StaticPolicy
-from freetoken_py.residency.profiles import PROFILES, ModelSpec
+from freetoken_py.residency.profiles import FRONTIER_MODELS, PROFILES, ModelSpec
 from freetoken_py.residency.simulate import (belady_misses, online_ceiling_flat_tok_s, simulate, synthetic_trace,
                                              upper_bound_tok_s)
 from freetoken_py.residency.stats import RoutingStats, RoutingTrace, iter_layer_steps, routing_counts
@@ -214,3 +214,44 @@ def test_the_upper_bound_counts_decode_only_after_a_prefill():
     cost = CostModel(PROFILES["rtx4090"], spec.expert_bytes, spec.expert_flops_per_token)
     r = simulate(trace, PinPolicy([0, 1], counts, 8), cost, spec.dense_bytes)
     assert r.hit_rate > 0.5 and r.decode_tok_s <= upper_bound_tok_s(trace, cost, spec.dense_bytes, 8)
+
+
+@pytest.mark.parametrize("profile", ["rtx4060-laptop-8g", "rtx4090", "rtx-pro-6000"])
+def test_layer_floor_is_under_every_plan_and_is_the_exact_minimum(profile):
+    """layer_floor_s never exceeds what the planner achieves for the same hits and misses (with or
+    without the cut), and is the minimum of its own formula over the copied amount (a grid search
+    of that formula comes out no lower)."""
+    from freetoken_py.residency.planner import Budgets, LayerStats, plan
+    from freetoken_py.residency.simulate import layer_floor_s
+
+    spec = FRONTIER_MODELS["qwen3-235b-a22b"]
+    cost = CostModel(PROFILES[profile], spec.expert_bytes, spec.expert_flops_per_token)
+    p = cost.profile
+    g, b_pcie, b_cpu = cost.gpu_compute_s(1), spec.expert_bytes / (cost.pcie_gbps * 1e9), \
+        spec.expert_bytes / (cost.cpu_expert_gbps * 1e9)
+    for hits in range(9):
+        for misses in range(9 - hits):
+            floor = layer_floor_s(hits, misses, cost)
+            stats = LayerStats({e: 1 for e in range(hits + misses)}, frozenset(range(hits)))
+            for split in (False, True):
+                assert floor <= plan(stats, cost, Budgets(stream_slots=64, split_experts=split)).seconds * (1 + 1e-9)
+            if misses == 0:
+                assert floor == pytest.approx(hits * g)
+                continue
+            grid = np.linspace(0.0, misses, 4001)
+            f = np.maximum(hits * g + grid * g, np.where(grid > 0, p.copy_call_s + grid * b_pcie, 0.0))
+            f = np.maximum(f, np.where(grid < misses, p.cpu_call_s + (misses - grid) * b_cpu, 0.0))
+            assert floor <= f.min() * (1 + 1e-9)
+            assert floor >= f.min() - 1e-3 * b_pcie           # the grid's step, at most
+
+
+def test_lower_hull_is_the_best_mix_of_two_points():
+    from freetoken_py.residency.simulate import _lower_hull_at
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        g = list(rng.random(9) * 10)
+        for x in np.linspace(0, 8, 33):
+            best = min(g[a] + (g[b] - g[a]) * (x - a) / (b - a) if b > a else g[a]
+                       for a in range(9) for b in range(a, 9) if a <= x <= b)
+            assert _lower_hull_at(g, float(x)) == pytest.approx(best)

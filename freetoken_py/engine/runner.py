@@ -32,7 +32,8 @@ class ModelRunner:
                  fused_decode: bool = True):
         a = model.args
         self.model = model
-        self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype)
+        self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype,
+                             model.device)   # with the dense weights: VRAM when they are on a GPU
         self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)
         self.governor = None  # its thread count, re-decided from step times (threads_governor.py)
         if fused_decode and FusedDecoder.supports(model):

@@ -76,18 +76,19 @@ class KVCache:
     """The K and V tensors of every layer, addressed by flat slot index."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype):
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.quantized = dtype == FP8
         storage = torch.uint8 if self.quantized else dtype
-        self.k = torch.zeros(shape, dtype=storage)
-        self.v = torch.zeros(shape, dtype=storage)
+        self.device = torch.device(device)
+        self.k = torch.zeros(shape, dtype=storage, device=self.device)
+        self.v = torch.zeros(shape, dtype=storage, device=self.device)
         self.dtype = dtype
         self.page_size = page_size
         self.num_pages = num_pages
         # [L, Hkv] fp32 scales; 0 = layer not calibrated yet (fp8 only)
-        self.k_scale = torch.zeros(num_layers, num_kv_heads)
-        self.v_scale = torch.zeros(num_layers, num_kv_heads)
+        self.k_scale = torch.zeros(num_layers, num_kv_heads, device=self.device)
+        self.v_scale = torch.zeros(num_layers, num_kv_heads, device=self.device)
         self._layer_calibrated = [not self.quantized] * num_layers  # a Python flag: no tensor op per write
 
     @staticmethod
@@ -106,7 +107,7 @@ class KVCache:
             return (str(self.dtype),)
         if not self.calibrated:
             return None
-        return (str(self.dtype), hash(self.k_scale.numpy().tobytes()), hash(self.v_scale.numpy().tobytes()))
+        return (str(self.dtype), hash(self.k_scale.cpu().numpy().tobytes()), hash(self.v_scale.cpu().numpy().tobytes()))
 
     def slots(self, page_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot indices of token positions [start, end) of a request."""

@@ -25,11 +25,19 @@ class SeqAttention:
     ctx_slots: torch.Tensor  # [ctx] slots of the keys this request may see (window applied)
     mask: torch.Tensor | None  # [n_q, ctx] True = attend; None = every key visible
 
+    def to(self, device: torch.device) -> "SeqAttention":
+        return SeqAttention(self.q_start, self.q_end, self.ctx_slots.to(device),
+                            None if self.mask is None else self.mask.to(device))
+
 
 @dataclass
 class AttentionMetadata:
     new_slots: torch.Tensor  # [T] slot of each new token
     seqs: list[SeqAttention]
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """The index tensors on the KV cache's device (built on the host, once per batch)."""
+        return AttentionMetadata(self.new_slots.to(device), [s.to(device) for s in self.seqs])
 
 
 def build_seq_attention(cache: KVCache, page_table: list[int], start: int, num_new: int,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from freetoken_py.kvcache import KVCache
 from freetoken_py.layers.attention import AttentionMetadata, paged_attention
+from freetoken_py.layers.linear import TorchLinear
 from freetoken_py.layers.moe import ExpertExecutor, TorchExpertExecutor, softmax_topk_route
 from freetoken_py.layers.norm import rms_norm
 from freetoken_py.layers.rotary import RotaryEmbedding, apply_rotary
@@ -28,13 +29,34 @@ class MoeTransformer:
         self.scale = args.head_dim ** -0.5
         self.experts = experts or TorchExpertExecutor([lw.w13 for lw in weights.layers],
                                                       [lw.w2 for lw in weights.layers])
+        self.device = torch.device("cpu")   # where the dense weights, the activations and the KV live
+
+    def to_accelerator(self, device: str | torch.device) -> None:
+        """Move every dense weight (attention, norms, routers, dense MLPs, the LM head) to `device`;
+        the routed experts stay where they are (the residency tiers own them) and so does the
+        token embedding (one row per token is looked up on the host and sent over). The KV cache
+        is allocated on `self.device` by whoever builds it (engine.runner)."""
+        device = torch.device(device)
+        w = self.weights
+        w.final_norm = w.final_norm.to(device)
+        w.lm_head = _linear_to(w.lm_head, device)
+        for lw in w.layers:
+            for name in ("input_norm", "post_norm", "q_norm", "k_norm"):
+                if getattr(lw, name) is not None:
+                    setattr(lw, name, getattr(lw, name).to(device))
+            for name in ("qkv", "o", "router", "mlp13", "mlp2"):
+                if getattr(lw, name) is not None:
+                    setattr(lw, name, _linear_to(getattr(lw, name), device))
+        self.device = device
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 cache: KVCache) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final-normed hidden states [T, D]."""
-        h = self.weights.embed[input_ids].to(self.dtype)  # [T, D]
-        cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, hd]
+        """input_ids, positions: [T] (host). Returns final-normed hidden states [T, D] on `self.device`."""
+        h = self.weights.embed[input_ids].to(self.device, self.dtype)  # [T, D]
+        cos, sin = (t.to(self.device) for t in self.rope.cos_sin(positions, self.dtype))  # [T, hd]
+        if self.device.type != "cpu":
+            meta = meta.to(self.device)
         for i, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.input_norm, self.args.rms_norm_eps)
             h = h + self._attention(i, lw, x, cos, sin, meta, cache)
@@ -43,8 +65,8 @@ class MoeTransformer:
         return rms_norm(h, self.weights.final_norm, self.args.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, D] -> fp32 logits [N, V]."""
-        return self.weights.lm_head(hidden).float()
+        """hidden: [N, D] -> fp32 logits [N, V] on the host (the sampler's side)."""
+        return self.weights.lm_head(hidden).float().cpu()
 
     def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, cos, sin, meta, cache) -> torch.Tensor:
         a = self.args
@@ -73,3 +95,10 @@ class MoeTransformer:
     def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = lw.mlp13(x).chunk(2, dim=-1)
         return lw.mlp2(F.silu(gate) * up)
+
+
+def _linear_to(linear, device: torch.device):
+    """A TorchLinear's weight and bias on `device` (the numba KernelLinear is host-only)."""
+    if not isinstance(linear, TorchLinear):
+        raise TypeError(f"{type(linear).__name__} weights cannot move to {device}; load with the torch backend")
+    return TorchLinear(linear.weight.to(device), None if linear.bias is None else linear.bias.to(device))

@@ -75,6 +75,7 @@ class AdaptivePolicy:
         self._rng = np.random.default_rng(seed)
         self.now = 0
         self._victim_rate = (-1, 0.0)                          # (step, slowest resident's rate)
+        self._offered: tuple[int, tuple[int, ...]] | None = None   # (layer, experts streamed) of the last plan
 
     # ---- queries --------------------------------------------------------------------------
     def resident(self, layer: int) -> frozenset[int]:
@@ -124,8 +125,10 @@ class AdaptivePolicy:
     def split(self, layer: int, stats: LayerStats, cost: CostModel) -> Plan:
         misses = [e for e in stats.tokens if e not in stats.resident]
         values = self.stream_values(layer, misses, cost) if misses and self.capacity else {}
-        return plan(stats, cost, Budgets(stream_slots=self.capacity, stream_values=values,
-                                         split_experts=self.capacity > 0))
+        p = plan(stats, cost, Budgets(stream_slots=self.capacity, stream_values=values,
+                                      split_experts=self.capacity > 0))
+        self._offered = (layer, p.stream)     # what this layer-step will ask the cache to keep
+        return p
 
     def touch(self, layer: int, step: int, tokens: dict[int, int]) -> None:
         self.now = step
@@ -147,16 +150,22 @@ class AdaptivePolicy:
         self._shadow_touch(layer, step, tokens)
 
     def _shadow_touch(self, layer: int, step: int, tokens: dict[int, int]) -> None:
-        """Replay this layer-step on the pure-LRU and pure-LFU shadows (every miss asks for a slot;
-        the LFU shadow, like the real cache under LFU, turns away one rarer than its victim)."""
+        """Replay this layer-step on the pure-LRU and pure-LFU shadows. The misses the planner
+        streamed ask them for a slot, as they ask the real cache (a miss the CPU absorbs is not
+        offered; without a plan for this layer, every miss is); the LFU shadow, like the real
+        cache under LFU, turns away one rarer than its victim."""
         if step != self._shadow_step:
             self.shadow_hits *= self._shadow_decay ** (step - self._shadow_step)
             self._shadow_step = step
         if self.capacity == 0:
             return
         keys = [(layer, int(e)) for e in tokens]
+        offered = None
+        if self._offered is not None and self._offered[0] == layer:
+            offered = {(layer, int(e)) for e in self._offered[1]}
+            self._offered = None
         for which, shadow in enumerate(self.shadows):
-            self.shadow_hits[which] += shadow.access(keys, self.capacity, self.freq)
+            self.shadow_hits[which] += shadow.access(keys, self.capacity, self.freq, offered)
 
     def _leader(self) -> int | None:
         """LRU or LFU when its shadow has clearly scored more hits lately; None while they are close."""
@@ -239,16 +248,17 @@ class _LruShadow:
     def fill(self, keys: list[Key], freq: np.ndarray) -> None:
         self.keys = OrderedDict((k, None) for k in keys)
 
-    def access(self, keys: list[Key], capacity: int, freq: np.ndarray) -> int:
-        """One layer-step's experts: returns the hits; misses are admitted, the least recently
-        used key out (never one of this layer-step's, which are all moved to the end first)."""
+    def access(self, keys: list[Key], capacity: int, freq: np.ndarray, offered: set[Key] | None = None) -> int:
+        """One layer-step's experts: returns the hits; misses (those in `offered`, when given) are
+        admitted, the least recently used key out (never one of this layer-step's, which are all
+        moved to the end first)."""
         hits = 0
         for k in keys:
             if k in self.keys:
                 hits += 1
                 self.keys.move_to_end(k)
         for k in keys:
-            if k not in self.keys:
+            if k not in self.keys and (offered is None or k in offered):
                 if len(self.keys) >= capacity:
                     if len(self.keys) <= len(keys):
                         continue                  # every slot holds this layer-step's experts
@@ -299,7 +309,7 @@ class _LfuShadow:
             heapq.heappush(self.heap, entry)
         return victim
 
-    def access(self, keys: list[Key], capacity: int, freq: np.ndarray) -> int:
+    def access(self, keys: list[Key], capacity: int, freq: np.ndarray, offered: set[Key] | None = None) -> int:
         hits = 0
         busy = set(keys)
         for k in keys:                            # counts were raised by touch(): re-key them
@@ -307,7 +317,7 @@ class _LfuShadow:
                 hits += 1
                 self._push(k, freq)
         for k in keys:
-            if k in self.resident:
+            if k in self.resident or (offered is not None and k not in offered):
                 continue
             if len(self.resident) >= capacity:
                 victim = self._pop_victim(freq, busy)

@@ -21,6 +21,7 @@ from freetoken_py.residency.profiles import emulated, from_hardware_profile, get
 from freetoken_py.residency.slots import SlotCache
 
 POLICIES = ("ours", "lru", "static")
+CUDA_RESERVE_BYTES = 2**30   # VRAM left free on a GPU (activations, staging, the allocator's slack)
 
 
 def make_policy(name: str, layers: list[int], num_experts: int, capacity: int, profile):
@@ -36,8 +37,9 @@ def make_policy(name: str, layers: list[int], num_experts: int, capacity: int, p
 def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int = 0, policy: str = "ours",
                      memory_probe: Optional[Callable[[], int]] = None, audit: bool = False,
                      prefetch: bool = True, cpu_kernels: bool = True) -> ResidencyExecutor:
-    """`vram_budget_bytes`: bytes for expert slots (0 = room for half the model's experts, so a
-    tiny model exercises hits, streaming and the CPU at once). `cpu_kernels`: the CPU tier runs
+    """`vram_budget_bytes`: bytes for expert slots (0 = on CUDA, the free VRAM less a reserve
+    (call it after the dense weights and the KV cache are placed); emulated, room for half the
+    model's experts, so a tiny model exercises hits, streaming and the CPU at once). `cpu_kernels`: the CPU tier runs
     the numba expert kernels on views of the host weights (bf16 / fp32 SwiGLU experts); False,
     or any other dtype, runs torch there."""
     layers = model.weights.layers
@@ -57,7 +59,13 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
         for i in moe:    # layer by layer, replacing the model's own reference: one host copy, not two
             layers[i].w13, layers[i].w2 = layers[i].w13.pin_memory(), layers[i].w2.pin_memory()
             w13[i], w2[i] = layers[i].w13, layers[i].w2
-    budget = vram_budget_bytes or expert_bytes * (len(moe) * num_experts // 2)
+    if vram_budget_bytes:
+        budget = vram_budget_bytes
+    elif mode == "cuda":   # what the dense weights and the KV cache left, less room for activations
+        free, total = torch.cuda.mem_get_info()
+        budget = max(0, free - max(CUDA_RESERVE_BYTES, total // 10))
+    else:
+        budget = expert_bytes * (len(moe) * num_experts // 2)
     num_slots = min(budget // expert_bytes, len(moe) * num_experts)
     slots = SlotCache(num_slots, tuple(first.shape[1:]), tuple(w2[moe[0]].shape[1:]), dtype, device)
     flops = 2.0 * first.shape[1] * first.shape[2] * 3 / 2     # gate+up [2I, D] and down [D, I]

@@ -76,6 +76,9 @@ class ResidencyExecutor:
         if self._last_layer is None or layer <= self._last_layer:
             self._new_step()
         self._last_layer = layer
+        on_accel = x.device.type != "cpu"      # dense weights on the GPU: x and the routing live there
+        if on_accel:
+            ids, weights = ids.cpu(), weights.cpu()   # the plan is made on the host either way
         flat = ids.flatten()  # [T*k]
         counts = torch.bincount(flat, minlength=self.host_w13[layer].shape[0]).tolist()
         tokens = {e: n for e, n in enumerate(counts) if n}
@@ -83,6 +86,8 @@ class ResidencyExecutor:
         plan = self.policy.split(layer, LayerStats(tokens, self.policy.resident(layer)), self.cost)
         self.policy.touch(layer, self.step, tokens)
         groups = self._group(ids, weights)
+        # the CPU tier's activations: copied to the host before the accelerator's work is queued
+        x_host = x.cpu() if on_accel and (plan.cpu or plan.split) else x
         dev = self.slots.device
         xd = x.to(dev)
         out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
@@ -103,11 +108,11 @@ class ResidencyExecutor:
         self._prefetch_next(layer, x)
         inter = self.host_w2[layer].shape[-1]
         cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
-        cpu_part = self._cpu_tier(layer, x, groups, plan.cpu, cpu_cuts) if plan.cpu or cpu_cuts else None
+        cpu_part = self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts) if plan.cpu or cpu_cuts else None
         if ready is not None:
             ready.synchronize()           # the accelerator's part has reached the host
         if cpu_part is not None:
-            out = out + cpu_part
+            out = out + cpu_part.to(out.device)   # x on the GPU: the CPU's part goes there
         self._count(layer, plan, tokens, cuts)
         c = self.telemetry.layers[layer]
         c.predicted_s += plan.seconds
@@ -116,8 +121,9 @@ class ResidencyExecutor:
 
     @staticmethod
     def _to_host(out_dev: torch.Tensor, x: torch.Tensor):
-        """The accelerator's part on x's device: on CUDA an asynchronous copy into pinned memory
-        and an event to wait on before reading it (the CPU tier runs meanwhile); otherwise as is."""
+        """The accelerator's part on x's device: with x on the host and the part on CUDA, an
+        asynchronous copy into pinned memory and an event to wait on before reading it (the CPU
+        tier runs meanwhile); otherwise as is (x on the GPU: the part stays there)."""
         if out_dev.device.type != "cuda" or x.device.type == "cuda":
             return out_dev.to(x.device), None
         host = torch.empty(out_dev.shape, dtype=out_dev.dtype, pin_memory=True)

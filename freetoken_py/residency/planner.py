@@ -16,7 +16,9 @@ Decisions (each one is tested with hand-built numbers in tests/test_residency_pl
    CPU compute-bound, so weights travel to the accelerator instead of activations to the CPU.
 3. A tie goes to streaming, and streaming is credited `budgets.stream_value_s`, the seconds a
    kept expert is expected to save later (0 = judge this step alone): a streamed expert may stay
-   resident and hit next time; a CPU-evaluated one never will.
+   resident and hit next time; a CPU-evaluated one never will. Misses with equal token counts
+   cost the same on either side, so once the counts are placed, the streamed ones among them
+   are those most worth keeping (`stream_values`).
 4. Streaming needs a free or evictable slot (`budgets.stream_slots`); beyond that, misses go to
    the CPU. With `budgets.cpu_enabled` False (no host copy), every miss streams.
 5. With `budgets.split_experts`, whole experts leave the two sides unequal (two decode misses
@@ -24,8 +26,8 @@ Decisions (each one is tested with hand-built numbers in tests/test_residency_pl
    along its intermediate dimension (columns of gate/up, rows of down: the two parts' outputs add
    up to the whole expert's, exactly): the first `fraction` of its columns is copied (into
    staging, not kept) and computed on the accelerator, the rest on the CPU, with the fraction
-   chosen so both sides finish together. The cut expert is the smallest miss on the side that
-   finishes last; a streamed one is only cut when the time saved exceeds what keeping it was
+   chosen so both sides finish together. The cut expert is the last placed miss on the side that
+   finishes last (the smallest, and among equals the least worth keeping); a streamed one is only cut when the time saved exceeds what keeping it was
    worth (`stream_values`), as a cut expert is not kept.
 """
 from __future__ import annotations
@@ -61,6 +63,17 @@ class CostModel:
     def cpu_s(self, tokens: int) -> float:
         return max(self.expert_bytes / (self.cpu_expert_gbps * GB),
                    tokens * self.expert_flops_per_token / (self.profile.cpu_tflops * 1e12))
+
+    def split_line(self) -> tuple[float, float]:
+        """(seconds per miss, seconds per layer) of a layer's m >= 1 decode misses split ideally
+        between the copy queue and the CPU (a fluid split, as decision 5 approaches): one copy
+        call and one activation round trip, then both sides end together. The slope is one
+        expert's bytes at PCIe + CPU bandwidth added together."""
+        b_pcie = self.expert_bytes / (self.pcie_gbps * GB)
+        b_cpu = self.expert_bytes / (self.cpu_expert_gbps * GB)
+        share = b_pcie / (b_pcie + b_cpu)         # of each second on the CPU side, PCIe's part
+        p = self.profile
+        return b_cpu * share, p.copy_call_s + (p.cpu_call_s - p.copy_call_s) * share
 
     def observe(self, copy_gbps: float | None = None, cpu_gbps: float | None = None,
                 alpha: float = 0.2) -> "CostModel":
@@ -137,11 +150,41 @@ def plan(stats: LayerStats, cost: CostModel, budgets: Budgets) -> Plan:
             cpu_q += cpu_c[n]
             cpu.append(e)
             reasons[e] = "cpu: finishes sooner than a copy" if can_stream else "cpu: no slot to stream into"
+    if budgets.stream_values:
+        stream, cpu = _worth_keeping_streams(stream, cpu, tokens, reasons, budgets)
     whole = Plan(hits, tuple(stream), tuple(cpu), _gpu_finish(hit_s, copy_q, sum_c, last_c),
                  cpu_q + call if cpu else 0.0, reasons)
     if budgets.split_experts and budgets.cpu_enabled and (stream or cpu):
         return _cut_one(whole, stats, cost, budgets, hit_s) or whole
     return whole
+
+
+def _worth_keeping_streams(stream: list[int], cpu: list[int], tokens: Mapping[int, int], reasons: dict,
+                           budgets: Budgets) -> tuple[list[int], list[int]]:
+    """Misses with the same token count cost the same on either side, so which of them stream is
+    free to choose: the ones most worth keeping (`stream_values`), each side then ordered by
+    tokens and, among equals, by that worth (so a cut takes the streamed miss least worth keeping)."""
+    def worth(e: int) -> float:
+        return budgets.stream_values.get(e, budgets.stream_value_s)
+
+    streamed_per_count: dict[int, int] = {}
+    for e in stream:
+        streamed_per_count[tokens[e]] = streamed_per_count.get(tokens[e], 0) + 1
+    cpu_reasons: dict[int, list[str]] = {}
+    for e in cpu:
+        cpu_reasons.setdefault(tokens[e], []).append(reasons[e])
+    stream_reason = reasons[stream[0]] if stream else ""
+    new_stream, new_cpu = [], []
+    for n in sorted({tokens[e] for e in stream + cpu}, reverse=True):
+        group = sorted((e for e in stream + cpu if tokens[e] == n), key=lambda e: (-worth(e), e))
+        k = streamed_per_count.get(n, 0)
+        new_stream += group[:k]
+        new_cpu += group[k:]
+        for e in group[:k]:
+            reasons[e] = stream_reason
+        for e, why in zip(group[k:], cpu_reasons.get(n, [])):
+            reasons[e] = why
+    return new_stream, new_cpu
 
 
 def _cut_one(whole: Plan, stats: LayerStats, cost: CostModel, budgets: Budgets, hit_s: float) -> Plan | None:

@@ -9,6 +9,7 @@ prefetch is not modelled here (a conservative omission: it only hides copy time)
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -222,25 +223,77 @@ def upper_bound_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, ca
     return len(decode) / max(dense_s, miss_s)
 
 
+def layer_floor_s(hits: int, misses: int, cost: CostModel) -> float:
+    """The least time a decode layer-step with `hits` resident and `misses` missed experts can
+    take under the cost model, whatever the split: the accelerator computes the hits and what
+    is copied, the copy engine moves a experts' worth (one copy call at least), the CPU takes
+    the rest (one activation round trip). Per-call latencies count once per side used; the
+    accelerator's wait for the last copy and every further call are left out, so `plan` never
+    beats it. Minimised exactly over the continuous a in [0, misses]:
+        max(hits*g + a*g,  [a > 0] (copy_call + a*b_pcie),  [a < m] (cpu_call + (m - a)*b_cpu))
+    at the two ends or where the CPU line meets the first rising line."""
+    p = cost.profile
+    g = cost.gpu_compute_s(1)
+    if misses <= 0:
+        return hits * g
+    b_pcie = cost.expert_bytes / (cost.pcie_gbps * GB)        # seconds per expert copied
+    b_cpu = cost.expert_bytes / (cost.cpu_expert_gbps * GB)   # seconds per expert on the CPU
+    m, base = misses, hits * g
+    all_cpu = max(base, p.cpu_call_s + m * b_cpu)
+    all_stream = max(base + m * g, p.copy_call_s + m * b_pcie)
+    best = min(all_cpu, all_stream)
+    cross = min((p.cpu_call_s + m * b_cpu - base) / (g + b_cpu),
+                (p.cpu_call_s - p.copy_call_s + m * b_cpu) / (b_pcie + b_cpu))
+    if 0.0 < cross < m:
+        best = min(best, max(base + cross * g, p.copy_call_s + cross * b_pcie,
+                             p.cpu_call_s + (m - cross) * b_cpu))
+    return best
+
+
 def online_ceiling_flat_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, capacity: int) -> float:
     """Expected decode tokens/s no *online* policy can exceed on a `flat` trace (every step routes
     k distinct experts per layer uniformly at random, independently of everything before), in
-    this simulator's execution model: experts are fetched on demand, inside their layer.
+    this simulator's execution model: experts are fetched on demand, inside their layer; hits
+    and copied experts compute on the accelerator; every copy and CPU round trip pays the
+    profile's call latency.
 
-    Each resident expert is routed with probability k/E per layer-step whatever the policy did
-    before (the past carries no information), so at most capacity * k / E of the L * k routed
-    pairs per step hit, in expectation. In the model a layer's misses are served inside the layer
-    (its routing is known once its attention has run, and the next layer needs its output): per
-    step at least the dense weights read from VRAM plus the expected misses moved at the PCIe and
-    CPU bandwidths added together (a perfect split, no per-call latency, the accelerator's compute
-    free). Clairvoyant caching (`upper_bound_tok_s`) can do better. Speculative copies that
-    overlap other layers' work (look-ahead prefetch, which the executor has and the simulator
-    does not model for any policy) are outside the model; with them the bound is the larger of
-    the two terms instead of their sum.
+    The past carries no information, so with c experts of a layer resident (any c of them) the
+    layer's hits are hypergeometric(E, c, k) whatever the policy did before. In the model a
+    layer's misses are served inside the layer (its routing is known once its attention has run,
+    and the next layer needs its output), and a layer-step takes at least
+    `layer_floor_s(hits, misses)`. So a layer holding c experts costs at least
+    g(c) = E[layer_floor_s(hits, k - hits)]. A policy spreads at most `capacity` slots over the
+    layers and may spread them differently each step: the least expected cost per layer is the
+    lower convex hull of g at capacity / layers (a mix of two sizes can beat either alone).
+    Per step: the dense read plus layers times that. Clairvoyant caching (`upper_bound_tok_s`)
+    can do better. Speculative copies that overlap other layers' work (look-ahead prefetch,
+    which the executor has and the simulator does not model for any policy) are outside the
+    model.
     """
     profile = cost.profile
-    layers = trace.moe_layers
-    n_layers, k, experts = len(layers), trace.top_k, trace.num_experts
+    n_layers, k, experts = len(trace.moe_layers), trace.top_k, trace.num_experts
     dense_s = dense_bytes / (profile.vram_gbps * GB)
-    misses = n_layers * k - min(capacity, n_layers * experts) * k / experts
-    return 1.0 / (dense_s + misses * cost.expert_bytes / ((cost.pcie_gbps + cost.cpu_expert_gbps) * GB))
+    floor = [layer_floor_s(h, k - h, cost) for h in range(k + 1)]
+    total = math.comb(experts, k)
+    g = [sum(math.comb(c, h) * math.comb(experts - c, k - h) / total * floor[h]
+             for h in range(max(0, k - (experts - c)), min(c, k) + 1)) for c in range(experts + 1)]
+    per_layer = _lower_hull_at(g, min(capacity, n_layers * experts) / n_layers)
+    return 1.0 / (dense_s + n_layers * per_layer)
+
+
+def _lower_hull_at(g: list[float], x: float) -> float:
+    """The lower convex hull of the points (i, g[i]) evaluated at x (0 <= x <= len(g) - 1): the
+    least average of g over any mix of integer points whose mean is x."""
+    hull: list[int] = []
+    for i in range(len(g)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (g[b] - g[a]) * (i - a) >= (g[i] - g[a]) * (b - a):   # b lies on or above a->i
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    for a, b in zip(hull, hull[1:]):
+        if a <= x <= b:
+            return g[a] + (g[b] - g[a]) * (x - a) / (b - a)
+    return g[hull[-1]]
