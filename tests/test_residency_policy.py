@@ -174,3 +174,35 @@ def test_without_shadows_the_ghost_weights_still_learn():
     q = AdaptivePolicy([0], num_experts=40, capacity=4, seed=1, shadow_margin=1.0)
     drive(q, recency_routing)
     assert q.weights[0] > 0.9                                       # w_lru
+
+
+def test_victim_scan_over_the_resident_list_matches_a_full_scan():
+    """The numba victim scan walks a list of residents kept beside the [L, E] mask; after random
+    admits, evictions and resizes the list holds exactly the residents, and the victim it picks
+    is the one a plain scan of every (layer, expert) by the documented rule picks."""
+    rng = np.random.default_rng(5)
+    p = AdaptivePolicy(list(range(4)), num_experts=16, capacity=20, seed=1)
+    for step in range(60):
+        for layer in range(4):
+            tokens = {int(e): 1 for e in rng.choice(16, 4, replace=False)}
+            p.touch(layer, step, tokens)
+            for e in tokens:
+                if rng.random() < 0.5:
+                    p.admit(layer, e, step)
+        if step in (20, 40):
+            p.resize(12 if step == 20 else 24)
+        flat = sorted(int(x) for x in p._rlist[:p._nres])
+        assert flat == sorted(l * 16 + e for l, e in p.keys)
+        fair = int(p.floor_share * p.capacity / 4)
+        for which in (0, 1):
+            for busy in (-1, 2):
+                def score(l, e):
+                    if which == 0:
+                        return p.last[l, e] + 0.5 * p.freq[l, e] / (1.0 + p.freq[p.res].max())
+                    return p.freq[l, e] + 1e-9 * (p.last[l, e] + 1) / (p.now + 2)
+                cands = [(l, e) for l, e in sorted(p.keys) if not (l == busy and p.last[l, e] == p.now)]
+                unguarded = [k for k in cands if p.count[k[0]] > fair]
+                pool = unguarded or cands
+                want = min(pool, key=lambda k: (score(*k), k)) if pool else None
+                got = p._victim(which, busy_layer=None if busy < 0 else busy)
+                assert (None if got is None else (int(got[0]), int(got[1]))) == want

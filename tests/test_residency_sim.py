@@ -255,3 +255,16 @@ def test_lower_hull_is_the_best_mix_of_two_points():
             best = min(g[a] + (g[b] - g[a]) * (x - a) / (b - a) if b > a else g[a]
                        for a in range(9) for b in range(a, 9) if a <= x <= b)
             assert _lower_hull_at(g, float(x)) == pytest.approx(best)
+
+
+def test_policy_cost_bench_prints_one_line_per_case():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "residency_policy_cost.py"), "--steps", "10",
+                           "--model", "qwen3-30b-a3b", "--profiles", "rtx4060-laptop-8g", "--regimes", "locality,flat"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["regime"] for r in rows] == ["locality", "flat"]
+    for r in rows:
+        parts = r["split_ms_per_token"] + r["touch_ms_per_token"] + r["admit_ms_per_token"]
+        assert r["total_ms_per_token"] == pytest.approx(parts, abs=0.02) and r["total_ms_per_token"] > 0
+        assert r["layers"] == 48 and r["expert_slots"] == 2109

@@ -53,6 +53,11 @@ class AdaptivePolicy:
         self.num_experts = num_experts
         self.res = np.zeros((n, num_experts), bool)            # [L, E] resident
         self.count = np.zeros(n, np.int64)                     # [L] resident experts per layer
+        # the residents' flat indices (layer * E + expert), unordered, and where each one sits:
+        # the victim scan walks these, not every (layer, expert)
+        self._rlist = np.zeros(n * num_experts, np.int64)
+        self._rpos = np.full(n * num_experts, -1, np.int64)
+        self._nres = 0
         self.last = np.full((n, num_experts), -1, np.int64)    # [L, E] last step routed
         # decayed routing count, stored inflated by decay**-step so comparing needs no rescaling
         self.freq = np.zeros((n, num_experts))                 # [L, E]
@@ -114,8 +119,7 @@ class AdaptivePolicy:
         keys = [(l, e) for l in self.layers for e in range(self.num_experts)]
         keys.sort(key=lambda k: (-counts[k], k))
         for l, e in keys[:self.capacity]:
-            self.res[l, e] = True
-            self.count[l] += 1
+            self._add(l, e)
         total = counts[self.layers].sum(axis=1, keepdims=True).clip(min=1)
         self.freq[self.layers] += counts[self.layers] / total * 8.0 * self._decay ** (self._base - self.now)
         for shadow in self.shadows:
@@ -190,8 +194,7 @@ class AdaptivePolicy:
                 return []
             self._evict(victim, which, step)
             evicted.append(victim)
-        self.res[layer, expert] = True
-        self.count[layer] += 1
+        self._add(layer, expert)
         return evicted
 
     def resize(self, capacity: int) -> list[Key]:
@@ -213,13 +216,26 @@ class AdaptivePolicy:
         while any other layer has one. One pass over the cache (numba)."""
         fair = int(self.floor_share * self.capacity / len(self.layers)) if floor and self.layers else -1
         ex_l, ex_e = exclude if exclude is not None else (-1, -1)
-        flat = _victim_scan(self.res, self.last, self.freq, self.count, which == LRU,
-                            self.now, ex_l, ex_e, -1 if busy_layer is None else busy_layer, fair)
+        flat = _victim_scan(self._rlist[:self._nres], self.last, self.freq, self.count, which == LRU,
+                            self.now, ex_l * self.num_experts + ex_e if ex_l >= 0 else -1,
+                            -1 if busy_layer is None else busy_layer, fair)
         return divmod(flat, self.res.shape[1]) if flat >= 0 else None
+
+    def _add(self, layer: int, expert: int) -> None:
+        self.res[layer, expert] = True
+        self.count[layer] += 1
+        flat = layer * self.num_experts + expert
+        self._rlist[self._nres] = flat
+        self._rpos[flat] = self._nres
+        self._nres += 1
 
     def _evict(self, key: Key, which: int, step: int) -> None:
         self.res[key] = False
         self.count[key[0]] -= 1
+        flat = key[0] * self.num_experts + key[1]
+        i, last = self._rpos[flat], self._rlist[self._nres - 1]    # swap-remove from the list
+        self._rlist[i], self._rpos[last], self._rpos[flat] = last, i, -1
+        self._nres -= 1
         self._remember(key, which, step)
 
     def _remember(self, key: Key, which: int, step: int) -> None:
@@ -234,9 +250,12 @@ class AdaptivePolicy:
             return
         which, when = ghost
         discount = 0.005 ** (1.0 / max(1, self.capacity))
-        self.weights[which] *= math.exp(-self.learning_rate * discount ** (step - when))
-        self.weights = np.clip(self.weights / self.weights.sum(), 0.01, 0.99)  # never lock one out
-        self.weights /= self.weights.sum()
+        w = [float(self.weights[LRU]), float(self.weights[LFU])]
+        w[which] *= math.exp(-self.learning_rate * discount ** (step - when))
+        total = w[0] + w[1]
+        w = [min(0.99, max(0.01, x / total)) for x in w]             # never lock one out
+        total = w[0] + w[1]
+        self.weights = np.array([w[0] / total, w[1] / total])
 
 
 class _LruShadow:
@@ -337,24 +356,30 @@ class _LfuShadow:
 
 
 @njit(cache=True)
-def _victim_scan(res, last, freq, count, lru, now, ex_l, ex_e, busy_layer, fair):  # pragma: no cover - jitted
-    """Flat index of the lowest-scoring resident, skipping (ex_l, ex_e) and busy_layer's experts
-    routed at step `now`; a candidate in a layer above its floor (count > fair) wins over any in a
-    protected layer. -1 when there is none. Scores: LRU = last step routed, among equals the
-    rarer; LFU = decayed count, among equals the older."""
-    num_l, num_e = res.shape
-    fmax = freq.max()
+def _victim_scan(residents, last, freq, count, lru, now, exclude, busy_layer, fair):  # pragma: no cover - jitted
+    """Flat index (layer * E + expert) of the lowest-scoring of `residents` (flat indices), skipping
+    `exclude` and busy_layer's experts routed at step `now`; a candidate in a layer above its
+    floor (count > fair) wins over any in a protected layer; among equal scores the lower flat
+    index. -1 when there is none. Scores: LRU = last step routed, among equals the rarer; LFU =
+    decayed count, among equals the older."""
+    num_e = last.shape[1]
+    lastf, freqf = last.ravel(), freq.ravel()
+    fmax = 0.0
+    if lru:
+        for i in range(residents.shape[0]):
+            fmax = max(fmax, freqf[residents[i]])
     best, best_i, guarded, guarded_i = np.inf, -1, np.inf, -1
-    for l in range(num_l):
-        for e in range(num_e):
-            if not res[l, e] or (l == ex_l and e == ex_e) or (l == busy_layer and last[l, e] == now):
-                continue
-            if lru:
-                score = last[l, e] + 0.5 * freq[l, e] / (1.0 + fmax)
-            else:
-                score = freq[l, e] + 1e-9 * (last[l, e] + 1) / (now + 2)
-            if score < best:
-                best, best_i = score, l * num_e + e
-            if count[l] > fair and score < guarded:
-                guarded, guarded_i = score, l * num_e + e
+    for i in range(residents.shape[0]):
+        r = residents[i]
+        l = r // num_e
+        if r == exclude or (l == busy_layer and lastf[r] == now):
+            continue
+        if lru:
+            score = lastf[r] + 0.5 * freqf[r] / (1.0 + fmax)
+        else:
+            score = freqf[r] + 1e-9 * (lastf[r] + 1) / (now + 2)
+        if score < best or (score == best and r < best_i):
+            best, best_i = score, r
+        if count[l] > fair and (score < guarded or (score == guarded and r < guarded_i)):
+            guarded, guarded_i = score, r
     return guarded_i if guarded_i >= 0 else best_i
