@@ -44,7 +44,8 @@ _GPU_EXPERTS = typer.Option(False, "--gpu-experts", help="Run the expert residen
                             "(freetoken probe).")
 _VRAM_BUDGET = typer.Option(0.0, "--vram-budget", min=0.0,
                             help="GB of expert slots for the residency tiers (0 = with --gpu-experts, the VRAM "
-                            "the dense weights and KV cache leave, less 1 GiB; emulated, half the experts).")
+                            "the dense weights and KV cache leave, less 1 GiB or a tenth of the card if "
+                            "more; emulated, half the experts).")
 _RESIDENCY_POLICY = typer.Option("ours", "--residency-policy", help="ours, lru or static.")
 
 

@@ -241,11 +241,30 @@ class LLM:
             if self.scheduler.has_work and not aborted:
                 raise FreetokenError("KV cache too small to make progress; raise --kv-cache-gb")
             return aborted
-        logits = self.runner.forward_batch(chunks)
+        logits = self._forward(chunks)
         self.scheduler.publish_prompts(chunks)
         sampled = [c.req for c in chunks if c.req.num_computed == c.req.num_tokens]
         tokens = sample(logits, sampled)
         return aborted + [self._postprocess(req, tok) for req, tok in zip(sampled, tokens)]
+
+    def _forward(self, chunks: list[ScheduledChunk]):
+        """forward_batch; with the residency tiers on, an out-of-memory error inside it (a long
+        prefill's activations on a GPU whose memory another process took) gives back half the
+        expert slots and runs the same chunks again. Nothing is lost: requests advance only
+        after a forward completes, the retry rewrites the same KV slots with the same values,
+        and the prefix cache is not touched."""
+        ex = self.residency
+        oom = ex.oom_errors if ex is not None else ()
+        while True:
+            try:
+                return self.runner.forward_batch(chunks)
+            except oom:
+                if ex.slots.num_slots == 0:
+                    raise
+                if self.model.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                ex.resize(ex.slots.num_slots // 2)
+                ex.telemetry.oom_retries += 1
 
     def _check_integrity(self) -> list[RequestOutput]:
         """Abort every request whose recorded (page, tag) pairs no longer match; others go on."""

@@ -64,7 +64,12 @@ def test_logits_do_not_depend_on_placement(arch, mode, checkpoint_factory):
     """Under the emulated accelerator everywhere; on the real GPU tiers (VRAM slots, the copy
     stream, pinned banks) where one is present."""
     path = checkpoint_factory(arch)
-    runs = {name: drive(path, residency=mode, **kw) for name, kw in PLACEMENTS.items()}
+    placements = PLACEMENTS
+    if mode == "cuda":   # there a budget of 0 means "the VRAM left": give the mixed runs emulation's half
+        slots = LLM(path, dtype="float32", show_progress=False, residency="emulate").residency.slots
+        half = slots.num_slots * slots.slot_bytes
+        placements = {name: {"vram_budget_bytes": half, **kw} for name, kw in PLACEMENTS.items()}
+    runs = {name: drive(path, residency=mode, **kw) for name, kw in placements.items()}
     tokens = runs["all_cpu"][1]
     theirs = transformers_logits(path, tokens)
     for name, (llm, toks, ours) in runs.items():
@@ -286,3 +291,30 @@ def test_dense_weights_move_to_the_accelerator_and_experts_stay(checkpoint_facto
     assert model.device.type == "meta"
     a = model.args
     assert KVCache(a.num_layers, 2, 16, a.num_kv_heads, a.head_dim, torch.float32, model.device).k.device.type == "meta"
+
+
+def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint_factory):
+    """An allocation failure in the middle of a forward (here raised once by a router, standing
+    in for a prefill's activations on a GPU another process filled) gives back half the expert
+    slots and runs the same step again: same tokens as the plain torch backend, the prefix cache
+    and the request untouched, no exception."""
+    path = checkpoint_factory("qwen3_moe")
+    ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    want = ref.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12)
+    ex = llm.residency
+    before = ex.slots.num_slots
+    layer = next(lw for lw in llm.model.weights.layers if lw.router is not None)
+    router, raised = layer.router, []
+
+    def router_once_oom(x):
+        if x.shape[0] > 1 and not raised:                    # the prefill's first MoE layer, once
+            raised.append(True)
+            raise torch.OutOfMemoryError("emulated: CUDA out of memory")
+        return router(x)
+
+    layer.router = router_once_oom
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert raised and out.token_ids == want
+    assert ex.slots.num_slots <= before // 2 + ex.slots.chunk_slots and ex.telemetry.oom_retries == 1
+    assert set(ex.slots.slot_of) == ex.policy.keys

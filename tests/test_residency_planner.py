@@ -187,15 +187,3 @@ def test_among_equal_misses_the_one_worth_keeping_streams():
     valued = plan(stats, cost("rtx5090"), Budgets(stream_slots=1, stream_values={11: 1e-9}))
     assert (base.stream, base.cpu) == ((3,), (8, 11))
     assert (valued.stream, valued.cpu) == ((11,), (3, 8))
-
-
-def test_split_line_is_the_fluid_split_of_the_two_bandwidths():
-    c = cost("rtx4090")
-    slope, per_layer = c.split_line()
-    # one expert's bytes at PCIe + CPU together: 2.65 MB / 65 GB/s
-    assert slope == pytest.approx(SPEC.expert_bytes / 65e9)
-    # the two sides end together: copy_call + a * b_pcie == cpu_call + (m - a) * b_cpu
-    m = 3
-    b_pcie, b_cpu = SPEC.expert_bytes / 25e9, SPEC.expert_bytes / 40e9
-    a = (per_layer + slope * m - c.profile.copy_call_s) / b_pcie
-    assert c.profile.cpu_call_s + (m - a) * b_cpu == pytest.approx(per_layer + slope * m)

@@ -151,7 +151,6 @@ def test_elastic_shrinks_at_once_and_grows_with_hysteresis():
     assert ev.target(free_bytes=100 * mb, current_slots=46) == 51
     assert ev.target(free_bytes=10**12, current_slots=51) == 100          # capped by the budget
     assert ev.target(free_bytes=0, current_slots=3) == 0
-    assert ElasticVram.after_oom(51) == 25
 
 
 @pytest.mark.parametrize("capacity", [0, 1])
@@ -206,3 +205,84 @@ def test_victim_scan_over_the_resident_list_matches_a_full_scan():
                 want = min(pool, key=lambda k: (score(*k), k)) if pool else None
                 got = p._victim(which, busy_layer=None if busy < 0 else busy)
                 assert (None if got is None else (int(got[0]), int(got[1]))) == want
+
+
+def test_slot_cache_shrinks_without_allocating_and_keeps_what_a_failed_grow_got():
+    """Chunked slots: a shrink moves the experts out of the chunks it drops and allocates nothing
+    (so it works with every allocation failing); a grow appends chunks and stops at the first
+    failure, keeping the chunks it got. Every resident expert keeps its weights throughout."""
+    import torch
+
+    from freetoken_py.residency.slots import SlotCache
+
+    fail = {"on": False}
+
+    def alloc(shape, **kw):
+        if fail["on"]:
+            raise torch.OutOfMemoryError("emulated: CUDA out of memory")
+        return torch.empty(shape, **kw)
+
+    cache = SlotCache(12, (4, 3), (3, 2), torch.float32, alloc=alloc, chunk_slots=4)
+    assert cache.num_slots == 12 and len(cache._w13) == 3
+    weights = {}
+    for key in [(0, 1), (0, 2), (1, 0), (1, 5), (2, 3)]:
+        w13, w2 = cache.views(cache.reserve(key))
+        w13.copy_(torch.randn(4, 3))
+        w2.copy_(torch.randn(3, 2))
+        weights[key] = (w13.clone(), w2.clone())
+    cache.evict((0, 1))
+    del weights[(0, 1)]
+    for key in [(3, 3), (3, 4), (4, 0), (4, 1), (4, 2)]:      # fill into the last chunk too
+        w13, w2 = cache.views(cache.reserve(key))
+        w13.fill_(float(key[1])), w2.fill_(-float(key[1]))
+        weights[key] = (w13.clone(), w2.clone())
+    for key in [(3, 3), (3, 4), (4, 0)]:
+        cache.evict(key)
+        del weights[key]
+    assert max(cache.slot_of.values()) >= 8                  # something sits in the last chunk
+
+    def same():
+        return all(torch.equal(cache.get(k)[0], a) and torch.equal(cache.get(k)[1], b) for k, (a, b) in weights.items())
+
+    fail["on"] = True
+    assert cache.resize(7) == 8                              # whole chunks: 8 slots hold the 6 experts
+    assert len(cache._w13) == 2 and max(cache.slot_of.values()) < 8 and same()
+    assert sorted(cache.free + list(cache.slot_of.values())) == list(range(8))
+    assert cache.resize(16) == 8                             # every allocation fails: nothing gained, nothing lost
+    fail["on"] = False
+    assert cache.resize(14) == 14 and [t.shape[0] for t in cache._w13] == [4, 4, 4, 2] and same()
+    calls = {"n": 0}
+
+    def third_fails(shape, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:                                  # the second chunk's first tensor
+            raise torch.OutOfMemoryError("emulated: CUDA out of memory")
+        return torch.empty(shape, **kw)
+
+    cache._alloc = third_fails
+    assert cache.resize(30) == 18 and same()                 # one more chunk of 4, then the failure
+    key = (9, 9)
+    assert cache.reserve(key) not in {s for k, s in cache.slot_of.items() if k != key}
+    with pytest.raises(RuntimeError):
+        cache.resize(len(cache.slot_of) - 1)                 # the policy must evict first
+
+
+def test_shadows_admit_what_the_accelerator_handled_within_the_copies_made():
+    """A shadow admits, in order, the misses the plan streamed and then the real cache's hits it
+    lacks, at most as many as the plan copied: a pure LRU offered every miss of a step larger
+    than the cache would loop and never hit."""
+    from freetoken_py.residency.adaptive import _LfuShadow, _LruShadow
+
+    freq = np.ones((2, 8))
+    for shadow in (_LruShadow(), _LfuShadow()):
+        shadow.fill([(0, 0), (0, 1)], freq)
+        routed = [(1, 2), (1, 3), (1, 4)]
+        # streamed (1, 3), real hit (1, 4), one copy made: only (1, 3) gets in
+        assert shadow.access(routed, 4, freq, offered=[(1, 3), (1, 4)], budget=1) == 0
+        held = shadow.keys if isinstance(shadow, _LruShadow) else shadow.resident
+        assert set(held) == {(0, 0), (0, 1), (1, 3)}
+        # next step (1, 3) is already held, so the one copy picks up the real cache's hit (1, 4)
+        assert shadow.access(routed, 4, freq, offered=[(1, 3), (1, 4)], budget=1) == 1
+        held = shadow.keys if isinstance(shadow, _LruShadow) else shadow.resident
+        assert set(held) == {(0, 0), (0, 1), (1, 3), (1, 4)}
+        assert shadow.access(routed, 4, freq, offered=[], budget=0) == 2     # nothing offered: nothing admitted

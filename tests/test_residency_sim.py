@@ -268,3 +268,18 @@ def test_policy_cost_bench_prints_one_line_per_case():
         parts = r["split_ms_per_token"] + r["touch_ms_per_token"] + r["admit_ms_per_token"]
         assert r["total_ms_per_token"] == pytest.approx(parts, abs=0.02) and r["total_ms_per_token"] > 0
         assert r["layers"] == 48 and r["expert_slots"] == 2109
+
+
+def test_locality_oracle_bound_script():
+    """bench/residency_locality_bound.py: the generator's per-position chances fall with age and
+    add up to at most k; the oracle's hits per layer-step are at most its slots per layer."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from residency_locality_bound import position_chances
+
+    chances = position_chances(128, 8, samples=3000)
+    assert chances[0] > chances[8] > chances[40] and chances.sum() <= 8
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "residency_locality_bound.py"), "--samples", "2000"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert 0 < row["oracle_hits_per_layer_step"] <= row["slots_per_layer"] and row["oracle_decode_tok_s"] > 0

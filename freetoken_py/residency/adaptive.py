@@ -80,7 +80,8 @@ class AdaptivePolicy:
         self._rng = np.random.default_rng(seed)
         self.now = 0
         self._victim_rate = (-1, 0.0)                          # (step, slowest resident's rate)
-        self._offered: tuple[int, tuple[int, ...]] | None = None   # (layer, experts streamed) of the last plan
+        # (layer, candidates, copies) of the last plan: what a shadow may admit, and how many
+        self._offered: tuple[int, tuple[int, ...], int] | None = None
 
     # ---- queries --------------------------------------------------------------------------
     def resident(self, layer: int) -> frozenset[int]:
@@ -131,7 +132,10 @@ class AdaptivePolicy:
         values = self.stream_values(layer, misses, cost) if misses and self.capacity else {}
         p = plan(stats, cost, Budgets(stream_slots=self.capacity, stream_values=values,
                                       split_experts=self.capacity > 0))
-        self._offered = (layer, p.stream)     # what this layer-step will ask the cache to keep
+        # what this layer-step leaves in the accelerator's hands (the streamed misses, most worth
+        # keeping first, then the hits), and how many copies the planner found worth making
+        # (CPU-evaluated and cut experts never reach a slot)
+        self._offered = (layer, p.stream + p.hits, len(p.stream))
         return p
 
     def touch(self, layer: int, step: int, tokens: dict[int, int]) -> None:
@@ -154,22 +158,26 @@ class AdaptivePolicy:
         self._shadow_touch(layer, step, tokens)
 
     def _shadow_touch(self, layer: int, step: int, tokens: dict[int, int]) -> None:
-        """Replay this layer-step on the pure-LRU and pure-LFU shadows. The misses the planner
-        streamed ask them for a slot, as they ask the real cache (a miss the CPU absorbs is not
-        offered; without a plan for this layer, every miss is); the LFU shadow, like the real
-        cache under LFU, turns away one rarer than its victim."""
+        """Replay this layer-step on the pure-LRU and pure-LFU shadows. A shadow admits what the
+        accelerator handles this step (the misses the planner streamed, then the real cache's
+        hits), as many as the copies the planner made: a shadow lacking one of the real cache's
+        hot experts can pick it up when the streamed ones leave room, and no shadow copies more
+        per step than the real cache could (a pure LRU offered all of a step's misses loops and never hits). What the
+        CPU absorbed or the planner cut reaches no slot. Without a plan for this layer, every
+        expert is offered. The LFU shadow, like the real cache under LFU, turns away one rarer
+        than its victim."""
         if step != self._shadow_step:
             self.shadow_hits *= self._shadow_decay ** (step - self._shadow_step)
             self._shadow_step = step
         if self.capacity == 0:
             return
         keys = [(layer, int(e)) for e in tokens]
-        offered = None
+        offered, budget = keys, len(keys)
         if self._offered is not None and self._offered[0] == layer:
-            offered = {(layer, int(e)) for e in self._offered[1]}
+            offered, budget = [(layer, int(e)) for e in self._offered[1]], self._offered[2]
             self._offered = None
         for which, shadow in enumerate(self.shadows):
-            self.shadow_hits[which] += shadow.access(keys, self.capacity, self.freq, offered)
+            self.shadow_hits[which] += shadow.access(keys, self.capacity, self.freq, offered, budget)
 
     def _leader(self) -> int | None:
         """LRU or LFU when its shadow has clearly scored more hits lately; None while they are close."""
@@ -267,17 +275,20 @@ class _LruShadow:
     def fill(self, keys: list[Key], freq: np.ndarray) -> None:
         self.keys = OrderedDict((k, None) for k in keys)
 
-    def access(self, keys: list[Key], capacity: int, freq: np.ndarray, offered: set[Key] | None = None) -> int:
-        """One layer-step's experts: returns the hits; misses (those in `offered`, when given) are
-        admitted, the least recently used key out (never one of this layer-step's, which are all
-        moved to the end first)."""
+    def access(self, keys: list[Key], capacity: int, freq: np.ndarray, offered: list[Key], budget: int) -> int:
+        """One layer-step's experts `keys`: returns the hits; then up to `budget` of `offered`
+        that are missing are admitted in order, the least recently used key out (never one of
+        this layer-step's, which are all moved to the end first)."""
         hits = 0
         for k in keys:
             if k in self.keys:
                 hits += 1
                 self.keys.move_to_end(k)
-        for k in keys:
-            if k not in self.keys and (offered is None or k in offered):
+        for k in offered:
+            if budget <= 0:
+                break
+            if k not in self.keys:
+                budget -= 1
                 if len(self.keys) >= capacity:
                     if len(self.keys) <= len(keys):
                         continue                  # every slot holds this layer-step's experts
@@ -328,16 +339,20 @@ class _LfuShadow:
             heapq.heappush(self.heap, entry)
         return victim
 
-    def access(self, keys: list[Key], capacity: int, freq: np.ndarray, offered: set[Key] | None = None) -> int:
+    def access(self, keys: list[Key], capacity: int, freq: np.ndarray, offered: list[Key], budget: int) -> int:
+        """As `_LruShadow.access`, the lowest count out, and a key rarer than it not kept."""
         hits = 0
         busy = set(keys)
         for k in keys:                            # counts were raised by touch(): re-key them
             if k in self.resident:
                 hits += 1
                 self._push(k, freq)
-        for k in keys:
-            if k in self.resident or (offered is not None and k not in offered):
+        for k in offered:
+            if budget <= 0:
+                break
+            if k in self.resident:
                 continue
+            budget -= 1
             if len(self.resident) >= capacity:
                 victim = self._pop_victim(freq, busy)
                 if victim is None or freq[k] < freq[victim]:

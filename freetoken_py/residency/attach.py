@@ -13,7 +13,7 @@ import torch
 
 from freetoken_py.errors import FreetokenError
 from freetoken_py.residency.adaptive import AdaptivePolicy
-from freetoken_py.residency.elastic import ElasticVram
+from freetoken_py.residency.elastic import ElasticVram, cuda_free_bytes
 from freetoken_py.residency.executor import ResidencyExecutor
 from freetoken_py.residency.planner import CostModel
 from freetoken_py.residency.policy import LruPolicy, StaticPolicy
@@ -21,7 +21,7 @@ from freetoken_py.residency.profiles import emulated, from_hardware_profile, get
 from freetoken_py.residency.slots import SlotCache
 
 POLICIES = ("ours", "lru", "static")
-CUDA_RESERVE_BYTES = 2**30   # VRAM left free on a GPU (activations, staging, the allocator's slack)
+CUDA_RESERVE_BYTES = 2**30   # VRAM left free on a GPU: this, or a tenth of the card if more (activations, staging)
 
 
 def make_policy(name: str, layers: list[int], num_experts: int, capacity: int, profile):
@@ -37,8 +37,8 @@ def make_policy(name: str, layers: list[int], num_experts: int, capacity: int, p
 def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int = 0, policy: str = "ours",
                      memory_probe: Optional[Callable[[], int]] = None, audit: bool = False,
                      prefetch: bool = True, cpu_kernels: bool = True) -> ResidencyExecutor:
-    """`vram_budget_bytes`: bytes for expert slots (0 = on CUDA, the free VRAM less a reserve
-    (call it after the dense weights and the KV cache are placed); emulated, room for half the
+    """`vram_budget_bytes`: bytes for expert slots (0 = on CUDA, the free VRAM less max(1 GiB, a
+    tenth of the card) (call it after the dense weights and the KV cache are placed); emulated, room for half the
     model's experts, so a tiny model exercises hits, streaming and the CPU at once). `cpu_kernels`: the CPU tier runs
     the numba expert kernels on views of the host weights (bf16 / fp32 SwiGLU experts); False,
     or any other dtype, runs torch there."""
@@ -62,8 +62,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     if vram_budget_bytes:
         budget = vram_budget_bytes
     elif mode == "cuda":   # what the dense weights and the KV cache left, less room for activations
-        free, total = torch.cuda.mem_get_info()
-        budget = max(0, free - max(CUDA_RESERVE_BYTES, total // 10))
+        budget = max(0, cuda_free_bytes() - max(CUDA_RESERVE_BYTES, torch.cuda.mem_get_info()[1] // 10))
     else:
         budget = expert_bytes * (len(moe) * num_experts // 2)
     num_slots = min(budget // expert_bytes, len(moe) * num_experts)
@@ -73,7 +72,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     routers = [lw.router if lw.w13 is not None else None for lw in layers] if prefetch else None
     elastic = ElasticVram(expert_bytes, num_slots) if memory_probe is not None else None
     if mode == "cuda" and memory_probe is None:
-        memory_probe = lambda: torch.cuda.mem_get_info()[0]  # noqa: E731
+        memory_probe = cuda_free_bytes
         elastic = ElasticVram(expert_bytes, num_slots)
     executor = ResidencyExecutor(w13, w2, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,

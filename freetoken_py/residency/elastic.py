@@ -1,9 +1,11 @@
 """Elastic VRAM: how many expert slots to hold given what the device reports free.
 
-Pure arithmetic, so it is tested without a GPU; the executor feeds it `torch.cuda.mem_get_info()`
-(or, under emulation, an injected probe) once per step. Shrinking is immediate (another process
-took memory); growing waits until `grow_margin_bytes` beyond the reserve is free, so a slot
-count does not flap around the boundary. An allocation failure halves the slots and retries.
+Pure arithmetic, so it is tested without a GPU; the executor feeds it the free VRAM (on CUDA
+`cuda_free_bytes`: what the driver reports free plus what PyTorch's allocator holds unused;
+under emulation an injected probe) once per step. Shrinking is immediate (another process took
+memory); growing waits until `grow_margin_bytes` beyond the reserve is free, so a slot count
+does not flap around the boundary. The slot cache itself never needs memory to shrink and keeps
+what it could get when a grow fails (slots.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ class ElasticVram:
             return want
         return current_slots
 
-    @staticmethod
-    def after_oom(current_slots: int) -> int:
-        return current_slots // 2
+
+def cuda_free_bytes() -> int:
+    """Free VRAM as this process can use it: the driver's free figure plus the blocks PyTorch's
+    caching allocator holds but no tensor uses (a finished prefill's activations, say)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()

@@ -42,6 +42,8 @@ def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
 
 
 class ResidencyExecutor:
+    oom_errors = OOM_ERRORS      # what an allocation failure raises (the engine shrinks the slots on it)
+
     def __init__(self, host_w13: list, host_w2: list, policy, cost: CostModel, slots: SlotCache, *,
                  routers: Optional[list] = None, top_k: int = 0, elastic: Optional[ElasticVram] = None,
                  memory_probe: Optional[Callable[[], int]] = None, label: str = "emulated",
@@ -113,10 +115,12 @@ class ResidencyExecutor:
             ready.synchronize()           # the accelerator's part has reached the host
         if cpu_part is not None:
             out = out + cpu_part.to(out.device)   # x on the GPU: the CPU's part goes there
+        if on_accel and out.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()   # the experts' time ends when their sum is ready
         self._count(layer, plan, tokens, cuts)
         c = self.telemetry.layers[layer]
         c.predicted_s += plan.seconds
-        c.measured_s += time.perf_counter() - t0   # the accelerator's part has reached the host
+        c.measured_s += time.perf_counter() - t0   # the accelerator's part is done (waited for above)
         return out
 
     @staticmethod
@@ -245,7 +249,7 @@ class ResidencyExecutor:
             return
         logits = self.routers[nxt](x)  # [T, E] this layer's input stands in for the next one's
         ids = torch.topk(logits.float(), self.top_k, dim=-1).indices.flatten()
-        counts = torch.bincount(ids, minlength=logits.shape[-1])
+        counts = torch.bincount(ids, minlength=logits.shape[-1]).cpu()   # one device-to-host read
         ranked = torch.argsort(counts, descending=True, stable=True)[:self.top_k].tolist()
         predicted = [e for e in ranked if counts[e] > 0]
         self._predicted[nxt] = set(predicted)
@@ -283,18 +287,15 @@ class ResidencyExecutor:
             self.cost = self.cost.observe(copy_gbps=nbytes / seconds / 1e9)
 
     def resize(self, num_slots: int) -> int:
-        """Shrink or grow the slot cache; on an allocation failure halve the request and retry.
-        Returns the slot count reached (never raises for lack of memory)."""
-        while True:
-            if num_slots < self.slots.num_slots:
-                for key in self.policy.resize(num_slots):
-                    self.slots.evict(key)
-            try:
-                self.slots.resize(num_slots)
-                break
-            except OOM_ERRORS:
-                self.telemetry.oom_retries += 1
-                num_slots = ElasticVram.after_oom(num_slots)
-        self.policy.resize(num_slots)
-        self.telemetry.resizes.append((self.step, num_slots))
-        return num_slots
+        """Shrink or grow the slot cache (`SlotCache.resize`: a shrink allocates nothing, a grow
+        keeps what it could allocate). Returns the slot count reached; never raises for lack of
+        memory, and the policy's capacity follows what is held."""
+        if num_slots < self.slots.num_slots:
+            for key in self.policy.resize(num_slots):
+                self.slots.evict(key)
+        reached = self.slots.resize(num_slots)
+        if reached < num_slots:
+            self.telemetry.oom_retries += 1     # the grow stopped at an allocation failure
+        self.policy.resize(reached)
+        self.telemetry.resizes.append((self.step, reached))
+        return reached

@@ -64,17 +64,6 @@ class CostModel:
         return max(self.expert_bytes / (self.cpu_expert_gbps * GB),
                    tokens * self.expert_flops_per_token / (self.profile.cpu_tflops * 1e12))
 
-    def split_line(self) -> tuple[float, float]:
-        """(seconds per miss, seconds per layer) of a layer's m >= 1 decode misses split ideally
-        between the copy queue and the CPU (a fluid split, as decision 5 approaches): one copy
-        call and one activation round trip, then both sides end together. The slope is one
-        expert's bytes at PCIe + CPU bandwidth added together."""
-        b_pcie = self.expert_bytes / (self.pcie_gbps * GB)
-        b_cpu = self.expert_bytes / (self.cpu_expert_gbps * GB)
-        share = b_pcie / (b_pcie + b_cpu)         # of each second on the CPU side, PCIe's part
-        p = self.profile
-        return b_cpu * share, p.copy_call_s + (p.cpu_call_s - p.copy_call_s) * share
-
     def observe(self, copy_gbps: float | None = None, cpu_gbps: float | None = None,
                 alpha: float = 0.2) -> "CostModel":
         """A new model nudged toward measured bandwidths (called once per step with what was seen)."""
@@ -174,9 +163,12 @@ def _worth_keeping_streams(stream: list[int], cpu: list[int], tokens: Mapping[in
     for e in cpu:
         cpu_reasons.setdefault(tokens[e], []).append(reasons[e])
     stream_reason = reasons[stream[0]] if stream else ""
+    groups: dict[int, list[int]] = {}
+    for e in stream + cpu:
+        groups.setdefault(tokens[e], []).append(e)
     new_stream, new_cpu = [], []
-    for n in sorted({tokens[e] for e in stream + cpu}, reverse=True):
-        group = sorted((e for e in stream + cpu if tokens[e] == n), key=lambda e: (-worth(e), e))
+    for n in sorted(groups, reverse=True):
+        group = sorted(groups[n], key=lambda e: (-worth(e), e))
         k = streamed_per_count.get(n, 0)
         new_stream += group[:k]
         new_cpu += group[k:]

@@ -277,6 +277,8 @@ def online_ceiling_flat_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes:
     total = math.comb(experts, k)
     g = [sum(math.comb(c, h) * math.comb(experts - c, k - h) / total * floor[h]
              for h in range(max(0, k - (experts - c)), min(c, k) + 1)) for c in range(experts + 1)]
+    for c in range(1, len(g)):       # a policy may leave slots empty: c slots are worth at least c - 1
+        g[c] = min(g[c], g[c - 1])
     per_layer = _lower_hull_at(g, min(capacity, n_layers * experts) / n_layers)
     return 1.0 / (dense_s + n_layers * per_layer)
 

@@ -1,17 +1,27 @@
 """The VRAM slot cache: fixed-size slots of one expert format, addressed by (layer, expert).
 
-    w13 [S, 2I, D]   gate and up projections of the expert in each slot
-    w2  [S, D, I]    down projection
+Slots live in chunks of `chunk_slots` experts (at most CHUNK_BYTES, at least 16 chunks):
+
+    w13 chunk [c, 2I, D]   gate and up projections of the experts in those slots
+    w2  chunk [c, D, I]    down projections
+
+so the cache can change size without ever holding two copies of itself. Shrinking (elastic
+VRAM: another process took memory) moves the experts that sit in the chunks to be dropped into
+free slots of the chunks that stay, then drops them: no allocation, so it cannot run out of
+memory. Growing appends chunks one at a time and stops at the first allocation failure, keeping
+what it got. Surviving experts keep their contents; their slot ids may change.
 
 Under an emulated accelerator the slots are CPU tensors (device="cpu"); with device="cuda" the
-same code holds them in VRAM and the copies go through `Streamer`. Resizing (elastic VRAM)
-reallocates and compacts: surviving experts keep their contents, slot ids change.
+same code holds them in VRAM and the copies go through `Streamer`.
 """
 from __future__ import annotations
+
+from bisect import bisect_right
 
 import torch
 
 Key = tuple[int, int]
+CHUNK_BYTES = 64 * 2**20
 
 
 def _oom_types() -> tuple[type, ...]:
@@ -24,31 +34,41 @@ OOM_ERRORS = _oom_types()
 
 class SlotCache:
     def __init__(self, num_slots: int, w13_shape: tuple[int, int], w2_shape: tuple[int, int],
-                 dtype: torch.dtype, device: str | torch.device = "cpu", alloc=torch.empty):
+                 dtype: torch.dtype, device: str | torch.device = "cpu", alloc=torch.empty, chunk_slots: int = 0):
         self.w13_shape, self.w2_shape = tuple(w13_shape), tuple(w2_shape)
         self.dtype, self.device = dtype, torch.device(device)
         self._alloc = alloc   # injectable so tests can make an allocation fail
-        self.w13 = self._alloc((num_slots, *self.w13_shape), dtype=dtype, device=self.device)  # [S, 2I, D]
-        self.w2 = self._alloc((num_slots, *self.w2_shape), dtype=dtype, device=self.device)    # [S, D, I]
+        # at most CHUNK_BYTES a chunk, and at least 16 chunks, so a shrink can free a sixteenth
+        self.chunk_slots = chunk_slots or max(1, min(CHUNK_BYTES // self.slot_bytes, -(-num_slots // 16)))
+        self._w13: list[torch.Tensor] = []   # chunks [c, 2I, D]
+        self._w2: list[torch.Tensor] = []    # chunks [c, D, I]
+        self._starts: list[int] = []         # first slot id of each chunk
         self.slot_of: dict[Key, int] = {}
-        self.free = list(range(num_slots - 1, -1, -1))   # pop() hands out slot 0 first
+        self.free: list[int] = []            # pop() hands out the lowest free slot
+        for size in self._chunk_sizes(0, num_slots):   # at start-up an allocation failure is an error
+            self._append_chunk(size)
+        self.free = list(range(self.num_slots - 1, -1, -1))
 
     @property
     def num_slots(self) -> int:
-        return self.w13.shape[0]
+        return self._starts[-1] + self._w13[-1].shape[0] if self._w13 else 0
 
     @property
     def slot_bytes(self) -> int:
-        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size() if self.num_slots else \
-            (self.w13_shape[0] * self.w13_shape[1] + self.w2_shape[0] * self.w2_shape[1]) * \
+        return (self.w13_shape[0] * self.w13_shape[1] + self.w2_shape[0] * self.w2_shape[1]) * \
             torch.empty((), dtype=self.dtype).element_size()
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of
 
+    def views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [2I, D] and [D, I] tensors of one slot."""
+        c = bisect_right(self._starts, slot) - 1
+        i = slot - self._starts[c]
+        return self._w13[c][i], self._w2[c][i]
+
     def get(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.slot_of[key]
-        return self.w13[s], self.w2[s]
+        return self.views(self.slot_of[key])
 
     def reserve(self, key: Key) -> int:
         """A free slot for `key` (the caller copies into it). Raises if none is free."""
@@ -62,16 +82,48 @@ class SlotCache:
     def evict(self, key: Key) -> None:
         self.free.append(self.slot_of.pop(key))
 
-    def resize(self, num_slots: int) -> None:
-        """Reallocate to `num_slots`, keeping every resident expert (evict first when shrinking)."""
+    def resize(self, num_slots: int) -> int:
+        """Shrink or grow toward `num_slots`, keeping every resident expert (evict first when
+        shrinking). Returns the slot count held: a shrink keeps whole chunks, so it may hold a
+        little more than asked (never more than one chunk); a grow stops at the first allocation
+        failure. Never raises for lack of memory."""
         if len(self.slot_of) > num_slots:
             raise RuntimeError(f"{len(self.slot_of)} experts resident, cannot shrink to {num_slots} slots")
-        w13 = self._alloc((num_slots, *self.w13_shape), dtype=self.dtype, device=self.device)
-        w2 = self._alloc((num_slots, *self.w2_shape), dtype=self.dtype, device=self.device)
-        keys = sorted(self.slot_of, key=self.slot_of.get)
-        for new, key in enumerate(keys):
-            w13[new].copy_(self.w13[self.slot_of[key]])
-            w2[new].copy_(self.w2[self.slot_of[key]])
-        self.w13, self.w2 = w13, w2          # old tensors freed here (VRAM returned to the allocator)
-        self.slot_of = {k: i for i, k in enumerate(keys)}
-        self.free = list(range(num_slots - 1, len(keys) - 1, -1))
+        if num_slots < self.num_slots:
+            self._shrink(num_slots)
+        elif num_slots > self.num_slots:
+            start = self.num_slots
+            for size in self._chunk_sizes(start, num_slots):
+                try:
+                    self._append_chunk(size)
+                except OOM_ERRORS:
+                    break
+            self.free = sorted(set(self.free) | set(range(start, self.num_slots)), reverse=True)
+        return self.num_slots
+
+    # ---- internals ------------------------------------------------------------------------
+    def _chunk_sizes(self, start: int, end: int) -> list[int]:
+        return [min(self.chunk_slots, end - s) for s in range(start, end, self.chunk_slots)]
+
+    def _append_chunk(self, size: int) -> None:
+        w13 = self._alloc((size, *self.w13_shape), dtype=self.dtype, device=self.device)
+        w2 = self._alloc((size, *self.w2_shape), dtype=self.dtype, device=self.device)
+        self._starts.append(self.num_slots)
+        self._w13.append(w13)
+        self._w2.append(w2)
+
+    def _shrink(self, num_slots: int) -> None:
+        keep = 0      # chunks kept: the fewest whose slots still hold `num_slots`
+        while keep < len(self._w13) and self._starts[keep] < num_slots:
+            keep += 1
+        total = self._starts[keep] if keep < len(self._starts) else self.num_slots
+        spare = sorted(s for s in self.free if s < total)
+        for key, s in sorted(self.slot_of.items(), key=lambda kv: kv[1]):
+            if s >= total:            # in a chunk that goes: move it into a slot that stays
+                dst = spare.pop(0)
+                for d, src in zip(self.views(dst), self.views(s)):
+                    d.copy_(src)
+                self.slot_of[key] = dst
+        del self._w13[keep:], self._w2[keep:], self._starts[keep:]   # their memory goes back
+        used = set(self.slot_of.values())
+        self.free = [s for s in range(total - 1, -1, -1) if s not in used]

@@ -62,9 +62,9 @@ class Streamer:
 
     def to_slot(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy into the slot the cache reserved for (layer, expert); returns the slot's views."""
-        s = self.slots.reserve((layer, expert))
-        self._copy(self.slots.w13[s], self.slots.w2[s], layer, expert)
-        return self.slots.w13[s], self.slots.w2[s]
+        w13, w2 = self.slots.views(self.slots.reserve((layer, expert)))
+        self._copy(w13, w2, layer, expert)
+        return w13, w2
 
     def to_staging(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy into the next staging buffer: a streamed expert the policy chose not to keep."""
