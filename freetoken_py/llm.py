@@ -255,12 +255,16 @@ class LLM:
         and the prefix cache is not touched."""
         ex = self.residency
         oom = ex.oom_errors if ex is not None else ()
+        recorder = getattr(self, "routing_recorder", None)
         while True:
+            recorded = len(recorder.trace.steps) if recorder is not None else 0
             try:
                 return self.runner.forward_batch(chunks)
             except oom:
                 if ex.slots.num_slots == 0:
                     raise
+                if recorder is not None:     # the failed pass's routing is not a step of the trace
+                    recorder.rewind(recorded)
                 if self.model.device.type == "cuda":
                     torch.cuda.empty_cache()
                 ex.resize(ex.slots.num_slots // 2)

@@ -293,7 +293,7 @@ def test_dense_weights_move_to_the_accelerator_and_experts_stay(checkpoint_facto
     assert KVCache(a.num_layers, 2, 16, a.num_kv_heads, a.head_dim, torch.float32, model.device).k.device.type == "meta"
 
 
-def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint_factory):
+def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint_factory, tmp_path):
     """An allocation failure in the middle of a forward (here raised once by a router, standing
     in for a prefill's activations on a GPU another process filled) gives back half the expert
     slots and runs the same step again: same tokens as the plain torch backend, the prefix cache
@@ -301,10 +301,12 @@ def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint
     path = checkpoint_factory("qwen3_moe")
     ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
     want = ref.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
-    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12)
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
+              record_routing=str(tmp_path / "routing.jsonl"))
     ex = llm.residency
     before = ex.slots.num_slots
-    layer = next(lw for lw in llm.model.weights.layers if lw.router is not None)
+    moe_layers = [i for i, lw in enumerate(llm.model.weights.layers) if lw.router is not None]
+    layer = llm.model.weights.layers[moe_layers[-1]]        # the failure comes after earlier layers ran
     router, raised = layer.router, []
 
     def router_once_oom(x):
@@ -318,3 +320,7 @@ def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint
     assert raised and out.token_ids == want
     assert ex.slots.num_slots <= before // 2 + ex.slots.chunk_slots and ex.telemetry.oom_retries == 1
     assert set(ex.slots.slot_of) == ex.policy.keys
+    # the failed pass left no step in the routing trace: one prefill, then one step per decode
+    steps = llm.routing_recorder.trace.steps
+    assert len(steps) == 6 and [len(s[moe_layers[0]]) for s in steps] == [len(PROMPT)] + [1] * 5
+    assert all(sorted(s) == moe_layers for s in steps)

@@ -130,5 +130,11 @@ class RoutingRecorder:
         self._last_layer = layer
         return self.inner(layer, x, ids, weights)
 
+    def rewind(self, num_steps: int) -> None:
+        """Forget every step after the first `num_steps` (a forward pass that failed and will be
+        run again); the next call starts a new step."""
+        del self.trace.steps[num_steps:]
+        self._last_layer = None
+
     def __getattr__(self, name):   # telemetry etc. of the wrapped executor stay reachable
         return getattr(self.inner, name)
