@@ -249,10 +249,13 @@ class LLM:
 
     def _forward(self, chunks: list[ScheduledChunk]):
         """forward_batch; with the residency tiers on, an out-of-memory error inside it (a long
-        prefill's activations on a GPU whose memory another process took) gives back half the
-        expert slots and runs the same chunks again. Nothing is lost: requests advance only
-        after a forward completes, the retry rewrites the same KV slots with the same values,
-        and the prefix cache is not touched."""
+        prefill's activations on a GPU whose memory another process took) gives back about half
+        the expert slots (at least one chunk; the elastic sizing then stays under what is left)
+        and runs the same chunks again, until it fits or no slot is left (then the error
+        stands). Nothing is lost: requests advance only after a forward and its logits
+        complete, the retry rewrites the same KV slots with the same values, and the prefix
+        cache is not touched. The failed pass's layers stay in the residency telemetry and the
+        policy's routing counts."""
         ex = self.residency
         oom = ex.oom_errors if ex is not None else ()
         recorder = getattr(self, "routing_recorder", None)
@@ -261,14 +264,12 @@ class LLM:
             try:
                 return self.runner.forward_batch(chunks)
             except oom:
-                if ex.slots.num_slots == 0:
-                    raise
                 if recorder is not None:     # the failed pass's routing is not a step of the trace
                     recorder.rewind(recorded)
+                if not ex.shrink_after_oom():
+                    raise                    # no slot left to give back: the step cannot fit
                 if self.model.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                ex.resize(ex.slots.num_slots // 2)
-                ex.telemetry.oom_retries += 1
+                    torch.cuda.empty_cache()   # the dropped chunks go back to the driver
 
     def _check_integrity(self) -> list[RequestOutput]:
         """Abort every request whose recorded (page, tag) pairs no longer match; others go on."""

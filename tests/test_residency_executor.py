@@ -324,3 +324,62 @@ def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint
     steps = llm.routing_recorder.trace.steps
     assert len(steps) == 6 and [len(s[moe_layers[0]]) for s in steps] == [len(PROMPT)] + [1] * 5
     assert all(sorted(s) == moe_layers for s in steps)
+
+
+def test_a_forward_that_never_fits_gives_up_and_the_slots_stay_down(checkpoint_factory):
+    """Every retry gives back at least one chunk, so a pass that cannot fit ends with the error
+    once no slot is left, not a loop; after a retry that fits, the free-memory probe does not
+    grow the slots back into the memory the pass needs."""
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12)
+    ex = llm.residency
+    layer = next(lw for lw in llm.model.weights.layers if lw.router is not None)
+    router = layer.router
+
+    def always_oom(x):
+        if x.shape[0] > 1:
+            raise torch.OutOfMemoryError("emulated: CUDA out of memory")
+        return router(x)
+
+    layer.router = always_oom
+    with pytest.raises(torch.OutOfMemoryError):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    sizes = [n for _, n in ex.telemetry.resizes]
+    assert ex.slots.num_slots == 0 and sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12)
+    ex = llm.residency
+    slot = ex.slots.slot_bytes
+    ex.elastic = ElasticVram(slot, max_slots=ex.slots.num_slots, reserve_bytes=slot, grow_margin_bytes=slot)
+    ex.memory_probe = lambda: 10**12                         # the probe always sees plenty free
+    layer = next(lw for lw in llm.model.weights.layers if lw.router is not None)
+    router, raised = layer.router, []
+
+    def once_oom(x):
+        if x.shape[0] > 1 and not raised:
+            raised.append(True)
+            raise torch.OutOfMemoryError("emulated: CUDA out of memory")
+        return router(x)
+
+    layer.router = once_oom
+    full = ex.slots.num_slots
+    llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert raised and ex.slots.num_slots < full and ex.elastic.max_slots == ex.slots.num_slots
+
+
+def test_elastic_target_inside_a_chunk_resizes_once(checkpoint_factory):
+    """A target that falls inside a chunk holds the whole chunk: one resize, then none, and no
+    expert evicted that the shrink did not free room for."""
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12)
+    ex = llm.residency
+    slots = ex.slots
+    assert slots.chunk_slots >= 2
+    slot = slots.slot_bytes
+    want = slots.num_slots - slots.chunk_slots - 1          # one slot into the second-to-last chunk
+    ex.elastic = ElasticVram(slot, max_slots=slots.num_slots, reserve_bytes=0, grow_margin_bytes=10**12)
+    ex.memory_probe = lambda: (want - ex.slots.num_slots) * slot if want < ex.slots.num_slots else 0
+    llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    held = slots.held_after_shrink(want)
+    assert ex.slots.num_slots == held > want and len(ex.telemetry.resizes) == 1
+    assert len(ex.policy.keys) <= held and ex.policy.capacity == held

@@ -65,9 +65,10 @@ class ModelRunner:
         new_slots = torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])  # new tokens end each context
         meta = AttentionMetadata(new_slots, seqs)
         hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.cache)  # [T, D]
-        for ch in chunks:
+        logits = self.model.logits(hidden[sample_rows])  # [S, V]
+        for ch in chunks:   # only once the whole pass is done: a failed pass can be run again as is
             ch.req.num_computed += ch.num_new
-        return self.model.logits(hidden[sample_rows])  # [S, V]
+        return logits
 
     def _forward_decode(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """One token per chunk through the fused numba step (same results as forward_batch's path)."""

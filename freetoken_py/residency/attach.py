@@ -73,7 +73,10 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     elastic = ElasticVram(expert_bytes, num_slots) if memory_probe is not None else None
     if mode == "cuda" and memory_probe is None:
         memory_probe = cuda_free_bytes
-        elastic = ElasticVram(expert_bytes, num_slots)
+        # the same room for activations the start-up budget left (the default 256 MiB is less than
+        # a prefill's activations need: the probe would grow the slots into them)
+        elastic = ElasticVram(expert_bytes, num_slots,
+                              reserve_bytes=max(CUDA_RESERVE_BYTES, torch.cuda.mem_get_info()[1] // 10))
     executor = ResidencyExecutor(w13, w2, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,
                                  memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",

@@ -24,6 +24,7 @@ device="cpu" is the emulated accelerator: identical code, CPU tensors, times fro
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -81,6 +82,7 @@ class ResidencyExecutor:
         on_accel = x.device.type != "cpu"      # dense weights on the GPU: x and the routing live there
         if on_accel:
             ids, weights = ids.cpu(), weights.cpu()   # the plan is made on the host either way
+            t0 = time.perf_counter()               # (that read waited for attention and the router)
         flat = ids.flatten()  # [T*k]
         counts = torch.bincount(flat, minlength=self.host_w13[layer].shape[0]).tolist()
         tokens = {e: n for e, n in enumerate(counts) if n}
@@ -97,6 +99,7 @@ class ResidencyExecutor:
         on_dev = self._to_device(groups, list(plan.hits) + list(plan.stream) + [e for e, c in cuts if c], dev,
                                  out_dev.dtype)
         for e in plan.hits:
+            self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
             self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
         for e in plan.stream:
             self._run(out_dev, xd, on_dev[e], *self._stream_in(layer, e), layer, e, "stream", groups[e][0])
@@ -258,7 +261,7 @@ class ResidencyExecutor:
                 for key in self.policy.admit(nxt, e, self.step):
                     self.slots.evict(key)
                 if self.policy.is_resident(nxt, e):
-                    self.streamer.to_slot(nxt, e)
+                    self.streamer.to_slot(nxt, e, ahead=True)
                     self.telemetry.layers[nxt].pcie_bytes += self.cost.expert_bytes
 
     def _score_prefetch(self, layer: int, tokens: dict[int, int]) -> None:
@@ -276,8 +279,25 @@ class ResidencyExecutor:
         self._observe_copies()
         if self.elastic is not None and self.memory_probe is not None:
             target = self.elastic.target(self.memory_probe(), self.slots.num_slots)
+            if target < self.slots.num_slots:        # a shrink frees whole chunks only
+                target = self.slots.held_after_shrink(target)
             if target != self.slots.num_slots:
                 self.resize(target)
+
+    def shrink_after_oom(self) -> bool:
+        """An allocation failed elsewhere (a forward's activations): give back at least one chunk
+        of slots, about half of them, and never grow past what is left (the free-memory probe
+        would otherwise count the freed memory and grow straight back). False when there is
+        nothing left to give."""
+        held = self.slots.num_slots
+        if held == 0:
+            return False
+        target = min(held // 2, self.slots._starts[-1])      # the last chunk goes at least
+        reached = self.resize(target)
+        if self.elastic is not None:
+            self.elastic = replace(self.elastic, max_slots=reached)
+        self.telemetry.oom_retries += 1
+        return reached < held
 
     def _observe_copies(self) -> None:
         """Feed the measured PCIe rate of last step's copies into the cost model (EMA), with the
@@ -290,7 +310,9 @@ class ResidencyExecutor:
         """Shrink or grow the slot cache (`SlotCache.resize`: a shrink allocates nothing, a grow
         keeps what it could allocate). Returns the slot count reached; never raises for lack of
         memory, and the policy's capacity follows what is held."""
+        self.streamer.wait_all()                  # slots may move: no look-ahead copy in flight
         if num_slots < self.slots.num_slots:
+            num_slots = self.slots.held_after_shrink(num_slots)   # evict no more than is freed
             for key in self.policy.resize(num_slots):
                 self.slots.evict(key)
         reached = self.slots.resize(num_slots)

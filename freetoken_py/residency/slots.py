@@ -44,7 +44,7 @@ class SlotCache:
         self._w2: list[torch.Tensor] = []    # chunks [c, D, I]
         self._starts: list[int] = []         # first slot id of each chunk
         self.slot_of: dict[Key, int] = {}
-        self.free: list[int] = []            # pop() hands out the lowest free slot
+        self.free: list[int] = []            # free slot ids (pop() takes the last)
         for size in self._chunk_sizes(0, num_slots):   # at start-up an allocation failure is an error
             self._append_chunk(size)
         self.free = list(range(self.num_slots - 1, -1, -1))
@@ -82,6 +82,12 @@ class SlotCache:
     def evict(self, key: Key) -> None:
         self.free.append(self.slot_of.pop(key))
 
+    def held_after_shrink(self, num_slots: int) -> int:
+        """The slots a shrink toward `num_slots` would hold: whole chunks, the fewest that still
+        have `num_slots` (so at most one chunk's worth more)."""
+        keep = sum(1 for start in self._starts if start < num_slots)
+        return self._starts[keep] if keep < len(self._starts) else self.num_slots
+
     def resize(self, num_slots: int) -> int:
         """Shrink or grow toward `num_slots`, keeping every resident expert (evict first when
         shrinking). Returns the slot count held: a shrink keeps whole chunks, so it may hold a
@@ -113,10 +119,8 @@ class SlotCache:
         self._w2.append(w2)
 
     def _shrink(self, num_slots: int) -> None:
-        keep = 0      # chunks kept: the fewest whose slots still hold `num_slots`
-        while keep < len(self._w13) and self._starts[keep] < num_slots:
-            keep += 1
-        total = self._starts[keep] if keep < len(self._starts) else self.num_slots
+        keep = sum(1 for start in self._starts if start < num_slots)   # chunks kept
+        total = self.held_after_shrink(num_slots)
         spare = sorted(s for s in self.free if s < total)
         for key, s in sorted(self.slot_of.items(), key=lambda kv: kv[1]):
             if s >= total:            # in a chunk that goes: move it into a slot that stays

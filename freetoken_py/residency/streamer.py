@@ -24,6 +24,7 @@ class Streamer:
         self._staging = [self._staging_pair(), self._staging_pair()]   # double buffer for unkept copies
         self._next = 0
         self._timed: list = []     # CUDA: (start event, end event, bytes) of copies not yet read back
+        self._pending: dict = {}   # CUDA: (layer, expert) -> end event of a look-ahead copy nobody waited for
 
     def _staging_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slots
@@ -33,12 +34,15 @@ class Streamer:
     def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int) -> None:
         self._copy_pairs([(dst13, self.host_w13[layer][expert]), (dst2, self.host_w2[layer][expert])])
 
-    def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """(device destination, host source) copies, on the copy stream where there is one."""
+    def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool = True):
+        """(device destination, host source) copies, on the copy stream where there is one. With
+        `wait`, later compute waits for them; without, the caller gets the copy's end event and
+        waits for it where the data is first used (a look-ahead copy must not hold up the
+        current layer's work)."""
         if self._stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
-            return
+            return None
         compute = torch.cuda.current_stream()     # taken outside the block: inside it, this is the copy stream
         # the slot or staging buffer may still be read by compute queued earlier: wait for it first
         self._stream.wait_stream(compute)
@@ -48,8 +52,10 @@ class Streamer:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
             end.record()
-        compute.wait_stream(self._stream)           # compute waits for this copy only
+        if wait:
+            compute.wait_stream(self._stream)       # compute waits for this copy only
         self._timed.append((start, end, sum(src.numel() * src.element_size() for _, src in pairs)))
+        return end
 
     def finished_copies(self) -> tuple[int, float]:
         """(bytes, seconds) of the timed copies that have completed since the last call (CUDA
@@ -60,11 +66,27 @@ class Streamer:
         self._timed = pending
         return (sum(b for _, _, b in done), sum(s.elapsed_time(e) for s, e, _ in done) / 1e3)
 
-    def to_slot(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy into the slot the cache reserved for (layer, expert); returns the slot's views."""
+    def to_slot(self, layer: int, expert: int, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy into the slot the cache reserved for (layer, expert); returns the slot's views.
+        `ahead` (look-ahead prefetch): compute does not wait for it now, only in `wait_for`."""
         w13, w2 = self.slots.views(self.slots.reserve((layer, expert)))
-        self._copy(w13, w2, layer, expert)
+        end = self._copy_pairs([(w13, self.host_w13[layer][expert]), (w2, self.host_w2[layer][expert])],
+                               wait=not ahead)
+        if ahead and end is not None:
+            self._pending[(layer, expert)] = end
         return w13, w2
+
+    def wait_for(self, key: tuple[int, int]) -> None:
+        """Before compute reads a slot: wait for its look-ahead copy, if one is still pending."""
+        end = self._pending.pop(key, None)
+        if end is not None:
+            torch.cuda.current_stream().wait_event(end)
+
+    def wait_all(self) -> None:
+        """Before slots move (elastic resize): compute waits for every pending look-ahead copy."""
+        for end in self._pending.values():
+            torch.cuda.current_stream().wait_event(end)
+        self._pending.clear()
 
     def to_staging(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy into the next staging buffer: a streamed expert the policy chose not to keep."""
