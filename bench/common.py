@@ -274,11 +274,13 @@ def residency_decode(llm, ex, prompt: list[int], n: int) -> dict:
     while not req.output_token_ids:                         # prefill (in chunks if long) + the first token
         llm.step()
     first_decode_step = len(llm.routing_recorder.trace.steps) if llm.routing_recorder else 0
+    ex.flush_timing()                                       # GPU-clock times of the calls so far
     before = ex.telemetry.totals()
     t0 = time.perf_counter()
     while not req.finished:
         llm.step()
     seconds = time.perf_counter() - t0
+    ex.flush_timing()
     after = ex.telemetry.totals()
     diff = {f: getattr(after, f) - getattr(before, f) for f in after.__dataclass_fields__}
     return {"seconds": seconds, "tokens": n, "first_decode_step": first_decode_step, **diff}

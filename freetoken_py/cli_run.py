@@ -56,6 +56,7 @@ def _print_residency(llm) -> None:
         print("[--stats: the residency tiers are off; pass --gpu-experts (CUDA) or --emulate-gpu PROFILE]",
               file=sys.stderr)
         return
+    llm.residency.flush_timing()
     print("\n".join(llm.residency.telemetry.format_lines()), file=sys.stderr)
 
 

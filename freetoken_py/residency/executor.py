@@ -61,6 +61,7 @@ class ResidencyExecutor:
         self.audit: Optional[list] = [] if audit else None   # (step, layer, token, expert, tier)
         self.step, self._last_layer = -1, None
         self._predicted: dict[int, set[int]] = {}
+        self._timing: list = []     # (layer, start, end) CUDA events of calls with x on the GPU, unread
         # feed the measured CPU-tier speed and copy rate into the cost model: right when the profile
         # describes this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
         self.measure_live = measure_live
@@ -80,9 +81,13 @@ class ResidencyExecutor:
             self._new_step()
         self._last_layer = layer
         on_accel = x.device.type != "cpu"      # dense weights on the GPU: x and the routing live there
+        timing = None
         if on_accel:
             ids, weights = ids.cpu(), weights.cpu()   # the plan is made on the host either way
-            t0 = time.perf_counter()               # (that read waited for attention and the router)
+            self.flush_timing(wait=False)          # that read waited for the GPU: earlier layers' events are done
+            if x.device.type == "cuda":            # the experts' time on the GPU's clock, from here
+                timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                timing[0].record()
         flat = ids.flatten()  # [T*k]
         counts = torch.bincount(flat, minlength=self.host_w13[layer].shape[0]).tolist()
         tokens = {e: n for e, n in enumerate(counts) if n}
@@ -118,13 +123,28 @@ class ResidencyExecutor:
             ready.synchronize()           # the accelerator's part has reached the host
         if cpu_part is not None:
             out = out + cpu_part.to(out.device)   # x on the GPU: the CPU's part goes there
-        if on_accel and out.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()   # the experts' time ends when their sum is ready
         self._count(layer, plan, tokens, cuts)
         c = self.telemetry.layers[layer]
         c.predicted_s += plan.seconds
-        c.measured_s += time.perf_counter() - t0   # the accelerator's part is done (waited for above)
+        if timing is not None:     # ends when the two parts' sum is ready; read back later, no wait now
+            timing[1].record()
+            self._timing.append((layer, *timing))
+        else:                      # the accelerator's part has been waited for above
+            c.measured_s += time.perf_counter() - t0
         return out
+
+    def flush_timing(self, wait: bool = True) -> None:
+        """Add the GPU-clock times of finished layer calls (x on the GPU) to `measured_s`; with
+        `wait`, wait for the last ones first (before reading the telemetry)."""
+        if wait and self._timing:
+            self._timing[-1][2].synchronize()
+        pending = []
+        for layer, start, end in self._timing:
+            if end.query():
+                self.telemetry.layers[layer].measured_s += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((layer, start, end))
+        self._timing = pending
 
     @staticmethod
     def _to_host(out_dev: torch.Tensor, x: torch.Tensor):
