@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -72,7 +72,8 @@ class LLM:
         self._namespace_base: tuple | None = None
         self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.prefix_cache, self._cache_namespace,
-                                   self.tracker)
+                                   self.tracker, more_pages=self._more_pages if self.residency is not None else None)
+        self._slot_floor = self.residency.slots.num_slots // 4 if self.residency is not None else 0
         self._streams: dict[int, _Stream] = {}
         self._calibrate_kv()
         self._warm_kernels()
@@ -270,6 +271,42 @@ class LLM:
                     raise                    # no slot left to give back: the step cannot fit
                 if self.model.device.type == "cuda":
                     torch.cuda.empty_cache()   # the dropped chunks go back to the driver
+
+    def _more_pages(self, need: int) -> int:
+        """The KV/slot split, re-decided when it matters: the running requests need `need` more
+        pages than are free (the prefix cache already evicted) and would otherwise be preempted
+        (and recompute their whole context later). A page is worth more than an expert slot (a
+        slot saves one expert's copy per step), so the KV cache grows by taking the memory from
+        the expert slots: by a quarter at least, while the slots stay above a quarter of what
+        they started with. Returns the pages added (0: the slots are at that floor)."""
+        ex, a, c = self.residency, self.args, self.config
+        per_page = KVCache.bytes_per_page(a.num_layers, c.page_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        slot_bytes, cuda = ex.slots.slot_bytes, self.model.device.type == "cuda"
+        want = max(need, self.allocator.num_pages // 4)
+        # on a GPU the old pages are copied into the new cache: their bytes are needed for a moment
+        # too (the slots get those back through the elastic sizing afterwards)
+        copy_bytes = self.allocator.num_pages * per_page if cuda else 0
+        give = -(-(want * per_page + copy_bytes) // slot_bytes)
+        edges = [b for b in ex.slots.boundaries() if b >= self._slot_floor]   # whole chunks only
+        if not edges:
+            return 0
+        target = max((b for b in edges if b <= ex.slots.num_slots - give), default=min(edges))
+        add = min(want, ((ex.slots.num_slots - target) * slot_bytes - copy_bytes) // per_page)
+        if add < need:
+            return 0
+        ex.resize(target)
+        if ex.elastic is not None:   # the elastic sizing may not grow back into the pages' share
+            ex.elastic = replace(ex.elastic, max_slots=max(0, ex.elastic.max_slots - -(-add * per_page // slot_bytes)))
+        if cuda:
+            torch.cuda.empty_cache()
+        pages = self.allocator.num_pages + add
+        try:
+            self.runner.cache.grow(pages)
+        except ex.oom_errors:        # the memory was not there after all: preempt, as without tiers
+            return 0
+        self.allocator.grow(pages)
+        ex.telemetry.kv_grows.append((ex.step, pages))
+        return add
 
     def _check_integrity(self) -> list[RequestOutput]:
         """Abort every request whose recorded (page, tag) pairs no longer match; others go on."""

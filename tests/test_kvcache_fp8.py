@@ -63,3 +63,21 @@ def test_fp8_kl_vs_bf16_cache(checkpoint_factory, arch):
         kls.append((ref.exp() * (ref - fp8)).sum(-1))  # [positions] KL(ref || fp8)
     kl = torch.cat(kls).mean().item()
     assert 0 < kl <= 0.005, kl  # > 0: the fp8 path really quantised
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+def test_growing_the_kv_cache_keeps_every_stored_token(dtype):
+    cache = KVCache(num_layers=2, num_pages=3, page_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor([0, 5, 11])
+    k, v = torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g)
+    for layer in range(2):
+        cache.write(layer, slots, k, v)
+    before = [cache.read(layer, slots) for layer in range(2)]
+    cache.grow(5)
+    assert cache.num_pages == 5 and cache.k.shape[1] == 5 * 4
+    for layer in range(2):
+        kk, vv = cache.read(layer, slots)
+        assert torch.equal(kk, before[layer][0]) and torch.equal(vv, before[layer][1])
+    cache.write(0, torch.tensor([19]), k[:1], v[:1])      # a slot of a new page works
+    assert torch.equal(cache.read(0, torch.tensor([19]))[0], cache.read(0, torch.tensor([0]))[0])

@@ -116,3 +116,23 @@ def test_a_request_that_lost_a_page_never_publishes_it_and_stale_nodes_never_mat
     cache.insert("ns", e.prompt_token_ids[:4], pages)
     alloc.tags[pages[0]] += 1
     assert cache.match("ns", e.prompt_token_ids[:4]).num_tokens == 0
+
+
+def test_growing_the_allocator_keeps_holders_and_tags():
+    """More page ids (the KV cache grew): held pages, their tags and the tracker's view survive;
+    the new ids are free and handed out after the old free ones."""
+    alloc = PageAllocator(4)
+    tracker = IntegrityTracker(alloc)
+    held = alloc.allocate(3)
+    tracker.record(7, held)
+    alloc.release([held[2]])                       # bumps its tag; id 2 and 3 are free now
+    tags_before = alloc.tags_np.copy()
+    alloc.grow(7)
+    assert alloc.num_pages == 7 and alloc.num_free == 2 + 3
+    assert (alloc.tags_np[:4] == tags_before).all() and (alloc.tags_np[4:] == 0).all()
+    assert alloc.tags[5].item() == 0               # the torch view follows the new array
+    assert tracker.check() == {7: [held[2]]}       # the released page still reads as lost, nothing else
+    first = alloc.allocate(2)
+    assert sorted(first) == [2, 3] and sorted(alloc.allocate(3)) == [4, 5, 6]
+    alloc.grow(5)                                  # never shrinks
+    assert alloc.num_pages == 7

@@ -383,3 +383,32 @@ def test_elastic_target_inside_a_chunk_resizes_once(checkpoint_factory):
     held = slots.held_after_shrink(want)
     assert ex.slots.num_slots == held > want and len(ex.telemetry.resizes) == 1
     assert len(ex.policy.keys) <= held and ex.policy.capacity == held
+
+
+def test_kv_cache_grows_into_expert_slot_memory_instead_of_preempting(checkpoint_factory):
+    """The KV/slot split re-decided while running: two requests outgrow a small KV cache. The
+    plain engine preempts one (and recomputes it); with the residency tiers the KV cache grows
+    by taking memory from the expert slots, nobody is preempted, stored tokens survive the
+    move, and the outputs are the plain engine's."""
+    from freetoken_py.kvcache import KVCache
+
+    path = checkpoint_factory("qwen3_moe")
+    prompts = [random_prompt(24, seed=s) for s in (1, 2)]  # both fit at first, not once they grow
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    probe = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    a, page = probe.args, probe.config.page_size
+    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * \
+        (2 * -(-48 // page) - 1)                             # one page short of both at full length
+    plain = LLM(path, dtype="float32", show_progress=False, backend="torch", kv_cache_bytes=small)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert plain.scheduler.num_preemptions > 0               # the small cache does force a preemption
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
+              kv_cache_bytes=small)
+    ex = llm.residency
+    slots_before, pages_before = ex.slots.num_slots, llm.allocator.num_pages
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert llm.scheduler.num_preemptions == 0 and ex.telemetry.kv_grows
+    assert llm.allocator.num_pages > pages_before and llm.runner.cache.num_pages == llm.allocator.num_pages
+    assert ex.slots.num_slots < slots_before and ex.slots.num_slots >= slots_before // 4
+    assert set(ex.slots.slot_of) == ex.policy.keys

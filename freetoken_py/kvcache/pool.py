@@ -66,6 +66,18 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
+    def grow(self, num_pages: int) -> None:
+        """Hand out page ids up to `num_pages` from now on (the KV tensors grew to match). Held
+        pages, their tags and the free list are kept; the new ids start at tag 0."""
+        if num_pages <= self.num_pages:
+            return
+        added = list(range(num_pages - 1, self.num_pages - 1, -1))
+        self._free = added + self._free            # the old free ids are still handed out first
+        self._refcount.extend([0] * (num_pages - self.num_pages))
+        self.tags_np = np.concatenate([self.tags_np, np.zeros(num_pages - self.num_pages, np.int64)])
+        self.tags = torch.from_numpy(self.tags_np)
+        self.num_pages = num_pages
+
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -90,6 +102,18 @@ class KVCache:
         self.k_scale = torch.zeros(num_layers, num_kv_heads, device=self.device)
         self.v_scale = torch.zeros(num_layers, num_kv_heads, device=self.device)
         self._layer_calibrated = [not self.quantized] * num_layers  # a Python flag: no tensor op per write
+
+    def grow(self, num_pages: int) -> None:
+        """Reallocate K and V for `num_pages` pages, keeping every stored token (slot ids do not
+        change). Needs the new size free for a moment, on top of the old."""
+        if num_pages <= self.num_pages:
+            return
+        shape = (self.k.shape[0], num_pages * self.page_size, *self.k.shape[2:])
+        k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)   # both first: a failure
+        v = torch.zeros(shape, dtype=self.v.dtype, device=self.v.device)   # leaves the cache as it was
+        k[:, :self.k.shape[1]].copy_(self.k)
+        v[:, :self.v.shape[1]].copy_(self.v)
+        self.k, self.v, self.num_pages = k, v, num_pages
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

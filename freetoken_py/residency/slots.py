@@ -82,6 +82,10 @@ class SlotCache:
     def evict(self, key: Key) -> None:
         self.free.append(self.slot_of.pop(key))
 
+    def boundaries(self) -> list[int]:
+        """The slot counts a shrink can land on exactly (chunk edges), 0 and the current one included."""
+        return [0, *self._starts[1:], self.num_slots] if self._starts else [0]
+
     def held_after_shrink(self, num_slots: int) -> int:
         """The slots a shrink toward `num_slots` would hold: whole chunks, the fewest that still
         have `num_slots` (so at most one chunk's worth more)."""

@@ -36,6 +36,7 @@ class Telemetry:
     steps: int = 0
     resizes: list[tuple[int, int]] = field(default_factory=list)   # (step, new slot count)
     oom_retries: int = 0
+    kv_grows: list[tuple[int, int]] = field(default_factory=list)  # (step, KV pages after) taken from the slots
 
     def totals(self) -> LayerCounters:
         t = LayerCounters()
@@ -57,7 +58,8 @@ class Telemetry:
                 "predicted_s": t.predicted_s, "measured_s": t.measured_s,
                 "cpu_tier_s": t.cpu_tier_s,
                 "cpu_tier_gbps": t.cpu_tier_bytes / t.cpu_tier_s / 1e9 if t.cpu_tier_s else None,
-                "resizes": len(self.resizes), "oom_retries": self.oom_retries}
+                "resizes": len(self.resizes), "oom_retries": self.oom_retries,
+                "kv_grows": len(self.kv_grows)}
 
     def as_dict(self) -> dict:
         """`summary()` plus every counter per layer (what `/v1/freetoken/stats` serves)."""
@@ -82,6 +84,9 @@ class Telemetry:
         if self.resizes:
             lines.append(f"elastic VRAM: {len(self.resizes)} resizes, last to {self.resizes[-1][1]} slots; "
                          f"{self.oom_retries} allocation retries")
+        if self.kv_grows:
+            lines.append(f"KV cache grew {len(self.kv_grows)} times into expert-slot memory, "
+                         f"now {self.kv_grows[-1][1]} pages")
         return lines
 
     @staticmethod

@@ -28,7 +28,8 @@ class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_cache: RadixCache | None = None,
                  namespace: Callable[[Request], Hashable | None] | None = None,
-                 tracker: IntegrityTracker | NullTracker | None = None):
+                 tracker: IntegrityTracker | NullTracker | None = None,
+                 more_pages: Callable[[int], int] | None = None):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -40,6 +41,9 @@ class Scheduler:
         # namespace(req) -> the cache key's namespace; None = do not cache this request
         self.namespace = namespace or (lambda req: ("default", req.cache_salt))
         self.tracker = tracker or NullTracker(allocator)
+        # more_pages(n) -> pages added to the allocator (the engine may grow the KV cache, taking
+        # the memory from elsewhere), asked after the prefix cache and before preempting anyone
+        self.more_pages = more_pages
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -55,6 +59,8 @@ class Scheduler:
         need = self._pages_needed(req, upto)
         if need > self.allocator.num_free and self.prefix_cache is not None:
             self.prefix_cache.evict(need - self.allocator.num_free)  # cached pages go before requests
+        if need > self.allocator.num_free and self.more_pages is not None:
+            self.more_pages(need - self.allocator.num_free)
         if need > self.allocator.num_free:
             return False
         pages = self.allocator.allocate(need)
