@@ -74,6 +74,7 @@ class LLM:
                                    self.config.max_num_batched_tokens, self.prefix_cache, self._cache_namespace,
                                    self.tracker, more_pages=self._more_pages if self.residency is not None else None)
         self._slot_floor = self.residency.slots.num_slots // 4 if self.residency is not None else 0
+        self._kv_grow_after = 0      # after a failed grow, the step before which none is tried
         self._streams: dict[int, _Stream] = {}
         self._calibrate_kv()
         self._warm_kernels()
@@ -280,6 +281,8 @@ class LLM:
         the expert slots: by a quarter at least, while the slots stay above a quarter of what
         they started with. Returns the pages added (0: the slots are at that floor)."""
         ex, a, c = self.residency, self.args, self.config
+        if self.runner.fused is not None or ex.step < self._kv_grow_after:
+            return 0                 # (the fused CPU decoder holds views of the cache's tensors)
         per_page = KVCache.bytes_per_page(a.num_layers, c.page_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
         slot_bytes, cuda = ex.slots.slot_bytes, self.model.device.type == "cuda"
         want = max(need, self.allocator.num_pages // 4)
@@ -295,17 +298,20 @@ class LLM:
         if add < need:
             return 0
         ex.resize(target)
-        if ex.elastic is not None:   # the elastic sizing may not grow back into the pages' share
-            ex.elastic = replace(ex.elastic, max_slots=max(0, ex.elastic.max_slots - -(-add * per_page // slot_bytes)))
         if cuda:
             torch.cuda.empty_cache()
         pages = self.allocator.num_pages + add
         try:
             self.runner.cache.grow(pages)
-        except ex.oom_errors:        # the memory was not there after all: preempt, as without tiers
+        except ex.oom_errors:
+            # the memory was not there as one block after all: preempt, as without the tiers; the
+            # elastic sizing grows the slots back, and no grow is tried for a while
+            self._kv_grow_after = ex.step + 64
             return 0
         self.allocator.grow(pages)
-        ex.telemetry.kv_grows.append((ex.step, pages))
+        if ex.elastic is not None:   # the elastic sizing may not grow back into the pages' share
+            ex.elastic = replace(ex.elastic, max_slots=max(0, ex.elastic.max_slots - -(-add * per_page // slot_bytes)))
+        ex.telemetry.kv_grows.append((ex.step + 1, pages))     # the coming step
         return add
 
     def _check_integrity(self) -> list[RequestOutput]:

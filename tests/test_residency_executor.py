@@ -412,3 +412,30 @@ def test_kv_cache_grows_into_expert_slot_memory_instead_of_preempting(checkpoint
     assert llm.allocator.num_pages > pages_before and llm.runner.cache.num_pages == llm.allocator.num_pages
     assert ex.slots.num_slots < slots_before and ex.slots.num_slots >= slots_before // 4
     assert set(ex.slots.slot_of) == ex.policy.keys
+
+
+def test_a_kv_grow_that_fails_costs_the_slots_once_and_preempts_as_before(checkpoint_factory):
+    """The KV cache's reallocation fails (the memory was not there as one block): the request is
+    preempted as without the tiers, the slots are given up once, and no grow is tried again for
+    a while (the elastic sizing brings the slots back on a GPU)."""
+    from freetoken_py.kvcache import KVCache
+
+    path = checkpoint_factory("qwen3_moe")
+    prompts = [random_prompt(24, seed=s) for s in (1, 2)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    a, page = ref.args, ref.config.page_size
+    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * (2 * -(-48 // page) - 1)
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
+              kv_cache_bytes=small)
+    ex = llm.residency
+
+    def no_memory(num_pages):
+        raise torch.OutOfMemoryError("emulated: CUDA out of memory")
+
+    llm.runner.cache.grow = no_memory
+    pages = llm.allocator.num_pages
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.token_ids for o in ref.generate(prompts, params)]
+    assert llm.scheduler.num_preemptions > 0 and not ex.telemetry.kv_grows and llm.allocator.num_pages == pages
+    assert len(ex.telemetry.resizes) == 1            # one try, then none for a while

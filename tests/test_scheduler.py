@@ -50,3 +50,27 @@ def test_preemption_frees_the_newest_request():
     assert [ch.req for ch in chunks] == [a] and a.page_table == [0, 2]  # freed pages reused LIFO
     assert b.num_computed == 0 and b.page_table == [] and list(s.waiting) == [b]
     assert s.num_preemptions == 1
+
+
+def test_more_pages_is_asked_only_for_a_running_request_about_to_be_preempted():
+    """The engine's hook (which may grow the KV cache) is asked before a running request is
+    preempted; a waiting request that does not fit just waits, without asking."""
+    alloc = PageAllocator(3)
+    asked = []
+
+    def more_pages(n):
+        asked.append(n)
+        alloc.grow(alloc.num_pages + n)
+        return n
+
+    s = Scheduler(alloc, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, more_pages=more_pages)
+    a, b = _req(8), _req(8)                         # two pages each: b cannot be admitted yet
+    s.add(a), s.add(b)
+    chunks = s.schedule()
+    assert [c.req for c in chunks] == [a] and list(s.waiting) == [b] and asked == []
+    a.output_token_ids.extend([1, 2, 3])            # 11 tokens: a third page, the last free one
+    s.schedule()
+    assert asked == [] and len(a.page_table) == 3 and list(s.waiting) == [b]   # b waits, nobody asked
+    a.output_token_ids.extend([4, 5, 6, 7])         # 15 tokens: a fourth page, none free
+    s.schedule()                                    # ask instead of preempting a
+    assert asked == [1] and s.num_preemptions == 0 and a in s.running and len(a.page_table) == 4

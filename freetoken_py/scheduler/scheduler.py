@@ -55,11 +55,13 @@ class Scheduler:
     def _pages_needed(self, req: Request, upto: int) -> int:
         return max(0, -(-upto // self.page_size) - len(req.page_table))
 
-    def _grow(self, req: Request, upto: int) -> bool:
+    def _grow(self, req: Request, upto: int, running: bool = False) -> bool:
+        """Pages for `req` up to token `upto`. `running`: it would be preempted otherwise, so the
+        engine is asked for more pages (a waiting request just waits)."""
         need = self._pages_needed(req, upto)
         if need > self.allocator.num_free and self.prefix_cache is not None:
             self.prefix_cache.evict(need - self.allocator.num_free)  # cached pages go before requests
-        if need > self.allocator.num_free and self.more_pages is not None:
+        if need > self.allocator.num_free and running and self.more_pages is not None:
             self.more_pages(need - self.allocator.num_free)
         if need > self.allocator.num_free:
             return False
@@ -111,7 +113,7 @@ class Scheduler:
             if req not in self.running or budget == 0:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
-            while not self._grow(req, req.num_computed + n):
+            while not self._grow(req, req.num_computed + n, running=True):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:

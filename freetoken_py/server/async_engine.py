@@ -190,6 +190,7 @@ class AsyncEngine:
         ex = getattr(self.llm, "residency", None)
         if ex is None:
             return {}
+        ex.flush_timing(wait=False)      # on the engine thread: GPU-clock times of finished calls
         return {"residency": {**ex.telemetry.as_dict(), "expert_slots": ex.slots.num_slots}}
 
     # ---- the engine thread ------------------------------------------------------------------
