@@ -71,3 +71,8 @@ class EngineConfig:
                                  "drop --backend cpu / --expert-dtype")
         if self.vram_budget_bytes < 0:
             raise FreetokenError("vram budget must be >= 0")
+        if self.residency == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise FreetokenError("--gpu-experts needs a CUDA GPU; use --emulate-gpu PROFILE on this machine")

@@ -51,10 +51,7 @@ class LLM:
                                         auto(c.dense_dtype), c.expert_cache, c.show_progress)
         else:
             self.model = load_model(model_dir, self.config.dtype, self.config.show_progress)
-        if self.config.residency == "cuda":
-            if not torch.cuda.is_available():
-                raise FreetokenError("residency=cuda (--gpu-experts) needs a CUDA GPU; use --emulate-gpu PROFILE "
-                                     "on this machine")
+        if self.config.residency == "cuda":   # (EngineConfig checked that a CUDA GPU is there)
             self.model.to_accelerator("cuda")   # dense weights, activations and (below) the KV cache in VRAM
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -260,7 +257,7 @@ class LLM:
         policy's routing counts."""
         ex = self.residency
         oom = ex.oom_errors if ex is not None else ()
-        recorder = getattr(self, "routing_recorder", None)
+        recorder = self.routing_recorder
         while True:
             recorded = len(recorder.trace.steps) if recorder is not None else 0
             try:

@@ -183,8 +183,11 @@ def test_bad_residency_options_are_one_line_errors():
     assert proc.returncode == 2 and "unknown hardware profile 'h100'" in proc.stderr and "Traceback" not in proc.stderr
     proc = freetoken("x", "--gpu-experts", "--emulate-gpu", "rtx4090")
     assert proc.returncode == 2 and "not both" in proc.stderr and "Traceback" not in proc.stderr
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():   # one check (EngineConfig), met by run and by serve before it listens
         proc = freetoken("x", "--gpu-experts")
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+        proc = subprocess.run([sys.executable, "-m", "freetoken_py", "serve", "--gpu-experts", "--port", "0"],
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
     with pytest.raises(FreetokenError, match="needs residency=cuda"):
         EngineConfig(model="m", residency="emulate", residency_profile="measured")

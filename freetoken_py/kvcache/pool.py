@@ -109,10 +109,12 @@ class KVCache:
         if num_pages <= self.num_pages:
             return
         shape = (self.k.shape[0], num_pages * self.page_size, *self.k.shape[2:])
-        k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)   # both first: a failure
-        v = torch.zeros(shape, dtype=self.v.dtype, device=self.v.device)   # leaves the cache as it was
-        k[:, :self.k.shape[1]].copy_(self.k)
-        v[:, :self.v.shape[1]].copy_(self.v)
+        k = torch.empty(shape, dtype=self.k.dtype, device=self.device)   # both first: a failure
+        v = torch.empty(shape, dtype=self.v.dtype, device=self.device)   # leaves the cache as it was
+        old = self.k.shape[1]
+        for new, cur in ((k, self.k), (v, self.v)):
+            new[:, :old].copy_(cur)
+            new[:, old:].zero_()
         self.k, self.v, self.num_pages = k, v, num_pages
 
     @staticmethod

@@ -106,7 +106,7 @@ class AdaptivePolicy:
         the slowest-routed resident (the one it would displace; none while slots are free) would.
         The slowest resident's rate is taken once per step (a scan of the whole cache)."""
         victim = 0.0
-        if self.count.sum() >= self.capacity:
+        if self._nres >= self.capacity:
             if self._victim_rate[0] != self.now:      # once per step: a scan of every resident
                 self._victim_rate = (self.now, float(np.where(self.res, self._rates(np.s_[:]), np.inf).min()))
             victim = self._victim_rate[1]
@@ -190,7 +190,7 @@ class AdaptivePolicy:
         if self.capacity == 0 or self.res[layer, expert]:
             return []
         evicted = []
-        if self.count.sum() >= self.capacity:
+        if self._nres >= self.capacity:
             which = self._leader()
             if which is None:
                 which = LRU if self._rng.random() < self.weights[LRU] else LFU
@@ -208,7 +208,7 @@ class AdaptivePolicy:
     def resize(self, capacity: int) -> list[Key]:
         self.capacity = capacity
         evicted = []
-        while self.count.sum() > capacity:
+        while self._nres > capacity:
             victim = self._victim(LRU if self.weights[LRU] >= self.weights[LFU] else LFU, floor=False)
             self._evict(victim, LRU, self.now)
             evicted.append(victim)

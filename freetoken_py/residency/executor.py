@@ -312,7 +312,7 @@ class ResidencyExecutor:
         held = self.slots.num_slots
         if held == 0:
             return False
-        target = min(held // 2, self.slots._starts[-1])      # the last chunk goes at least
+        target = min(held // 2, self.slots.boundaries()[-2])   # the last chunk goes at least
         reached = self.resize(target)
         if self.elastic is not None:
             self.elastic = replace(self.elastic, max_slots=reached)

@@ -144,7 +144,7 @@ def plan(stats: LayerStats, cost: CostModel, budgets: Budgets) -> Plan:
     whole = Plan(hits, tuple(stream), tuple(cpu), _gpu_finish(hit_s, copy_q, sum_c, last_c),
                  cpu_q + call if cpu else 0.0, reasons)
     if budgets.split_experts and budgets.cpu_enabled and (stream or cpu):
-        return _cut_one(whole, stats, cost, budgets, hit_s) or whole
+        return _cut_one(whole, stats, cost, budgets, hit_s, gpu_c, cpu_c) or whole
     return whole
 
 
@@ -179,9 +179,11 @@ def _worth_keeping_streams(stream: list[int], cpu: list[int], tokens: Mapping[in
     return new_stream, new_cpu
 
 
-def _cut_one(whole: Plan, stats: LayerStats, cost: CostModel, budgets: Budgets, hit_s: float) -> Plan | None:
+def _cut_one(whole: Plan, stats: LayerStats, cost: CostModel, budgets: Budgets, hit_s: float,
+             gpu_c: Mapping[int, float], cpu_c: Mapping[int, float]) -> Plan | None:
     """Decision 5: move part of one miss from the side that finishes last to the other side, so
-    both finish together. None when no cut gains time (or gains less than keeping was worth)."""
+    both finish together. None when no cut gains time (or gains less than keeping was worth).
+    `gpu_c` / `cpu_c`: `plan`'s accelerator / CPU seconds per token count."""
     copy_bytes_s = cost.expert_bytes / (cost.pcie_gbps * GB)
     call, copy_call = cost.profile.cpu_call_s, cost.profile.copy_call_s
     stream, cpu = list(whole.stream), list(whole.cpu)
@@ -194,9 +196,9 @@ def _cut_one(whole: Plan, stats: LayerStats, cost: CostModel, budgets: Budgets, 
         return None
     n = stats.tokens[x]
     copy_q = cost.copy_s() * len(stream)
-    sum_c = sum(cost.gpu_compute_s(stats.tokens[e]) for e in stream)
-    cpu_q = sum(cost.cpu_s(stats.tokens[e]) for e in cpu)
-    cx, cs = cost.gpu_compute_s(n), cost.cpu_s(n)
+    sum_c = sum(gpu_c[stats.tokens[e]] for e in stream)
+    cpu_q = sum(cpu_c[stats.tokens[e]] for e in cpu)
+    cx, cs = gpu_c[n], cpu_c[n]
     # with the first fraction f of x's columns on the accelerator (as _gpu_finish, x's part last):
     #   accelerator = max(hit_s + sum_c + f cx,  copy_q + copy_call + f (copy_bytes_s + cx))
     #   CPU         = cpu_q + call + (1 - f) cs

@@ -31,8 +31,8 @@ class Streamer:
         return (torch.empty(s.w13_shape, dtype=s.dtype, device=s.device),
                 torch.empty(s.w2_shape, dtype=s.dtype, device=s.device))
 
-    def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int) -> None:
-        self._copy_pairs([(dst13, self.host_w13[layer][expert]), (dst2, self.host_w2[layer][expert])])
+    def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int, wait: bool = True):
+        return self._copy_pairs([(dst13, self.host_w13[layer][expert]), (dst2, self.host_w2[layer][expert])], wait)
 
     def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool = True):
         """(device destination, host source) copies, on the copy stream where there is one. With
@@ -70,8 +70,7 @@ class Streamer:
         """Copy into the slot the cache reserved for (layer, expert); returns the slot's views.
         `ahead` (look-ahead prefetch): compute does not wait for it now, only in `wait_for`."""
         w13, w2 = self.slots.views(self.slots.reserve((layer, expert)))
-        end = self._copy_pairs([(w13, self.host_w13[layer][expert]), (w2, self.host_w2[layer][expert])],
-                               wait=not ahead)
+        end = self._copy(w13, w2, layer, expert, wait=not ahead)
         if ahead and end is not None:
             self._pending[(layer, expert)] = end
         return w13, w2

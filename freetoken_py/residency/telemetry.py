@@ -22,7 +22,8 @@ class LayerCounters:
     pcie_bytes: int = 0
     stall_s: float = 0.0
     predicted_s: float = 0.0  # the planner's time for the layer's experts (cost model, its profile)
-    measured_s: float = 0.0   # wall time of the executor call on this machine (emulated or not)
+    measured_s: float = 0.0   # the executor call's time on this machine: wall clock, or the GPU's clock
+                              # (CUDA events) when the dense weights are on the GPU
     cpu_tier_s: float = 0.0   # measured wall time in the CPU tier (real even under emulation)
     cpu_tier_bytes: int = 0   # expert weight bytes the CPU tier read
     prefetch_predicted: int = 0

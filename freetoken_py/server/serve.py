@@ -40,11 +40,6 @@ def check_options(opts: ServeOptions) -> None:
     from freetoken_py.config import EngineConfig
 
     EngineConfig(model=str(opts.model_dir), **opts.engine)  # bad engine options fail before listening
-    if opts.engine.get("residency") == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise FreetokenError("--gpu-experts needs a CUDA GPU; use --emulate-gpu PROFILE on this machine")
 
 
 def build_app(opts: ServeOptions):
