@@ -14,11 +14,21 @@ layers at once; this runs the generator for --steps steps, sums those chances ea
 `simulate.layer_floor_s` (the least time a layer-step with that many hits can take: a running
 minimum over fewer hits, then its convex hull, so the mean is a valid argument) plus the dense
 read. It also ignores that a kept expert must first be copied. So it is a ceiling for an oracle
-policy, not a measurement. One JSON line.
+policy, not a measurement.
+
+That oracle knows each pool's *order*, and the order of the newest experts is the order the
+generator drew them in. A policy sees less: which experts a layer routed in a step (a set; the
+planner's `LayerStats`, the executor's routing), not the generator's draw order. The second
+figure (`sets_*`) is the same ceiling for an oracle that knows the law, the exact pool before the
+last step (more than a policy can know) and only the *set* of experts the last step drew: for
+each of those it takes the posterior chance of each position (`order_posterior`: every order of
+the set, weighted by how likely the generator was to draw it in that order), so its expected hits
+are at least those of any policy that sees sets. One JSON line with both.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -47,28 +57,57 @@ def position_chances(pool_len: int, num_experts: int, top_k: int, samples: int, 
     return counts / samples, outside / samples / max(1, num_experts - pool_len)
 
 
-def oracle_hits(spec, slots: int, steps: int, samples: int, seed: int = 0) -> float:
+def draw_chances(pool: list[int], num_experts: int, k: int) -> dict[int, float]:
+    """The chance one draw of `_locality_step` picks each expert, before duplicates are redrawn:
+    0.8 x P(int(Exp(mean k)) = position, the last position taking the tail) + 0.2 / E."""
+    j = np.arange(len(pool))
+    p = np.exp(-j / k) - np.exp(-(j + 1) / k)
+    p[-1] = np.exp(-(len(pool) - 1) / k)
+    return {e: 0.8 * float(pj) + 0.2 / num_experts for e, pj in zip(pool, p)}
+
+
+def order_posterior(q: np.ndarray, perms: np.ndarray) -> np.ndarray:
+    """[i, j]: the chance that member i of a drawn set was drawn j-th, given the set and each
+    member's per-draw chance q[i]. The generator draws until k distinct experts are chosen, so an
+    order has probability prod_i q[o_i] / (1 - sum of the chances already drawn): the numerators
+    are the same for every order, the denominators favour drawing likely experts first."""
+    qo = q[perms]                                         # [orders, k]
+    before = np.cumsum(qo, axis=1) - qo
+    w = np.prod(1.0 / (1.0 - before), axis=1)
+    w /= w.sum()
+    k = q.shape[0]
+    return np.stack([np.bincount(perms[:, j], weights=w, minlength=k) for j in range(k)], axis=1)
+
+
+def oracle_hits(spec, slots: int, steps: int, samples: int, seed: int = 0) -> tuple[float, float]:
     """Mean over the generator's steps of the best `slots` chances summed over all layers, per
-    layer: the expected hits per layer-step of a policy that knew the law."""
+    layer: the expected hits per layer-step of a policy that knew the law and every pool's order,
+    and of one that knew the law, the pool before the last step and only the last step's set."""
     rng = np.random.default_rng(seed + 1)
     L, E, k = spec.num_layers, spec.num_experts, spec.top_k
+    perms = np.array(list(itertools.permutations(range(k))))
     recent = [list(rng.choice(E, size=k, replace=False)) for _ in range(L)]
     cache: dict[int, tuple] = {}
-    total = 0.0
+    total = total_sets = 0.0
     for _ in range(steps):
-        chances = []
+        chances, chances_sets = [], []
         for l in range(L):
+            q = draw_chances(list(dict.fromkeys(recent[l])), E, k)
+            ids = _locality_step(rng, recent[l], E, k)
+            recent[l] = (list(ids) + recent[l])[:6 * k]
+            # the chances for the next step, from the new pool: this step's k experts first (in
+            # draw order), then what is left of the old pool
             n = len(dict.fromkeys(recent[l]))
             if n not in cache:
                 cache[n] = position_chances(n, E, k, samples, seed=n)
             inside, outside = cache[n]
-            chances.append(inside)
-            chances.append(np.full(min(E - n, slots), outside))
-            ids = _locality_step(rng, recent[l], E, k)
-            recent[l] = (list(ids) + recent[l])[:6 * k]
-        every = np.concatenate(chances)
-        total += np.sort(every)[::-1][:slots].sum()
-    return min(total / steps / L, k)
+            rest = np.full(min(E - n, slots), outside)
+            chances += [inside, rest]
+            post = order_posterior(np.array([q.get(e, 0.2 / E) for e in ids]), perms)
+            chances_sets += [post @ inside[:k], inside[k:], rest]
+        total += np.sort(np.concatenate(chances))[::-1][:slots].sum()
+        total_sets += np.sort(np.concatenate(chances_sets))[::-1][:slots].sum()
+    return min(total / steps / L, k), min(total_sets / steps / L, k)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,17 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     spec, prof = FRONTIER_MODELS[args.model], PROFILES[args.profile]
     cost = CostModel(prof, spec.expert_bytes, spec.expert_flops_per_token)
     slots = spec.expert_slots(prof)
-    hits = oracle_hits(spec, slots, args.steps, args.samples)
+    hits, hits_sets = oracle_hits(spec, slots, args.steps, args.samples)
     floor = [layer_floor_s(h, spec.top_k - h, cost) for h in range(spec.top_k + 1)]
     for h in range(1, spec.top_k + 1):           # a bound: h hits cost at least what fewer could
         floor[h] = min(floor[h], floor[h - 1])
     dense_s = spec.dense_bytes / (prof.vram_gbps * GB)
-    tok_s = 1.0 / (dense_s + spec.num_layers * _lower_hull_at(floor, float(hits)))
+
+    def tok_s(h: float) -> float:
+        return 1.0 / (dense_s + spec.num_layers * _lower_hull_at(floor, float(h)))
     print(json.dumps({"bench": "residency_locality_bound", "profile": args.profile, "model": args.model,
                       "expert_slots": slots, "slots_per_layer": round(slots / spec.num_layers, 3),
                       "oracle_hits_per_layer_step": round(float(hits), 3),
                       "oracle_hit_rate": round(float(hits) / spec.top_k, 4),
-                      "oracle_decode_tok_s": round(tok_s, 3), "steps": args.steps, "samples": args.samples}))
+                      "oracle_decode_tok_s": round(tok_s(hits), 3),
+                      "sets_oracle_hits_per_layer_step": round(float(hits_sets), 3),
+                      "sets_oracle_hit_rate": round(float(hits_sets) / spec.top_k, 4),
+                      "sets_oracle_decode_tok_s": round(tok_s(hits_sets), 3),
+                      "steps": args.steps, "samples": args.samples}))
     return 0
 
 

@@ -176,9 +176,11 @@ def test_without_shadows_the_ghost_weights_still_learn():
 
 
 def test_victim_scan_over_the_resident_list_matches_a_full_scan():
-    """The numba victim scan walks a list of residents kept beside the [L, E] mask; after random
-    admits, evictions and resizes the list holds exactly the residents, and the victim it picks
-    is the one a plain scan of every (layer, expert) by the documented rule picks."""
+    """The numba victim scan walks a list of residents (with copies of their layer, last step and
+    count) kept beside the [L, E] arrays; after random admits, evictions, resizes and a re-base of
+    the counts, the list holds exactly the residents with current copies, and the victim it picks
+    is the one a plain scan of every (layer, expert) by the documented rule picks (LRU: age on the
+    resident's own layer's clock)."""
     rng = np.random.default_rng(5)
     p = AdaptivePolicy(list(range(4)), num_experts=16, capacity=20, seed=1)
     for step in range(60):
@@ -190,14 +192,23 @@ def test_victim_scan_over_the_resident_list_matches_a_full_scan():
                     p.admit(layer, e, step)
         if step in (20, 40):
             p.resize(12 if step == 20 else 24)
+        if step == 30:
+            p._base = step - 40_000                     # force the overflow re-base in the next touch
+        if step == 31:
+            assert p._base == 31
         flat = sorted(int(x) for x in p._rlist[:p._nres])
         assert flat == sorted(l * 16 + e for l, e in p.keys)
+        n = p._nres
+        assert (p._rlayer[:n] == p._rlist[:n] // 16).all()
+        assert (p._rlast[:n] == p.last.ravel()[p._rlist[:n]]).all()
+        assert (p._rfreq[:n] == p.freq.ravel()[p._rlist[:n]]).all()
+        assert all(p.resident(l) == set(np.flatnonzero(p.res[l]).tolist()) for l in range(4))
         fair = int(p.floor_share * p.capacity / 4)
         for which in (0, 1):
             for busy in (-1, 2):
                 def score(l, e):
                     if which == 0:
-                        return p.last[l, e] + 0.5 * p.freq[l, e] / (1.0 + p.freq[p.res].max())
+                        return p.last[l, e] - p.layer_last[l] + 0.5 * p.freq[l, e] / (1.0 + p.freq[p.res].max())
                     return p.freq[l, e] + 1e-9 * (p.last[l, e] + 1) / (p.now + 2)
                 cands = [(l, e) for l, e in sorted(p.keys) if not (l == busy and p.last[l, e] == p.now)]
                 unguarded = [k for k in cands if p.count[k[0]] > fair]
@@ -286,3 +297,20 @@ def test_shadows_admit_what_the_accelerator_handled_within_the_copies_made():
         held = shadow.keys if isinstance(shadow, _LruShadow) else shadow.resident
         assert set(held) == {(0, 0), (0, 1), (1, 3), (1, 4)}
         assert shadow.access(routed, 4, freq, offered=[], budget=0) == 2     # nothing offered: nothing admitted
+
+
+def test_lru_age_is_counted_on_each_layers_own_clock():
+    """Within a step, layer 0 has routed and layer 1 not yet: layer 0's expert from last step is a
+    step stale, layer 1's (routed in layer 1's latest step, the same step number) is not. The LRU
+    victim is layer 0's, even though it was routed more (the old raw-step rule evicted the rarer
+    one, layer 1's, just before layer 1 could use it)."""
+    p = AdaptivePolicy([0, 1], num_experts=8, capacity=2, floor_share=0.0, seed=0)
+    p.touch(0, 0, {1: 3})
+    p.admit(0, 1, 0)
+    p.touch(1, 0, {2: 1})
+    p.admit(1, 2, 0)
+    p.touch(0, 1, {3: 1})                       # step 1: layer 0 routes 3, not 1; layer 1 not yet
+    assert p.freq[0, 1] > p.freq[1, 2] and p.last[0, 1] == p.last[1, 2] == 0
+    assert p._victim(0, exclude=(0, 3), busy_layer=0) == (0, 1)
+    p.touch(1, 1, {5: 1})                       # now layer 1 has routed too: both a step stale,
+    assert p._victim(0, exclude=(1, 5), busy_layer=1) == (1, 2)    # and among equals the rarer

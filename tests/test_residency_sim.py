@@ -284,3 +284,38 @@ def test_locality_oracle_bound_script():
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout)
     assert 0 < row["oracle_hits_per_layer_step"] <= row["slots_per_layer"] and row["oracle_decode_tok_s"] > 0
+    # knowing only the last step's set (not its draw order) cannot predict better
+    assert 0 < row["sets_oracle_hits_per_layer_step"] <= row["oracle_hits_per_layer_step"] * 1.02
+
+
+def test_locality_order_posterior_matches_the_generator():
+    """order_posterior (the sets-only oracle's chance that each member of a drawn set was drawn
+    j-th) against the generator itself: draw many steps from a fixed small pool and, for the most
+    common set, count the orders it came out in."""
+    import itertools
+    from collections import Counter
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from residency_locality_bound import draw_chances, order_posterior
+
+    from freetoken_py.residency.simulate import _locality_step
+
+    rng = np.random.default_rng(3)
+    pool, E, k = [4, 1, 3], 6, 2
+    draws = [tuple(_locality_step(rng, pool, E, k)) for _ in range(60000)]
+    sets = Counter(frozenset(d) for d in draws)
+    # the most common set of the pool's front and an expert outside the pool: unequal chances
+    common = max((s for s in sets if 4 in s and not s & {1, 3}), key=sets.get)
+    members = sorted(common)
+    orders = Counter(d for d in draws if frozenset(d) == common)
+    seen = np.zeros((k, k))
+    for order, n in orders.items():
+        for j, e in enumerate(order):
+            seen[members.index(e), j] += n
+    seen /= seen.sum(axis=0, keepdims=True)
+    q = draw_chances(pool, E, k)
+    post = order_posterior(np.array([q.get(e, 0.2 / E) for e in members]),
+                           np.array(list(itertools.permutations(range(k)))))
+    assert post.sum(axis=0) == pytest.approx(np.ones(k)) and post.sum(axis=1) == pytest.approx(np.ones(k))
+    assert post == pytest.approx(seen, abs=0.02)
+    assert abs(post[0, 0] - 0.5) > 0.05          # the order is informative: not uniform
