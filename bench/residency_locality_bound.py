@@ -110,17 +110,12 @@ def oracle_hits(spec, slots: int, steps: int, samples: int, seed: int = 0) -> tu
     return min(total / steps / L, k), min(total_sets / steps / L, k)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default="rtx4060-laptop-8g", choices=list(PROFILES))
-    ap.add_argument("--model", default="qwen3-235b-a22b", choices=list(FRONTIER_MODELS))
-    ap.add_argument("--samples", type=int, default=4000, help="generator samples per pool length")
-    ap.add_argument("--steps", type=int, default=128)
-    args = ap.parse_args(argv)
-    spec, prof = FRONTIER_MODELS[args.model], PROFILES[args.profile]
+def oracle_tok_s(profile: str, model: str, steps: int, samples: int = 4000) -> dict:
+    """Both oracles' hits per layer-step and decode tokens/s on (profile, model): the JSON row."""
+    spec, prof = FRONTIER_MODELS[model], PROFILES[profile]
     cost = CostModel(prof, spec.expert_bytes, spec.expert_flops_per_token)
     slots = spec.expert_slots(prof)
-    hits, hits_sets = oracle_hits(spec, slots, args.steps, args.samples)
+    hits, hits_sets = oracle_hits(spec, slots, steps, samples)
     floor = [layer_floor_s(h, spec.top_k - h, cost) for h in range(spec.top_k + 1)]
     for h in range(1, spec.top_k + 1):           # a bound: h hits cost at least what fewer could
         floor[h] = min(floor[h], floor[h - 1])
@@ -128,15 +123,26 @@ def main(argv: list[str] | None = None) -> int:
 
     def tok_s(h: float) -> float:
         return 1.0 / (dense_s + spec.num_layers * _lower_hull_at(floor, float(h)))
-    print(json.dumps({"bench": "residency_locality_bound", "profile": args.profile, "model": args.model,
-                      "expert_slots": slots, "slots_per_layer": round(slots / spec.num_layers, 3),
-                      "oracle_hits_per_layer_step": round(float(hits), 3),
-                      "oracle_hit_rate": round(float(hits) / spec.top_k, 4),
-                      "oracle_decode_tok_s": round(tok_s(hits), 3),
-                      "sets_oracle_hits_per_layer_step": round(float(hits_sets), 3),
-                      "sets_oracle_hit_rate": round(float(hits_sets) / spec.top_k, 4),
-                      "sets_oracle_decode_tok_s": round(tok_s(hits_sets), 3),
-                      "steps": args.steps, "samples": args.samples}))
+
+    return {"bench": "residency_locality_bound", "profile": profile, "model": model,
+            "expert_slots": slots, "slots_per_layer": round(slots / spec.num_layers, 3),
+            "oracle_hits_per_layer_step": round(float(hits), 3),
+            "oracle_hit_rate": round(float(hits) / spec.top_k, 4),
+            "oracle_decode_tok_s": round(tok_s(hits), 3),
+            "sets_oracle_hits_per_layer_step": round(float(hits_sets), 3),
+            "sets_oracle_hit_rate": round(float(hits_sets) / spec.top_k, 4),
+            "sets_oracle_decode_tok_s": round(tok_s(hits_sets), 3),
+            "steps": steps, "samples": samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="rtx4060-laptop-8g", choices=list(PROFILES))
+    ap.add_argument("--model", default="qwen3-235b-a22b", choices=list(FRONTIER_MODELS))
+    ap.add_argument("--samples", type=int, default=4000, help="generator samples per pool length")
+    ap.add_argument("--steps", type=int, default=128)
+    args = ap.parse_args(argv)
+    print(json.dumps(oracle_tok_s(args.profile, args.model, args.steps, args.samples)))
     return 0
 
 

@@ -82,7 +82,7 @@ def scaled_capacity(trace: RoutingTrace, spec: ModelSpec, profile: TierProfile) 
     return int(round(frac * len(trace.moe_layers) * trace.num_experts))
 
 
-def check_targets(rows: list[dict]) -> list[str]:
+def check_targets(rows: list[dict], locality_ceiling=None) -> list[str]:
     """Where the model does not fit (and some VRAM is left for experts): ours >= 1.5x static and
     >= 0.97x the better of lru / pin. Returns one line per case.
 
@@ -90,16 +90,24 @@ def check_targets(rows: list[dict]) -> list[str]:
     policy; the line says what fraction of the ceiling ours reaches, and the other half must hold.
     The ceiling is `upper_bound_tok_s` (clairvoyant caching, simulate.upper_bound_tok_s) or, on a
     `flat` trace, the lower `online_ceiling_tok_s` (no online policy can beat it in expectation,
-    simulate.online_ceiling_flat_tok_s)."""
+    simulate.online_ceiling_flat_tok_s). On a synthetic `locality` trace that would otherwise
+    fail, `locality_ceiling(profile, model)` (when given) is the sets-only oracle's tok/s
+    (bench/residency_locality_bound.py: the best any policy that sees which experts were routed,
+    not the generator's draw order, can expect, with its copies free)."""
     out = []
     cases = {(r["profile"], r["trace"]) for r in rows}
     for prof, tr in sorted(cases):
         by = {r["policy"]: r for r in rows if r["profile"] == prof and r["trace"] == tr}
         ours, static = by["ours"]["predicted_decode_tok_s"], by["static"]["predicted_decode_tok_s"]
         best = max(by["lru"]["predicted_decode_tok_s"], by["pin"]["predicted_decode_tok_s"])
-        bound = by["ours"]["upper_bound_tok_s"]
+        bound, which = by["ours"]["upper_bound_tok_s"], ""
         if by["ours"].get("online_ceiling_tok_s") is not None:
             bound = min(bound, by["ours"]["online_ceiling_tok_s"])
+        if (locality_ceiling is not None and tr.startswith("locality@") and not by["ours"]["fits_in_vram"]
+                and by["ours"]["expert_slots"] > 0 and 0.97 * best <= ours < 1.5 * static <= bound):
+            sets_bound = locality_ceiling(prof, tr.split("@", 1)[1])
+            if sets_bound < bound:
+                bound, which = sets_bound, " [sets-only oracle]"
         if by["ours"]["fits_in_vram"]:
             verdict = "n/a (fits in VRAM)"
         elif by["ours"]["expert_slots"] == 0:
@@ -115,7 +123,7 @@ def check_targets(rows: list[dict]) -> list[str]:
                    f"({ours / static if static else float('inf'):5.2f}x)  best(lru,pin) {best:8.2f} "
                    f"({ours / best if best else float('inf'):5.2f}x)  ceiling {bound:8.2f} "
                    f"(1.5x static = {1.5 * static / bound if bound else float('inf'):4.2f} of it, ours "
-                   f"{ours / bound if bound else 0:4.2f})")
+                   f"{ours / bound if bound else 0:4.2f}){which}")
     return out
 
 
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="append", default=[], help="recorded trace (JSONL)")
     ap.add_argument("--calib-trace", action="append", default=[], help="calibration trace per --trace")
     ap.add_argument("--out", help="also write the JSON lines here")
+    ap.add_argument("--locality-ceiling-steps", type=int, default=128,
+                    help="steps of the sets-only oracle run for a locality case that would fail (0: skip)")
     args = ap.parse_args(argv)
     profiles = [PROFILES[p] for p in args.profiles.split(",")]
     rows: list[dict] = []
@@ -148,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
                                    scaled_capacity(trace, spec, prof)))
     if args.out:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print("\n".join(check_targets(rows)), file=sys.stderr)
+    ceiling = None
+    if args.locality_ceiling_steps > 0:
+        def ceiling(profile: str, model: str) -> float:
+            from residency_locality_bound import oracle_tok_s
+            return oracle_tok_s(profile, model, args.locality_ceiling_steps)["sets_oracle_decode_tok_s"]
+    print("\n".join(check_targets(rows, ceiling)), file=sys.stderr)
     return 0
 
 

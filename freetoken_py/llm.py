@@ -20,7 +20,7 @@ from freetoken_py.engine.runner import ModelRunner, ScheduledChunk
 from freetoken_py.engine.sampler import sample
 from freetoken_py.errors import ContextLengthError, FreetokenError
 from freetoken_py.kvcache import KVCache, PageAllocator
-from freetoken_py.kvcache.pool import FP8
+from freetoken_py.kvcache.pool import FP8, OutOfPagesError
 from freetoken_py.kvcache.radix import RadixCache
 from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
 from freetoken_py.models.loader import load_model, read_generation_defaults
@@ -72,6 +72,11 @@ class LLM:
                                    self.tracker, more_pages=self._more_pages if self.residency is not None else None)
         self._slot_floor = self.residency.slots.num_slots // 4 if self.residency is not None else 0
         self._kv_grow_after = 0      # after a failed grow, the step before which none is tried
+        # the other direction: pages the KV cache took from the slots go back once the requests
+        # have used at most half the start-up pages for this many steps in a row
+        self._base_pages = num_pages
+        self.kv_return_after_steps = 64
+        self._kv_idle_steps = 0
         self._streams: dict[int, _Stream] = {}
         self._calibrate_kv()
         self._warm_kernels()
@@ -233,6 +238,8 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns an output for each request that produced a token."""
+        if self.residency is not None and self.allocator.num_pages > self._base_pages:
+            self._return_pages()
         chunks = self.scheduler.schedule()
         aborted = self._check_integrity()  # after scheduling: covers the pages this step just allocated
         chunks = [c for c in chunks if not c.req.finished]
@@ -310,6 +317,44 @@ class LLM:
             ex.elastic = replace(ex.elastic, max_slots=max(0, ex.elastic.max_slots - -(-add * per_page // slot_bytes)))
         ex.telemetry.kv_grows.append((ex.step + 1, pages))     # the coming step
         return add
+
+    def _return_pages(self) -> int:
+        """The KV/slot split re-decided the other way: the KV cache grew into slot memory
+        (`_more_pages`), and the requests have since held at most half the start-up pages for
+        `kv_return_after_steps` steps in a row with nobody waiting. Then the cache goes back to
+        its start-up size and the memory to the expert slots. Held pages above that size (a
+        running request's, the prefix cache's) move below it first, their holders following
+        (`Scheduler.move_pages_below`); the prefix cache gives back its least recently used pages
+        if the room below is short, as it would at its start-up size. Returns the pages given
+        back (0: not now)."""
+        a, base, cache, sched = self.allocator, self._base_pages, self.prefix_cache, self.scheduler
+        cached = cache.num_pages if cache is not None else 0
+        if sched.waiting or a.num_pages - a.num_free - cached > base // 2:
+            self._kv_idle_steps = 0
+            return 0
+        self._kv_idle_steps += 1
+        if self._kv_idle_steps < self.kv_return_after_steps or self.runner.fused is not None:
+            return 0
+        self._kv_idle_steps = 0                      # not again for as long, whatever happens below
+        kv, ex = self.runner.cache, self.residency
+        if not sched.move_pages_below(base, kv.copy_pages):
+            return 0
+        pages = a.num_pages
+        try:
+            kv.shrink(base)
+        except ex.oom_errors:
+            return 0                                 # the pages moved down stay there, all consistent
+        a.shrink(base)
+        per_page = KVCache.bytes_per_page(self.args.num_layers, self.config.page_size, self.args.num_kv_heads,
+                                          self.args.head_dim, self.kv_dtype)
+        add = (pages - base) * per_page // ex.slots.slot_bytes
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if ex.elastic is not None:
+            ex.elastic = replace(ex.elastic, max_slots=ex.elastic.max_slots + add)
+        ex.resize(ex.slots.num_slots + add)          # a grow keeps what it could allocate
+        ex.telemetry.kv_shrinks.append((ex.step + 1, base))
+        return pages - base
 
     def _check_integrity(self) -> list[RequestOutput]:
         """Abort every request whose recorded (page, tag) pairs no longer match; others go on."""

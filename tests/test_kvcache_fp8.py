@@ -81,3 +81,24 @@ def test_growing_the_kv_cache_keeps_every_stored_token(dtype):
         assert torch.equal(kk, before[layer][0]) and torch.equal(vv, before[layer][1])
     cache.write(0, torch.tensor([19]), k[:1], v[:1])      # a slot of a new page works
     assert torch.equal(cache.read(0, torch.tensor([19]))[0], cache.read(0, torch.tensor([0]))[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+def test_copying_pages_down_and_shrinking_keeps_every_stored_token(dtype):
+    """The KV cache gives its growth back: pages above the new size are copied into free pages
+    below it (every layer, K and V), then the tensors shrink; tokens below stay as they were."""
+    cache = KVCache(num_layers=2, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    low, high = torch.tensor([1, 2]), torch.tensor([16, 19])      # page 0, and page 4 (above 3 pages)
+    k, v = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
+    for layer in range(2):
+        cache.write(layer, torch.cat([low, high]), k, v)
+    before = [cache.read(layer, torch.cat([low, high])) for layer in range(2)]
+    cache.copy_pages([4], [2])                     # page 4 -> page 2 (slots 8..11)
+    cache.shrink(3)
+    assert cache.num_pages == 3 and cache.k.shape[1] == cache.v.shape[1] == 3 * 4
+    for layer in range(2):
+        kk, vv = cache.read(layer, torch.cat([low, torch.tensor([8, 11])]))
+        assert torch.equal(kk, before[layer][0]) and torch.equal(vv, before[layer][1])
+    cache.grow(5)                                  # and it can grow again
+    assert cache.num_pages == 5

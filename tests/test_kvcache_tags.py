@@ -136,3 +136,33 @@ def test_growing_the_allocator_keeps_holders_and_tags():
     assert sorted(first) == [2, 3] and sorted(alloc.allocate(3)) == [4, 5, 6]
     alloc.grow(5)                                  # never shrinks
     assert alloc.num_pages == 7
+
+
+def test_shrinking_the_allocator_drops_only_free_ids_and_their_tags_never_repeat():
+    """The KV cache gives its growth back: only free ids can be dropped (a held one is named);
+    `allocate_below` takes the lowest free ids under a limit; a dropped id's tag is bumped and
+    kept, so after a later grow a stale record of it still mismatches."""
+    import pytest
+
+    alloc = PageAllocator(8)
+    tracker = IntegrityTracker(alloc)
+    held = alloc.allocate(6)                       # lowest first: 0..5
+    assert held == [0, 1, 2, 3, 4, 5]
+    tracker.record(1, [5])
+    with pytest.raises(ValueError, match=r"\[5\]"):
+        alloc.shrink(5)
+    with pytest.raises(Exception, match="below 5"):
+        alloc.allocate_below(1, 5)                 # nothing free under 5
+    alloc.release([1, 3])
+    assert alloc.allocate_below(1, 5) == [1] and alloc.refcount(1) == 1
+    stale = int(alloc.tags_np[5])
+    alloc.release([5])                             # 5 is free now (its tag bumped again)
+    tags = alloc.tags_np.copy()
+    alloc.shrink(5)
+    assert alloc.num_pages == 5 and alloc.num_free == 1            # 3; 5, 6, 7 dropped
+    assert (alloc.tags_np[5:8] == tags[5:8] + 1).all() and (alloc.tags_np[:5] == tags[:5]).all()
+    assert tracker.check() == {1: [5]}             # the stale record of 5 stays a mismatch
+    assert alloc.allocate(1) == [3]
+    alloc.grow(8)
+    assert alloc.allocate(3) == [5, 6, 7] and alloc.tags_np[5] > stale + 1
+    assert tracker.check() == {1: [5]}             # re-handed out: still not the page it recorded

@@ -442,3 +442,59 @@ def test_a_kv_grow_that_fails_costs_the_slots_once_and_preempts_as_before(checkp
     assert got == [o.token_ids for o in ref.generate(prompts, params)]
     assert llm.scheduler.num_preemptions > 0 and not ex.telemetry.kv_grows and llm.allocator.num_pages == pages
     assert len(ex.telemetry.resizes) == 1            # one try, then none for a while
+
+
+def test_kv_cache_gives_its_growth_back_to_the_slots_and_keeps_the_prefix_cache(checkpoint_factory):
+    """The KV/slot split re-decided both ways: two requests make the KV cache grow into slot
+    memory; once the requests hold at most half the start-up pages for a few steps, the cache
+    goes back to its start-up size and the slots get the memory. Held pages above that size move
+    below it first: the running request's (its tokens are the plain engine's) and the prefix
+    cache's (the next turn of that conversation starts from the moved page and gives the plain
+    engine's tokens); the prefix cache gives back its least recently used pages to make room."""
+    from freetoken_py.kvcache import KVCache
+
+    path = checkpoint_factory("qwen3_moe")
+    prompts = [random_prompt(24, seed=s) for s in (1, 2)]
+    params = SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
+    plain = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    a, page = plain.args, plain.config.page_size
+    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * 5
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
+              kv_cache_bytes=small)
+    llm.kv_return_after_steps = 3
+    ex = llm.residency
+    base = llm.allocator.num_pages
+    first = llm.generate(prompts, params)
+    assert ex.telemetry.kv_grows and llm.allocator.num_pages > base and llm.scheduler.num_preemptions == 0
+    slots_grown = ex.slots.num_slots
+
+    def path_tokens(node):
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return [t for k in reversed(keys) for t in k]
+
+    convs = [list(o.prompt_token_ids) + list(o.token_ids) for o in first]
+    high = [path_tokens(n) for n in llm.prefix_cache._nodes() if n.page >= base]
+    assert high                                    # a cached page lives in the growth: it must move
+    short = [random_prompt(6, seed=9)]
+    p1 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert llm.generate(short, p1)[0].token_ids == plain.generate(short, p1)[0].token_ids
+    assert ex.telemetry.kv_shrinks and llm.allocator.num_pages == base == llm.runner.cache.num_pages
+    assert ex.slots.num_slots > slots_grown and set(ex.slots.slot_of) == ex.policy.keys
+    assert all(p < base for p in llm.prefix_cache.cached_pages())
+    # a conversation whose page above the start-up size was moved (not evicted) still matches
+    # through it; its next turn, served first, starts from it and gives the plain engine's tokens
+    ns = (llm._namespace_base, None)
+    kept = [i for i, c in enumerate(convs) for h in high
+            if c[:len(h)] == h and llm.prefix_cache.match(ns, c).num_tokens >= len(h)]
+    assert kept
+    p2 = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i in kept[:1] + [j for j in range(len(convs)) if j not in kept[:1]]:
+        turn = [convs[i] + random_prompt(5, seed=3)]
+        got = llm.generate(turn, p2)[0]
+        assert got.token_ids == plain.generate(turn, p2)[0].token_ids
+        if i == kept[0]:
+            assert got.num_cached_tokens >= min(len(h) for h in high if convs[i][:len(h)] == h)
+    assert llm.scheduler.num_preemptions == 0

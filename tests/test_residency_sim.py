@@ -319,3 +319,34 @@ def test_locality_order_posterior_matches_the_generator():
     assert post.sum(axis=0) == pytest.approx(np.ones(k)) and post.sum(axis=1) == pytest.approx(np.ones(k))
     assert post == pytest.approx(seen, abs=0.02)
     assert abs(post[0, 0] - 0.5) > 0.05          # the order is informative: not uniform
+
+
+def test_check_targets_verdicts_and_the_sets_only_ceiling():
+    """check_targets: PASS / FAIL / CEILING from hand-built rows; on a locality trace that would
+    fail, the sets-only oracle's figure is asked for (and only then), and decides."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from residency_sim import check_targets
+
+    def rows(trace, ours, static=10.0, lru=9.0, pin=8.0, bound=100.0, online=None):
+        base = {"profile": "p", "trace": trace, "fits_in_vram": False, "expert_slots": 5,
+                "upper_bound_tok_s": bound, "online_ceiling_tok_s": online}
+        return [dict(base, policy=n, predicted_decode_tok_s=v)
+                for n, v in (("static", static), ("pin", pin), ("lru", lru), ("ours", ours))]
+
+    asked = []
+
+    def sets_ceiling(value):
+        def f(profile, model):
+            asked.append((profile, model))
+            return value
+        return f
+
+    assert check_targets(rows("locality@m", 16.0), sets_ceiling(1.0))[0].startswith("PASS")
+    assert check_targets(rows("locality@m", 8.0), sets_ceiling(1.0))[0].startswith("FAIL")   # < 0.97 x lru
+    assert asked == []
+    line = check_targets(rows("locality@m", 14.0), sets_ceiling(14.5))[0]
+    assert line.startswith("CEILING") and "[sets-only oracle]" in line and asked == [("p", "m")]
+    assert check_targets(rows("locality@m", 14.0), sets_ceiling(15.5))[0].startswith("FAIL")
+    assert check_targets(rows("locality@m", 14.0))[0].startswith("FAIL")       # no oracle given
+    assert check_targets(rows("flat@m", 14.0, online=14.2))[0].startswith("CEILING")
+    assert check_targets(rows("flat_skew@m", 14.0), sets_ceiling(1.0))[0].startswith("FAIL")  # locality only

@@ -47,7 +47,7 @@ def test_preemption_frees_the_newest_request():
         ch.req.num_computed += ch.num_new
     a.output_token_ids.append(1)  # a needs a second page; none are free
     chunks = s.schedule()
-    assert [ch.req for ch in chunks] == [a] and a.page_table == [0, 2]  # freed pages reused LIFO
+    assert [ch.req for ch in chunks] == [a] and a.page_table == [0, 1]  # freed pages reused, lowest id first
     assert b.num_computed == 0 and b.page_table == [] and list(s.waiting) == [b]
     assert s.num_preemptions == 1
 

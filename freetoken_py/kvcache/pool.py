@@ -17,6 +17,8 @@ from the first write to each layer and fixed afterwards, so a page never needs r
 """
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import torch
 
@@ -30,7 +32,9 @@ class PageAllocator:
         if num_pages <= 0:
             raise ValueError("num_pages must be positive")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        # a min-heap: the lowest free id goes first, so pages above a size the cache may shrink back
+        # to stay free while the pages below suffice
+        self._free = list(range(num_pages))
         self._refcount = [0] * num_pages
         # [P] generation of each physical page; numpy owns the memory because a scalar update costs
         # ~0.5 us there and ~50 us as a torch op; `tags` is a zero-copy torch view of the same array
@@ -44,7 +48,7 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPagesError(f"need {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         for p in pages:
             self._refcount[p] = 1
             self.tags_np[p] += 1
@@ -60,7 +64,7 @@ class PageAllocator:
             assert self._refcount[p] > 0, f"double free of page {p}"
             self._refcount[p] -= 1
             if self._refcount[p] == 0:
-                self._free.append(p)
+                heapq.heappush(self._free, p)
                 self.tags_np[p] += 1  # a stale holder now fails its tag check even before reuse
 
     def refcount(self, page: int) -> int:
@@ -68,14 +72,47 @@ class PageAllocator:
 
     def grow(self, num_pages: int) -> None:
         """Hand out page ids up to `num_pages` from now on (the KV tensors grew to match). Held
-        pages, their tags and the free list are kept; the new ids start at tag 0."""
+        pages, their tags and the free list are kept; an id never used before starts at tag 0,
+        one a `shrink` dropped goes on from the tag it was dropped with."""
         if num_pages <= self.num_pages:
             return
-        added = list(range(num_pages - 1, self.num_pages - 1, -1))
-        self._free = added + self._free            # the old free ids are still handed out first
+        for p in range(self.num_pages, num_pages):   # above every old id: the old free ones go first
+            heapq.heappush(self._free, p)
         self._refcount.extend([0] * (num_pages - self.num_pages))
-        self.tags_np = np.concatenate([self.tags_np, np.zeros(num_pages - self.num_pages, np.int64)])
-        self.tags = torch.from_numpy(self.tags_np)
+        if len(self.tags_np) < num_pages:
+            self.tags_np = np.concatenate([self.tags_np, np.zeros(num_pages - len(self.tags_np), np.int64)])
+            self.tags = torch.from_numpy(self.tags_np)
+        self.num_pages = num_pages
+
+    def num_free_below(self, limit: int) -> int:
+        return sum(1 for p in self._free if p < limit)
+
+    def allocate_below(self, n: int, limit: int) -> list[int]:
+        """`allocate`, taking only free ids under `limit` (the lowest first)."""
+        low = heapq.nsmallest(n, self._free)
+        if len(low) < n or (low and low[-1] >= limit):
+            raise OutOfPagesError(f"need {n} pages below {limit}, {self.num_free_below(limit)} free")
+        taken = set(low)
+        self._free = [p for p in self._free if p not in taken]
+        heapq.heapify(self._free)
+        for p in low:
+            self._refcount[p] = 1
+            self.tags_np[p] += 1
+        return low
+
+    def shrink(self, num_pages: int) -> None:
+        """Hand out only ids under `num_pages` from now on (the KV tensors are about to shrink to
+        match). Every id dropped must be free. Their tags are bumped, and kept for a later grow,
+        so a stale record of a dropped page can never match again."""
+        if num_pages >= self.num_pages:
+            return
+        held = [p for p in range(num_pages, self.num_pages) if self._refcount[p]]
+        if held:
+            raise ValueError(f"cannot drop pages {held[:8]}: still held")
+        self._free = [p for p in self._free if p < num_pages]
+        heapq.heapify(self._free)
+        del self._refcount[num_pages:]
+        self.tags_np[num_pages:self.num_pages] += 1
         self.num_pages = num_pages
 
 
@@ -116,6 +153,26 @@ class KVCache:
             new[:, :old].copy_(cur)
             new[:, old:].zero_()
         self.k, self.v, self.num_pages = k, v, num_pages
+
+    def shrink(self, num_pages: int) -> None:
+        """Reallocate K and V for the first `num_pages` pages (the allocator dropped the rest,
+        free). Needs the new size free for a moment, on top of the old; an allocation failure
+        leaves the cache as it was."""
+        if num_pages >= self.num_pages:
+            return
+        n = num_pages * self.page_size
+        k, v = self.k[:, :n].clone(), self.v[:, :n].clone()
+        self.k, self.v, self.num_pages = k, v, num_pages
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages `src[i]` -> `dst[i]` in every layer (K and V)."""
+        if not src:
+            return
+        offs = torch.arange(self.page_size)
+        s = (torch.tensor(src)[:, None] * self.page_size + offs).flatten().to(self.device)
+        d = (torch.tensor(dst)[:, None] * self.page_size + offs).flatten().to(self.device)
+        for t in (self.k, self.v):
+            t[:, d] = t[:, s]
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

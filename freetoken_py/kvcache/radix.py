@@ -109,6 +109,18 @@ class RadixCache:
         self._drop_empty_roots()
         return freed
 
+    def move_pages(self, moves: dict[int, int]) -> int:
+        """The K/V of cached page `old` now lives in page `new` (the caller copied it and holds
+        `new` for the cache): the nodes point at the new pages and take their tags. The old pages
+        are the caller's to release. Returns the nodes moved."""
+        moved = 0
+        for node in self._nodes():
+            new = moves.get(node.page)
+            if new is not None:
+                node.page, node.tag = new, int(self.allocator.tags_np[new])
+                moved += 1
+        return moved
+
     def cached_pages(self) -> list[int]:
         return [n.page for n in self._nodes()]
 

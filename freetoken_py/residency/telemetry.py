@@ -38,6 +38,7 @@ class Telemetry:
     resizes: list[tuple[int, int]] = field(default_factory=list)   # (step, new slot count)
     oom_retries: int = 0
     kv_grows: list[tuple[int, int]] = field(default_factory=list)  # (step, KV pages after) taken from the slots
+    kv_shrinks: list[tuple[int, int]] = field(default_factory=list)  # (step, KV pages after) given back to them
 
     def totals(self) -> LayerCounters:
         t = LayerCounters()
@@ -60,7 +61,7 @@ class Telemetry:
                 "cpu_tier_s": t.cpu_tier_s,
                 "cpu_tier_gbps": t.cpu_tier_bytes / t.cpu_tier_s / 1e9 if t.cpu_tier_s else None,
                 "resizes": len(self.resizes), "oom_retries": self.oom_retries,
-                "kv_grows": len(self.kv_grows)}
+                "kv_grows": len(self.kv_grows), "kv_shrinks": len(self.kv_shrinks)}
 
     def as_dict(self) -> dict:
         """`summary()` plus every counter per layer (what `/v1/freetoken/stats` serves)."""
@@ -87,7 +88,10 @@ class Telemetry:
                          f"{self.oom_retries} allocation retries")
         if self.kv_grows:
             lines.append(f"KV cache grew {len(self.kv_grows)} times into expert-slot memory, "
-                         f"now {self.kv_grows[-1][1]} pages")
+                         f"to {self.kv_grows[-1][1]} pages")
+        if self.kv_shrinks:
+            lines.append(f"KV cache gave its growth back to the expert slots {len(self.kv_shrinks)} times, "
+                         f"to {self.kv_shrinks[-1][1]} pages")
         return lines
 
     @staticmethod

@@ -97,6 +97,45 @@ class Scheduler:
         self.tracker.forget(req.request_id)
         req.page_table = []
 
+    def move_pages_below(self, limit: int, copy_pages: Callable[[list[int], list[int]], None]) -> bool:
+        """Before the KV cache shrinks to `limit` pages: every held page at or above it moves
+        into a free page below it (`copy_pages(src, dst)` copies the K/V), and its holders follow:
+        running requests' page tables, the prefix cache's nodes (`RadixCache.move_pages`) and the
+        integrity tracker's records. When the free pages below are too few, the prefix cache gives
+        back its least recently used pages first. False (nothing moved) when they still are, or
+        when a request has lost a page (the integrity check acts on it first)."""
+        a, cache = self.allocator, self.prefix_cache
+        for req in self.running:
+            valid = self.tracker.valid_pages(req.request_id)
+            if valid is not None and valid != req.page_table:
+                return False
+
+        def held_above() -> list[int]:
+            return [p for p in range(limit, a.num_pages) if a.refcount(p)]
+
+        high = held_above()
+        while len(high) > a.num_free_below(limit):
+            if cache is None or not cache.evict(1):
+                return False
+            high = held_above()
+        if not high:
+            return True
+        low = a.allocate_below(len(high), limit)
+        for p, q in zip(high, low):
+            a.share([q] * (a.refcount(p) - 1))      # as many holders as the page it replaces
+        copy_pages(high, low)
+        moves = dict(zip(high, low))
+        if cache is not None:
+            cache.move_pages(moves)
+        for req in self.running:
+            if any(p in moves for p in req.page_table):
+                req.page_table = [moves.get(p, p) for p in req.page_table]
+                self.tracker.forget(req.request_id)
+                self.tracker.record(req.request_id, req.page_table)
+        for p in high:
+            a.release([p] * a.refcount(p))
+        return True
+
     def _preempt(self, req: Request) -> None:
         """Free the request's pages; it recomputes its tokens (or re-matches them) when readmitted."""
         self.running.remove(req)
