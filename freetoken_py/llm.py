@@ -77,6 +77,7 @@ class LLM:
         self._base_pages = num_pages
         self.kv_return_after_steps = 64
         self._kv_idle_steps = 0
+        self._slots_lent = 0         # what the grows took off the elastic sizing's ceiling
         self._streams: dict[int, _Stream] = {}
         self._calibrate_kv()
         self._warm_kernels()
@@ -177,7 +178,9 @@ class LLM:
         if budget == 0:  # enough for every sequence at full length, capped at 1/8 of free RAM
             want = c.max_num_seqs * self.max_model_len * per_page // c.page_size
             if self.model.device.type == "cuda":   # in VRAM: a quarter of what the dense weights left
-                budget = min(want, torch.cuda.mem_get_info()[0] // 4)
+                from freetoken_py.residency.elastic import cuda_free_bytes   # (as the slots will see it)
+
+                budget = min(want, cuda_free_bytes() // 4)
             else:
                 budget = min(want, psutil.virtual_memory().available // 8)
         return max(2, budget // per_page)
@@ -314,22 +317,24 @@ class LLM:
             return 0
         self.allocator.grow(pages)
         if ex.elastic is not None:   # the elastic sizing may not grow back into the pages' share
-            ex.elastic = replace(ex.elastic, max_slots=max(0, ex.elastic.max_slots - -(-add * per_page // slot_bytes)))
+            before = ex.elastic.max_slots
+            ex.elastic = replace(ex.elastic, max_slots=max(0, before - -(-add * per_page // slot_bytes)))
+            self._slots_lent += before - ex.elastic.max_slots     # given back exactly by _return_pages
         ex.telemetry.kv_grows.append((ex.step + 1, pages))     # the coming step
         return add
 
     def _return_pages(self) -> int:
         """The KV/slot split re-decided the other way: the KV cache grew into slot memory
-        (`_more_pages`), and the requests have since held at most half the start-up pages for
-        `kv_return_after_steps` steps in a row with nobody waiting. Then the cache goes back to
-        its start-up size and the memory to the expert slots. Held pages above that size (a
-        running request's, the prefix cache's) move below it first, their holders following
+        (`_more_pages`), and the running requests have since held at most half the start-up
+        pages for `kv_return_after_steps` steps in a row with nobody waiting. Then the cache goes
+        back to its start-up size and the memory to the expert slots. Held pages above that size
+        (a running request's, the prefix cache's) move below it first, their holders following
         (`Scheduler.move_pages_below`); the prefix cache gives back its least recently used pages
         if the room below is short, as it would at its start-up size. Returns the pages given
-        back (0: not now)."""
-        a, base, cache, sched = self.allocator, self._base_pages, self.prefix_cache, self.scheduler
-        cached = cache.num_pages if cache is not None else 0
-        if sched.waiting or a.num_pages - a.num_free - cached > base // 2:
+        back (0: not now; every failure leaves a consistent state and waits as long again)."""
+        a, base, sched = self.allocator, self._base_pages, self.scheduler
+        held = len({p for req in sched.running for p in req.page_table})   # the prefix cache's not counted
+        if sched.waiting or held > base // 2:
             self._kv_idle_steps = 0
             return 0
         self._kv_idle_steps += 1
@@ -337,22 +342,27 @@ class LLM:
             return 0
         self._kv_idle_steps = 0                      # not again for as long, whatever happens below
         kv, ex = self.runner.cache, self.residency
-        if not sched.move_pages_below(base, kv.copy_pages):
-            return 0
-        pages = a.num_pages
-        try:
-            kv.shrink(base)
-        except ex.oom_errors:
-            return 0                                 # the pages moved down stay there, all consistent
-        a.shrink(base)
         per_page = KVCache.bytes_per_page(self.args.num_layers, self.config.page_size, self.args.num_kv_heads,
                                           self.args.head_dim, self.kv_dtype)
-        add = (pages - base) * per_page // ex.slots.slot_bytes
-        if self.model.device.type == "cuda":
+        cuda, slots_before, pages = self.model.device.type == "cuda", ex.slots.num_slots, a.num_pages
+        try:
+            if not sched.move_pages_below(base, kv.copy_pages):
+                return 0
+            if cuda:   # the smaller cache is allocated before the old one goes: make room for it
+                ex.resize(max(self._slot_floor, slots_before - -(-base * per_page // ex.slots.slot_bytes)))
+                torch.cuda.empty_cache()
+            kv.shrink(base)
+        except ex.oom_errors:
+            if ex.slots.num_slots < slots_before:
+                ex.resize(slots_before)              # a grow keeps what it could allocate
+            return 0                                 # the pages moved down stay there, all consistent
+        a.shrink(base)
+        if cuda:
             torch.cuda.empty_cache()
         if ex.elastic is not None:
-            ex.elastic = replace(ex.elastic, max_slots=ex.elastic.max_slots + add)
-        ex.resize(ex.slots.num_slots + add)          # a grow keeps what it could allocate
+            ex.elastic = replace(ex.elastic, max_slots=ex.elastic.max_slots + self._slots_lent)
+            self._slots_lent = 0
+        ex.resize(slots_before + (pages - base) * per_page // ex.slots.slot_bytes)
         ex.telemetry.kv_shrinks.append((ex.step + 1, base))
         return pages - base
 

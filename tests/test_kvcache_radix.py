@@ -240,3 +240,42 @@ def test_moved_pages_still_match_with_their_new_tags():
     reused = alloc.allocate(1)                     # 1 again, retagged: no node refers to it
     assert reused == [1] and cache.match("ns", tokens).pages == [0, 3, 2]
     assert sorted(cache.cached_pages()) == [0, 2, 3]
+
+
+def test_a_stale_node_stays_stale_when_its_page_moves():
+    """A node whose page's tag changed under it (it no longer matches) must not start matching
+    when the page moves: the new page holds other K/V."""
+    alloc = PageAllocator(8)
+    cache = RadixCache(alloc, P)
+    tokens = list(range(2 * P))
+    pages = alloc.allocate(2)
+    cache.insert("ns", tokens, pages)
+    alloc.release(pages)
+    alloc.tags_np[pages[1]] += 1                   # page 1 changed hands under the cache
+    assert cache.match("ns", tokens).pages == [pages[0]]
+    new = alloc.allocate(1)
+    cache.move_pages({pages[1]: new[0]})
+    assert cache.match("ns", tokens).pages == [pages[0]]
+
+
+def test_moving_pages_down_leaves_everything_as_it_was_when_the_copy_fails():
+    """Scheduler.move_pages_below with a copy that raises: the exception comes out, and page
+    tables, refcounts, free pages and the cache are untouched."""
+    alloc, cache, tracker, s = _engine(num_pages=8, budget=64, seqs=4)
+    alloc.allocate(5)                              # 0..4 taken by someone else
+    r = Request(list(range(2 * P)), SamplingParams(max_tokens=4))
+    s.add(r)
+    _run_prefill(s)
+    assert r.page_table == [5, 6]
+    alloc.release([0, 1])
+    before = (list(r.page_table), [alloc.refcount(p) for p in range(8)], alloc.num_free, sorted(cache.cached_pages()))
+
+    def fail(src, dst):
+        raise MemoryError("copy failed")
+
+    with pytest.raises(MemoryError):
+        s.move_pages_below(5, fail)
+    assert (list(r.page_table), [alloc.refcount(p) for p in range(8)], alloc.num_free,
+            sorted(cache.cached_pages())) == before
+    assert s.move_pages_below(5, lambda src, dst: None) and all(p < 5 for p in r.page_table)
+    assert tracker.check() == {}

@@ -466,6 +466,7 @@ def test_kv_cache_gives_its_growth_back_to_the_slots_and_keeps_the_prefix_cache(
     base = llm.allocator.num_pages
     first = llm.generate(prompts, params)
     assert ex.telemetry.kv_grows and llm.allocator.num_pages > base and llm.scheduler.num_preemptions == 0
+    assert not ex.telemetry.kv_shrinks             # while they ran they held more than half: no shrink
     slots_grown = ex.slots.num_slots
 
     def path_tokens(node):
@@ -498,3 +499,39 @@ def test_kv_cache_gives_its_growth_back_to_the_slots_and_keeps_the_prefix_cache(
         if i == kept[0]:
             assert got.num_cached_tokens >= min(len(h) for h in high if convs[i][:len(h)] == h)
     assert llm.scheduler.num_preemptions == 0
+
+
+def test_a_kv_shrink_whose_copy_runs_out_of_memory_changes_nothing(checkpoint_factory):
+    """Moving the pages down fails (out of memory in the copy): nothing moved, no page leaked,
+    the cache keeps its grown size and the tokens are the plain engine's; the next try, as long
+    after, succeeds."""
+    from freetoken_py.kvcache import KVCache
+
+    path = checkpoint_factory("qwen3_moe")
+    prompts = [random_prompt(24, seed=s) for s in (1, 2)]
+    params = SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
+    plain = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    a, page = plain.args, plain.config.page_size
+    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * 5
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
+              kv_cache_bytes=small)
+    llm.kv_return_after_steps = 3
+    llm.generate(prompts, params)
+    grown, free, ex = llm.allocator.num_pages, llm.allocator.num_free, llm.residency
+    real_copy, calls = llm.runner.cache.copy_pages, []
+
+    def no_memory(src, dst):
+        calls.append(len(src))
+        raise torch.OutOfMemoryError("emulated: CUDA out of memory")
+
+    llm.runner.cache.copy_pages = no_memory
+    short = [random_prompt(6, seed=9)]
+    p1 = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert llm.generate(short, p1)[0].token_ids == plain.generate(short, p1)[0].token_ids
+    assert calls and not ex.telemetry.kv_shrinks and llm.allocator.num_pages == grown
+    assert all(llm.allocator.refcount(p) == 0 for p in range(grown)
+               if p not in llm.prefix_cache.cached_pages())          # nothing leaked
+    llm.runner.cache.copy_pages = real_copy
+    p2 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert llm.generate(short, p2)[0].token_ids == plain.generate(short, p2)[0].token_ids
+    assert ex.telemetry.kv_shrinks and llm.allocator.num_pages == llm.runner.cache.num_pages < grown

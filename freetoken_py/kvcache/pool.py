@@ -172,7 +172,8 @@ class KVCache:
         s = (torch.tensor(src)[:, None] * self.page_size + offs).flatten().to(self.device)
         d = (torch.tensor(dst)[:, None] * self.page_size + offs).flatten().to(self.device)
         for t in (self.k, self.v):
-            t[:, d] = t[:, s]
+            for layer in range(t.shape[0]):      # one layer at a time: a small temporary
+                t[layer, d] = t[layer, s]
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

@@ -117,7 +117,10 @@ class RadixCache:
         for node in self._nodes():
             new = moves.get(node.page)
             if new is not None:
-                node.page, node.tag = new, int(self.allocator.tags_np[new])
+                # a node already stale (its page changed hands before) stays stale: it must not
+                # start matching the new page, which holds someone else's K/V
+                fresh = node.tag == self.allocator.tags_np[node.page]
+                node.page, node.tag = new, int(self.allocator.tags_np[new]) if fresh else -1
                 moved += 1
         return moved
 

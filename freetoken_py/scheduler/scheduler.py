@@ -102,8 +102,11 @@ class Scheduler:
         into a free page below it (`copy_pages(src, dst)` copies the K/V), and its holders follow:
         running requests' page tables, the prefix cache's nodes (`RadixCache.move_pages`) and the
         integrity tracker's records. When the free pages below are too few, the prefix cache gives
-        back its least recently used pages first. False (nothing moved) when they still are, or
-        when a request has lost a page (the integrity check acts on it first)."""
+        back its least recently used pages first. False when they still are (the cache may have
+        given back pages by then) or when a request has lost a page (the integrity check acts on
+        it first); nothing moved then. An exception from `copy_pages` leaves everything as it was.
+        Called between steps: a waiting request holds no pages then (`schedule` gives a matched
+        prefix back when the rest does not fit)."""
         a, cache = self.allocator, self.prefix_cache
         for req in self.running:
             valid = self.tracker.valid_pages(req.request_id)
@@ -115,15 +118,19 @@ class Scheduler:
 
         high = held_above()
         while len(high) > a.num_free_below(limit):
-            if cache is None or not cache.evict(1):
+            if cache is None or not cache.evict(len(high) - a.num_free_below(limit)):
                 return False
             high = held_above()
         if not high:
             return True
         low = a.allocate_below(len(high), limit)
+        try:
+            copy_pages(high, low)
+        except Exception:
+            a.release(low)                          # nothing moved: the new pages go back
+            raise
         for p, q in zip(high, low):
             a.share([q] * (a.refcount(p) - 1))      # as many holders as the page it replaces
-        copy_pages(high, low)
         moves = dict(zip(high, low))
         if cache is not None:
             cache.move_pages(moves)
