@@ -40,6 +40,8 @@ PLACEMENTS = {
 
 def drive(path, **overrides):
     llm = LLM(path, dtype="float32", show_progress=False, **overrides)
+    if llm.residency is not None:   # on a GPU too: plan from the given profile, not from live timings
+        llm.residency.measure_live = False   # of these tiny experts (which tiers get used is asserted)
     req = llm.add_request(PROMPT, SamplingParams(max_tokens=NUM_DECODE + 1, temperature=0, ignore_eos=True))
     steps = []
     while len(req.output_token_ids) <= NUM_DECODE:
@@ -535,3 +537,19 @@ def test_a_kv_shrink_whose_copy_runs_out_of_memory_changes_nothing(checkpoint_fa
     p2 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert llm.generate(short, p2)[0].token_ids == plain.generate(short, p2)[0].token_ids
     assert ex.telemetry.kv_shrinks and llm.allocator.num_pages == llm.runner.cache.num_pages < grown
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the real check")
+def test_gpu_session_script_stops_at_once_without_a_gpu(tmp_path):
+    """bench/gpu_session.sh (the one-command device check): without a CUDA GPU it says so in
+    $OUT/steps.txt and exits 3 before any step; without $OUT it refuses."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_session.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path)},
+                          cwd=script.parents[1])
+    assert proc.returncode == 3, proc.stderr
+    assert "no CUDA GPU" in (tmp_path / "steps.txt").read_text()
+    assert not (tmp_path / "probe.json").exists()
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}, cwd=script.parents[1])
+    assert proc.returncode != 0 and "OUT" in proc.stderr

@@ -314,3 +314,29 @@ def test_lru_age_is_counted_on_each_layers_own_clock():
     assert p._victim(0, exclude=(0, 3), busy_layer=0) == (0, 1)
     p.touch(1, 1, {5: 1})                       # now layer 1 has routed too: both a step stale,
     assert p._victim(0, exclude=(1, 5), busy_layer=1) == (1, 2)    # and among equals the rarer
+
+
+def test_slot_chunks_grown_inside_a_forward_can_shrink_and_fill_outside_one():
+    """The forward runs in inference mode, so a chunk the elastic sizing grows there is an
+    inference tensor; a shrink outside a forward (an out-of-memory retry, the KV/slot split) moves
+    experts into such chunks, and the streamer may copy into them: neither may raise."""
+    import torch
+
+    from freetoken_py.residency.slots import SlotCache
+    from freetoken_py.residency.streamer import Streamer
+
+    cache = SlotCache(2, (4, 3), (3, 2), torch.float32, chunk_slots=2)
+    host13 = [torch.randn(6, 4, 3)]
+    host2 = [torch.randn(6, 3, 2)]
+    streamer = Streamer(cache, host13, host2)
+    with torch.inference_mode():
+        cache.resize(6)                                    # two chunks grown "inside a forward"
+    for e in range(5):
+        streamer.to_slot(0, e)                            # outside: copies into the grown chunks too
+    assert cache.slot_of == {(0, e): e for e in range(5)}
+    cache.evict((0, 2))
+    cache.evict((0, 3))
+    assert cache.resize(4) == 4                            # outside: (0, 4) moves into a grown chunk
+    assert cache.slot_of[(0, 4)] in (2, 3)
+    for e in (0, 1, 4):
+        assert torch.equal(cache.get((0, e))[0], host13[0][e]) and torch.equal(cache.get((0, e))[1], host2[0][e])

@@ -97,6 +97,10 @@ class ResidencyExecutor:
         groups = self._group(ids, weights)
         # the CPU tier's activations: copied to the host before the accelerator's work is queued
         x_host = x.cpu() if on_accel and (plan.cpu or plan.split) else x
+        # the next layer's experts are predicted now, while the GPU has nothing queued (their read
+        # back would otherwise wait for this layer's expert work and hold up the CPU tier); the
+        # copies are issued once this layer's work is queued (a slot it reads may be evicted)
+        predicted = self._predict_next(layer, x)
         dev = self.slots.device
         xd = x.to(dev)
         out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
@@ -115,7 +119,7 @@ class ResidencyExecutor:
         out, ready = self._to_host(out_dev, x)
         # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
         # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
-        self._prefetch_next(layer, x)
+        self._prefetch(predicted)
         inter = self.host_w2[layer].shape[-1]
         cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
         cpu_part = self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts) if plan.cpu or cpu_cuts else None
@@ -266,15 +270,23 @@ class ResidencyExecutor:
             return None
         return next((l for l in range(layer + 1, len(self.routers)) if self.routers[l] is not None), None)
 
-    def _prefetch_next(self, layer: int, x: torch.Tensor) -> None:
+    def _predict_next(self, layer: int, x: torch.Tensor) -> Optional[tuple[int, list[int]]]:
+        """(next MoE layer, its experts most routed by this layer's input through that layer's
+        router), best first; None without a next layer or slots."""
         nxt = self._next_moe_layer(layer)
         if nxt is None or self.top_k <= 0 or self.slots.num_slots == 0:
-            return
+            return None
         logits = self.routers[nxt](x)  # [T, E] this layer's input stands in for the next one's
         ids = torch.topk(logits.float(), self.top_k, dim=-1).indices.flatten()
         counts = torch.bincount(ids, minlength=logits.shape[-1]).cpu()   # one device-to-host read
         ranked = torch.argsort(counts, descending=True, stable=True)[:self.top_k].tolist()
-        predicted = [e for e in ranked if counts[e] > 0]
+        return nxt, [e for e in ranked if counts[e] > 0]
+
+    def _prefetch(self, prediction: Optional[tuple[int, list[int]]]) -> None:
+        """Admit the predicted experts the policy wants and copy them in ahead (not waited for)."""
+        if prediction is None:
+            return
+        nxt, predicted = prediction
         self._predicted[nxt] = set(predicted)
         for e in predicted:
             if not self.policy.is_resident(nxt, e):

@@ -92,11 +92,14 @@ class SlotCache:
         keep = sum(1 for start in self._starts if start < num_slots)
         return self._starts[keep] if keep < len(self._starts) else self.num_slots
 
+    @torch.inference_mode()
     def resize(self, num_slots: int) -> int:
         """Shrink or grow toward `num_slots`, keeping every resident expert (evict first when
         shrinking). Returns the slot count held: a shrink keeps whole chunks, so it may hold a
         little more than asked (never more than one chunk); a grow stops at the first allocation
-        failure. Never raises for lack of memory."""
+        failure. Never raises for lack of memory. Always in inference mode: a chunk grown inside
+        a forward is an inference tensor, and a shrink outside one (an out-of-memory retry, the
+        KV/slot split) moves experts into it."""
         if len(self.slot_of) > num_slots:
             raise RuntimeError(f"{len(self.slot_of)} experts resident, cannot shrink to {num_slots} slots")
         if num_slots < self.num_slots:

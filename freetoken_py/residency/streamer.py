@@ -34,6 +34,7 @@ class Streamer:
     def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int, wait: bool = True):
         return self._copy_pairs([(dst13, self.host_w13[layer][expert]), (dst2, self.host_w2[layer][expert])], wait)
 
+    @torch.inference_mode()   # a slot chunk grown inside a forward is an inference tensor
     def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool = True):
         """(device destination, host source) copies, on the copy stream where there is one. With
         `wait`, later compute waits for them; without, the caller gets the copy's end event and

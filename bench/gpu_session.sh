@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue #5's GPU check in one command, for a session that is lent a GPU (the device tool runs it
+# in the repository root with $OUT set):
+#
+#     run(command="bash bench/gpu_session.sh", timeout_s=590)
+#
+# Steps, each with its own time limit, each writing its result under $OUT as soon as it ends (a
+# step that runs long costs only itself): the environment, `freetoken probe` (cached, so the
+# bench does not measure again inside its timing), the `cuda` variant of the placement test
+# (logits within 1e-4 of transformers with dense weights and KV in VRAM), and
+# bench/residency_gpu.py (measured decode tok/s next to the simulator's). The package is used
+# from this checkout (PYTHONPATH); torch with CUDA, numba, safetensors, transformers, typer and
+# rich must be installed (the device image has them). Seven files come back; the profile cache
+# stays on the machine. Without a CUDA GPU it stops at once with exit status 3.
+set -u
+: "${OUT:?set OUT to the folder the results go to}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export FREETOKEN_CACHE_DIR="${FREETOKEN_CACHE_DIR:-/tmp/freetoken-cache}"
+PY="${PYTHON:-python3}"
+log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$OUT/steps.txt"; }
+
+"$PY" - > "$OUT/env.txt" 2>&1 <<'PYEOF'
+import sys
+import torch
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+if not torch.cuda.is_available():
+    print("no CUDA GPU visible to torch")
+    sys.exit(3)
+print(torch.cuda.get_device_name(0), torch.cuda.mem_get_info())
+PYEOF
+rc=$?
+if [ $rc -ne 0 ]; then log "environment: no CUDA GPU (rc=$rc), stopping"; exit 3; fi
+log "environment ok: $(tail -1 "$OUT/env.txt")"
+
+log "probe"
+timeout 200 "$PY" -m freetoken_py probe --json > "$OUT/probe.json" 2> "$OUT/probe.err"
+log "probe rc=$?"
+
+log "placement test (cuda)"
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_residency_executor.py -k placement > "$OUT/placement.txt" 2>&1
+log "placement rc=$?"
+
+log "residency_gpu"
+timeout 240 "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json" > "$OUT/residency_gpu.txt" 2>&1
+log "residency_gpu rc=$?"
