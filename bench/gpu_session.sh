@@ -6,12 +6,13 @@
 #
 # Steps, each with its own time limit, each writing its result under $OUT as soon as it ends (a
 # step that runs long costs only itself): the environment, `freetoken probe` (cached, so the
-# bench does not measure again inside its timing), the `cuda` variant of the placement test
+# bench does not measure again inside its timing), the `cuda` variants of the placement test
 # (logits within 1e-4 of transformers with dense weights and KV in VRAM), and
 # bench/residency_gpu.py (measured decode tok/s next to the simulator's). The package is used
 # from this checkout (PYTHONPATH); torch with CUDA, numba, safetensors, transformers, typer and
 # rich must be installed (the device image has them). Seven files come back; the profile cache
-# stays on the machine. Without a CUDA GPU it stops at once with exit status 3.
+# stays on the machine. Exit status: 0 when every step passed, 1 when one failed or ran out of
+# time (steps.txt says which), 3 at once without a CUDA GPU, 4 when torch does not import.
 set -u
 : "${OUT:?set OUT to the folder the results go to}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -21,7 +22,11 @@ log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$OUT/steps.txt"; }
 
 "$PY" - > "$OUT/env.txt" 2>&1 <<'PYEOF'
 import sys
-import torch
+try:
+    import torch
+except Exception as exc:
+    print("torch does not import:", exc)
+    sys.exit(4)
 print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
 if not torch.cuda.is_available():
     print("no CUDA GPU visible to torch")
@@ -29,17 +34,21 @@ if not torch.cuda.is_available():
 print(torch.cuda.get_device_name(0), torch.cuda.mem_get_info())
 PYEOF
 rc=$?
+if [ $rc -eq 4 ]; then log "environment: torch does not import, stopping"; exit 4; fi
 if [ $rc -ne 0 ]; then log "environment: no CUDA GPU (rc=$rc), stopping"; exit 3; fi
 log "environment ok: $(tail -1 "$OUT/env.txt")"
 
-log "probe"
-timeout 200 "$PY" -m freetoken_py probe --json > "$OUT/probe.json" 2> "$OUT/probe.err"
-log "probe rc=$?"
-
-log "placement test (cuda)"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_residency_executor.py -k placement > "$OUT/placement.txt" 2>&1
-log "placement rc=$?"
-
-log "residency_gpu"
-timeout 240 "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json" > "$OUT/residency_gpu.txt" 2>&1
-log "residency_gpu rc=$?"
+fail=0
+step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log its status
+    local name=$1 limit=$2 out=$3; shift 3
+    log "$name"
+    timeout -k 10 "$limit" "$@" > "$out" 2>> "$OUT/steps.err"
+    local r=$?
+    log "$name rc=$r$([ $r -eq 124 ] && echo ' (time limit)')"
+    [ $r -eq 0 ] || fail=1
+}
+step probe 200 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
+step "placement test (cuda)" 120 "$OUT/placement.txt" \
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_residency_executor.py -k "placement and cuda"
+step residency_gpu 240 "$OUT/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
+exit $fail

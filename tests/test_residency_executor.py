@@ -553,3 +553,24 @@ def test_gpu_session_script_stops_at_once_without_a_gpu(tmp_path):
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}, cwd=script.parents[1])
     assert proc.returncode != 0 and "OUT" in proc.stderr
+
+
+@pytest.mark.parametrize("step_status,want", [(0, 0), (1, 1)])
+def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, step_status, want):
+    """bench/gpu_session.sh runs every step under its limit and logs each status; its own exit
+    status is 1 when any step failed, 0 when all passed (driven by a stand-in interpreter that
+    passes the environment check and ends every step with `step_status`)."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(f'#!/bin/bash\nif [ "$1" = "-" ]; then cat > /dev/null; echo "fake GPU"; exit 0; fi\n'
+                    f'echo "ran $*"; exit {step_status}\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_session.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out)}, cwd=script.parents[1])
+    assert proc.returncode == want, proc.stdout + proc.stderr
+    steps = (out / "steps.txt").read_text()
+    for name in ("probe", "placement test (cuda)", "residency_gpu"):
+        assert f"{name} rc={step_status}" in steps
+    assert "-k placement and cuda" in (out / "placement.txt").read_text()

@@ -364,3 +364,23 @@ def test_shadow_caches_sample_every_fourth_layer_with_that_share_of_the_capacity
     assert p.shadow_hits.sum() > 0
     q = AdaptivePolicy(list(range(7)), num_experts=16, capacity=40, seed=1)
     assert q._sampled == set(range(7)) and q._shadow_capacity() == 40
+
+
+def test_lru_shadow_keeps_turning_over_when_a_step_routes_more_experts_than_it_holds():
+    """A prefill or batch routes more experts in one layer-step than the (sampled) LRU shadow
+    holds: it must still replace last step's keys with this step's, and never evict this step's
+    own (it stopped admitting anything once full, and so froze and 'won' the duel)."""
+    from freetoken_py.residency.adaptive import _LruShadow
+
+    freq = np.zeros((1, 32))
+    shadow = _LruShadow()
+    shadow.fill([], freq)
+    first = [(0, e) for e in range(6)]
+    shadow.access(first, 4, freq, first, 6)
+    assert list(shadow.keys) == first[:4]                  # full of this step's: the rest not kept
+    second = [(0, e) for e in range(10, 16)]
+    assert shadow.access(second, 4, freq, second, 6) == 0
+    assert set(shadow.keys) == set(second[:4])             # last step's keys all replaced
+    third = second[:2] + [(0, 20), (0, 21)]
+    assert shadow.access(third, 4, freq, third, 4) == 2
+    assert set(shadow.keys) == set(third)

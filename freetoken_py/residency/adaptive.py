@@ -154,8 +154,10 @@ class AdaptivePolicy:
         total = counts[self.layers].sum(axis=1, keepdims=True).clip(min=1)
         self.freq[self.layers] += counts[self.layers] / total * 8.0 * self._decay ** (self._base - self.now)
         self._rfreq[:self._nres] = self.freq.ravel()[self._rlist[:self._nres]]
+        sampled = [(int(l), int(e)) for l, e in zip(*np.nonzero(self.res)) if l in self._sampled]
+        sampled.sort(key=lambda k: (self.freq[k], k))   # the LRU shadow's oldest first: the rarest
         for shadow in self.shadows:
-            shadow.fill([(int(l), int(e)) for l, e in zip(*np.nonzero(self.res)) if l in self._sampled], self.freq)
+            shadow.fill(sampled, self.freq)
             shadow.trim(self._shadow_capacity(), self.freq)
 
     def _shadow_capacity(self) -> int:
@@ -332,6 +334,7 @@ class _LruShadow:
         that are missing are admitted in order, the least recently used key out (never one of
         this layer-step's, which are all moved to the end first)."""
         hits = 0
+        busy = set(keys)
         for k in keys:
             if k in self.keys:
                 hits += 1
@@ -342,8 +345,8 @@ class _LruShadow:
             if k not in self.keys:
                 budget -= 1
                 if len(self.keys) >= capacity:
-                    if len(self.keys) <= len(keys):
-                        continue                  # every slot holds this layer-step's experts
+                    if next(iter(self.keys)) in busy:
+                        continue                  # the oldest is this layer-step's: every slot is
                     self.keys.popitem(last=False)
                 self.keys[k] = None
         return hits
