@@ -65,11 +65,9 @@ def dense_bytes(model) -> int:
     head = model.weights.lm_head
     total += head.weight.numel() * head.weight.element_size() if isinstance(head, TorchLinear) else 0
     for lw in model.weights.layers:
-        for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "router", "mlp13", "mlp2"):
-            obj = getattr(lw, name)
-            if obj is not None:
-                t = obj.weight if isinstance(obj, TorchLinear) else obj
-                total += t.numel() * t.element_size()
+        for obj in lw.dense().values():
+            t = obj.weight if isinstance(obj, TorchLinear) else obj
+            total += t.numel() * t.element_size()
     return total
 
 

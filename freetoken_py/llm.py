@@ -20,13 +20,17 @@ from freetoken_py.engine.runner import ModelRunner, ScheduledChunk
 from freetoken_py.engine.sampler import sample
 from freetoken_py.errors import ContextLengthError, FreetokenError
 from freetoken_py.kvcache import KVCache, PageAllocator
-from freetoken_py.kvcache.pool import FP8, OutOfPagesError
+from freetoken_py.kvcache.pool import FP8
 from freetoken_py.kvcache.radix import RadixCache
 from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
 from freetoken_py.models.loader import load_model, read_generation_defaults
 from freetoken_py.scheduler.scheduler import Scheduler
 from freetoken_py.tokenizer import IncrementalDetokenizer, Tokenizer
 from freetoken_py.utils.progress import progress_bar
+
+
+KV_RESPLIT_STEPS = 64   # steps of low use before the KV cache gives its growth back; and of
+                        # back-off after a failed grow
 
 
 @dataclass
@@ -59,6 +63,9 @@ class LLM:
         self.max_model_len = self.config.max_model_len or self.args.max_position_embeddings
         auto_kv = getattr(self.model, "kv_dtype", self.model.dtype)  # cpu backend: bf16 for bf16 checkpoints
         self.kv_dtype = {"auto": auto_kv, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]
+        a = self.args
+        self._page_bytes = KVCache.bytes_per_page(a.num_layers, self.config.page_size, a.num_kv_heads, a.head_dim,
+                                                  self.kv_dtype)
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype)
         self.residency = self._attach_residency()   # after the KV cache: on a GPU the slots take what is left
@@ -70,12 +77,15 @@ class LLM:
         self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.prefix_cache, self._cache_namespace,
                                    self.tracker, more_pages=self._more_pages if self.residency is not None else None)
+        # the residency tiers run on the torch backend: no fused CPU decoder holds views of the
+        # KV tensors that _more_pages / _return_pages reallocate
+        assert self.residency is None or self.runner.fused is None
         self._slot_floor = self.residency.slots.num_slots // 4 if self.residency is not None else 0
         self._kv_grow_after = 0      # after a failed grow, the step before which none is tried
         # the other direction: pages the KV cache took from the slots go back once the requests
         # have used at most half the start-up pages for this many steps in a row
         self._base_pages = num_pages
-        self.kv_return_after_steps = 64
+        self.kv_return_after_steps = KV_RESPLIT_STEPS
         self._kv_idle_steps = 0
         self._slots_lent = 0         # what the grows took off the elastic sizing's ceiling
         self._streams: dict[int, _Stream] = {}
@@ -172,8 +182,7 @@ class LLM:
 
     # ---- sizing -------------------------------------------------------------------------
     def _num_pages(self) -> int:
-        a, c = self.args, self.config
-        per_page = KVCache.bytes_per_page(a.num_layers, c.page_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        c, per_page = self.config, self._page_bytes
         budget = c.kv_cache_bytes
         if budget == 0:  # enough for every sequence at full length, capped at 1/8 of free RAM
             want = c.max_num_seqs * self.max_model_len * per_page // c.page_size
@@ -286,11 +295,12 @@ class LLM:
         (and recompute their whole context later). A page is worth more than an expert slot (a
         slot saves one expert's copy per step), so the KV cache grows by taking the memory from
         the expert slots: by a quarter at least, while the slots stay above a quarter of what
-        they started with. Returns the pages added (0: the slots are at that floor)."""
-        ex, a, c = self.residency, self.args, self.config
-        if self.runner.fused is not None or ex.step < self._kv_grow_after:
-            return 0                 # (the fused CPU decoder holds views of the cache's tensors)
-        per_page = KVCache.bytes_per_page(a.num_layers, c.page_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        they started with. Returns the pages added (0: the slots are at that floor, or a grow
+        failed less than KV_RESPLIT_STEPS steps ago)."""
+        ex = self.residency
+        if ex.step < self._kv_grow_after:
+            return 0
+        per_page = self._page_bytes
         slot_bytes, cuda = ex.slots.slot_bytes, self.model.device.type == "cuda"
         want = max(need, self.allocator.num_pages // 4)
         # on a GPU the old pages are copied into the new cache: their bytes are needed for a moment
@@ -313,7 +323,7 @@ class LLM:
         except ex.oom_errors:
             # the memory was not there as one block after all: preempt, as without the tiers; the
             # elastic sizing grows the slots back, and no grow is tried for a while
-            self._kv_grow_after = ex.step + 64
+            self._kv_grow_after = ex.step + KV_RESPLIT_STEPS
             return 0
         self.allocator.grow(pages)
         if ex.elastic is not None:   # the elastic sizing may not grow back into the pages' share
@@ -333,17 +343,15 @@ class LLM:
         if the room below is short, as it would at its start-up size. Returns the pages given
         back (0: not now; every failure leaves a consistent state and waits as long again)."""
         a, base, sched = self.allocator, self._base_pages, self.scheduler
-        held = len({p for req in sched.running for p in req.page_table})   # the prefix cache's not counted
-        if sched.waiting or held > base // 2:
-            self._kv_idle_steps = 0
+        if sched.waiting or len({p for req in sched.running for p in req.page_table}) > base // 2:
+            self._kv_idle_steps = 0                  # (the prefix cache's pages are not counted)
             return 0
         self._kv_idle_steps += 1
-        if self._kv_idle_steps < self.kv_return_after_steps or self.runner.fused is not None:
+        if self._kv_idle_steps < self.kv_return_after_steps:
             return 0
         self._kv_idle_steps = 0                      # not again for as long, whatever happens below
         kv, ex = self.runner.cache, self.residency
-        per_page = KVCache.bytes_per_page(self.args.num_layers, self.config.page_size, self.args.num_kv_heads,
-                                          self.args.head_dim, self.kv_dtype)
+        per_page = self._page_bytes
         cuda, slots_before, pages = self.model.device.type == "cuda", ex.slots.num_slots, a.num_pages
         try:
             if not sched.move_pages_below(base, kv.copy_pages):

@@ -273,7 +273,11 @@ def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, 
 def test_dense_weights_move_to_the_accelerator_and_experts_stay(checkpoint_factory):
     """`MoeTransformer.to_accelerator` (what --gpu-experts does before the KV cache is built) moves
     every dense weight and nothing else. Run with the `meta` device, so it is checked here
-    without a GPU: a weight the move forgot would stay on the host and fail this."""
+    without a GPU: a weight the move forgot would stay on the host and fail this. The weights
+    checked are every field of LayerWeights but the two expert tensors, so a field added later
+    is checked too."""
+    import dataclasses
+
     from freetoken_py.kvcache import KVCache
     from freetoken_py.layers.linear import TorchLinear
     from freetoken_py.models.loader import load_model
@@ -287,10 +291,10 @@ def test_dense_weights_move_to_the_accelerator_and_experts_stay(checkpoint_facto
 
     dense = [w.final_norm, *tensors(w.lm_head)]
     for lw in w.layers:
-        for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "router", "mlp13", "mlp2"):
-            if getattr(lw, name) is not None:
-                dense += tensors(getattr(lw, name))
-    assert dense and all(t.device.type == "meta" for t in dense)
+        for f in dataclasses.fields(lw):
+            if f.name not in ("w13", "w2") and getattr(lw, f.name) is not None:
+                dense += tensors(getattr(lw, f.name))
+    assert len(dense) > 4 * len(w.layers) and all(t.device.type == "meta" for t in dense)
     assert w.embed.device.type == "cpu"                          # looked up on the host, one row per token
     assert all(t.device.type == "cpu" for lw in w.layers for t in (lw.w13, lw.w2) if t is not None)
     assert model.device.type == "meta"
@@ -382,12 +386,32 @@ def test_elastic_target_inside_a_chunk_resizes_once(checkpoint_factory):
     assert slots.chunk_slots >= 2
     slot = slots.slot_bytes
     want = slots.num_slots - slots.chunk_slots - 1          # one slot into the second-to-last chunk
+    edge = min(b for b in slots.boundaries() if b > want)    # the chunk edge just above it
     ex.elastic = ElasticVram(slot, max_slots=slots.num_slots, reserve_bytes=0, grow_margin_bytes=10**12)
     ex.memory_probe = lambda: (want - ex.slots.num_slots) * slot if want < ex.slots.num_slots else 0
     llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    held = slots.held_after_shrink(want)
-    assert ex.slots.num_slots == held > want and len(ex.telemetry.resizes) == 1
+    held = edge
+    assert slots.held_after_shrink(want) == held > want
+    assert ex.slots.num_slots == held and len(ex.telemetry.resizes) == 1
     assert len(ex.policy.keys) <= held and ex.policy.capacity == held
+
+
+# ---- the KV/slot split: two 24-token prompts that outgrow a KV cache of 5 pages ---------------
+KV_PROMPTS = [random_prompt(24, seed=s) for s in (1, 2)]
+KV_PAGES = 5     # 16-token pages: both prompts fit (2 pages each), not both at 48 tokens (3 each)
+
+
+def kv_engines(path, **tiered):
+    """(plain torch engine, emulated-tier engine with a KV cache of KV_PAGES pages)."""
+    from freetoken_py.kvcache import KVCache
+
+    plain = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    a, page = plain.args, plain.config.page_size
+    assert page == 16
+    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * KV_PAGES
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
+              kv_cache_bytes=small, **tiered)
+    return plain, llm, small
 
 
 def test_kv_cache_grows_into_expert_slot_memory_instead_of_preempting(checkpoint_factory):
@@ -395,20 +419,12 @@ def test_kv_cache_grows_into_expert_slot_memory_instead_of_preempting(checkpoint
     plain engine preempts one (and recomputes it); with the residency tiers the KV cache grows
     by taking memory from the expert slots, nobody is preempted, stored tokens survive the
     move, and the outputs are the plain engine's."""
-    from freetoken_py.kvcache import KVCache
-
     path = checkpoint_factory("qwen3_moe")
-    prompts = [random_prompt(24, seed=s) for s in (1, 2)]  # both fit at first, not once they grow
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    probe = LLM(path, dtype="float32", show_progress=False, backend="torch")
-    a, page = probe.args, probe.config.page_size
-    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * \
-        (2 * -(-48 // page) - 1)                             # one page short of both at full length
+    prompts, params = KV_PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    _, llm, small = kv_engines(path)
     plain = LLM(path, dtype="float32", show_progress=False, backend="torch", kv_cache_bytes=small)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert plain.scheduler.num_preemptions > 0               # the small cache does force a preemption
-    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
-              kv_cache_bytes=small)
     ex = llm.residency
     slots_before, pages_before = ex.slots.num_slots, llm.allocator.num_pages
     got = [o.token_ids for o in llm.generate(prompts, params)]
@@ -423,16 +439,9 @@ def test_a_kv_grow_that_fails_costs_the_slots_once_and_preempts_as_before(checkp
     """The KV cache's reallocation fails (the memory was not there as one block): the request is
     preempted as without the tiers, the slots are given up once, and no grow is tried again for
     a while (the elastic sizing brings the slots back on a GPU)."""
-    from freetoken_py.kvcache import KVCache
-
     path = checkpoint_factory("qwen3_moe")
-    prompts = [random_prompt(24, seed=s) for s in (1, 2)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
-    a, page = ref.args, ref.config.page_size
-    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * (2 * -(-48 // page) - 1)
-    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
-              kv_cache_bytes=small)
+    prompts, params = KV_PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ref, llm, _ = kv_engines(path)
     ex = llm.residency
 
     def no_memory(num_pages):
@@ -453,16 +462,9 @@ def test_kv_cache_gives_its_growth_back_to_the_slots_and_keeps_the_prefix_cache(
     below it first: the running request's (its tokens are the plain engine's) and the prefix
     cache's (the next turn of that conversation starts from the moved page and gives the plain
     engine's tokens); the prefix cache gives back its least recently used pages to make room."""
-    from freetoken_py.kvcache import KVCache
-
     path = checkpoint_factory("qwen3_moe")
-    prompts = [random_prompt(24, seed=s) for s in (1, 2)]
-    params = SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
-    plain = LLM(path, dtype="float32", show_progress=False, backend="torch")
-    a, page = plain.args, plain.config.page_size
-    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * 5
-    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
-              kv_cache_bytes=small)
+    prompts, params = KV_PROMPTS, SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
+    plain, llm, _ = kv_engines(path)
     llm.kv_return_after_steps = 3
     ex = llm.residency
     base = llm.allocator.num_pages
@@ -507,19 +509,12 @@ def test_a_kv_shrink_whose_copy_runs_out_of_memory_changes_nothing(checkpoint_fa
     """Moving the pages down fails (out of memory in the copy): nothing moved, no page leaked,
     the cache keeps its grown size and the tokens are the plain engine's; the next try, as long
     after, succeeds."""
-    from freetoken_py.kvcache import KVCache
-
     path = checkpoint_factory("qwen3_moe")
-    prompts = [random_prompt(24, seed=s) for s in (1, 2)]
-    params = SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
-    plain = LLM(path, dtype="float32", show_progress=False, backend="torch")
-    a, page = plain.args, plain.config.page_size
-    small = KVCache.bytes_per_page(a.num_layers, page, a.num_kv_heads, a.head_dim, torch.float32) * 5
-    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12,
-              kv_cache_bytes=small)
+    prompts, params = KV_PROMPTS, SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
+    plain, llm, _ = kv_engines(path)
     llm.kv_return_after_steps = 3
     llm.generate(prompts, params)
-    grown, free, ex = llm.allocator.num_pages, llm.allocator.num_free, llm.residency
+    grown, ex = llm.allocator.num_pages, llm.residency
     real_copy, calls = llm.runner.cache.copy_pages, []
 
     def no_memory(src, dst):
@@ -555,14 +550,15 @@ def test_gpu_session_script_stops_at_once_without_a_gpu(tmp_path):
     assert proc.returncode != 0 and "OUT" in proc.stderr
 
 
-@pytest.mark.parametrize("step_status,want", [(0, 0), (1, 1)])
-def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, step_status, want):
+@pytest.mark.parametrize("step_status,pytest_says,want", [(0, "2 passed", 0), (0, "2 skipped", 1), (1, "", 1)])
+def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, step_status, pytest_says, want):
     """bench/gpu_session.sh runs every step under its limit and logs each status; its own exit
-    status is 1 when any step failed, 0 when all passed (driven by a stand-in interpreter that
-    passes the environment check and ends every step with `step_status`)."""
+    status is 1 when any step failed or the cuda placement variants were skipped, 0 when all
+    passed (driven by a stand-in interpreter that passes the environment check, ends every step
+    with `step_status` and prints `pytest_says` as pytest's summary)."""
     fake = tmp_path / "fakepy"
     fake.write_text(f'#!/bin/bash\nif [ "$1" = "-" ]; then cat > /dev/null; echo "fake GPU"; exit 0; fi\n'
-                    f'echo "ran $*"; exit {step_status}\n')
+                    f'echo "ran $*"; [ "$2" = pytest ] && echo "{pytest_says}"; exit {step_status}\n')
     fake.chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()

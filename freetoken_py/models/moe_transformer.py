@@ -41,12 +41,8 @@ class MoeTransformer:
         w.final_norm = w.final_norm.to(device)
         w.lm_head = _linear_to(w.lm_head, device)
         for lw in w.layers:
-            for name in ("input_norm", "post_norm", "q_norm", "k_norm"):
-                if getattr(lw, name) is not None:
-                    setattr(lw, name, getattr(lw, name).to(device))
-            for name in ("qkv", "o", "router", "mlp13", "mlp2"):
-                if getattr(lw, name) is not None:
-                    setattr(lw, name, _linear_to(getattr(lw, name), device))
+            for name, obj in lw.dense().items():
+                setattr(lw, name, obj.to(device) if isinstance(obj, torch.Tensor) else _linear_to(obj, device))
         self.device = device
 
     @torch.inference_mode()

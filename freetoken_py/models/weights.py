@@ -6,7 +6,7 @@ and tensor), and loads tensors into `ModelWeights` with experts stacked as `[E, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -41,6 +41,14 @@ class LayerWeights:
     w2: torch.Tensor | None = None  # [E, D, I]
     mlp13: object | None = None  # dense layer: [2I, D] gate rows then up rows
     mlp2: object | None = None  # [D, I]
+
+    EXPERTS = ("w13", "w2")   # the routed experts; every other field is a dense weight
+
+    def dense(self) -> dict[str, object]:
+        """The layer's dense weights (norm tensors and linear layers) by field name, absent ones
+        left out: what every token reads besides the routed experts."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in self.EXPERTS and getattr(self, f.name) is not None}
 
 
 @dataclass

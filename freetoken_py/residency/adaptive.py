@@ -118,7 +118,8 @@ class AdaptivePolicy:
 
     def _rates(self, idx) -> np.ndarray:
         """Routes per step lately (1.0: routed every step): the larger of the slow and the fast
-        decayed count, each normalised to a rate."""
+        decayed count, each normalised to a rate. (`stream_values` has the same formula as scalar
+        code for a handful of experts: change both.)"""
         slow = self.freq[idx] * self._decay ** (self.now - self._base) * (1 - self._decay)
         fast = self.fast[idx] * self._fast_decay ** (self.now - self._fast_step[idx]) * (1 - self._fast_decay)
         return np.maximum(slow, fast)
@@ -132,7 +133,8 @@ class AdaptivePolicy:
             if self._victim_rate[0] != self.now:      # once per step: a scan of every resident
                 self._victim_rate = (self.now, float(np.where(self.res, self._rates(np.s_[:]), np.inf).min()))
             victim = self._victim_rate[1]
-        # _rates for a handful of experts, as scalars (numpy's per-call cost dominates here)
+        # _rates for a handful of experts, as scalars (numpy's per-call cost dominates here):
+        # the same formula, change both
         slow_scale, fd = self._decay ** (self.now - self._base), self._fast_decay
         slow_norm, fast_norm = 1 - self._decay, 1 - fd
         freq, fast, fast_step = self.freq[layer], self.fast[layer], self._fast_step[layer]
@@ -147,13 +149,12 @@ class AdaptivePolicy:
     def warm_start(self, counts: np.ndarray) -> None:
         """Fill the cache from prior routing counts [L, E] (a calibration run or the last
         session's stats) and seed the frequency estimate with them, scaled to one half-life."""
+        total = counts[self.layers].sum(axis=1, keepdims=True).clip(min=1)
+        self.freq[self.layers] += counts[self.layers] / total * 8.0 * self._decay ** (self._base - self.now)
         keys = [(l, e) for l in self.layers for e in range(self.num_experts)]
         keys.sort(key=lambda k: (-counts[k], k))
         for l, e in keys[:self.capacity]:
-            self._add(l, e)
-        total = counts[self.layers].sum(axis=1, keepdims=True).clip(min=1)
-        self.freq[self.layers] += counts[self.layers] / total * 8.0 * self._decay ** (self._base - self.now)
-        self._rfreq[:self._nres] = self.freq.ravel()[self._rlist[:self._nres]]
+            self._add(l, e)                  # (copies the counts just seeded beside the resident)
         sampled = [(int(l), int(e)) for l, e in zip(*np.nonzero(self.res)) if l in self._sampled]
         sampled.sort(key=lambda k: (self.freq[k], k))   # the LRU shadow's oldest first: the rarest
         for shadow in self.shadows:
@@ -174,7 +175,8 @@ class AdaptivePolicy:
         # what this layer-step leaves in the accelerator's hands (the streamed misses, most worth
         # keeping first, then the hits), and how many copies the planner found worth making
         # (CPU-evaluated and cut experts never reach a slot)
-        self._offered = (layer, p.stream + p.hits, len(p.stream))
+        if layer in self._sampled:   # (touch() replays only the sampled layers on the shadows)
+            self._offered = (layer, p.stream + p.hits, len(p.stream))
         return p
 
     def touch(self, layer: int, step: int, tokens: dict[int, int]) -> None:
@@ -271,10 +273,10 @@ class AdaptivePolicy:
         `busy_layer` is using this step; with `floor`, outside the layers at or under their floor
         while any other layer has one. One pass over the cache (numba)."""
         fair = int(self.floor_share * self.capacity / len(self.layers)) if floor and self.layers else -1
-        ex_l, ex_e = exclude if exclude is not None else (-1, -1)
         n = self._nres
         flat = _victim_scan(self._rlist[:n], self._rlayer[:n], self._rlast[:n], self._rfreq[:n], self.layer_last,
-                            self.count, which == LRU, self.now, ex_l * self.num_experts + ex_e if ex_l >= 0 else -1,
+                            self.count, which == LRU, self.now,
+                            -1 if exclude is None else exclude[0] * self.num_experts + exclude[1],
                             -1 if busy_layer is None else busy_layer, fair)
         return divmod(flat, self.res.shape[1]) if flat >= 0 else None
 

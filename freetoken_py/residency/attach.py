@@ -59,10 +59,12 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
         for i in moe:    # layer by layer, replacing the model's own reference: one host copy, not two
             layers[i].w13, layers[i].w2 = layers[i].w13.pin_memory(), layers[i].w2.pin_memory()
             w13[i], w2[i] = layers[i].w13, layers[i].w2
+    # room for activations on a GPU: a tenth of the card, at least CUDA_RESERVE_BYTES
+    reserve = max(CUDA_RESERVE_BYTES, torch.cuda.mem_get_info()[1] // 10) if mode == "cuda" else 0
     if vram_budget_bytes:
         budget = vram_budget_bytes
     elif mode == "cuda":   # what the dense weights and the KV cache left, less room for activations
-        budget = max(0, cuda_free_bytes() - max(CUDA_RESERVE_BYTES, torch.cuda.mem_get_info()[1] // 10))
+        budget = max(0, cuda_free_bytes() - reserve)
     else:
         budget = expert_bytes * (len(moe) * num_experts // 2)
     num_slots = min(budget // expert_bytes, len(moe) * num_experts)
@@ -75,8 +77,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
         memory_probe = cuda_free_bytes
         # the same room for activations the start-up budget left (the default 256 MiB is less than
         # a prefill's activations need: the probe would grow the slots into them)
-        elastic = ElasticVram(expert_bytes, num_slots,
-                              reserve_bytes=max(CUDA_RESERVE_BYTES, torch.cuda.mem_get_info()[1] // 10))
+        elastic = ElasticVram(expert_bytes, num_slots, reserve_bytes=reserve)
     executor = ResidencyExecutor(w13, w2, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,
                                  memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",

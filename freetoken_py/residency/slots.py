@@ -128,10 +128,10 @@ class SlotCache:
     def _shrink(self, num_slots: int) -> None:
         keep = sum(1 for start in self._starts if start < num_slots)   # chunks kept
         total = self.held_after_shrink(num_slots)
-        spare = sorted(s for s in self.free if s < total)
+        spare = sorted((s for s in self.free if s < total), reverse=True)   # lowest last: pop() it
         for key, s in sorted(self.slot_of.items(), key=lambda kv: kv[1]):
             if s >= total:            # in a chunk that goes: move it into a slot that stays
-                dst = spare.pop(0)
+                dst = spare.pop()
                 for d, src in zip(self.views(dst), self.views(s)):
                     d.copy_(src)
                 self.slot_of[key] = dst
