@@ -2,8 +2,8 @@
 
     python bench/residency_policy_cost.py [--steps 40] [--model qwen3-235b-a22b] [--profiles ...] [--regimes ...]
 
-`AdaptivePolicy.split` (stream values + `plan`), `touch` (counts, shadows, ghosts) and `admit`
-(victim scans, evictions) are plain Python and numpy (the victim scan is numba) and run on the
+`AdaptivePolicy.split` (stream values + `plan`), `touch` (counts, shadows, ghosts) and
+`admit_many` (victim scans, evictions) are each one compiled call plus some Python, and run on the
 critical path of every MoE layer: on a GPU machine this time adds to each token. The script
 replays a synthetic decode trace of the model's geometry (94 MoE layers x 128 experts, top-8 for
 Qwen3-235B-A22B) through the policy with the profile's slot count, exactly as the simulator and
@@ -50,8 +50,7 @@ def measure(profile: str, regime: str, model: str, steps: int) -> dict:
         t1 = time.perf_counter()
         policy.touch(layer, step, tokens)
         t2 = time.perf_counter()
-        for e in p.stream:
-            policy.admit(layer, e, step)
+        policy.admit_many(layer, p.stream, step)
         t3 = time.perf_counter()
         if step >= WARM_STEPS:
             spent += (t1 - t0, t2 - t1, t3 - t2)

@@ -187,3 +187,34 @@ def test_among_equal_misses_the_one_worth_keeping_streams():
     valued = plan(stats, cost("rtx5090"), Budgets(stream_slots=1, stream_values={11: 1e-9}))
     assert (base.stream, base.cpu) == ((3,), (8, 11))
     assert (valued.stream, valued.cpu) == ((11,), (3, 8))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_plan_matches_the_python_reference(seed):
+    # the compiled planner against the plain Python it was first written in (tests/plan_reference):
+    # random token counts (decode and prefill), residents, per-expert values with ties, budgets,
+    # profiles and live-measured bandwidths; decisions, reasons and times must be identical
+    import random
+
+    import plan_reference
+
+    rng = random.Random(seed)
+    names = sorted(PROFILES)
+    for case in range(400):
+        c = cost(rng.choice(names))
+        if rng.random() < 0.3:
+            c = c.observe(copy_gbps=rng.uniform(1, 60), cpu_gbps=rng.uniform(5, 120))
+        experts = rng.sample(range(128), rng.randint(0, 24))
+        big = rng.random() < 0.3
+        tokens = {e: (rng.randint(1, 96) if big else rng.choice((1, 1, 1, 2))) for e in experts}
+        resident = frozenset(e for e in range(128) if rng.random() < rng.choice((0.0, 0.1, 0.5)))
+        values = {}
+        if rng.random() < 0.7:
+            levels = [0.0, 1e-9, 5e-6, 4e-5, 2e-4, 1e-3]
+            values = {e: rng.choice(levels) for e in experts if rng.random() < 0.9}
+        budgets = Budgets(stream_slots=rng.choice((0, 1, 2, 4, 8, 128)), cpu_enabled=rng.random() < 0.85,
+                          stream_value_s=rng.choice((0.0, 0.0, 3e-5)), stream_values=values,
+                          split_experts=rng.random() < 0.6)
+        stats = LayerStats(tokens, resident)
+        got, want = plan(stats, c, budgets), plan_reference.plan(stats, c, budgets)
+        assert got == want, (seed, case, stats, budgets)

@@ -384,3 +384,35 @@ def test_lru_shadow_keeps_turning_over_when_a_step_routes_more_experts_than_it_h
     third = second[:2] + [(0, 20), (0, 21)]
     assert shadow.access(third, 4, freq, third, 4) == 2
     assert set(shadow.keys) == set(third)
+
+
+def test_admitting_a_layers_streams_at_once_equals_admitting_them_one_by_one():
+    """`admit_many` (one compiled call per layer-step, the LeCaR draws from a buffer) leaves the
+    policy exactly as `admit` called for each expert in turn: residents, counts, the residents'
+    copies, ghosts, evictions returned, and the generator's next draw. Small capacity and both
+    rules in play (a near tie in the duel, so draws happen), with refusals under LFU."""
+    rng = np.random.default_rng(11)
+    one, many = (AdaptivePolicy(list(range(3)), num_experts=12, capacity=7, seed=3, shadow_margin=0.9)
+                 for _ in range(2))
+    for step in range(80):
+        for layer in range(3):
+            tokens = {int(e): int(rng.integers(1, 3)) for e in rng.choice(12, 4, replace=False)}
+            streamed = [e for e in tokens if rng.random() < 0.7]
+            for p in (one, many):
+                p.touch(layer, step, tokens)
+            got = many.admit_many(layer, streamed, step)
+            want = [one.admit(layer, e, step) for e in streamed]
+            assert [[(int(l), int(e)) for l, e in ev] for ev in got] == \
+                   [[(int(l), int(e)) for l, e in ev] for ev in want]
+            assert (one.res == many.res).all() and (one.count == many.count).all()
+            assert (one.count == one.res.sum(axis=1)).all()
+            assert one._nres == many._nres == one.res.sum()
+            assert list(one.ghosts.items()) == list(many.ghosts.items())
+            assert [one.resident(l) for l in range(3)] == [many.resident(l) for l in range(3)]
+            n = one._nres
+            assert sorted(one._rlist[:n].tolist()) == sorted(many._rlist[:n].tolist())
+    assert one.draws == many.draws > 5
+    # the same draws were consumed: the next one matches
+    nxt_one = one._rbuf[one._rbuf_at] if one._rbuf_at < len(one._rbuf) else one._rng.random()
+    nxt_many = many._rbuf[many._rbuf_at] if many._rbuf_at < len(many._rbuf) else many._rng.random()
+    assert nxt_one == nxt_many

@@ -32,6 +32,12 @@ Changes from plain LeCaR, each for a reason measured on MoE routing:
   (`Budgets.stream_values`): its decayed routing rate minus the rate of the expert it would
   displace, over WINDOW steps, times the cost of the miss it saves. Under the LFU expert a
   streamed expert rarer than the victim is used once and not kept.
+
+Host time: this runs on the critical path of every MoE layer, so each of the three calls of a
+layer-step is one compiled (numba) call plus a little Python: `split` (the misses' values and
+`plan`), `touch` (the counts; the ghosts and the sampled shadows stay Python) and `admit_many`
+(every admission of the layer-step: the LeCaR draws come from a buffer of the same generator,
+in the same order, so the decisions are those of one `admit` per expert).
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ from collections import OrderedDict
 import numpy as np
 from numba import njit
 
-from freetoken_py.residency.planner import Budgets, CostModel, LayerStats, Plan, plan
+from freetoken_py.residency.planner import CostModel, LayerStats, Plan, _plan_core, core_costs, plan_from_core
 
 Key = tuple[int, int]
 LRU, LFU = 0, 1
@@ -86,6 +92,9 @@ class AdaptivePolicy:
         self._fast_decay = 0.5 ** (1.0 / 8.0)
         self._fast_step = np.zeros((n, num_experts), np.int64)
         self._base = 0                                         # step the inflation is relative to
+        # flat views of the [L, E] arrays (index layer * E + expert) for the compiled calls
+        self._res_flat, self._last_flat, self._freq_flat = self.res.reshape(-1), self.last.reshape(-1), self.freq.reshape(-1)
+        self._fast_flat, self._fast_step_flat = self.fast.reshape(-1), self._fast_step.reshape(-1)
         self.weights = np.array([0.5, 0.5])                    # [w_lru, w_lfu]
         self.learning_rate = learning_rate
         self.floor_share = floor_share
@@ -100,10 +109,13 @@ class AdaptivePolicy:
         self._shadow_step = 0
         self.shadow_margin = shadow_margin    # >= 1: the duel never decides (plain LeCaR)
         self._rng = np.random.default_rng(seed)
+        self._rbuf, self._rbuf_at = np.zeros(0), 0     # draws of _rng not used yet, in order
+        self.draws = 0                                 # evictions the LeCaR draw decided (the duel was close)
         self.now = 0
         self._victim_rate = (-1, 0.0)                          # (step, slowest resident's rate)
         # (layer, candidates, copies) of the last plan: what a shadow may admit, and how many
         self._offered: tuple[int, tuple[int, ...], int] | None = None
+        self._arrays: tuple[dict, np.ndarray, np.ndarray] | None = None   # split()'s tokens, as arrays, for touch()
 
     # ---- queries --------------------------------------------------------------------------
     def resident(self, layer: int) -> frozenset[int]:
@@ -116,35 +128,30 @@ class AdaptivePolicy:
     def keys(self) -> set[Key]:
         return {(int(l), int(e)) for l, e in zip(*np.nonzero(self.res))}
 
-    def _rates(self, idx) -> np.ndarray:
-        """Routes per step lately (1.0: routed every step): the larger of the slow and the fast
-        decayed count, each normalised to a rate. (`stream_values` has the same formula as scalar
-        code for a handful of experts: change both.)"""
-        slow = self.freq[idx] * self._decay ** (self.now - self._base) * (1 - self._decay)
-        fast = self.fast[idx] * self._fast_decay ** (self.now - self._fast_step[idx]) * (1 - self._fast_decay)
-        return np.maximum(slow, fast)
+    def _rate_terms(self) -> tuple[float, float, float, float, int]:
+        """`_rate`'s scalars at this step: the slow count's inflation and both normalisations."""
+        fd = self._fast_decay
+        return self._decay ** (self.now - self._base), 1 - self._decay, fd, 1 - fd, self.now
+
+    def _victim_rate_now(self) -> float:
+        """The routing rate of the slowest-routed resident, the one a kept miss would displace
+        (0.0 while slots are free); a scan of every resident, once per step."""
+        if self._nres < self.capacity:
+            return 0.0
+        if self._victim_rate[0] != self.now:
+            n = self._nres
+            self._victim_rate = (self.now, _min_rate(self._rlist[:n], self._freq_flat, self._fast_flat,
+                                                     self._fast_step_flat, *self._rate_terms()))
+        return self._victim_rate[1]
 
     def stream_values(self, layer: int, misses: list[int], cost: CostModel) -> dict[int, float]:
         """Seconds each missed expert would save over the next WINDOW steps if kept, net of what
-        the slowest-routed resident (the one it would displace; none while slots are free) would.
-        The slowest resident's rate is taken once per step (a scan of the whole cache)."""
-        victim = 0.0
-        if self._nres >= self.capacity:
-            if self._victim_rate[0] != self.now:      # once per step: a scan of every resident
-                self._victim_rate = (self.now, float(np.where(self.res, self._rates(np.s_[:]), np.inf).min()))
-            victim = self._victim_rate[1]
-        # _rates for a handful of experts, as scalars (numpy's per-call cost dominates here):
-        # the same formula, change both
-        slow_scale, fd = self._decay ** (self.now - self._base), self._fast_decay
-        slow_norm, fast_norm = 1 - self._decay, 1 - fd
-        freq, fast, fast_step = self.freq[layer], self.fast[layer], self._fast_step[layer]
-        per_miss = min(cost.cpu_s(1), cost.copy_s())
-        values = {}
-        for e in misses:
-            r = max(float(freq[e]) * slow_scale * slow_norm,
-                    float(fast[e]) * fd ** int(self.now - fast_step[e]) * fast_norm)
-            values[e] = max(0.0, r - victim) * WINDOW * per_miss
-        return values
+        the slowest-routed resident (the one it would displace; none while slots are free) would."""
+        ids = np.asarray(misses, np.int64)
+        vals = _miss_values(ids, np.zeros(len(ids), np.bool_), self.freq[layer], self.fast[layer],
+                            self._fast_step[layer], *self._rate_terms(), self._victim_rate_now(),
+                            min(cost.cpu_s(1), cost.copy_s()))
+        return dict(zip(misses, vals.tolist()))
 
     def warm_start(self, counts: np.ndarray) -> None:
         """Fill the cache from prior routing counts [L, E] (a calibration run or the last
@@ -168,10 +175,17 @@ class AdaptivePolicy:
 
     # ---- the interface --------------------------------------------------------------------
     def split(self, layer: int, stats: LayerStats, cost: CostModel) -> Plan:
-        misses = [e for e in stats.tokens if e not in stats.resident]
-        values = self.stream_values(layer, misses, cost) if misses and self.capacity else {}
-        p = plan(stats, cost, Budgets(stream_slots=self.capacity, stream_values=values,
-                                      split_experts=self.capacity > 0))
+        tokens, resident = stats.tokens, stats.resident
+        m = len(tokens)
+        ids = np.fromiter(tokens, np.int64, m)
+        ntok = np.fromiter(tokens.values(), np.int64, m)
+        res = np.fromiter((e in resident for e in tokens), np.bool_, m)
+        self._arrays = (tokens, ids, ntok)
+        victim = self._victim_rate_now() if self.capacity and m > len(resident & tokens.keys()) else 0.0
+        # the misses' values (`stream_values`) and `plan`, in one compiled call
+        p = plan_from_core(ids, _split_core(ids, ntok, res, self.freq[layer], self.fast[layer], self._fast_step[layer],
+                                            *self._rate_terms(), victim, min(cost.cpu_s(1), cost.copy_s()),
+                                            self.capacity, core_costs(cost)))
         # what this layer-step leaves in the accelerator's hands (the streamed misses, most worth
         # keeping first, then the hits), and how many copies the planner found worth making
         # (CPU-evaluated and cut experts never reach a slot)
@@ -187,16 +201,15 @@ class AdaptivePolicy:
             for e in tokens:
                 if (layer, e) in ghosts:
                     self._regret((layer, e), step)
-        freq, fast, fast_step, last, fd = self.freq[layer], self.fast[layer], self._fast_step[layer], self.last[layer], self._fast_decay
-        rpos, base = self._rpos, layer * self.num_experts
-        for e, n in tokens.items():            # a handful of experts: scalars beat numpy calls
-            freq[e] += n * scale
-            fast[e] = float(fast[e]) * fd ** int(step - fast_step[e]) + n
-            fast_step[e] = step
-            last[e] = step
-            i = rpos[base + e]
-            if i >= 0:
-                self._rfreq[i], self._rlast[i] = freq[e], step
+        cached = self._arrays
+        if cached is not None and cached[0] is tokens:     # split() saw this dict: its arrays
+            ids, ntok = cached[1], cached[2]
+        else:
+            ids = np.fromiter(tokens, np.int64, len(tokens))
+            ntok = np.fromiter(tokens.values(), np.int64, len(tokens))
+        self._arrays = None
+        _touch_core(ids, ntok, self.freq[layer], self.fast[layer], self._fast_step[layer], self.last[layer], self._rpos,
+                    layer * self.num_experts, self._rfreq, self._rlast, scale, self._fast_decay, step)
         self.layer_last[layer] = step
         if scale > 1e100:        # re-base the inflated counts before they overflow
             self.freq *= self._decay ** (step - self._base)
@@ -237,23 +250,47 @@ class AdaptivePolicy:
         return LRU if lru > lfu else LFU
 
     def admit(self, layer: int, expert: int, step: int) -> list[Key]:
-        if self.capacity == 0 or self.res[layer, expert]:
-            return []
+        return self.admit_many(layer, (expert,), step)[0]
+
+    def admit_many(self, layer: int, experts, step: int) -> list[list[Key]]:
+        """`admit` for each of `experts` in turn (what each evicted), in one compiled call: the
+        leader of the duel cannot change between them, and the LeCaR draws come from a buffer of
+        the same generator in the same order."""
+        if self.capacity == 0 or not len(experts):
+            return [[] for _ in experts]
+        leader = self._leader()
+        if self._rbuf_at + len(experts) > len(self._rbuf):      # room for one draw per expert
+            self._rbuf = np.concatenate((self._rbuf[self._rbuf_at:], self._rng.random(max(64, len(experts)))))
+            self._rbuf_at = 0
+        E = self.num_experts
+        flats = np.asarray(experts, np.int64) + layer * E
+        out = np.empty((len(flats), 3), np.int64)
+        start = self._rbuf_at
+        self._nres, self._rbuf_at = _admit_core(
+            flats, layer, E, self.capacity, self._nres, -1 if leader is None else leader, self.weights[LRU],
+            self._rbuf, self._rbuf_at, self.now, self._floor(), self._res_flat, self.count,
+            self._last_flat, self._freq_flat, self.layer_last, self._rlist, self._rpos, self._rlayer,
+            self._rlast, self._rfreq, out)
+        self.draws += self._rbuf_at - start
         evicted = []
-        if self._nres >= self.capacity:
-            which = self._leader()
-            if which is None:
-                which = LRU if self._rng.random() < self.weights[LRU] else LFU
-            victim = self._victim(which, exclude=(layer, expert), busy_layer=layer)
-            if victim is None:
-                return []
-            if which == LFU and self.freq[layer, expert] < self.freq[victim]:
-                self._remember((layer, expert), LFU, step)     # refused: used once, not kept
-                return []
-            self._evict(victim, which, step)
-            evicted.append(victim)
-        self._add(layer, expert)
+        for expert, (added, victim, which) in zip(experts, out.tolist()):
+            if added:
+                self._sets[layer].add(int(expert))
+            if victim < 0:
+                evicted.append([])
+            elif added:
+                key = divmod(victim, E)
+                self._sets[key[0]].discard(key[1])
+                self._remember(key, which, step)
+                evicted.append([key])
+            else:                                       # refused under LFU: used once, not kept
+                self._remember((layer, int(expert)), LFU, step)
+                evicted.append([])
         return evicted
+
+    def _floor(self, floor: bool = True) -> int:
+        """Residents a layer keeps whatever the scores (`floor_share` of its fair share); -1: none."""
+        return int(self.floor_share * self.capacity / len(self.layers)) if floor and self.layers else -1
 
     def resize(self, capacity: int) -> list[Key]:
         self.capacity = capacity
@@ -272,7 +309,7 @@ class AdaptivePolicy:
         """The resident to evict under LRU or LFU (`_victim_scan`'s order), never `exclude` nor an expert
         `busy_layer` is using this step; with `floor`, outside the layers at or under their floor
         while any other layer has one. One pass over the cache (numba)."""
-        fair = int(self.floor_share * self.capacity / len(self.layers)) if floor and self.layers else -1
+        fair = self._floor(floor)
         n = self._nres
         flat = _victim_scan(self._rlist[:n], self._rlayer[:n], self._rlast[:n], self._rfreq[:n], self.layer_last,
                             self.count, which == LRU, self.now,
@@ -428,7 +465,8 @@ class _LfuShadow:
 
 
 @njit(cache=True)
-def _victim_scan(flat, layer, last, freq, layer_last, count, lru, now, exclude, busy_layer, fair):  # pragma: no cover - jitted
+def _victim_scan(flat, layer, last, freq, layer_last, count, lru, now, exclude, busy_layer, fair,
+                 fmax=-1.0):  # pragma: no cover - jitted
     """Flat index (layer * E + expert) of the lowest-scoring resident, skipping `exclude` and
     busy_layer's experts routed at step `now`; a candidate in a layer above its floor
     (count > fair) wins over any in a protected layer; among equal scores the lower flat index.
@@ -436,11 +474,9 @@ def _victim_scan(flat, layer, last, freq, layer_last, count, lru, now, exclude, 
     routed, decayed count. Scores: LRU = steps since last routed, counted on the resident's own
     layer's clock (last - the layer's latest step: within a step, a layer not reached yet is not
     older than one already past), among equals the rarer; LFU = decayed count, among equals the
-    older."""
-    fmax = 0.0
-    if lru:
-        for i in range(freq.shape[0]):
-            fmax = max(fmax, freq[i])
+    older. `fmax`: the largest count among the residents, if the caller knows it."""
+    if lru and fmax < 0:     # (the largest count among the residents, when the caller has not kept it)
+        fmax = _fmax(freq)
     best, best_i, guarded, guarded_i = np.inf, -1, np.inf, -1
     for i in range(flat.shape[0]):
         r, l = flat[i], layer[i]
@@ -455,3 +491,126 @@ def _victim_scan(flat, layer, last, freq, layer_last, count, lru, now, exclude, 
         if count[l] > fair and (score < guarded or (score == guarded and r < guarded_i)):
             guarded, guarded_i = score, r
     return guarded_i if guarded_i >= 0 else best_i
+
+
+@njit(cache=True)
+def _rate(freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now):  # pragma: no cover - jitted
+    """Routes per step lately (1.0: routed every step): the larger of the slow decayed count
+    (stored inflated; `slow_scale` deflates it) and the fast one (decayed from its last update),
+    each normalised to a rate."""
+    return max(freq * slow_scale * slow_norm, fast * fd ** float(now - fast_step) * fast_norm)
+
+
+@njit(cache=True)
+def _min_rate(flat, freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now):  # pragma: no cover - jitted
+    """The lowest `_rate` among the residents `flat` (indices into the flattened [L, E] arrays)."""
+    low = np.inf
+    for i in flat:
+        low = min(low, _rate(freq[i], fast[i], fast_step[i], slow_scale, slow_norm, fd, fast_norm, now))
+    return low
+
+
+@njit(cache=True)
+def _miss_values(ids, res, freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now, victim,
+                 per_miss):  # pragma: no cover - jitted
+    """`stream_values` for the experts `ids` of one layer (0 for the resident ones): the rate above
+    the victim's, over WINDOW steps, times the cheaper way to serve a miss."""
+    vals = np.zeros(ids.shape[0])
+    for i in range(ids.shape[0]):
+        if not res[i]:
+            e = ids[i]
+            r = _rate(freq[e], fast[e], fast_step[e], slow_scale, slow_norm, fd, fast_norm, now)
+            vals[i] = max(0.0, r - victim) * WINDOW * per_miss
+    return vals
+
+
+@njit(cache=True)
+def _split_core(ids, ntok, res, freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now, victim, per_miss,
+                capacity, costs):  # pragma: no cover - jitted
+    """`AdaptivePolicy.split` in one call: the misses' values, then the planner with every slot
+    open to streaming and cuts allowed (no slots: nothing is worth keeping, nothing streams)."""
+    has_miss = False
+    for r in res:
+        has_miss |= not r
+    if capacity > 0:
+        vals = _miss_values(ids, res, freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now, victim, per_miss)
+    else:
+        vals = np.zeros(ids.shape[0])
+    return _plan_core(ids, ntok, res, vals, has_miss and capacity > 0, capacity, True, capacity > 0, costs)
+
+
+@njit(cache=True)
+def _touch_core(ids, ntok, freq, fast, fast_step, last, rpos, base, rfreq, rlast, scale, fd, step):  # pragma: no cover - jitted
+    """One layer-step's routing into the counts of its layer's rows: the slow count (inflated by
+    `scale`), the fast one (decayed to this step first), the last step routed; a resident's
+    contiguous copies (`rfreq`, `rlast`, at `rpos[base + e]`) follow."""
+    for a in range(ids.shape[0]):
+        e = ids[a]
+        freq[e] += ntok[a] * scale
+        fast[e] = fast[e] * fd ** float(step - fast_step[e]) + ntok[a]
+        fast_step[e] = step
+        last[e] = step
+        i = rpos[base + e]
+        if i >= 0:
+            rfreq[i], rlast[i] = freq[e], step
+
+
+@njit(cache=True)
+def _admit_core(flats, layer, num_experts, capacity, nres, leader, w_lru, rbuf, rbuf_at, now, fair, res, count, last,
+                freq, layer_last, rlist, rpos, rlayer, rlast, rfreq, out):  # pragma: no cover - jitted
+    """`AdaptivePolicy.admit` for each of `flats` (layer * E + expert) in turn, on the arrays: with
+    the cache full, the rule is the duel's `leader` (-1: a LeCaR draw from `rbuf`, LRU when below
+    `w_lru`) and the victim `_victim_scan`'s (never the expert itself nor one its layer routed at
+    `now`); under LFU an expert rarer than its victim is refused. Per expert, `out` gets (added,
+    victim's flat index or -1, rule). Returns the residents after and the next unused draw.
+    The residents' largest count (the LRU scan's tie-break scale) is kept across the batch."""
+    fmax = -1.0                                            # -1: not known
+    for a in range(flats.shape[0]):
+        flat = flats[a]
+        out[a, 0], out[a, 1], out[a, 2] = 0, -1, 0
+        if res[flat]:
+            continue
+        victim = -1
+        if nres >= capacity:
+            which = leader
+            if which < 0:
+                which = 0 if rbuf[rbuf_at] < w_lru else 1
+                rbuf_at += 1
+            out[a, 2] = which
+            if which == 0 and fmax < 0:
+                fmax = _fmax(rfreq[:nres])
+            victim = _victim_scan(rlist[:nres], rlayer[:nres], rlast[:nres], rfreq[:nres], layer_last, count,
+                                  which == 0, now, flat, layer, fair, fmax)
+            if victim < 0:
+                continue
+            out[a, 1] = victim
+            if which == 1 and freq[flat] < freq[victim]:
+                continue                                   # refused
+            # swap-remove the victim: the last entry moves into its place
+            i, j = rpos[victim], nres - 1
+            if rfreq[i] >= fmax:
+                fmax = -1.0                                # the largest count may have left: rescan
+            moved = rlist[j]
+            rlist[i], rpos[moved], rpos[victim] = moved, i, -1
+            rlayer[i], rlast[i], rfreq[i] = rlayer[j], rlast[j], rfreq[j]
+            res[victim] = False
+            count[victim // num_experts] -= 1
+            nres -= 1
+        res[flat] = True
+        count[layer] += 1
+        rlist[nres], rpos[flat], rlayer[nres] = flat, nres, layer
+        rlast[nres], rfreq[nres] = last[flat], freq[flat]
+        if fmax >= 0:
+            fmax = max(fmax, freq[flat])
+        nres += 1
+        out[a, 0] = 1
+    return nres, rbuf_at
+
+
+@njit(cache=True)
+def _fmax(freq):  # pragma: no cover - jitted
+    """The largest of the counts `freq` (0 when empty)."""
+    fmax = 0.0
+    for i in range(freq.shape[0]):
+        fmax = max(fmax, freq[i])
+    return fmax

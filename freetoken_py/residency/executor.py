@@ -110,8 +110,8 @@ class ResidencyExecutor:
         for e in plan.hits:
             self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
             self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
-        for e in plan.stream:
-            self._run(out_dev, xd, on_dev[e], *self._stream_in(layer, e), layer, e, "stream", groups[e][0])
+        for e, evicted in zip(plan.stream, self.policy.admit_many(layer, plan.stream, self.step)):
+            self._run(out_dev, xd, on_dev[e], *self._stream_in(layer, e, evicted), layer, e, "stream", groups[e][0])
         for e, cols in cuts:
             if cols:
                 self._run(out_dev, xd, on_dev[e], *self.streamer.to_staging_columns(layer, e, cols), layer, e,
@@ -243,8 +243,10 @@ class ResidencyExecutor:
             self.cost = self.cost.observe(cpu_gbps=share * self.cost.expert_bytes / seconds / 1e9)
         return out_cpu
 
-    def _stream_in(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        for key in self.policy.admit(layer, expert, self.step):
+    def _stream_in(self, layer: int, expert: int, evicted: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy a streamed expert in: into a slot when the policy admitted it (after its victims,
+        `evicted`, leave theirs), else into staging."""
+        for key in evicted:
             self.slots.evict(key)
         if self.policy.is_resident(layer, expert):
             return self.streamer.to_slot(layer, expert)

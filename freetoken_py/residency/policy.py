@@ -5,6 +5,7 @@ All four share one interface so the simulator and the executor drive them the sa
     split(layer, stats, cost) -> Plan       which misses stream and which go to the CPU
     touch(layer, step, tokens)              record that these experts were routed
     admit(layer, expert, step) -> evicted   a streamed expert asks for a slot
+    admit_many(layer, experts, step)        `admit` for each in turn -> what each evicted
     resize(capacity) -> evicted             elastic VRAM
 
 Baselines: `StaticPolicy` (llama.cpp `--n-cpu-moe`: the first layers' experts on the CPU, the rest
@@ -52,6 +53,9 @@ class _SetPolicy:
 
     def admit(self, layer: int, expert: int, step: int) -> list[Key]:
         return []
+
+    def admit_many(self, layer: int, experts, step: int) -> list[list[Key]]:
+        return [[] for _ in experts]
 
     def resize(self, capacity: int) -> list[Key]:
         if capacity >= len(self._resident):
@@ -134,6 +138,9 @@ class LruPolicy:
         self._lru.move_to_end((layer, expert))
         self._by_layer.setdefault(layer, set()).add(expert)
         return self.resize(self.capacity)
+
+    def admit_many(self, layer: int, experts, step: int) -> list[list[Key]]:
+        return [self.admit(layer, e, step) for e in experts]
 
     def resize(self, capacity: int) -> list[Key]:
         self.capacity = capacity

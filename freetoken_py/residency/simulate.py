@@ -71,8 +71,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int) -> 
         stats = LayerStats(tokens, policy.resident(layer))
         p = policy.split(layer, stats, cost)
         policy.touch(layer, step, tokens)
-        for e in p.stream:
-            policy.admit(layer, e, step)
+        policy.admit_many(layer, p.stream, step)
         r.routed_pairs += int(counts.sum())
         r.hit_pairs += sum(tokens[e] for e in p.hits)
         r.stream_pairs += sum(tokens[e] for e in p.stream)

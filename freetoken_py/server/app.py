@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from freetoken_py.errors import ContextLengthError, FreetokenError
@@ -25,6 +25,8 @@ from freetoken_py.server.async_engine import (
     EngineStoppedError,
     QueueFullError,
 )
+from freetoken_py.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from freetoken_py.server.metrics import render as render_metrics
 from freetoken_py.server.protocol import (
     ApiError,
     ServerLimits,
@@ -242,3 +244,12 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/freetoken/stats")
     async def stats():
         return await state.engine.snapshot()
+
+    @app.get("/metrics")
+    async def metrics():
+        """The same snapshot in the Prometheus text format (scrape it with the API key as a
+        bearer token when one is set)."""
+        if state.engine is None:
+            why = state.load_error or "the model is still loading; retry shortly (see /ready)"
+            return PlainTextResponse(f"# {why}\n", status_code=503, headers={"Retry-After": "2"})
+        return PlainTextResponse(render_metrics(await state.engine.snapshot()), media_type=METRICS_CONTENT_TYPE)

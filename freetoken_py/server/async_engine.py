@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from freetoken_py.core import RequestOutput, SamplingParams
 from freetoken_py.errors import ContextLengthError, FreetokenError
+from freetoken_py.server.metrics import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram
 
 log = logging.getLogger("freetoken.server")
 
@@ -49,6 +50,7 @@ class Stream:
     req: object | None = None  # core.Request, set by the engine thread
     done: bool = False  # set on the loop when the terminal item is delivered
     num_output_tokens: int = 0
+    started: bool = False  # engine thread: its first output was counted (prompt tokens)
 
     async def next(self, timeout: float | None):
         """The next output, a StreamError, or None when `timeout` passes first (send a ping)."""
@@ -66,6 +68,30 @@ class EngineStats:
     num_aborted: int = 0
     num_rejected_queue_full: int = 0
     max_abort_lag_steps: int = 0  # steps between a handler's abort() and the engine applying it
+    # engine thread: tokens, and the request timings of /metrics' histograms (under `lock`)
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    request: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def observe(self, out: RequestOutput, first: bool) -> None:
+        """Count an output of the engine's step (`first`: the request's first)."""
+        self.generation_tokens += len(out.new_token_ids)
+        if first:
+            self.prompt_tokens += len(out.prompt_token_ids)
+            self.cached_prompt_tokens += out.num_cached_tokens
+        if out.finished:
+            with self.lock:
+                if out.ttft_s is not None:
+                    self.ttft.observe(out.ttft_s)
+                if out.total_s is not None:
+                    self.request.observe(out.total_s)
+
+    def histograms(self) -> dict:
+        with self.lock:
+            return {"ttft_seconds": self.ttft.as_dict(), "request_seconds": self.request.as_dict()}
 
 
 class AsyncEngine:
@@ -173,7 +199,9 @@ class AsyncEngine:
         return {**pages, "active": self.num_active, "max_queue": self.max_queue, "accepting": self.accepting,
                 "num_steps": s.num_steps, "num_requests": s.num_requests, "num_finished": s.num_finished,
                 "num_aborted": s.num_aborted, "num_rejected_queue_full": s.num_rejected_queue_full,
-                "max_abort_lag_steps": s.max_abort_lag_steps, "failed": self.failed}
+                "max_abort_lag_steps": s.max_abort_lag_steps, "failed": self.failed,
+                "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
+                "generation_tokens": s.generation_tokens, **s.histograms()}
 
     def _page_stats(self) -> dict:
         llm = self.llm
@@ -253,6 +281,8 @@ class AsyncEngine:
             stream = self._live.get(out.request_id)
             if stream is None:
                 continue
+            self.stats.observe(out, first=not stream.started)
+            stream.started = True
             if out.finished:
                 self.stats.num_finished += 1
                 del self._live[out.request_id]
