@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -87,7 +87,6 @@ class LLM:
         self._base_pages = num_pages
         self.kv_return_after_steps = KV_RESPLIT_STEPS
         self._kv_idle_steps = 0
-        self._slots_lent = 0         # what the grows took off the elastic sizing's ceiling
         self._streams: dict[int, _Stream] = {}
         self._calibrate_kv()
         self._warm_kernels()
@@ -326,10 +325,7 @@ class LLM:
             self._kv_grow_after = ex.step + KV_RESPLIT_STEPS
             return 0
         self.allocator.grow(pages)
-        if ex.elastic is not None:   # the elastic sizing may not grow back into the pages' share
-            before = ex.elastic.max_slots
-            ex.elastic = replace(ex.elastic, max_slots=max(0, before - -(-add * per_page // slot_bytes)))
-            self._slots_lent += before - ex.elastic.max_slots     # given back exactly by _return_pages
+        ex.lend_slots(-(-add * per_page // slot_bytes))     # the elastic sizing keeps out of the pages' share
         ex.telemetry.kv_grows.append((ex.step + 1, pages))     # the coming step
         return add
 
@@ -367,9 +363,7 @@ class LLM:
         a.shrink(base)
         if cuda:
             torch.cuda.empty_cache()
-        if ex.elastic is not None:
-            ex.elastic = replace(ex.elastic, max_slots=ex.elastic.max_slots + self._slots_lent)
-            self._slots_lent = 0
+        ex.reclaim_slots()
         ex.resize(slots_before + (pages - base) * per_page // ex.slots.slot_bytes)
         ex.telemetry.kv_shrinks.append((ex.step + 1, base))
         return pages - base

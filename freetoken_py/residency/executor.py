@@ -57,6 +57,7 @@ class ResidencyExecutor:
         self.streamer = Streamer(slots, host_w13, host_w2)
         self.routers, self.top_k = routers, top_k
         self.elastic, self.memory_probe = elastic, memory_probe
+        self._slots_lent = 0     # what the KV cache took off the elastic sizing's ceiling (lend_slots)
         self.telemetry = Telemetry(label)
         self.audit: Optional[list] = [] if audit else None   # (step, layer, token, expert, tier)
         self.step, self._last_layer = -1, None
@@ -332,6 +333,21 @@ class ResidencyExecutor:
             self.elastic = replace(self.elastic, max_slots=reached)
         self.telemetry.oom_retries += 1
         return reached < held
+
+    def lend_slots(self, num_slots: int) -> None:
+        """The KV cache took `num_slots` slots' worth of memory (`LLM._more_pages`): the elastic
+        sizing may not grow back into it until `reclaim_slots`."""
+        if self.elastic is not None:
+            before = self.elastic.max_slots
+            self.elastic = replace(self.elastic, max_slots=max(0, before - num_slots))
+            self._slots_lent += before - self.elastic.max_slots
+
+    def reclaim_slots(self) -> None:
+        """The KV cache went back to its start-up size (`LLM._return_pages`): the elastic sizing's
+        ceiling gets back exactly what `lend_slots` took off it."""
+        if self.elastic is not None:
+            self.elastic = replace(self.elastic, max_slots=self.elastic.max_slots + self._slots_lent)
+        self._slots_lent = 0
 
     def _observe_copies(self) -> None:
         """Feed the measured PCIe rate of last step's copies into the cost model (EMA), with the
