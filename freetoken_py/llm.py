@@ -271,18 +271,21 @@ class LLM:
         and runs the same chunks again, until it fits or no slot is left (then the error
         stands). Nothing is lost: requests advance only after a forward and its logits
         complete, the retry rewrites the same KV slots with the same values, and the prefix
-        cache is not touched. The failed pass's layers stay in the residency telemetry and the
-        policy's routing counts."""
+        cache is not touched. The failed pass's residency telemetry is rewound (the step counts
+        once); the policy keeps the failed pass's routing counts and admissions (the admitted
+        experts are in their slots)."""
         ex = self.residency
         oom = ex.oom_errors if ex is not None else ()
         recorder = self.routing_recorder
         while True:
             recorded = len(recorder.trace.steps) if recorder is not None else 0
+            mark = ex.checkpoint() if ex is not None else None
             try:
                 return self.runner.forward_batch(chunks)
             except oom:
                 if recorder is not None:     # the failed pass's routing is not a step of the trace
                     recorder.rewind(recorded)
+                ex.rewind_pass(mark)         # nor of the telemetry
                 if not ex.shrink_after_oom():
                     raise                    # no slot left to give back: the step cannot fit
                 if self.model.device.type == "cuda":

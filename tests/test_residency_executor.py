@@ -306,7 +306,8 @@ def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint
     """An allocation failure in the middle of a forward (here raised once by a router, standing
     in for a prefill's activations on a GPU another process filled) gives back half the expert
     slots and runs the same step again: same tokens as the plain torch backend, the prefix cache
-    and the request untouched, no exception."""
+    and the request untouched, no exception; the telemetry counts the step once (the same
+    routed pairs per layer and steps as a run without the failure)."""
     path = checkpoint_factory("qwen3_moe")
     ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
     want = ref.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
@@ -333,6 +334,12 @@ def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint
     steps = llm.routing_recorder.trace.steps
     assert len(steps) == 6 and [len(s[moe_layers[0]]) for s in steps] == [len(PROMPT)] + [1] * 5
     assert all(sorted(s) == moe_layers for s in steps)
+    plain = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=10**12)
+    plain.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    want_tel = plain.residency.telemetry
+    assert {l: c.routed_pairs for l, c in ex.telemetry.layers.items()} == \
+           {l: c.routed_pairs for l, c in want_tel.layers.items()}
+    assert ex.telemetry.steps == want_tel.steps == 6
 
 
 def test_a_forward_that_never_fits_gives_up_and_the_slots_stay_down(checkpoint_factory):

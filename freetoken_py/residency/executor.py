@@ -62,7 +62,7 @@ class ResidencyExecutor:
         self.audit: Optional[list] = [] if audit else None   # (step, layer, token, expert, tier)
         self.step, self._last_layer = -1, None
         self._predicted: dict[int, set[int]] = {}
-        self._timing: list = []     # (layer, start, end) CUDA events of calls with x on the GPU, unread
+        self._timing: list = []     # (step, layer, start, end) CUDA events of calls with x on the GPU, unread
         # feed the measured CPU-tier speed and copy rate into the cost model: right when the profile
         # describes this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
         self.measure_live = measure_live
@@ -133,7 +133,7 @@ class ResidencyExecutor:
         c.predicted_s += plan.seconds
         if timing is not None:     # ends when the two parts' sum is ready; read back later, no wait now
             timing[1].record()
-            self._timing.append((layer, *timing))
+            self._timing.append((self.step, layer, *timing))
         else:                      # the accelerator's part has been waited for above
             c.measured_s += time.perf_counter() - t0
         return out
@@ -142,14 +142,26 @@ class ResidencyExecutor:
         """Add the GPU-clock times of finished layer calls (x on the GPU) to `measured_s`; with
         `wait`, wait for the last ones first (before reading the telemetry)."""
         if wait and self._timing:
-            self._timing[-1][2].synchronize()
+            self._timing[-1][3].synchronize()
         pending = []
-        for layer, start, end in self._timing:
+        for step, layer, start, end in self._timing:
             if end.query():
                 self.telemetry.layers[layer].measured_s += start.elapsed_time(end) / 1e3
             else:
-                pending.append((layer, start, end))
+                pending.append((step, layer, start, end))
         self._timing = pending
+
+    def checkpoint(self) -> tuple:
+        """What `rewind_pass` needs to forget the coming forward pass."""
+        return self.step, self.telemetry.checkpoint()
+
+    def rewind_pass(self, mark: tuple) -> None:
+        """The forward pass begun after `checkpoint` failed and will run again: its telemetry
+        (and its calls' pending GPU-clock times) is forgotten, so the step is counted once. The
+        policy keeps what it saw: the experts it admitted are in their slots."""
+        step, counters = mark
+        self.telemetry.rewind(counters)
+        self._timing = [t for t in self._timing if t[0] <= step]
 
     @staticmethod
     def _to_host(out_dev: torch.Tensor, x: torch.Tensor):

@@ -40,6 +40,20 @@ class Telemetry:
     kv_grows: list[tuple[int, int]] = field(default_factory=list)  # (step, KV pages after) taken from the slots
     kv_shrinks: list[tuple[int, int]] = field(default_factory=list)  # (step, KV pages after) given back to them
 
+    def checkpoint(self) -> tuple[int, dict[int, dict]]:
+        """The per-pass counters as they are now (plain numbers: cheap), for `rewind`."""
+        return self.steps, {l: dict(c.__dict__) for l, c in self.layers.items()}
+
+    def rewind(self, mark: tuple[int, dict[int, dict]]) -> None:
+        """Back to `checkpoint`'s counters: a forward pass that failed (out of memory) and runs
+        again is counted once. Resizes and KV grows are not rewound: they happened."""
+        self.steps, saved = mark
+        for l in list(self.layers):
+            if l in saved:
+                self.layers[l].__dict__.update(saved[l])
+            else:
+                del self.layers[l]
+
     def totals(self) -> LayerCounters:
         t = LayerCounters()
         for c in self.layers.values():
