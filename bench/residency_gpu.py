@@ -24,6 +24,13 @@ measured the CPU tier with).
 Without CUDA and without --emulate it prints {"skipped": true, ...} and exits 0. Under --emulate
 the accelerator tier runs on CPU tensors with the named profile's times: the pipeline is
 exercised, but measured and predicted describe different machines (`comparable: false`).
+
+`--cpu-only` is the half of the check a machine without a GPU can make: no expert slots, so every
+routed expert runs on the CPU tier (real numba kernels, this machine), and the cost model's CPU
+side is this machine's own probe figure (`cpu_expert_<dtype>`, or `--cpu-gbps`). The row then
+compares the experts' measured time per token with the planner's and the simulator's predictions
+from that prior (`within_25pct`, `comparable: "cpu tier"`), and again with the simulator given
+the CPU tier's rate measured in the run (`corrected`: what the executor's live EMA converges to).
 """
 from __future__ import annotations
 
@@ -77,10 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="checkpoint (default: the ~0.5B bench qwen3_moe, bf16)")
     ap.add_argument("--budget-share", type=float, default=0.25, help="expert slots for this share of the experts")
     ap.add_argument("--out", type=Path, help="also write the JSON line here")
+    ap.add_argument("--cpu-only", action="store_true",
+                    help="no GPU needed: every expert on the CPU tier, the cost model's CPU side from this "
+                         "machine's probe, measured next to the predictions")
+    ap.add_argument("--cpu-gbps", type=float, help="with --cpu-only: the CPU expert rate to predict with "
+                                                   "(default: this machine's probe figure)")
     ap.set_defaults(decode_tokens=48, prompt_len=64, threads=0)
     args = ap.parse_args(argv)
     import torch
 
+    if args.cpu_only:
+        args.emulate = args.emulate or "rtx4090"          # (no slot: the accelerator's figures go unused)
+        args.budget_share = 0.0
     if not args.emulate and not torch.cuda.is_available():
         return _emit({"bench": "residency_gpu", "skipped": True,
                       "reason": "no CUDA GPU here; pass --emulate PROFILE to run the pipeline on CPU tensors"}, args)
@@ -109,10 +124,23 @@ def main(argv: list[str] | None = None) -> int:
                   residency=mode, residency_profile=args.emulate or "measured",
                   vram_budget_bytes=max(1, int(args.budget_share * expert_bytes)), record_routing=str(trace_path))
         ex = llm.residency
+        prior_cpu_gbps = None
+        if args.cpu_only:
+            prior_cpu_gbps = args.cpu_gbps or _probe_cpu_gbps(dtype)
+            ex.cost = _with_cpu(ex.cost, prior_cpu_gbps)
+            ex.telemetry.label = "emulated:cpu-only (the CPU tier is this machine's)"
         common.residency_decode(llm, ex, prompt, 4)          # warm: kernels, slots, allocator
         run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
         llm.save_routing()
         sim_s, sim_tokens = simulated_expert_s(trace_path, ex, run["first_decode_step"])
+        corrected = None
+        if args.cpu_only and run["cpu_tier_s"]:   # the simulator with the CPU tier's measured rate
+            measured_gbps = run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9
+            prior_cost, ex.cost = ex.cost, _with_cpu(ex.cost, measured_gbps)
+            fixed_s, fixed_tokens = simulated_expert_s(trace_path, ex, run["first_decode_step"])
+            ex.cost = prior_cost
+            corrected = {"cpu_gbps": round(measured_gbps, 2),
+                         "simulator_ms_per_token": round(fixed_s / max(1, fixed_tokens) * 1e3, 3)}
     n = run["tokens"]
     measured, predicted = run["measured_s"] / n, run["predicted_s"] / n
     simulated = sim_s / max(1, sim_tokens)
@@ -120,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     sim_tok_s = 1.0 / (simulated + dense_s) if simulated + dense_s > 0 else None
     tok_s = n / run["seconds"]
     routed = max(1, run["routed_pairs"])
+    checked = mode == "cuda" or args.cpu_only      # measured and predicted describe this machine
+    if corrected is not None:
+        corrected["measured_over_simulator"] = round(measured * 1e3 / corrected["simulator_ms_per_token"], 3)
+        corrected["within_25pct"] = abs(corrected["measured_over_simulator"] - 1) <= 0.25
     row = {
-        "bench": "residency_gpu", "skipped": False, "mode": mode, "label": ex.telemetry.label,
-        "comparable": mode == "cuda",
+        "bench": "residency_gpu", "skipped": False, "mode": "cpu-only" if args.cpu_only else mode,
+        "label": ex.telemetry.label,
+        "comparable": "cpu tier" if args.cpu_only else mode == "cuda",
         "device": torch.cuda.get_device_name(0) if mode == "cuda" else f"EMULATED {args.emulate} (CPU tensors)",
         "model": str(model_dir), "expert_slots": ex.slots.num_slots, "budget_share": args.budget_share,
         "profile": {k: getattr(ex.cost.profile, k) for k in ("pcie_gbps", "vram_gbps", "cpu_expert_gbps")},
@@ -133,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         "expert_ms_per_token": {"measured": round(measured * 1e3, 3), "planner": round(predicted * 1e3, 3),
                                 "simulator": round(simulated * 1e3, 3)},
         "measured_over_simulator": round(measured / simulated, 3) if simulated else None,
-        "within_25pct": bool(simulated and abs(measured / simulated - 1) <= 0.25) if mode == "cuda" else None,
+        "within_25pct": bool(simulated and abs(measured / simulated - 1) <= 0.25) if checked else None,
+        "cpu_gbps_prior": round(prior_cpu_gbps, 2) if prior_cpu_gbps else None, "corrected": corrected,
         "hit_rate": round(run["hit_pairs"] / routed, 3), "stream_share": round(run["stream_pairs"] / routed, 3),
         "cpu_share": round((run["cpu_pairs"] + run["split_cpu_share"]) / routed, 3),
         "split_share": round(run["split_pairs"] / routed, 3),
@@ -141,6 +175,25 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
     }
     return _emit(row, args)
+
+
+def _probe_cpu_gbps(dtype: str) -> float:
+    """This machine's CPU expert kernel rate for `dtype` from `freetoken probe` (cached)."""
+    from freetoken_py.hw import get_profile as machine_profile
+
+    hw = machine_profile(progress=False)
+    gbps = hw.gbps(f"cpu_expert_{ {'bfloat16': 'bf16', 'float32': 'fp32'}.get(dtype, dtype)}")
+    if gbps is None:
+        raise SystemExit(f"the probe has no CPU expert figure for {dtype}; pass --cpu-gbps")
+    return gbps
+
+
+def _with_cpu(cost, gbps: float):
+    """The cost model with the CPU expert rate `gbps` (prior and current)."""
+    from dataclasses import replace
+
+    return type(cost)(replace(cost.profile, cpu_expert_gbps=gbps), cost.expert_bytes, cost.expert_flops_per_token,
+                      pcie_gbps=cost.pcie_gbps)
 
 
 def _emit(row: dict, args) -> int:

@@ -1,11 +1,21 @@
 """The planner's decisions as the plain Python they were first written in: the reference the
 compiled `freetoken_py.residency.planner.plan` is checked against (tests/test_residency_planner.py,
-random stats, profiles and budgets; the decisions must be identical and the times equal)."""
+random stats, profiles and budgets; the decisions must be identical and the times equal). Its
+sums are plain left-to-right additions (`_add`), as the compiled loops are, on every Python."""
 from __future__ import annotations
 
 from typing import Mapping
 
 from freetoken_py.residency.planner import GB, Budgets, CostModel, LayerStats, Plan
+
+
+def _add(values) -> float:
+    """Left to right, one rounding per addition: what `sum` did up to Python 3.11 (3.12's `sum`
+    compensates the rounding of floats, so it no longer gives these bits)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
 
 
 def _gpu_finish(hit_s: float, copy_q: float, sum_c: float, last_c: float) -> float:
@@ -22,7 +32,7 @@ def plan(stats: LayerStats, cost: CostModel, budgets: Budgets) -> Plan:
     gpu_c, cpu_c = {}, {}                      # per token count: accelerator / CPU seconds
     for n in set(tokens.values()):
         gpu_c[n], cpu_c[n] = cost.gpu_compute_s(n), cost.cpu_s(n)
-    hit_s = sum(gpu_c[tokens[e]] for e in hits)
+    hit_s = _add(gpu_c[tokens[e]] for e in hits)
     call, copy = cost.profile.cpu_call_s, cost.copy_s()
     copy_q, sum_c, last_c, cpu_q = 0.0, 0.0, 0.0, 0.0   # the accelerator side, as _gpu_finish takes it
     stream, cpu, reasons = [], [], {}
@@ -101,8 +111,8 @@ def _cut_one(whole: Plan, stats: LayerStats, cost: CostModel, budgets: Budgets, 
         return None
     n = stats.tokens[x]
     copy_q = cost.copy_s() * len(stream)
-    sum_c = sum(gpu_c[stats.tokens[e]] for e in stream)
-    cpu_q = sum(cpu_c[stats.tokens[e]] for e in cpu)
+    sum_c = _add(gpu_c[stats.tokens[e]] for e in stream)
+    cpu_q = _add(cpu_c[stats.tokens[e]] for e in cpu)
     cx, cs = gpu_c[n], cpu_c[n]
     # with the first fraction f of x's columns on the accelerator (as _gpu_finish, x's part last):
     #   accelerator = max(hit_s + sum_c + f cx,  copy_q + copy_call + f (copy_bytes_s + cx))

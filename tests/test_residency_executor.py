@@ -270,6 +270,27 @@ def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, 
         assert proc.returncode == 0 and json.loads(proc.stdout)["skipped"] is True
 
 
+def test_cpu_only_check_measures_the_cpu_tier_against_its_prior(checkpoint_factory, tmp_path):
+    """bench/residency_gpu.py --cpu-only: no slots, every routed expert on the CPU tier (this
+    machine's kernels), the predictions from the given CPU rate; the row compares them, and the
+    simulator replayed with the rate the run measured lands closer than an absurd prior."""
+    path = checkpoint_factory("qwen3_moe")
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "residency_gpu.py"), "--cpu-only", "--cpu-gbps", "1000",
+                           "--model", str(path), "--decode-tokens", "6", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(out.read_text())
+    assert row["mode"] == "cpu-only" and row["comparable"] == "cpu tier" and row["expert_slots"] == 0
+    assert row["cpu_share"] == 1.0 and row["hit_rate"] == row["stream_share"] == 0.0
+    assert row["cpu_gbps_prior"] == 1000 and row["profile"]["cpu_expert_gbps"] == 1000
+    ms, fixed = row["expert_ms_per_token"], row["corrected"]
+    assert fixed["cpu_gbps"] == row["cpu_tier_gbps"] < 1000
+    # 1000 GB/s predicts far too little time; the measured rate predicts more, nearer the truth
+    assert row["within_25pct"] is False and ms["simulator"] < fixed["simulator_ms_per_token"]
+    assert abs(fixed["measured_over_simulator"] - 1) < abs(row["measured_over_simulator"] - 1)
+
+
 def test_dense_weights_move_to_the_accelerator_and_experts_stay(checkpoint_factory):
     """`MoeTransformer.to_accelerator` (what --gpu-experts does before the KV cache is built) moves
     every dense weight and nothing else. Run with the `meta` device, so it is checked here
@@ -577,3 +598,47 @@ def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, st
     for name in ("probe", "placement test (cuda)", "residency_gpu"):
         assert f"{name} rc={step_status}" in steps
     assert "-k placement and cuda" in (out / "placement.txt").read_text()
+
+
+def test_an_error_between_a_layers_copies_leaves_the_slots_and_the_policy_in_step(checkpoint_factory):
+    """The policy admits a layer-step's streamed experts in one call, before they are copied. An
+    out-of-memory error while they are copied and run (here raised once by the first streamed
+    expert's compute in the prefill, with more streamed after it) must leave no admitted expert
+    without a slot and no victim holding one: the pass runs again and gives the plain engine's
+    tokens, and the slots and the policy agree throughout."""
+    path = checkpoint_factory("qwen3_moe")
+    ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    want = ref.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx5090")
+    ex = llm.residency
+    run, raised = ex._run, []
+
+    def run_once_oom(out, x, rows, w13, w2, layer, expert, tier, *rest):
+        if tier == "stream" and x.shape[0] > 1 and not raised:
+            raised.append(layer)
+            raise torch.OutOfMemoryError("emulated: CUDA out of memory")
+        return run(out, x, rows, w13, w2, layer, expert, tier, *rest)
+
+    ex._run = run_once_oom
+    req = llm.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    while not req.finished:
+        llm.step()
+        assert set(ex.slots.slot_of) == ex.policy.keys
+    assert raised and req.output_token_ids == want and ex.telemetry.oom_retries == 1
+
+
+def test_lru_streaming_more_experts_than_it_has_slots_in_one_layer_step(checkpoint_factory):
+    """FreeToken-style global LRU with two slots: a prefill layer-step streams more experts than
+    that, so an expert admitted early in the step is evicted by a later one before its copy; it
+    runs from staging, and the outputs are the plain engine's."""
+    path = checkpoint_factory("qwen3_moe")
+    ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    want = ref.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+    slot = LLM(path, dtype="float32", show_progress=False, residency="emulate").residency.slots.slot_bytes
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx5090",
+              residency_policy="lru", vram_budget_bytes=2 * slot)
+    ex = llm.residency
+    assert ex.slots.num_slots == 2
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == want and set(ex.slots.slot_of) == ex.policy.keys
+    assert ex.telemetry.totals().stream_pairs > 2

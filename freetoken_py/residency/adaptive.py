@@ -29,15 +29,17 @@ Changes from plain LeCaR, each for a reason measured on MoE routing:
   figures within 1 %.
 - Admission by the cost model: only misses the planner streams ask for a slot (a miss the CPU
   absorbs evicts nothing). The planner is told what keeping each missed expert is worth
-  (`Budgets.stream_values`): its decayed routing rate minus the rate of the expert it would
+  (`stream_values`; the planner's `Budgets.stream_values`, passed as an array): its decayed routing rate minus the rate of the expert it would
   displace, over WINDOW steps, times the cost of the miss it saves. Under the LFU expert a
   streamed expert rarer than the victim is used once and not kept.
 
 Host time: this runs on the critical path of every MoE layer, so each of the three calls of a
-layer-step is one compiled (numba) call plus a little Python: `split` (the misses' values and
-`plan`), `touch` (the counts; the ghosts and the sampled shadows stay Python) and `admit_many`
-(every admission of the layer-step: the LeCaR draws come from a buffer of the same generator,
-in the same order, so the decisions are those of one `admit` per expert).
+layer-step is one compiled (numba, `_jit.py`) call plus a little Python: `split` (the misses'
+values and `plan`), `touch` (the counts; the ghosts and the sampled shadows stay Python) and
+`admit_many` (every admission of the layer-step: the LeCaR draws come from a buffer of the same
+generator, in the same order, so the decisions are those of one `admit` per expert). The
+executor copies the admitted experts after that call; `discard` forgets an admission whose copy
+an error stopped.
 """
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ import math
 from collections import OrderedDict
 
 import numpy as np
-from numba import njit
 
-from freetoken_py.residency.planner import CostModel, LayerStats, Plan, _plan_core, core_costs, plan_from_core
+from freetoken_py.residency._jit import _admit_core, _min_rate, _miss_values, _split_core, _touch_core, _victim_scan
+from freetoken_py.residency.planner import CostModel, LayerStats, Plan, core_costs, plan_from_core
 
 Key = tuple[int, int]
 LRU, LFU = 0, 1
@@ -110,7 +112,7 @@ class AdaptivePolicy:
         self.shadow_margin = shadow_margin    # >= 1: the duel never decides (plain LeCaR)
         self._rng = np.random.default_rng(seed)
         self._rbuf, self._rbuf_at = np.zeros(0), 0     # draws of _rng not used yet, in order
-        self.draws = 0                                 # evictions the LeCaR draw decided (the duel was close)
+        self.draws = 0                                 # LeCaR draws made (a full cache while the duel was close)
         self.now = 0
         self._victim_rate = (-1, 0.0)                          # (step, slowest resident's rate)
         # (layer, candidates, copies) of the last plan: what a shadow may admit, and how many
@@ -150,7 +152,7 @@ class AdaptivePolicy:
         ids = np.asarray(misses, np.int64)
         vals = _miss_values(ids, np.zeros(len(ids), np.bool_), self.freq[layer], self.fast[layer],
                             self._fast_step[layer], *self._rate_terms(), self._victim_rate_now(),
-                            min(cost.cpu_s(1), cost.copy_s()))
+                            min(cost.cpu_s(1), cost.copy_s()), float(WINDOW))
         return dict(zip(misses, vals.tolist()))
 
     def warm_start(self, counts: np.ndarray) -> None:
@@ -185,7 +187,7 @@ class AdaptivePolicy:
         # the misses' values (`stream_values`) and `plan`, in one compiled call
         p = plan_from_core(ids, _split_core(ids, ntok, res, self.freq[layer], self.fast[layer], self._fast_step[layer],
                                             *self._rate_terms(), victim, min(cost.cpu_s(1), cost.copy_s()),
-                                            self.capacity, core_costs(cost)))
+                                            float(WINDOW), self.capacity, core_costs(cost)))
         # what this layer-step leaves in the accelerator's hands (the streamed misses, most worth
         # keeping first, then the hits), and how many copies the planner found worth making
         # (CPU-evaluated and cut experts never reach a slot)
@@ -327,7 +329,17 @@ class AdaptivePolicy:
         self._rlast[i], self._rfreq[i] = self.last[layer, expert], self.freq[layer, expert]
         self._nres += 1
 
+    def discard(self, layer: int, expert: int) -> None:
+        """Forget an admission that never reached its slot (an error before the copy): out of
+        the cache, no ghost (nobody decided against it)."""
+        if self.res[layer, expert]:
+            self._remove((layer, expert))
+
     def _evict(self, key: Key, which: int, step: int) -> None:
+        self._remove(key)
+        self._remember(key, which, step)
+
+    def _remove(self, key: Key) -> None:
         self.res[key] = False
         self.count[key[0]] -= 1
         self._sets[key[0]].discard(int(key[1]))
@@ -337,7 +349,6 @@ class AdaptivePolicy:
         self._rlist[i], self._rpos[last], self._rpos[flat] = last, i, -1
         self._rlayer[i], self._rlast[i], self._rfreq[i] = self._rlayer[j], self._rlast[j], self._rfreq[j]
         self._nres -= 1
-        self._remember(key, which, step)
 
     def _remember(self, key: Key, which: int, step: int) -> None:
         self.ghosts[key] = (which, step)
@@ -462,155 +473,3 @@ class _LfuShadow:
         while len(self.resident) > capacity:
             victim = self._pop_victim(freq, set())
             self.resident.discard(victim)
-
-
-@njit(cache=True)
-def _victim_scan(flat, layer, last, freq, layer_last, count, lru, now, exclude, busy_layer, fair,
-                 fmax=-1.0):  # pragma: no cover - jitted
-    """Flat index (layer * E + expert) of the lowest-scoring resident, skipping `exclude` and
-    busy_layer's experts routed at step `now`; a candidate in a layer above its floor
-    (count > fair) wins over any in a protected layer; among equal scores the lower flat index.
-    -1 when there is none. The residents come as parallel arrays: flat index, layer, last step
-    routed, decayed count. Scores: LRU = steps since last routed, counted on the resident's own
-    layer's clock (last - the layer's latest step: within a step, a layer not reached yet is not
-    older than one already past), among equals the rarer; LFU = decayed count, among equals the
-    older. `fmax`: the largest count among the residents, if the caller knows it."""
-    if lru and fmax < 0:     # (the largest count among the residents, when the caller has not kept it)
-        fmax = _fmax(freq)
-    best, best_i, guarded, guarded_i = np.inf, -1, np.inf, -1
-    for i in range(flat.shape[0]):
-        r, l = flat[i], layer[i]
-        if r == exclude or (l == busy_layer and last[i] == now):
-            continue
-        if lru:
-            score = last[i] - layer_last[l] + 0.5 * freq[i] / (1.0 + fmax)
-        else:
-            score = freq[i] + 1e-9 * (last[i] + 1) / (now + 2)
-        if score < best or (score == best and r < best_i):
-            best, best_i = score, r
-        if count[l] > fair and (score < guarded or (score == guarded and r < guarded_i)):
-            guarded, guarded_i = score, r
-    return guarded_i if guarded_i >= 0 else best_i
-
-
-@njit(cache=True)
-def _rate(freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now):  # pragma: no cover - jitted
-    """Routes per step lately (1.0: routed every step): the larger of the slow decayed count
-    (stored inflated; `slow_scale` deflates it) and the fast one (decayed from its last update),
-    each normalised to a rate."""
-    return max(freq * slow_scale * slow_norm, fast * fd ** float(now - fast_step) * fast_norm)
-
-
-@njit(cache=True)
-def _min_rate(flat, freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now):  # pragma: no cover - jitted
-    """The lowest `_rate` among the residents `flat` (indices into the flattened [L, E] arrays)."""
-    low = np.inf
-    for i in flat:
-        low = min(low, _rate(freq[i], fast[i], fast_step[i], slow_scale, slow_norm, fd, fast_norm, now))
-    return low
-
-
-@njit(cache=True)
-def _miss_values(ids, res, freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now, victim,
-                 per_miss):  # pragma: no cover - jitted
-    """`stream_values` for the experts `ids` of one layer (0 for the resident ones): the rate above
-    the victim's, over WINDOW steps, times the cheaper way to serve a miss."""
-    vals = np.zeros(ids.shape[0])
-    for i in range(ids.shape[0]):
-        if not res[i]:
-            e = ids[i]
-            r = _rate(freq[e], fast[e], fast_step[e], slow_scale, slow_norm, fd, fast_norm, now)
-            vals[i] = max(0.0, r - victim) * WINDOW * per_miss
-    return vals
-
-
-@njit(cache=True)
-def _split_core(ids, ntok, res, freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now, victim, per_miss,
-                capacity, costs):  # pragma: no cover - jitted
-    """`AdaptivePolicy.split` in one call: the misses' values, then the planner with every slot
-    open to streaming and cuts allowed (no slots: nothing is worth keeping, nothing streams)."""
-    has_miss = False
-    for r in res:
-        has_miss |= not r
-    if capacity > 0:
-        vals = _miss_values(ids, res, freq, fast, fast_step, slow_scale, slow_norm, fd, fast_norm, now, victim, per_miss)
-    else:
-        vals = np.zeros(ids.shape[0])
-    return _plan_core(ids, ntok, res, vals, has_miss and capacity > 0, capacity, True, capacity > 0, costs)
-
-
-@njit(cache=True)
-def _touch_core(ids, ntok, freq, fast, fast_step, last, rpos, base, rfreq, rlast, scale, fd, step):  # pragma: no cover - jitted
-    """One layer-step's routing into the counts of its layer's rows: the slow count (inflated by
-    `scale`), the fast one (decayed to this step first), the last step routed; a resident's
-    contiguous copies (`rfreq`, `rlast`, at `rpos[base + e]`) follow."""
-    for a in range(ids.shape[0]):
-        e = ids[a]
-        freq[e] += ntok[a] * scale
-        fast[e] = fast[e] * fd ** float(step - fast_step[e]) + ntok[a]
-        fast_step[e] = step
-        last[e] = step
-        i = rpos[base + e]
-        if i >= 0:
-            rfreq[i], rlast[i] = freq[e], step
-
-
-@njit(cache=True)
-def _admit_core(flats, layer, num_experts, capacity, nres, leader, w_lru, rbuf, rbuf_at, now, fair, res, count, last,
-                freq, layer_last, rlist, rpos, rlayer, rlast, rfreq, out):  # pragma: no cover - jitted
-    """`AdaptivePolicy.admit` for each of `flats` (layer * E + expert) in turn, on the arrays: with
-    the cache full, the rule is the duel's `leader` (-1: a LeCaR draw from `rbuf`, LRU when below
-    `w_lru`) and the victim `_victim_scan`'s (never the expert itself nor one its layer routed at
-    `now`); under LFU an expert rarer than its victim is refused. Per expert, `out` gets (added,
-    victim's flat index or -1, rule). Returns the residents after and the next unused draw.
-    The residents' largest count (the LRU scan's tie-break scale) is kept across the batch."""
-    fmax = -1.0                                            # -1: not known
-    for a in range(flats.shape[0]):
-        flat = flats[a]
-        out[a, 0], out[a, 1], out[a, 2] = 0, -1, 0
-        if res[flat]:
-            continue
-        victim = -1
-        if nres >= capacity:
-            which = leader
-            if which < 0:
-                which = 0 if rbuf[rbuf_at] < w_lru else 1
-                rbuf_at += 1
-            out[a, 2] = which
-            if which == 0 and fmax < 0:
-                fmax = _fmax(rfreq[:nres])
-            victim = _victim_scan(rlist[:nres], rlayer[:nres], rlast[:nres], rfreq[:nres], layer_last, count,
-                                  which == 0, now, flat, layer, fair, fmax)
-            if victim < 0:
-                continue
-            out[a, 1] = victim
-            if which == 1 and freq[flat] < freq[victim]:
-                continue                                   # refused
-            # swap-remove the victim: the last entry moves into its place
-            i, j = rpos[victim], nres - 1
-            if rfreq[i] >= fmax:
-                fmax = -1.0                                # the largest count may have left: rescan
-            moved = rlist[j]
-            rlist[i], rpos[moved], rpos[victim] = moved, i, -1
-            rlayer[i], rlast[i], rfreq[i] = rlayer[j], rlast[j], rfreq[j]
-            res[victim] = False
-            count[victim // num_experts] -= 1
-            nres -= 1
-        res[flat] = True
-        count[layer] += 1
-        rlist[nres], rpos[flat], rlayer[nres] = flat, nres, layer
-        rlast[nres], rfreq[nres] = last[flat], freq[flat]
-        if fmax >= 0:
-            fmax = max(fmax, freq[flat])
-        nres += 1
-        out[a, 0] = 1
-    return nres, rbuf_at
-
-
-@njit(cache=True)
-def _fmax(freq):  # pragma: no cover - jitted
-    """The largest of the counts `freq` (0 when empty)."""
-    fmax = 0.0
-    for i in range(freq.shape[0]):
-        fmax = max(fmax, freq[i])
-    return fmax

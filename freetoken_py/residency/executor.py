@@ -111,8 +111,16 @@ class ResidencyExecutor:
         for e in plan.hits:
             self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
             self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
-        for e, evicted in zip(plan.stream, self.policy.admit_many(layer, plan.stream, self.step)):
-            self._run(out_dev, xd, on_dev[e], *self._stream_in(layer, e, evicted), layer, e, "stream", groups[e][0])
+        evictions = self.policy.admit_many(layer, plan.stream, self.step)   # one call for the layer-step
+        placed = 0
+        try:
+            for e, evicted in zip(plan.stream, evictions):
+                w13, w2 = self._stream_in(layer, e, evicted)
+                placed += 1
+                self._run(out_dev, xd, on_dev[e], w13, w2, layer, e, "stream", groups[e][0])
+        except BaseException:     # (an out-of-memory error: the pass runs again) slots and policy agree
+            self._unadmit(layer, plan.stream[placed:], evictions[placed:])
+            raise
         for e, cols in cuts:
             if cols:
                 self._run(out_dev, xd, on_dev[e], *self.streamer.to_staging_columns(layer, e, cols), layer, e,
@@ -257,13 +265,27 @@ class ResidencyExecutor:
         return out_cpu
 
     def _stream_in(self, layer: int, expert: int, evicted: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy a streamed expert in: into a slot when the policy admitted it (after its victims,
-        `evicted`, leave theirs), else into staging."""
+        """Copy a streamed expert in: into a slot when the policy (still) holds it, after its
+        victims, `evicted`, leave theirs, else into staging. A victim with no slot is one admitted
+        earlier in the same layer-step and evicted again before its copy (a policy may do that
+        when the layer streams more experts than it has slots): it went to staging."""
         for key in evicted:
-            self.slots.evict(key)
+            if key in self.slots.slot_of:
+                self.slots.evict(key)
         if self.policy.is_resident(layer, expert):
             return self.streamer.to_slot(layer, expert)
         return self.streamer.to_staging(layer, expert)
+
+    def _unadmit(self, layer: int, experts, evictions) -> None:
+        """A layer-step's streaming stopped at an error after the policy admitted `experts` (with
+        `evictions`) and before they were copied: their victims leave their slots, as they left
+        the policy, and the experts leave the policy (and a slot reserved for a copy that did not
+        finish), so the next pass sees the slots and the policy agree."""
+        for e, evicted in zip(experts, evictions):
+            for key in [*evicted, (layer, e)]:
+                if key in self.slots.slot_of:
+                    self.slots.evict(key)
+            self.policy.discard(layer, e)
 
     def _count(self, layer: int, plan, tokens: dict[int, int], cuts=()) -> None:
         c = self.telemetry.layers[layer]

@@ -6,6 +6,7 @@ All four share one interface so the simulator and the executor drive them the sa
     touch(layer, step, tokens)              record that these experts were routed
     admit(layer, expert, step) -> evicted   a streamed expert asks for a slot
     admit_many(layer, experts, step)        `admit` for each in turn -> what each evicted
+    discard(layer, expert)                  an admission whose copy never happened is forgotten
     resize(capacity) -> evicted             elastic VRAM
 
 Baselines: `StaticPolicy` (llama.cpp `--n-cpu-moe`: the first layers' experts on the CPU, the rest
@@ -56,6 +57,9 @@ class _SetPolicy:
 
     def admit_many(self, layer: int, experts, step: int) -> list[list[Key]]:
         return [[] for _ in experts]
+
+    def discard(self, layer: int, expert: int) -> None:
+        pass
 
     def resize(self, capacity: int) -> list[Key]:
         if capacity >= len(self._resident):
@@ -141,6 +145,11 @@ class LruPolicy:
 
     def admit_many(self, layer: int, experts, step: int) -> list[list[Key]]:
         return [self.admit(layer, e, step) for e in experts]
+
+    def discard(self, layer: int, expert: int) -> None:
+        if (layer, expert) in self._lru:
+            del self._lru[(layer, expert)]
+            self._by_layer[layer].discard(expert)
 
     def resize(self, capacity: int) -> list[Key]:
         self.capacity = capacity

@@ -82,12 +82,12 @@ class EngineStats:
         if first:
             self.prompt_tokens += len(out.prompt_token_ids)
             self.cached_prompt_tokens += out.num_cached_tokens
-        if out.finished:
-            with self.lock:
-                if out.ttft_s is not None:
+            if out.ttft_s is not None:      # now, not at the end: a request aborted later counts too
+                with self.lock:
                     self.ttft.observe(out.ttft_s)
-                if out.total_s is not None:
-                    self.request.observe(out.total_s)
+        if out.finished and out.total_s is not None:
+            with self.lock:
+                self.request.observe(out.total_s)
 
     def histograms(self) -> dict:
         with self.lock:

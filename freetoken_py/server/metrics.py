@@ -7,8 +7,9 @@ the two always agree. Names follow Prometheus' conventions: a `freetoken_` prefi
 (`accelerator="emulated:<profile>"` under emulation, where every time is the injected profile's
 prediction, never a GPU measurement; `"cuda"` on a GPU).
 
-The request histograms (`Histogram`) are kept by the engine thread: time to first token and the
-whole request, as the server measures them (from the request's arrival at the engine).
+The request histograms (`Histogram`) are kept by the engine thread: time to first token (taken
+at the first token, so a request aborted later counts) and the whole request (taken when the
+engine finishes it), as the server measures them (from the request's arrival at the engine).
 """
 from __future__ import annotations
 
@@ -54,8 +55,10 @@ class Histogram:
 # snapshot key -> (metric, type, help)
 _ENGINE = (
     ("num_requests", "freetoken_requests_received_total", "counter", "Requests admitted to the engine."),
-    ("num_finished", "freetoken_requests_finished_total", "counter", "Requests that finished (stop, length, tool call)."),
-    ("num_aborted", "freetoken_requests_aborted_total", "counter", "Requests aborted (client gone, shutdown)."),
+    ("num_finished", "freetoken_requests_finished_total", "counter",
+     "Requests the engine finished: stop, length, or ended by the engine itself (a KV integrity failure)."),
+    ("num_aborted", "freetoken_requests_aborted_total", "counter",
+     "Requests aborted for the client (it went away, or the server shut down)."),
     ("num_rejected_queue_full", "freetoken_requests_rejected_total", "counter",
      "Requests refused with 429 because every request slot was busy."),
     ("num_steps", "freetoken_engine_steps_total", "counter", "Engine steps (one forward pass each)."),
@@ -76,7 +79,8 @@ _ENGINE = (
 )
 _HISTOGRAMS = (
     ("ttft_seconds", "freetoken_time_to_first_token_seconds", "Time from a request's arrival to its first token."),
-    ("request_seconds", "freetoken_request_duration_seconds", "Time from a request's arrival to its end."),
+    ("request_seconds", "freetoken_request_duration_seconds",
+     "Time from a request's arrival to its end (requests the engine finished)."),
 )
 # residency telemetry: per-layer counter -> (metric, help)
 _LAYER = (
