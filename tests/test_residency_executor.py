@@ -642,3 +642,22 @@ def test_lru_streaming_more_experts_than_it_has_slots_in_one_layer_step(checkpoi
     out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == want and set(ex.slots.slot_of) == ex.policy.keys
     assert ex.telemetry.totals().stream_pairs > 2
+
+
+@pytest.mark.parametrize("ids", [[[5, 1, 7, 3]], [[2, 2, 0, 1]], [[4, 0, 6, 1], [1, 6, 3, 5], [0, 4, 2, 7]]])
+def test_grouping_of_routed_pairs_matches_a_plain_scan(ids):
+    """`_group` (a shortcut for one token with distinct experts, a sort otherwise): for every
+    expert, the rows routed to it and their weights, in row order, keyed in expert order."""
+    from freetoken_py.residency.executor import ResidencyExecutor
+
+    ids_t = torch.tensor(ids)
+    weights = torch.rand(ids_t.shape)
+    got = ResidencyExecutor._group(ids_t, weights)
+    want = {}
+    for t, row in enumerate(ids):
+        for j, e in enumerate(row):
+            want.setdefault(e, ([], []))[0].append(t)
+            want[e][1].append(weights[t, j].item())
+    assert list(got) == sorted(want)
+    for e, (rows, wts) in want.items():
+        assert got[e][0].tolist() == rows and got[e][1].tolist() == pytest.approx(wts)

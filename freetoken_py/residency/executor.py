@@ -89,9 +89,12 @@ class ResidencyExecutor:
             if x.device.type == "cuda":            # the experts' time on the GPU's clock, from here
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
-        flat = ids.flatten()  # [T*k]
-        counts = torch.bincount(flat, minlength=self.host_w13[layer].shape[0]).tolist()
-        tokens = {e: n for e, n in enumerate(counts) if n}
+        one = ids[0].tolist() if ids.shape[0] == 1 else None
+        if one is not None and len(set(one)) == len(one):   # decode: k distinct experts, a pair each
+            tokens = dict.fromkeys(sorted(one), 1)
+        else:
+            counts = torch.bincount(ids.flatten(), minlength=self.host_w13[layer].shape[0]).tolist()
+            tokens = {e: n for e, n in enumerate(counts) if n}
         self._score_prefetch(layer, tokens)
         plan = self.policy.split(layer, LayerStats(tokens, self.policy.resident(layer)), self.cost)
         self.policy.touch(layer, self.step, tokens)
@@ -187,8 +190,12 @@ class ResidencyExecutor:
     # ---- pieces ---------------------------------------------------------------------------
     @staticmethod
     def _group(ids: torch.Tensor, weights: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """expert -> (token rows [n], routing weights [n]) for every routed pair."""
+        """expert -> (token rows [n], routing weights [n]) for every routed pair, by expert id."""
         k = ids.shape[1]
+        one = ids[0].tolist() if ids.shape[0] == 1 else None
+        if one is not None and len(set(one)) == k:   # decode: k distinct experts (a few views, no sort)
+            row, wts = torch.zeros(1, dtype=torch.long, device=ids.device), weights.reshape(-1).split(1)
+            return {e: (row, wts[j]) for e, j in sorted(zip(one, range(k)))}
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
