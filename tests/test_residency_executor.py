@@ -347,6 +347,7 @@ def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint
         return router(x)
 
     layer.router = router_once_oom
+    ex.audit = []
     out = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert raised and out.token_ids == want
     assert ex.slots.num_slots <= before // 2 + ex.slots.chunk_slots and ex.telemetry.oom_retries == 1
@@ -361,6 +362,8 @@ def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint
     assert {l: c.routed_pairs for l, c in ex.telemetry.layers.items()} == \
            {l: c.routed_pairs for l, c in want_tel.layers.items()}
     assert ex.telemetry.steps == want_tel.steps == 6
+    # the audit holds every routed pair once: the failed pass's entries were dropped
+    assert len(ex.audit) == sum(ids.size for s in steps for ids in s.values())
 
 
 def test_a_forward_that_never_fits_gives_up_and_the_slots_stay_down(checkpoint_factory):

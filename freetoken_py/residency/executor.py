@@ -163,16 +163,22 @@ class ResidencyExecutor:
         self._timing = pending
 
     def checkpoint(self) -> tuple:
-        """What `rewind_pass` needs to forget the coming forward pass."""
-        return self.step, self.telemetry.checkpoint()
+        """What `rewind_pass` needs to forget the coming forward pass: the counters, the GPU-clock
+        timings not read yet (the pass's first call reads earlier steps' into the counters) and
+        the audit's length."""
+        return self.telemetry.checkpoint(), list(self._timing), len(self.audit) if self.audit is not None else 0
 
     def rewind_pass(self, mark: tuple) -> None:
-        """The forward pass begun after `checkpoint` failed and will run again: its telemetry
-        (and its calls' pending GPU-clock times) is forgotten, so the step is counted once. The
-        policy keeps what it saw: the experts it admitted are in their slots."""
-        step, counters = mark
+        """The forward pass begun after `checkpoint` failed and will run again: its counters, its
+        calls' GPU-clock timings and its audit entries are forgotten, so the step is counted once.
+        Not rewound: the step number (the retry is the next one), and the policy, which keeps
+        what it saw (the experts it admitted are in their slots, and the retry counts them as
+        hits)."""
+        counters, timing, audited = mark
         self.telemetry.rewind(counters)
-        self._timing = [t for t in self._timing if t[0] <= step]
+        self._timing = timing
+        if self.audit is not None:
+            del self.audit[audited:]
 
     @staticmethod
     def _to_host(out_dev: torch.Tensor, x: torch.Tensor):

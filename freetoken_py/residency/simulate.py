@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from freetoken_py.residency.planner import CostModel, LayerStats
+from freetoken_py.residency.planner import CostModel, LayerStats, _add
 from freetoken_py.residency.profiles import GB, ModelSpec
 from freetoken_py.residency.stats import RoutingTrace, iter_layer_steps, tokens_per_expert
 
@@ -274,8 +274,8 @@ def online_ceiling_flat_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes:
     dense_s = dense_bytes / (profile.vram_gbps * GB)
     floor = [layer_floor_s(h, k - h, cost) for h in range(k + 1)]
     total = math.comb(experts, k)
-    g = [sum(math.comb(c, h) * math.comb(experts - c, k - h) / total * floor[h]
-             for h in range(max(0, k - (experts - c)), min(c, k) + 1)) for c in range(experts + 1)]
+    g = [_add(math.comb(c, h) * math.comb(experts - c, k - h) / total * floor[h]
+              for h in range(max(0, k - (experts - c)), min(c, k) + 1)) for c in range(experts + 1)]
     for c in range(1, len(g)):       # a policy may leave slots empty: c slots are worth at least c - 1
         g[c] = min(g[c], g[c - 1])
     per_layer = _lower_hull_at(g, min(capacity, n_layers * experts) / n_layers)
