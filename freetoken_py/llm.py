@@ -86,6 +86,8 @@ class LLM:
         # have used at most half the start-up pages for this many steps in a row
         self._base_pages = num_pages
         self.kv_return_after_steps = KV_RESPLIT_STEPS
+        self._idle_tried = False     # idle() ran since the last step
+        self._slots_taken = 0        # slots the KV grows took (whole chunks), for _return_pages
         self._kv_idle_steps = 0
         self._streams: dict[int, _Stream] = {}
         self._calibrate_kv()
@@ -247,8 +249,26 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def idle_work(self) -> bool:
+        """`idle()` has something to do: the KV cache is above its start-up size (and no try
+        failed since the last step)."""
+        return self.residency is not None and self.allocator.num_pages > self._base_pages and not self._idle_tried
+
+    def idle(self) -> int:
+        """Nothing to run (a server between requests): a KV cache grown into expert-slot memory
+        goes back to its start-up size now, not after `kv_return_after_steps` steps of the next
+        request (`_return_pages`; the prefix cache's pages move below that size). Returns the
+        pages given back."""
+        if not self.idle_work or self.has_unfinished:
+            return 0
+        self._idle_tried = True                      # once per idle spell, whatever happens
+        self._kv_idle_steps = max(self._kv_idle_steps, self.kv_return_after_steps - 1)
+        return self._return_pages()
+
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns an output for each request that produced a token."""
+        self._idle_tried = False
         if self.residency is not None and self.allocator.num_pages > self._base_pages:
             self._return_pages()
         chunks = self.scheduler.schedule()
@@ -316,7 +336,9 @@ class LLM:
         add = min(want, ((ex.slots.num_slots - target) * slot_bytes - copy_bytes) // per_page)
         if add < need:
             return 0
+        held = ex.slots.num_slots
         ex.resize(target)
+        self._slots_taken += held - ex.slots.num_slots      # whole chunks: more than the pages need
         if cuda:
             torch.cuda.empty_cache()
         pages = self.allocator.num_pages + add
@@ -367,7 +389,11 @@ class LLM:
         if cuda:
             torch.cuda.empty_cache()
         ex.reclaim_slots()
-        ex.resize(slots_before + (pages - base) * per_page // ex.slots.slot_bytes)
+        back = (pages - base) * per_page // ex.slots.slot_bytes
+        if ex.elastic is None:   # nothing regrows the chunks' slack the grows took: give all of it back
+            back = max(back, self._slots_taken)
+        self._slots_taken = 0
+        ex.resize(slots_before + back)
         ex.telemetry.kv_shrinks.append((ex.step + 1, base))
         return pages - base
 

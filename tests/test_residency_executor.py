@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -664,3 +665,52 @@ def test_grouping_of_routed_pairs_matches_a_plain_scan(ids):
     assert list(got) == sorted(want)
     for e, (rows, wts) in want.items():
         assert got[e][0].tolist() == rows and got[e][1].tolist() == pytest.approx(wts)
+
+
+def test_an_idle_engine_gives_the_kv_growth_back_at_once(checkpoint_factory):
+    """`LLM.idle()` (a server with nothing to run): a KV cache grown into slot memory goes back
+    to its start-up size without waiting for the next request's steps; once per idle spell. Over
+    real HTTP, the server's engine thread does it after `idle_after_s` without a request."""
+    import threading
+
+    import httpx
+
+    from server_util import ServerThread
+
+    path = checkpoint_factory("qwen3_moe")
+    params = SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
+    plain, llm, small = kv_engines(path)
+    base, ex = llm.allocator.num_pages, llm.residency
+    slots_start = ex.slots.num_slots
+    llm.generate(KV_PROMPTS, params)
+    grown, slots_grown = llm.allocator.num_pages, ex.slots.num_slots
+    assert grown > base and slots_grown < slots_start and llm.idle_work
+    assert llm.idle() == grown - base and llm.allocator.num_pages == llm.runner.cache.num_pages == base
+    # with no elastic sizing (emulated) the slots get back all the grows took, chunk rounding too
+    assert ex.slots.num_slots == slots_start and ex.telemetry.kv_shrinks and not llm.idle_work
+    assert llm.idle() == 0
+    # the engine still serves (and grows again when it must): the plain engine's tokens
+    want = [o.token_ids for o in plain.generate(KV_PROMPTS, params)]
+    assert [o.token_ids for o in llm.generate(KV_PROMPTS, params)] == want
+
+    with ServerThread(model_dir=path, residency="emulate", vram_budget_bytes=10**12, kv_cache_bytes=small) as srv:
+        srv.state.engine.idle_after_s = 0.2
+        outs = []
+
+        def complete(prompt):
+            r = httpx.post(srv.base_url + "/completions", timeout=120,
+                           json={"model": "m", "prompt": prompt, "max_tokens": 26, "temperature": 0})
+            outs.append(r.status_code)
+
+        threads = [threading.Thread(target=complete, args=(p,)) for p in KV_PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert outs == [200, 200]
+        deadline = time.monotonic() + 30
+        while srv.stats()["num_pages"] != base and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = srv.stats()
+        assert stats["residency"]["kv_grows"] >= 1 and stats["residency"]["kv_shrinks"] >= 1
+        assert stats["num_pages"] == base

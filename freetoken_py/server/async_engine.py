@@ -22,6 +22,7 @@ from freetoken_py.errors import ContextLengthError, FreetokenError
 from freetoken_py.server.metrics import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram
 
 log = logging.getLogger("freetoken.server")
+IDLE_AFTER_S = 2.0   # seconds without a request before the engine's idle work (LLM.idle)
 
 
 class QueueFullError(FreetokenError):
@@ -101,6 +102,7 @@ class AsyncEngine:
         self.llm = llm
         self.max_queue = max_queue
         self.stats = EngineStats()
+        self.idle_after_s = IDLE_AFTER_S
         self.num_active = 0  # admitted and not yet finished (loop thread only)
         self.accepting = True
         self._streams: set[Stream] = set()  # loop thread only
@@ -236,11 +238,17 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._fail_all, self.failed)
 
     def _apply_commands(self, block: bool) -> bool:
-        """Apply queued add/abort commands; False when told to stop."""
+        """Apply queued add/abort commands; False when told to stop. Blocking with nothing to
+        run, after `idle_after_s` without a command the engine does its idle work (`LLM.idle`:
+        a KV cache grown into expert-slot memory gives it back)."""
         while True:
             try:
-                cmd, arg = self._inbox.get(block=block)
+                idle_wait = self.idle_after_s if block and self.llm.idle_work else None
+                cmd, arg = self._inbox.get(block=block, timeout=idle_wait)
             except queue.Empty:
+                if block:
+                    self.llm.idle()
+                    continue
                 return True
             block = False
             if cmd == "stop":
