@@ -103,6 +103,7 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.stats = EngineStats()
         self.idle_after_s = IDLE_AFTER_S
+        self._active_at = time.monotonic()   # engine thread: the last request, abort or step
         self.num_active = 0  # admitted and not yet finished (loop thread only)
         self.accepting = True
         self._streams: set[Stream] = set()  # loop thread only
@@ -239,17 +240,22 @@ class AsyncEngine:
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued add/abort commands; False when told to stop. Blocking with nothing to
-        run, after `idle_after_s` without a command the engine does its idle work (`LLM.idle`:
-        a KV cache grown into expert-slot memory gives it back)."""
+        run, `idle_after_s` after the last request, abort or step (a stats or metrics poll does
+        not count) the engine does its idle work (`LLM.idle`: a KV cache grown into expert-slot
+        memory gives it back)."""
         while True:
             try:
-                idle_wait = self.idle_after_s if block and self.llm.idle_work else None
+                idle_wait = None
+                if block and self.llm.idle_work:
+                    idle_wait = max(0.0, self._active_at + self.idle_after_s - time.monotonic())
                 cmd, arg = self._inbox.get(block=block, timeout=idle_wait)
             except queue.Empty:
                 if block:
                     self.llm.idle()
                     continue
                 return True
+            if cmd in ("add", "abort"):
+                self._active_at = time.monotonic()
             block = False
             if cmd == "stop":
                 return False
@@ -279,6 +285,7 @@ class AsyncEngine:
         self._post(stream, StreamError("aborted", "request aborted"))
 
     def _step(self) -> None:
+        self._active_at = time.monotonic()
         try:
             outputs = self.llm.step()
         except FreetokenError as exc:  # e.g. the KV cache cannot hold even one request
