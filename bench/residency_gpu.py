@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "(default: this machine's probe figure)")
     ap.set_defaults(decode_tokens=48, prompt_len=64, threads=0)
     args = ap.parse_args(argv)
+    if args.cpu_gbps is not None and args.cpu_gbps <= 0:
+        ap.error("--cpu-gbps must be a positive rate in GB/s")
     import torch
 
     if args.cpu_only:

@@ -1,28 +1,14 @@
 """The planner's decisions as the plain Python they were first written in: the reference the
 compiled `freetoken_py.residency.planner.plan` is checked against (tests/test_residency_planner.py,
 random stats, profiles and budgets; the decisions must be identical and the times equal). Its
-sums are plain left-to-right additions (`_add`), as the compiled loops are, on every Python."""
+sums are plain left-to-right additions (planner's `_add`), as the compiled loops are, on every
+Python."""
 from __future__ import annotations
 
 from typing import Mapping
 
-from freetoken_py.residency.planner import GB, Budgets, CostModel, LayerStats, Plan
-
-
-def _add(values) -> float:
-    """Left to right, one rounding per addition: what `sum` did up to Python 3.11 (3.12's `sum`
-    compensates the rounding of floats, so it no longer gives these bits)."""
-    total = 0.0
-    for v in values:
-        total += v
-    return total
-
-
-def _gpu_finish(hit_s: float, copy_q: float, sum_c: float, last_c: float) -> float:
-    """Copies run on the copy engine while hits compute; each streamed expert computes after its
-    copy: the accelerator ends after all its compute (hits + streamed, `sum_c`) or after the last
-    copy (`copy_q`) and that expert's compute (`last_c`). With nothing streamed it is `hit_s`."""
-    return max(hit_s + sum_c, copy_q + last_c)
+# the two plain helpers are shared with planner.evaluate: left-to-right sums, the accelerator's finish
+from freetoken_py.residency.planner import GB, Budgets, CostModel, LayerStats, Plan, _add, _gpu_finish
 
 
 def plan(stats: LayerStats, cost: CostModel, budgets: Budgets) -> Plan:

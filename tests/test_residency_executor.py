@@ -656,7 +656,8 @@ def test_grouping_of_routed_pairs_matches_a_plain_scan(ids):
 
     ids_t = torch.tensor(ids)
     weights = torch.rand(ids_t.shape)
-    got = ResidencyExecutor._group(ids_t, weights)
+    one = ids[0] if len(ids) == 1 and len(set(ids[0])) == len(ids[0]) else None   # as __call__ passes it
+    got = ResidencyExecutor._group(ids_t, weights, one)
     want = {}
     for t, row in enumerate(ids):
         for j, e in enumerate(row):

@@ -90,7 +90,9 @@ class ResidencyExecutor:
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
         one = ids[0].tolist() if ids.shape[0] == 1 else None
-        if one is not None and len(set(one)) == len(one):   # decode: k distinct experts, a pair each
+        if one is not None and len(set(one)) < len(one):
+            one = None                        # (repeated experts: the general path)
+        if one is not None:                   # decode: k distinct experts, a pair each
             tokens = dict.fromkeys(sorted(one), 1)
         else:
             counts = torch.bincount(ids.flatten(), minlength=self.host_w13[layer].shape[0]).tolist()
@@ -98,7 +100,7 @@ class ResidencyExecutor:
         self._score_prefetch(layer, tokens)
         plan = self.policy.split(layer, LayerStats(tokens, self.policy.resident(layer)), self.cost)
         self.policy.touch(layer, self.step, tokens)
-        groups = self._group(ids, weights)
+        groups = self._group(ids, weights, one)
         # the CPU tier's activations: copied to the host before the accelerator's work is queued
         x_host = x.cpu() if on_accel and (plan.cpu or plan.split) else x
         # the next layer's experts are predicted now, while the GPU has nothing queued (their read
@@ -195,11 +197,12 @@ class ResidencyExecutor:
 
     # ---- pieces ---------------------------------------------------------------------------
     @staticmethod
-    def _group(ids: torch.Tensor, weights: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """expert -> (token rows [n], routing weights [n]) for every routed pair, by expert id."""
+    def _group(ids: torch.Tensor, weights: torch.Tensor, one: Optional[list[int]] = None
+               ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """expert -> (token rows [n], routing weights [n]) for every routed pair, by expert id.
+        `one`: the single token's k distinct experts (`ids[0]` as a list), when that is the case."""
         k = ids.shape[1]
-        one = ids[0].tolist() if ids.shape[0] == 1 else None
-        if one is not None and len(set(one)) == k:   # decode: k distinct experts (a few views, no sort)
+        if one is not None:          # decode: k distinct experts (a few views, no sort)
             row, wts = torch.zeros(1, dtype=torch.long, device=ids.device), weights.reshape(-1).split(1)
             return {e: (row, wts[j]) for e, j in sorted(zip(one, range(k)))}
         flat = ids.flatten()
