@@ -27,11 +27,14 @@ exercised, but measured and predicted describe different machines (`comparable: 
 
 `--cpu-only` is the half of the check a machine without a GPU can make: no expert slots, so every
 routed expert runs on the CPU tier (real numba kernels, this machine), and the cost model's CPU
-side is this machine's own probe figure (`cpu_expert_<dtype>`, or `--cpu-gbps`). The row then
-compares the experts' measured time per token with the planner's and the simulator's predictions
-from that prior (`within_25pct`, `comparable: "cpu tier"`), and again with the simulator given
-the CPU tier's rate measured in the run (`corrected`: what the executor's live EMA converges to),
-and shows the executor's host time outside the tier, which the cost model does not contain.
+side is this machine's own probe figure (`cpu_expert_<dtype>`, or `--cpu-gbps`) with this
+machine's fixed host costs measured just before the run (`residency.calibrate`: `host_layer_s`
+per layer-step, `cpu_call_s` per CPU-tier call; `--no-host-costs` leaves them out, bandwidths
+only). The row then compares the experts' measured time per token with the planner's and the
+simulator's predictions from that prior (`within_25pct`, `comparable: "cpu tier"`), and again
+with the simulator given the CPU tier's rate measured in the run (`corrected`: what the
+executor's live EMA converges to), and shows the executor's host time outside the tier measured
+in the run, next to the calibrated prior.
 """
 from __future__ import annotations
 
@@ -90,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                          "machine's probe, measured next to the predictions")
     ap.add_argument("--cpu-gbps", type=float, help="with --cpu-only: the CPU expert rate to predict with "
                                                    "(default: this machine's probe figure)")
+    ap.add_argument("--no-host-costs", action="store_true",
+                    help="with --cpu-only: predict without this machine's measured fixed host costs per layer-step "
+                         "(residency.calibrate), bandwidths only")
     ap.set_defaults(decode_tokens=48, prompt_len=64, threads=0)
     args = ap.parse_args(argv)
     if args.cpu_gbps is not None and args.cpu_gbps <= 0:
@@ -127,10 +133,14 @@ def main(argv: list[str] | None = None) -> int:
                   residency=mode, residency_profile=args.emulate or "measured",
                   vram_budget_bytes=max(1, int(args.budget_share * expert_bytes)), record_routing=str(trace_path))
         ex = llm.residency
-        prior_cpu_gbps = None
+        prior_cpu_gbps = host_prior = None
         if args.cpu_only:
             prior_cpu_gbps = args.cpu_gbps or _probe_cpu_gbps(dtype)
             ex.cost = _with_cpu(ex.cost, prior_cpu_gbps)
+            if not args.no_host_costs:   # this machine's fixed host costs, measured before the run
+                ex.cost = _with_host_costs(ex.cost, llm.model, dtype)
+                p = ex.cost.profile
+                host_prior = {"host_layer_ms": round(p.host_layer_s * 1e3, 4), "cpu_call_ms": round(p.cpu_call_s * 1e3, 4)}
             ex.telemetry.label = "emulated:cpu-only (the CPU tier is this machine's)"
         common.residency_decode(llm, ex, prompt, 4)          # warm: kernels, slots, allocator
         run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
@@ -138,14 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         sim_s, sim_tokens = simulated_expert_s(trace_path, ex, run["first_decode_step"])
         corrected = None
         if args.cpu_only and run["cpu_tier_s"]:   # the simulator with the CPU tier's measured rate
-            measured_gbps = run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9
+            # (net of the fixed cost per call the cost model already charges: every MoE layer-step
+            # of a decode step calls the CPU tier once here)
+            calls = run["tokens"] * sum(1 for w in ex.host_w13 if w is not None)
+            tier_net_s = run["cpu_tier_s"] - calls * ex.cost.profile.cpu_call_s
+            if tier_net_s <= 0:
+                tier_net_s = run["cpu_tier_s"]
+            measured_gbps = run["cpu_tier_bytes"] / tier_net_s / 1e9
             prior_cost, ex.cost = ex.cost, _with_cpu(ex.cost, measured_gbps)
             fixed_s, fixed_tokens = simulated_expert_s(trace_path, ex, run["first_decode_step"])
             ex.cost = prior_cost
             corrected = {"cpu_gbps": round(measured_gbps, 2),
                          "simulator_ms_per_token": round(fixed_s / max(1, fixed_tokens) * 1e3, 3),
                          # the executor's host work outside the CPU tier (routing, planning,
-                         # grouping, bookkeeping): not in the cost model
+                         # grouping, bookkeeping), measured in the run (the prior: host_layer_ms)
                          "host_outside_tier_ms_per_token": round((run["measured_s"] - run["cpu_tier_s"])
                                                                  / run["tokens"] * 1e3, 3)}
     n = run["tokens"]
@@ -174,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "simulator": round(simulated * 1e3, 3)},
         "measured_over_simulator": round(measured / simulated, 3) if simulated else None,
         "within_25pct": bool(simulated and abs(measured / simulated - 1) <= 0.25) if checked else None,
-        "cpu_gbps_prior": round(prior_cpu_gbps, 2) if prior_cpu_gbps else None, "corrected": corrected,
+        "cpu_gbps_prior": round(prior_cpu_gbps, 2) if prior_cpu_gbps else None, "host_costs_prior": host_prior,
+        "corrected": corrected,
         "hit_rate": round(run["hit_pairs"] / routed, 3), "stream_share": round(run["stream_pairs"] / routed, 3),
         "cpu_share": round((run["cpu_pairs"] + run["split_cpu_share"]) / routed, 3),
         "split_share": round(run["split_pairs"] / routed, 3),
@@ -201,6 +218,20 @@ def _with_cpu(cost, gbps: float):
 
     return type(cost)(replace(cost.profile, cpu_expert_gbps=gbps), cost.expert_bytes, cost.expert_flops_per_token,
                       pcie_gbps=cost.pcie_gbps)
+
+
+def _with_host_costs(cost, model, dtype: str):
+    """The cost model with this machine's measured fixed host costs (`residency.calibrate`) for
+    the model's geometry."""
+    import torch
+
+    from freetoken_py.residency.calibrate import with_host_costs
+
+    a = model.args
+    geometry = {"num_experts": a.num_experts, "top_k": a.top_k, "hidden": a.hidden_size,
+                "expert_bytes": cost.expert_bytes, "dtype": getattr(torch, dtype)}
+    return type(cost)(with_host_costs(cost.profile, geometry), cost.expert_bytes, cost.expert_flops_per_token,
+                      pcie_gbps=cost.pcie_gbps, cpu_expert_gbps=cost.cpu_expert_gbps)
 
 
 def _emit(row: dict, args) -> int:

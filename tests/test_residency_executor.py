@@ -285,8 +285,13 @@ def test_cpu_only_check_measures_the_cpu_tier_against_its_prior(checkpoint_facto
     assert row["mode"] == "cpu-only" and row["comparable"] == "cpu tier" and row["expert_slots"] == 0
     assert row["cpu_share"] == 1.0 and row["hit_rate"] == row["stream_share"] == 0.0
     assert row["cpu_gbps_prior"] == 1000 and row["profile"]["cpu_expert_gbps"] == 1000
-    ms, fixed = row["expert_ms_per_token"], row["corrected"]
-    assert fixed["cpu_gbps"] == row["cpu_tier_gbps"] < 1000
+    ms, fixed, host = row["expert_ms_per_token"], row["corrected"], row["host_costs_prior"]
+    # the measured rate is net of the calibrated fixed cost per CPU-tier call (so above the gross one)
+    assert row["cpu_tier_gbps"] <= fixed["cpu_gbps"] < 1000
+    # this machine's fixed host costs were measured first and are in the prediction
+    assert host["host_layer_ms"] > 0 and host["cpu_call_ms"] >= 0
+    assert ms["planner"] == pytest.approx(ms["simulator"], abs=2e-3)
+    assert ms["simulator"] > host["host_layer_ms"] + host["cpu_call_ms"]
     # 1000 GB/s predicts far too little time; the measured rate predicts more, nearer the truth
     assert row["within_25pct"] is False and ms["simulator"] < fixed["simulator_ms_per_token"]
     assert abs(fixed["measured_over_simulator"] - 1) < abs(row["measured_over_simulator"] - 1)
@@ -716,3 +721,38 @@ def test_an_idle_engine_gives_the_kv_growth_back_at_once(checkpoint_factory):
         stats = srv.stats()
         assert stats["residency"]["kv_grows"] >= 1 and stats["residency"]["kv_shrinks"] >= 1
         assert stats["num_pages"] == base
+
+
+def test_calibrated_host_costs_are_measured_and_reach_the_prediction_not_the_decisions(checkpoint_factory):
+    """residency.calibrate times the real executor's fixed host work on this machine; a profile
+    carrying `host_layer_s` adds it to every layer-step's predicted time (as the simulator
+    does) and changes no decision of the planner."""
+    from dataclasses import replace
+
+    from freetoken_py.residency.calibrate import measure_host_costs, with_host_costs
+    from freetoken_py.residency.profiles import PROFILES
+
+    host_s, call_s = measure_host_costs(16, 4, 64, 10.0, 1 << 20, torch.float32, calls=8, warmup=2)
+    assert 0 < host_s < 0.5 and 0 <= call_s < 0.5
+    geometry = {"num_experts": 8, "top_k": 2, "hidden": 32, "expert_bytes": 4096, "dtype": torch.float32}
+    measured = with_host_costs(PROFILES["rtx4090"], geometry, calls=8)
+    assert measured.host_layer_s > 0 and measured.cpu_call_s >= 0 and measured.pcie_gbps == PROFILES["rtx4090"].pcie_gbps
+    with pytest.raises(ValueError, match="top_k"):
+        measure_host_costs(4, 8, 64, 10.0, 1 << 20)
+
+    path = checkpoint_factory("qwen3_moe")
+
+    def run(host_layer_s: float):
+        llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4060-laptop-8g")
+        ex = llm.residency
+        ex.cost = replace(ex.cost, profile=replace(ex.cost.profile, host_layer_s=host_layer_s))
+        toks = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+        return toks, ex.telemetry
+
+    (toks_a, a), (toks_b, b) = run(0.0), run(1e-3)
+    assert toks_a == toks_b and a.steps == b.steps and a.layers.keys() == b.layers.keys()
+    for layer, ca in a.layers.items():
+        cb = b.layers[layer]
+        assert (ca.hit_pairs, ca.stream_pairs, ca.cpu_pairs, ca.split_pairs, ca.pcie_bytes) == \
+            (cb.hit_pairs, cb.stream_pairs, cb.cpu_pairs, cb.split_pairs, cb.pcie_bytes)
+        assert cb.predicted_s - ca.predicted_s == pytest.approx(1e-3 * a.steps, rel=1e-6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
 
@@ -160,13 +161,14 @@ def test_belady_matches_an_exhaustive_search(seed):
     assert belady_misses(trace, 10).sum() == 0          # everything fits: the free preload covers it
 
 
+@pytest.mark.parametrize("host_s", [0.0, 3e-4])   # 3e-4: a measured profile's fixed host work per layer-step
 @pytest.mark.parametrize("regime", ["locality", "flat_skew", "flat"])
 @pytest.mark.parametrize("profile", ["rtx4060-laptop-8g", "rtx-pro-6000"])
-def test_no_policy_beats_the_upper_bound(regime, profile):
+def test_no_policy_beats_the_upper_bound(regime, profile, host_s):
     trace = synthetic_trace(regime, SMALL, steps=60, seed=2)
     calib = synthetic_trace(regime, SMALL, steps=60, seed=5)
     counts = routing_counts(calib)
-    cost = CostModel(PROFILES[profile], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    cost = CostModel(replace(PROFILES[profile], host_layer_s=host_s), SMALL.expert_bytes, SMALL.expert_flops_per_token)
     cap = 30
     bound = upper_bound_tok_s(trace, cost, SMALL.dense_bytes, cap)
     fewest = int(belady_misses(trace, cap).sum())
@@ -180,15 +182,16 @@ def test_no_policy_beats_the_upper_bound(regime, profile):
         assert r.decode_tok_s <= bound, policy.name
 
 
+@pytest.mark.parametrize("host_s", [0.0, 3e-4])
 @pytest.mark.parametrize("profile", ["rtx4060-laptop-8g", "rtx-pro-6000"])
-def test_online_policies_stay_under_the_flat_ceiling(profile):
+def test_online_policies_stay_under_the_flat_ceiling(profile, host_s):
     """On uniform, step-independent routing no online policy beats the expected-hit ceiling (up
     to sampling noise), the static set's hit rate is capacity / experts, and clairvoyant MIN
     does better than any of them."""
     trace = synthetic_trace("flat", SMALL, steps=300, seed=7)
     calib = synthetic_trace("flat", SMALL, steps=300, seed=8)
     counts = routing_counts(calib)
-    cost = CostModel(PROFILES[profile], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    cost = CostModel(replace(PROFILES[profile], host_layer_s=host_s), SMALL.expert_bytes, SMALL.expert_flops_per_token)
     cap = 40
     ceiling = online_ceiling_flat_tok_s(trace, cost, SMALL.dense_bytes, cap)
     pin = simulate(trace, PinPolicy(list(range(6)), counts, cap), cost, SMALL.dense_bytes)
@@ -198,6 +201,22 @@ def test_online_policies_stay_under_the_flat_ceiling(profile):
     assert max(speeds) <= 1.03 * ceiling
     assert speeds[-1] >= 0.75 * ceiling          # ours gets close: the ceiling is not a loose one
     assert upper_bound_tok_s(trace, cost, SMALL.dense_bytes, cap) > ceiling
+
+
+def test_fixed_host_work_adds_to_every_layer_step_and_changes_no_decision():
+    """A profile's `host_layer_s` (measured by residency.calibrate; 0 in the hand-built profiles)
+    is paid once per layer-step by every policy: the same decisions, and the predicted time
+    longer by exactly that times the layer-steps."""
+    trace = synthetic_trace("locality", SMALL, steps=50, seed=3)
+    base = CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    host = CostModel(replace(PROFILES["rtx4090"], host_layer_s=2.5e-4), SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    for make in (lambda: AdaptivePolicy(list(range(6)), 16, 30), lambda: LruPolicy(30, 0.4)):
+        a, b = simulate(trace, make(), base, SMALL.dense_bytes), simulate(trace, make(), host, SMALL.dense_bytes)
+        assert (a.hit_pairs, a.stream_pairs, a.cpu_pairs, a.split_pairs, a.pcie_bytes) == \
+            (b.hit_pairs, b.stream_pairs, b.cpu_pairs, b.split_pairs, b.pcie_bytes)
+        assert b.decode_seconds - a.decode_seconds == pytest.approx(2.5e-4 * 6 * a.decode_tokens, rel=1e-9)
+    with pytest.raises(ValueError, match="host_layer_s must not be negative"):
+        replace(PROFILES["rtx4090"], host_layer_s=-1e-6)
 
 
 def test_the_upper_bound_counts_decode_only_after_a_prefill():

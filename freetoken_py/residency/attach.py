@@ -13,6 +13,7 @@ import torch
 
 from freetoken_py.errors import FreetokenError
 from freetoken_py.residency.adaptive import AdaptivePolicy
+from freetoken_py.residency.calibrate import with_host_costs
 from freetoken_py.residency.elastic import ElasticVram, cuda_free_bytes
 from freetoken_py.residency.executor import ResidencyExecutor
 from freetoken_py.residency.planner import CostModel
@@ -53,6 +54,9 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     expert_bytes = (first[0].numel() + w2[moe[0]][0].numel()) * first.element_size()
     device = "cpu" if mode == "emulate" else "cuda"
     profile = _measured_profile() if profile_name == "measured" else get_profile(profile_name)
+    if profile_name == "measured":   # this machine's fixed host costs too (~0.1-0.3 s, on the real executor)
+        profile = with_host_costs(profile, {"num_experts": num_experts, "top_k": model.args.top_k,
+                                            "hidden": first.shape[2], "expert_bytes": expert_bytes, "dtype": dtype})
     profile = emulated(profile) if mode == "emulate" else profile
     if mode == "cuda":   # pinned banks make the host -> device copies asynchronous DMA
         model.experts = None   # the torch executor's references to the unpinned weights go first

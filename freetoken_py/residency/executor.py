@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -89,7 +90,7 @@ class ResidencyExecutor:
             if x.device.type == "cuda":            # the experts' time on the GPU's clock, from here
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
-        one = ids[0].tolist() if ids.shape[0] == 1 else None
+        one = ids.tolist()[0] if ids.shape[0] == 1 else None
         if one is not None and len(set(one)) < len(one):
             one = None                        # (repeated experts: the general path)
         if one is not None:                   # decode: k distinct experts, a pair each
@@ -100,19 +101,50 @@ class ResidencyExecutor:
         self._score_prefetch(layer, tokens)
         plan = self.policy.split(layer, LayerStats(tokens, self.policy.resident(layer)), self.cost)
         self.policy.touch(layer, self.step, tokens)
-        groups = self._group(ids, weights, one)
+        cuts = [(e, self._cut_columns(layer, f)) for e, f in plan.split]
+        accel = [*plan.hits, *plan.stream, *(e for e, c in cuts if c)]   # experts the accelerator computes
+        # (token rows, routing weights) per expert: not needed by a lone token's whole CPU experts
+        lone_cpu = one is not None and not accel and not cuts and self._bank(layer) is not None
+        groups = None if lone_cpu else self._group(ids, weights, one)
         # the CPU tier's activations: copied to the host before the accelerator's work is queued
         x_host = x.cpu() if on_accel and (plan.cpu or plan.split) else x
         # the next layer's experts are predicted now, while the GPU has nothing queued (their read
         # back would otherwise wait for this layer's expert work and hold up the CPU tier); the
         # copies are issued once this layer's work is queued (a slot it reads may be evicted)
         predicted = self._predict_next(layer, x)
+        out, ready = (self._accelerator_part(layer, x, plan, cuts, accel, groups) if accel or plan.stream
+                      else (None, None))
+        # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
+        # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
+        self._prefetch(predicted)
+        inter = self.host_w2[layer].shape[-1]
+        cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
+        cpu_part = (self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts, one, weights)
+                    if plan.cpu or cpu_cuts else None)
+        if ready is not None:
+            ready.synchronize()           # the accelerator's part has reached the host
+        if out is None:                   # nothing ran on the accelerator
+            out = cpu_part.to(x.device) if cpu_part is not None else torch.zeros_like(x)
+        elif cpu_part is not None:
+            out = out + cpu_part.to(out.device)   # x on the GPU: the CPU's part goes there
+        self._count(layer, plan, tokens, cuts)
+        c = self.telemetry.layers[layer]
+        c.predicted_s += plan.seconds + self.cost.profile.host_layer_s   # (the simulator's layer-step)
+        if timing is not None:     # ends when the two parts' sum is ready; read back later, no wait now
+            timing[1].record()
+            self._timing.append((self.step, layer, *timing))
+        else:                      # the accelerator's part has been waited for above
+            c.measured_s += time.perf_counter() - t0
+        return out
+
+    def _accelerator_part(self, layer: int, x: torch.Tensor, plan, cuts, accel: list[int], groups):
+        """The hits, the streamed misses (admitted now, copied into their slots or staging) and
+        the cut experts' first columns on the accelerator: (their sum on x's device, an event to
+        wait on before reading it, or None)."""
         dev = self.slots.device
         xd = x.to(dev)
         out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
-        cuts = [(e, self._cut_columns(layer, f)) for e, f in plan.split]
-        on_dev = self._to_device(groups, list(plan.hits) + list(plan.stream) + [e for e, c in cuts if c], dev,
-                                 out_dev.dtype)
+        on_dev = self._to_device(groups, accel, dev, out_dev.dtype)
         for e in plan.hits:
             self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
             self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
@@ -130,26 +162,7 @@ class ResidencyExecutor:
             if cols:
                 self._run(out_dev, xd, on_dev[e], *self.streamer.to_staging_columns(layer, e, cols), layer, e,
                           "split", groups[e][0])
-        out, ready = self._to_host(out_dev, x)
-        # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
-        # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
-        self._prefetch(predicted)
-        inter = self.host_w2[layer].shape[-1]
-        cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
-        cpu_part = self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts) if plan.cpu or cpu_cuts else None
-        if ready is not None:
-            ready.synchronize()           # the accelerator's part has reached the host
-        if cpu_part is not None:
-            out = out + cpu_part.to(out.device)   # x on the GPU: the CPU's part goes there
-        self._count(layer, plan, tokens, cuts)
-        c = self.telemetry.layers[layer]
-        c.predicted_s += plan.seconds
-        if timing is not None:     # ends when the two parts' sum is ready; read back later, no wait now
-            timing[1].record()
-            self._timing.append((self.step, layer, *timing))
-        else:                      # the accelerator's part has been waited for above
-            c.measured_s += time.perf_counter() - t0
-        return out
+        return self._to_host(out_dev, x)
 
     def flush_timing(self, wait: bool = True) -> None:
         """Add the GPU-clock times of finished layer calls (x on the GPU) to `measured_s`; with
@@ -256,13 +269,40 @@ class ResidencyExecutor:
             return int(round(fraction * inter))
         return 32 * min(blocks - 1, max(1, int(round(fraction * blocks))))
 
-    def _cpu_tier(self, layer: int, x: torch.Tensor, groups, experts, cuts=()) -> torch.Tensor:
+    def _bank_row(self, x: torch.Tensor, weights: torch.Tensor, one: list[int], experts, bank,
+                  layer: int) -> torch.Tensor:
+        """A lone token's whole CPU experts in one kernel call: one row holding all of them,
+        summed inside the kernel in fp32 (the batch-1 decode call `freetoken probe` measures, with
+        no per-pair gather or scatter). Returns the sum [1, D] in x's dtype. `one`: the token's
+        experts in routing order (the columns of `weights`)."""
+        from freetoken_py.kernels.cpu_moe import add_moe_experts
+
+        w = dict(zip(one, weights.tolist()[0]))                            # expert -> routing weight
+        wts = np.array([[w[e] for e in experts]], np.float32)              # [1, n] (bf16 and fp32 exact)
+        xs = np.ascontiguousarray(x.float().numpy())                      # [1, D] fp32
+        out = np.zeros(xs.shape, np.float32)
+        add_moe_experts(bank, xs, np.asarray([experts], np.int64), wts, out)
+        if self.audit is not None:
+            self.audit.extend((self.step, layer, 0, int(e), "cpu") for e in experts)
+        return torch.from_numpy(out).to(x.dtype)
+
+    def _bank(self, layer: int):
+        return self.cpu_banks[layer] if self.cpu_banks else None
+
+    def _cpu_tier(self, layer: int, x: torch.Tensor, groups, experts, cuts=(), one: Optional[list[int]] = None,
+                  weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The CPU's part [T, D] on the host: `experts` whole, `cuts` (expert, columns the
+        accelerator took) for the remaining columns. `one` (a lone token's distinct experts, with
+        its routing `weights`) takes the one-row kernel call."""
         t0 = time.perf_counter()
-        out_cpu = torch.zeros_like(x)  # [T, D] host part
-        bank = self.cpu_banks[layer] if self.cpu_banks else None
-        if bank is not None and experts:
+        bank = self._bank(layer)
+        if bank is not None and experts and one is not None:
+            out_cpu = self._bank_row(x, weights, one, experts, bank, layer)
+        elif bank is not None and experts:
+            out_cpu = torch.zeros_like(x)  # [T, D] host part
             self._run_bank(out_cpu, x, groups, experts, bank, layer)
         else:
+            out_cpu = torch.zeros_like(x)
             for e in experts:
                 self._run(out_cpu, x, groups[e], self.host_w13[layer][e], self.host_w2[layer][e], layer, e, "cpu")
         for e, cols in cuts:          # the columns the accelerator did not take
@@ -305,6 +345,15 @@ class ResidencyExecutor:
 
     def _count(self, layer: int, plan, tokens: dict[int, int], cuts=()) -> None:
         c = self.telemetry.layers[layer]
+        if not cuts and len(tokens) == len(plan.hits) + len(plan.stream) + len(plan.cpu) \
+                and all(n == 1 for n in tokens.values()):     # a lone token's distinct experts: a pair each
+            c.routed_pairs += len(tokens)
+            c.hit_pairs += len(plan.hits)
+            c.stream_pairs += len(plan.stream)
+            c.cpu_pairs += len(plan.cpu)
+            c.pcie_bytes += len(plan.stream) * self.cost.expert_bytes
+            c.stall_s += max(0.0, plan.seconds - len(tokens) * self.cost.gpu_compute_s(1))
+            return
         c.routed_pairs += sum(tokens.values())
         c.hit_pairs += sum(tokens[e] for e in plan.hits)
         c.stream_pairs += sum(tokens[e] for e in plan.stream)

@@ -26,6 +26,9 @@ class TierProfile:
     gpu_tflops: float          # accelerator compute ceiling for expert GEMMs
     cpu_call_s: float = 30e-6  # activations to the host and back + kernel launch, per layer
     copy_call_s: float = 5e-6  # per streamed expert: copy launch and event sync
+    # host work of every layer-step outside the tiers (routing read, plan, bookkeeping): 0 in the
+    # hand-built profiles (they describe hardware); measured on this machine by residency.calibrate
+    host_layer_s: float = 0.0
     vram_reserve_bytes: int = 2**30   # CUDA context, activations, allocator slack
     emulated: bool = False     # True: numbers injected for an emulated accelerator, not measured
 
@@ -33,6 +36,9 @@ class TierProfile:
         for f in ("vram_gbps", "pcie_gbps", "cpu_expert_gbps", "cpu_tflops", "gpu_tflops"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"profile {self.name}: {f} must be positive")
+        for f in ("cpu_call_s", "copy_call_s", "host_layer_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"profile {self.name}: {f} must not be negative")
 
 
 # Vendor specs + assumed achievable fractions; every figure is cited in docs/residency.md.

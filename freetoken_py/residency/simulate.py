@@ -3,7 +3,9 @@ share and predicted decode tokens/s. Pure Python + numpy; no model, no accelerat
 
 Time model per layer-step (the planner's own, see planner.py): dense weights are read from VRAM;
 hits compute on the accelerator while copies run on the copy engine; a streamed expert computes
-after its copy; CPU experts run concurrently; the layer ends when both sides do. Look-ahead
+after its copy; CPU experts run concurrently; the layer ends when both sides do; the executor's
+fixed host work (`TierProfile.host_layer_s`, measured by residency.calibrate, 0 in the hand-built
+profiles) is added to every layer-step. Look-ahead
 prefetch is not modelled here (a conservative omission: it only hides copy time).
 """
 from __future__ import annotations
@@ -56,7 +58,8 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int) -> 
     """`dense_bytes`: non-expert weights read per token (spread over the MoE layers)."""
     profile = cost.profile
     layers = trace.moe_layers
-    dense_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB)
+    # every layer-step also pays the executor's fixed host work (0 in the hand-built profiles)
+    dense_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s
     r = SimResult()
     step_s, step_tokens, cur = 0.0, 0, -1
     for step, layer, ids in iter_layer_steps(trace):
@@ -196,7 +199,7 @@ def upper_bound_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, ca
     Over the decode steps, the time is at least the dense weights read from VRAM, and at least
     MIN's misses moved at the PCIe and CPU bandwidths added together (a perfect split, copies
     overlapped across layers and steps, no per-call latency, the accelerator's expert compute
-    free). Hits cost nothing here, so a higher figure than this cannot come from a better cache.
+    free), plus the profile's fixed host work per layer-step. Hits cost nothing here, so a higher figure than this cannot come from a better cache.
     Only decode steps count; MIN runs on each stretch of consecutive decode steps with its own
     free preload, since a policy may take any number of misses in a prefill to prepare for it.
     """
@@ -217,9 +220,11 @@ def upper_bound_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, ca
         sub.steps = [trace.steps[i] for i in run]
         missed += int(belady_misses(sub, capacity).sum())
         run = [s]
-    dense_s = sum(len(trace.steps[s]) for s in decode) * dense_layer_s
+    layer_steps = sum(len(trace.steps[s]) for s in decode)
+    dense_s = layer_steps * dense_layer_s
     miss_s = missed * cost.expert_bytes / ((cost.pcie_gbps + cost.cpu_expert_gbps) * GB)
-    return len(decode) / max(dense_s, miss_s)
+    # the fixed host work of each layer-step runs on its own (0 in the hand-built profiles)
+    return len(decode) / (max(dense_s, miss_s) + layer_steps * profile.host_layer_s)
 
 
 def layer_floor_s(hits: int, misses: int, cost: CostModel) -> float:
@@ -264,7 +269,8 @@ def online_ceiling_flat_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes:
     g(c) = E[layer_floor_s(hits, k - hits)]. A policy spreads at most `capacity` slots over the
     layers and may spread them differently each step: the least expected cost per layer is the
     lower convex hull of g at capacity / layers (a mix of two sizes can beat either alone).
-    Per step: the dense read plus layers times that. Clairvoyant caching (`upper_bound_tok_s`)
+    Per step: the dense read plus layers times that and the profile's fixed host work per
+    layer-step. Clairvoyant caching (`upper_bound_tok_s`)
     can do better. Speculative copies that overlap other layers' work (look-ahead prefetch,
     which the executor has and the simulator does not model for any policy) are outside the
     model.
@@ -279,7 +285,7 @@ def online_ceiling_flat_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes:
     for c in range(1, len(g)):       # a policy may leave slots empty: c slots are worth at least c - 1
         g[c] = min(g[c], g[c - 1])
     per_layer = _lower_hull_at(g, min(capacity, n_layers * experts) / n_layers)
-    return 1.0 / (dense_s + n_layers * per_layer)
+    return 1.0 / (dense_s + n_layers * (per_layer + profile.host_layer_s))
 
 
 def _lower_hull_at(g: list[float], x: float) -> float:
