@@ -215,6 +215,13 @@ def test_measured_cpu_speed_feeds_the_cost_model(checkpoint_factory):
     assert 0 < ex.cost.cpu_expert_gbps < prior
     ref = LLM(path, dtype="float32", show_progress=False, backend="torch")
     assert out.token_ids == ref.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+    # the rate is observed net of the fixed cost per call (the planner adds cpu_call_s itself): a
+    # fixed cost longer than any call leaves nothing to observe
+    from dataclasses import replace
+
+    ex.cost = replace(ex.cost, profile=replace(ex.cost.profile, cpu_call_s=10.0), cpu_expert_gbps=prior)
+    llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert ex.cost.cpu_expert_gbps == prior and ex.telemetry.totals().cpu_tier_s > 0
 
 
 def test_serve_with_emulated_tiers_reports_residency_in_stats():
@@ -276,25 +283,33 @@ def test_cpu_only_check_measures_the_cpu_tier_against_its_prior(checkpoint_facto
     machine's kernels), the predictions from the given CPU rate; the row compares them, and the
     simulator replayed with the rate the run measured lands closer than an absurd prior."""
     path = checkpoint_factory("qwen3_moe")
-    out = tmp_path / "cpu.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "residency_gpu.py"), "--cpu-only", "--cpu-gbps", "1000",
-                           "--model", str(path), "--decode-tokens", "6", "--threads", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    row = json.loads(out.read_text())
-    assert row["mode"] == "cpu-only" and row["comparable"] == "cpu tier" and row["expert_slots"] == 0
-    assert row["cpu_share"] == 1.0 and row["hit_rate"] == row["stream_share"] == 0.0
-    assert row["cpu_gbps_prior"] == 1000 and row["profile"]["cpu_expert_gbps"] == 1000
-    ms, fixed, host = row["expert_ms_per_token"], row["corrected"], row["host_costs_prior"]
-    # the measured rate is net of the calibrated fixed cost per CPU-tier call (so above the gross one)
-    assert row["cpu_tier_gbps"] <= fixed["cpu_gbps"] < 1000
-    # this machine's fixed host costs were measured first and are in the prediction
-    assert host["host_layer_ms"] > 0 and host["cpu_call_ms"] >= 0
-    assert ms["planner"] == pytest.approx(ms["simulator"], abs=2e-3)
-    assert ms["simulator"] > host["host_layer_ms"] + host["cpu_call_ms"]
-    # 1000 GB/s predicts far too little time; the measured rate predicts more, nearer the truth
+
+    def check(*extra):
+        out = tmp_path / "cpu.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "residency_gpu.py"), "--cpu-only", "--cpu-gbps",
+                               "1000", "--model", str(path), "--decode-tokens", "6", "--threads", "1", "--out", str(out),
+                               *extra], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        row = json.loads(out.read_text())
+        assert row["mode"] == "cpu-only" and row["comparable"] == "cpu tier" and row["expert_slots"] == 0
+        assert row["cpu_share"] == 1.0 and row["hit_rate"] == row["stream_share"] == 0.0
+        assert row["cpu_gbps_prior"] == 1000 and row["profile"]["cpu_expert_gbps"] == 1000
+        ms = row["expert_ms_per_token"]
+        assert ms["planner"] == pytest.approx(ms["simulator"], abs=2e-3)
+        return row, ms, row["corrected"]
+
+    # bandwidths only: 1000 GB/s predicts far too little time; the measured rate predicts more, nearer the truth
+    row, ms, fixed = check("--no-host-costs")
+    assert row["host_costs_prior"] is None and row["cpu_tier_gbps"] <= fixed["cpu_gbps"] < 1000
     assert row["within_25pct"] is False and ms["simulator"] < fixed["simulator_ms_per_token"]
     assert abs(fixed["measured_over_simulator"] - 1) < abs(row["measured_over_simulator"] - 1)
+    # by default this machine's fixed host costs are measured first and are in the prediction (with
+    # these tiny experts they are most of it); the measured rate is then net of the fixed cost per call
+    row, ms, fixed = check()
+    host = row["host_costs_prior"]
+    assert host["host_layer_ms"] > 0 and host["cpu_call_ms"] >= 0
+    assert ms["simulator"] > host["host_layer_ms"] + host["cpu_call_ms"]
+    assert row["cpu_tier_gbps"] <= fixed["cpu_gbps"]
 
 
 def test_dense_weights_move_to_the_accelerator_and_experts_stay(checkpoint_factory):

@@ -54,9 +54,11 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     expert_bytes = (first[0].numel() + w2[moe[0]][0].numel()) * first.element_size()
     device = "cpu" if mode == "emulate" else "cuda"
     profile = _measured_profile() if profile_name == "measured" else get_profile(profile_name)
-    if profile_name == "measured":   # this machine's fixed host costs too (~0.1-0.3 s, on the real executor)
+    activation = getattr(model.args, "hidden_act", "silu")
+    if profile_name == "measured":   # this machine's fixed host costs too (timed on the real executor)
         profile = with_host_costs(profile, {"num_experts": num_experts, "top_k": model.args.top_k,
-                                            "hidden": first.shape[2], "expert_bytes": expert_bytes, "dtype": dtype})
+                                            "hidden": first.shape[2], "expert_bytes": expert_bytes, "dtype": dtype,
+                                            "cpu_kernels": cpu_kernels and activation == "silu"})
     profile = emulated(profile) if mode == "emulate" else profile
     if mode == "cuda":   # pinned banks make the host -> device copies asynchronous DMA
         model.experts = None   # the torch executor's references to the unpinned weights go first
@@ -86,7 +88,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,
                                  memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
                                  audit=audit, measure_live=mode == "cuda",
-                                 cpu_banks=_cpu_banks(w13, w2, getattr(model.args, "hidden_act", "silu"))
+                                 cpu_banks=_cpu_banks(w13, w2, activation)
                                  if cpu_kernels else None)
     model.experts = executor
     return executor

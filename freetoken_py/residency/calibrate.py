@@ -4,15 +4,17 @@ The cost model's bandwidths say how long the experts' bytes take; a decode layer
 fixed host work that no bandwidth figure contains: reading the routing, planning, the policy's
 bookkeeping and the counters (`host_layer_s`, every layer-step, whatever the placement), and the
 CPU tier's own fixed cost per call (activations and routing weights converted for the kernel,
-the kernel's launch, the result converted back: `cpu_call_s`). On a 2-vCPU machine these were
-about 0.25 ms and 0.1 ms against ~1 ms of expert bytes per layer (docs/residency.md).
+the kernel's launch, the result converted back: `cpu_call_s`). On the 2-vCPU development
+machine they were 0.13-0.29 ms and 0.11-0.22 ms, against ~1 ms of expert bytes per layer-step
+of the bench model (docs/residency.md).
 
 `measure_host_costs` runs the real `ResidencyExecutor` and `AdaptivePolicy` over random experts
-with the model's expert count, top-k and hidden size but a tiny intermediate size, no slots
-(every expert on the numba CPU tier), one token per call. Between calls it reads a buffer the
-size of a layer's routed expert bytes (capped), as the CPU tier's weight traffic evicts the
-caches in a real decode step: the same Python and torch operations run 2-3x slower after that
-than in a warm loop.
+with the model's expert count and top-k, a narrow hidden size (at most 256) and a tiny
+intermediate size, four MoE layers, one token per call and no slots: every expert runs on the
+CPU tier, so the policy's admissions, victim scans and shadow caches, which a run with slots
+also pays, are not in the figure. Between calls it reads a buffer the size of a layer's routed
+expert bytes (capped), as the CPU tier's weight traffic evicts the caches in a real decode
+step: the same Python and torch operations run 2-3x slower after that than in a warm loop.
 """
 from __future__ import annotations
 
@@ -24,16 +26,19 @@ import torch
 
 MAX_FLUSH_BYTES = 64 << 20
 _INTER = 32          # the tiny experts' intermediate size (one 32-column block)
+_LAYERS = 4         # MoE layers of the synthetic model
 _MAX_HIDDEN = 256    # the tiny experts' width (the conversions of wider activations cost microseconds more)
 
 
 def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbps: float,
                        layer_bytes: int, dtype: torch.dtype = torch.bfloat16, calls: int = 48,
-                       warmup: int = 8, seed: int = 0) -> tuple[float, float]:
+                       warmup: int = 8, seed: int = 0, cpu_kernels: bool = True) -> tuple[float, float]:
     """(host_layer_s, cpu_call_s): medians per call. `cpu_expert_gbps` is the rate the cost model
     charges the CPU tier's bytes at (the tiny experts' bytes at that rate are taken off the
     tier's time, so `cpu_call_s` is the fixed part); `layer_bytes`: the routed expert bytes of one
-    real layer-step, read between calls to evict the caches (capped at 64 MiB)."""
+    real layer-step, read between calls to evict the caches (capped at 64 MiB); `cpu_kernels`:
+    the CPU tier runs the numba kernels (as the executor does for bf16 / fp32 SiLU experts when
+    attached with them), else torch on the host weights."""
     from freetoken_py.kernels.cpu_moe import ExpertBank
     from freetoken_py.residency.adaptive import AdaptivePolicy
     from freetoken_py.residency.executor import ResidencyExecutor
@@ -45,22 +50,24 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
         raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
     d = min(hidden, _MAX_HIDDEN)
     g = torch.Generator().manual_seed(seed)
-    w13 = [(torch.rand(num_experts, 2 * _INTER, d, generator=g) - 0.5).to(dtype) for _ in range(2)]
-    w2 = [(torch.rand(num_experts, d, _INTER, generator=g) - 0.5).to(dtype) for _ in range(2)]
-    try:          # the numba CPU tier for bf16 / fp32 experts; torch on the host weights otherwise, as in a run
-        banks = [ExpertBank.view_of(a, b) for a, b in zip(w13, w2)]
-    except ValueError:
-        banks = None
+    w13 = [(torch.rand(num_experts, 2 * _INTER, d, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
+    w2 = [(torch.rand(num_experts, d, _INTER, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
+    banks = None
+    if cpu_kernels:   # the numba CPU tier for bf16 / fp32 experts; torch on the host weights otherwise, as in a run
+        try:
+            banks = [ExpertBank.view_of(a, b) for a, b in zip(w13, w2)]
+        except ValueError:
+            banks = None
     expert_bytes = 3 * _INTER * d * w13[0].element_size()
     profile = replace(emulated(PROFILES["rtx4090"]), cpu_expert_gbps=cpu_expert_gbps)   # (no slot: GPU unused)
     cost = CostModel(profile, expert_bytes, 6.0 * _INTER * d)
-    ex = ResidencyExecutor(w13, w2, AdaptivePolicy([0, 1], num_experts, 0), cost,
+    ex = ResidencyExecutor(w13, w2, AdaptivePolicy(list(range(_LAYERS)), num_experts, 0), cost,
                            SlotCache(0, (2 * _INTER, d), (d, _INTER), dtype, "cpu"), cpu_banks=banks)
     flush = np.ones(max(1, min(layer_bytes, MAX_FLUSH_BYTES) // 8))
     host, tier = [], []
     rng = np.random.default_rng(seed)
     for i in range(warmup + calls):
-        layer = i % 2
+        layer = i % _LAYERS               # (a new step every _LAYERS calls, as in a forward pass)
         ids = torch.from_numpy(rng.choice(num_experts, top_k, replace=False)).view(1, top_k)
         wts = torch.from_numpy(rng.random((1, top_k), np.float32)).to(dtype)
         x = torch.randn(1, d, generator=g).to(dtype)
@@ -80,8 +87,10 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
 
 def with_host_costs(profile, model_geometry: dict, calls: int = 48):
     """`profile` with this machine's measured `host_layer_s` and `cpu_call_s` (`measure_host_costs`
-    for a model of `model_geometry`: num_experts, top_k, hidden, expert_bytes, dtype)."""
+    for a model of `model_geometry`: num_experts, top_k, hidden, expert_bytes, dtype, and
+    cpu_kernels: whether the CPU tier runs the numba kernels)."""
     m = model_geometry
     host_s, call_s = measure_host_costs(m["num_experts"], m["top_k"], m["hidden"], profile.cpu_expert_gbps,
-                                        m["top_k"] * m["expert_bytes"], m.get("dtype", torch.bfloat16), calls)
+                                        m["top_k"] * m["expert_bytes"], m.get("dtype", torch.bfloat16), calls,
+                                        cpu_kernels=m.get("cpu_kernels", True))
     return replace(profile, host_layer_s=host_s, cpu_call_s=call_s)

@@ -279,7 +279,7 @@ class ResidencyExecutor:
 
         w = dict(zip(one, weights.tolist()[0]))                            # expert -> routing weight
         wts = np.array([[w[e] for e in experts]], np.float32)              # [1, n] (bf16 and fp32 exact)
-        xs = np.ascontiguousarray(x.float().numpy())                      # [1, D] fp32
+        xs = np.ascontiguousarray(x.detach().float().numpy())             # [1, D] fp32
         out = np.zeros(xs.shape, np.float32)
         add_moe_experts(bank, xs, np.asarray([experts], np.int64), wts, out)
         if self.audit is not None:
@@ -316,8 +316,10 @@ class ResidencyExecutor:
         c = self.telemetry.layers[layer]       # measured on this machine, emulated or not
         c.cpu_tier_s += seconds
         c.cpu_tier_bytes += int(share * self.cost.expert_bytes)
-        if self.measure_live and seconds > 0 and share > 0:
-            self.cost = self.cost.observe(cpu_gbps=share * self.cost.expert_bytes / seconds / 1e9)
+        # the rate is observed net of the fixed cost per call the planner adds on its own (cpu_call_s)
+        net = seconds - self.cost.profile.cpu_call_s
+        if self.measure_live and net > 0 and share > 0:
+            self.cost = self.cost.observe(cpu_gbps=share * self.cost.expert_bytes / net / 1e9)
         return out_cpu
 
     def _stream_in(self, layer: int, expert: int, evicted: list) -> tuple[torch.Tensor, torch.Tensor]:
