@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                          "machine's probe, measured next to the predictions")
     ap.add_argument("--cpu-gbps", type=float, help="with --cpu-only: the CPU expert rate to predict with "
                                                    "(default: this machine's probe figure)")
+    ap.add_argument("--torch-experts", action="store_true",
+                    help="the accelerator's experts through torch, one expert at a time (default on a GPU: the "
+                         "Triton kernels, kernels/gpu_moe.py, for decode-sized steps)")
     ap.add_argument("--no-host-costs", action="store_true",
                     help="with --cpu-only: predict without this machine's measured fixed host costs per layer-step "
                          "(residency.calibrate), bandwidths only")
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                   residency=mode, residency_profile=args.emulate or "measured",
                   vram_budget_bytes=max(1, int(args.budget_share * expert_bytes)), record_routing=str(trace_path))
         ex = llm.residency
+        if args.torch_experts:
+            ex.fused_accel = False
         prior_cpu_gbps = host_prior = None
         if args.cpu_only:
             prior_cpu_gbps = args.cpu_gbps or _probe_cpu_gbps(dtype)
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model_dir), "expert_slots": ex.slots.num_slots, "budget_share": args.budget_share,
         "profile": {k: getattr(ex.cost.profile, k) for k in ("pcie_gbps", "vram_gbps", "cpu_expert_gbps")},
         "dense_on": str(llm.model.device), "kv_on": str(llm.runner.cache.k.device),
+        "accel_experts": "triton" if ex.fused_accel else "torch",
         "decode_tok_s": round(tok_s, 2),
         "simulator_decode_tok_s": round(sim_tok_s, 2) if sim_tok_s else None,
         "within_25pct_tok_s": bool(sim_tok_s and abs(tok_s / sim_tok_s - 1) <= 0.25) if mode == "cuda" else None,

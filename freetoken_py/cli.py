@@ -110,6 +110,9 @@ def _residency(emulate_gpu: Optional[str], gpu_experts: bool, vram_budget_gb: fl
     """EngineConfig's residency fields from the CLI flags."""
     if emulate_gpu and gpu_experts:
         raise FreetokenError("pass --gpu-experts (the real GPU) or --emulate-gpu PROFILE, not both")
+    if emulate_gpu and emulate_gpu.startswith("-"):    # `--emulate-gpu --stats`: the next flag taken as its value
+        raise FreetokenError(f"--emulate-gpu takes a hardware profile name, got {emulate_gpu!r}; e.g. "
+                             "--emulate-gpu rtx4090 (rtx4060-laptop-8g, rtx4090, rtx5090, rtx-pro-6000)")
     mode = "cuda" if gpu_experts else "emulate" if emulate_gpu else "off"
     return dict(residency=mode, residency_profile="measured" if gpu_experts else emulate_gpu or "rtx4090",
                 vram_budget_bytes=int(vram_budget_gb * 1e9), residency_policy=policy)

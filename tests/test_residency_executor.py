@@ -186,6 +186,9 @@ def test_bad_residency_options_are_one_line_errors():
     assert proc.returncode == 2 and "unknown hardware profile 'h100'" in proc.stderr and "Traceback" not in proc.stderr
     proc = freetoken("x", "--gpu-experts", "--emulate-gpu", "rtx4090")
     assert proc.returncode == 2 and "not both" in proc.stderr and "Traceback" not in proc.stderr
+    proc = freetoken("x", "--emulate-gpu", "--stats")     # the next flag taken as the profile: say which value is missing
+    assert proc.returncode == 2 and "--emulate-gpu takes a hardware profile name, got '--stats'" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("freetoken: error: --emulate-gpu")
     if not torch.cuda.is_available():   # one check (EngineConfig), met by run and by serve before it listens
         proc = freetoken("x", "--gpu-experts")
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
@@ -619,7 +622,8 @@ def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, st
                           env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out)}, cwd=script.parents[1])
     assert proc.returncode == want, proc.stdout + proc.stderr
     steps = (out / "steps.txt").read_text()
-    for name in ("probe", "placement test (cuda)", "residency_gpu"):
+    for name in ("probe", "placement test (cuda)", "triton experts test", "residency_gpu",
+                 "residency_gpu (torch experts)"):
         assert f"{name} rc={step_status}" in steps
     assert "-k placement and cuda" in (out / "placement.txt").read_text()
 

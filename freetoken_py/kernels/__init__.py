@@ -1,4 +1,5 @@
-"""CPU kernels: numba expert MLPs and dense GEMV over page-aligned bf16 / fp32 / int8 / int4 weights.
+"""CPU kernels: numba expert MLPs and dense GEMV over page-aligned bf16 / fp32 / int8 / int4 weights
+(and `gpu_moe`: the accelerator tier's Triton experts for decode-sized steps, optional).
 
 Importing this package compiles nothing and does not import numba or torch; the names below load
 their module on first access, and numba compiles each kernel on first call (or in `warmup()`),

@@ -31,11 +31,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from freetoken_py.kernels.gpu_moe import MAX_TOKENS_PER_EXPERT
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.planner import CostModel, LayerStats
 from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
 from freetoken_py.residency.streamer import Streamer
 from freetoken_py.residency.telemetry import Telemetry
+
+
+def _fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Triton's experts can run on `device` and agree with torch there (a one-time self-check;
+    on a failure the torch path stays, with a warning saying why)."""
+    import warnings
+
+    from freetoken_py.kernels import gpu_moe
+
+    if not gpu_moe.available(device):
+        return False
+    problem = gpu_moe.self_check(device, dtype)
+    if problem is not None:
+        warnings.warn(f"{problem}; the accelerator tier keeps the torch path", RuntimeWarning, stacklevel=3)
+    return problem is None
 
 
 def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -67,6 +83,10 @@ class ResidencyExecutor:
         # feed the measured CPU-tier speed and copy rate into the cost model: right when the profile
         # describes this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
         self.measure_live = measure_live
+        # decode-sized layer-steps' accelerator experts in two Triton launches (kernels/gpu_moe.py):
+        # on a CUDA GPU when Triton is there and its self-check passes; never under emulation
+        # (tests turn it on with Triton's CPU interpreter)
+        self.fused_accel = self.slots.device.type == "cuda" and _fused_ok(self.slots.device, self.slots.dtype)
         self.sync_slots()
 
     def sync_slots(self) -> None:
@@ -145,19 +165,34 @@ class ResidencyExecutor:
         xd = x.to(dev)
         out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
         on_dev = self._to_device(groups, accel, dev, out_dev.dtype)
+        # decode-sized: the experts read in their slots go to the Triton kernels in one batch each
+        # for the hits and for the streamed ones (weights read once per pair: few tokens only)
+        fused = self.fused_accel and all(len(groups[e][0]) <= MAX_TOKENS_PER_EXPERT for e in accel)
+        batch: list = []
         for e in plan.hits:
             self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
-            self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
+            if fused:
+                batch.append((e, *self.slots.get((layer, e)), "hit"))
+            else:
+                self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
+        self._run_fused(out_dev, xd, on_dev, groups, batch, layer)   # before any admission can evict a hit
         evictions = self.policy.admit_many(layer, plan.stream, self.step)   # one call for the layer-step
+        # a streamed expert evicted again by a later one of this layer-step loses its slot before
+        # the batch would run: it is computed right after its copy, as are those copied to staging
+        doomed = {key for ev in evictions for key in ev}
         placed = 0
         try:
             for e, evicted in zip(plan.stream, evictions):
                 w13, w2 = self._stream_in(layer, e, evicted)
                 placed += 1
-                self._run(out_dev, xd, on_dev[e], w13, w2, layer, e, "stream", groups[e][0])
+                if fused and (layer, e) in self.slots.slot_of and (layer, e) not in doomed:
+                    batch.append((e, w13, w2, "stream"))
+                else:
+                    self._run(out_dev, xd, on_dev[e], w13, w2, layer, e, "stream", groups[e][0])
         except BaseException:     # (an out-of-memory error: the pass runs again) slots and policy agree
             self._unadmit(layer, plan.stream[placed:], evictions[placed:])
             raise
+        self._run_fused(out_dev, xd, on_dev, groups, batch, layer)
         for e, cols in cuts:
             if cols:
                 self._run(out_dev, xd, on_dev[e], *self.streamer.to_staging_columns(layer, e, cols), layer, e,
@@ -245,6 +280,24 @@ class ResidencyExecutor:
         if self.audit is not None and tier is not None:   # a cut expert's CPU columns: audited once, above
             rows = rows if host_rows is None else host_rows
             self.audit.extend((self.step, layer, int(t), expert, tier) for t in rows.tolist())
+
+    def _run_fused(self, out, x, on_dev, groups, batch: list, layer: int) -> None:
+        """`batch` [(expert, w13, w2, tier)]: every pair of those experts in one `gpu_moe.moe_pairs`
+        call (two Triton launches); empties the batch."""
+        if not batch:
+            return
+        from freetoken_py.kernels.gpu_moe import moe_pairs
+
+        counts = [len(on_dev[e][0]) for e, *_ in batch]
+        rows = torch.cat([on_dev[e][0] for e, *_ in batch])
+        wts = torch.cat([on_dev[e][1] for e, *_ in batch])
+        w13s = [w for (_, w, _, _), n in zip(batch, counts) for _ in range(n)]
+        w2s = [w for (_, _, w, _), n in zip(batch, counts) for _ in range(n)]
+        moe_pairs(out, x, rows, wts, w13s, w2s)
+        if self.audit is not None:
+            self.audit.extend((self.step, layer, int(t), e, tier) for e, _, _, tier in batch
+                              for t in groups[e][0].tolist())
+        batch.clear()
 
     def _run_bank(self, out, x, groups, experts, bank, layer: int) -> None:
         """Whole CPU experts through the numba kernels: every (token, expert) pair as one row
