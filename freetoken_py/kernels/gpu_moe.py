@@ -8,9 +8,11 @@ Here every (token, expert) pair of a layer-step is one row of two kernels:
     _gate_up   grid (pairs, I / BLOCK_I):  h[p, i] = silu(gate_i . x_t) * (up_i . x_t)      (fp32)
     _down      grid (pairs, D / BLOCK_D):  y[p, d] = w_p * (down_d . h[p])                   (fp32)
 
-then `out.index_add_(0, token_of_pair, y)`. Each pair's weights are addressed by pointer (an int64
-address per pair, cast in the kernel), so experts in any slot chunk or staging buffer are read in
-place: no gather copy of weights. A pair reads its expert's weights once, so an expert routed by
+then the pairs' sum per token, in fp32, added into the output once. Each pair's weights are
+found at an element offset from a typed base tensor (one of the batch's experts), so experts in
+any slot chunk are read in place: no gather copy of weights. When every offset and row length is
+a multiple of 16 elements (slots in a chunk, chunks from the allocator) the kernels are told so
+and read the rows as 16-byte vectors. A pair reads its expert's weights once, so an expert routed by
 many tokens is read once per token: the executor sends a layer-step here only when every expert
 on the accelerator has at most `MAX_TOKENS_PER_EXPERT` tokens (decode), and keeps torch's GEMMs
 for prefill.
@@ -18,7 +20,8 @@ for prefill.
 Triton is optional: CUDA builds of torch ship it; without it (or on a CPU-only torch) `available()`
 is False and the executor keeps the torch path. Under `TRITON_INTERPRET=1` the same kernels run
 on CPU tensors through Triton's interpreter: that is how CI checks them against the torch
-reference (tests/test_gpu_moe.py); their speed is only measured on a GPU.
+reference (tests/test_gpu_moe.py), which also compiles them for sm_80 and sm_90 through Triton's
+whole pipeline (no GPU needed) and checks the vector loads; their speed is only measured on a GPU.
 """
 from __future__ import annotations
 
@@ -35,66 +38,31 @@ _kernels = None
 
 
 def available(device: torch.device | str) -> bool:
-    """Whether the kernels can run for tensors on `device`: Triton importable, and the device a
-    CUDA GPU (or any device under TRITON_INTERPRET=1, Triton's CPU interpreter)."""
+    """Whether the kernels can run for tensors on `device`: Triton importable (any failure to
+    import it counts as absent), and the device a CUDA GPU (or any device under
+    TRITON_INTERPRET=1, Triton's CPU interpreter)."""
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:
         _load()
-    except ImportError:
+    except Exception:                  # not installed, or a build that does not match this torch
         return False
     return True
 
 
 def _load():
     global _kernels
-    if _kernels is not None:
-        return _kernels
-    import triton
-    import triton.language as tl
+    if _kernels is None:
+        from freetoken_py.kernels import _triton_moe
 
-    @triton.jit
-    def _gate_up(x_ptr, rows_ptr, w13_ptrs, h_ptr, D, I, stride_x,
-                 DTYPE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
-        p = tl.program_id(0)
-        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        im = i < I
-        row = tl.load(rows_ptr + p)
-        w = tl.load(w13_ptrs + p).to(tl.pointer_type(DTYPE), bitcast=True)   # [2I, D]: gate rows, then up
-        acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            dm = d < D
-            xv = tl.load(x_ptr + row * stride_x + d, mask=dm, other=0.0).to(tl.float32)
-            m = im[:, None] & dm[None, :]
-            wg = tl.load(w + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(w + (i[:, None] + I) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * xv[None, :], axis=1)
-            acc_u += tl.sum(wu * xv[None, :], axis=1)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(h_ptr + p * I + i, h, mask=im)
-
-    @triton.jit
-    def _down(h_ptr, wts_ptr, w2_ptrs, y_ptr, D, I,
-              DTYPE: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
-        p = tl.program_id(0)
-        d = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-        dm = d < D
-        w = tl.load(w2_ptrs + p).to(tl.pointer_type(DTYPE), bitcast=True)    # [D, I]
-        acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < I
-            hv = tl.load(h_ptr + p * I + k, mask=km, other=0.0)
-            wd = tl.load(w + d[:, None] * I + k[None, :], mask=dm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(wd * hv[None, :], axis=1)
-        scale = tl.load(wts_ptr + p)
-        tl.store(y_ptr + p * D + d, acc * scale, mask=dm)
-
-    _kernels = (_gate_up, _down, {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                                  torch.float32: tl.float32})
+        _kernels = (_triton_moe.gate_up_kernel, _triton_moe.down_kernel)
     return _kernels
+
+
+def _offsets(tensors: Sequence[torch.Tensor], base: torch.Tensor) -> list[int]:
+    """Each tensor's start as an element offset from `base`'s (same dtype, one address space)."""
+    size, start = base.element_size(), base.data_ptr()
+    return [(t.data_ptr() - start) // size for t in tensors]
 
 
 def moe_pairs(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
@@ -102,11 +70,12 @@ def moe_pairs(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: t
     """out[rows[p]] += weights[p] * expert_p(x[rows[p]]) for every pair p, with expert_p the SwiGLU
     of w13[p] [2I, D] (gate rows, then up rows) and w2[p] [D, I] (contiguous, one dtype, on x's
     device; the same expert may appear in several pairs). x [T, D] with unit column stride; rows
-    [P] int64 and weights [P] on x's device. Sums in fp32, adds into out in out's dtype."""
+    [P] int64 and weights [P] on x's device. Sums in fp32 (a lone token's pairs in a fixed order)
+    and adds into out once, in out's dtype."""
     pairs = len(w13)
     if pairs == 0:
         return
-    gate_up, down, tl_dtypes = _load()
+    gate_up, down = _load()
     dtype = w13[0].dtype
     two_i, hidden = w13[0].shape
     inter = two_i // 2
@@ -119,18 +88,28 @@ def moe_pairs(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: t
             raise ValueError(f"moe_pairs: every expert must be contiguous {dtype} [{two_i}, {hidden}] / "
                              f"[{hidden}, {inter}], got {tuple(a.shape)} {a.dtype} / {tuple(b.shape)} {b.dtype}")
     dev = x.device
-    ptrs = torch.tensor([[a.data_ptr() for a in w13], [b.data_ptr() for b in w2]], dtype=torch.int64)
-    ptrs = ptrs.to(dev, non_blocking=True) if dev.type == "cuda" else ptrs
+    offs13, offs2 = _offsets(w13, w13[0]), _offsets(w2, w2[0])
+    # 16-element-aligned starts (slots in a chunk, chunks from the allocator) and row lengths:
+    # the kernels may then load rows as aligned vectors
+    aligned = hidden % 16 == 0 and inter % 16 == 0 and all(o % 16 == 0 for o in offs13 + offs2)
+    width = pairs + pairs % 2          # an even width keeps the second row's address 16-byte aligned too
+    offs = torch.zeros((2, width), dtype=torch.int64)
+    offs[0, :pairs], offs[1, :pairs] = torch.tensor(offs13), torch.tensor(offs2)
+    offs = offs.to(dev, non_blocking=True) if dev.type == "cuda" else offs
     rows = rows.to(dev, torch.int64).contiguous()
     scale = weights.to(dev, torch.float32).contiguous()
     h = torch.empty((pairs, inter), dtype=torch.float32, device=dev)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
-    tdt = tl_dtypes[dtype]
-    gate_up[(pairs, -(-inter // BLOCK_I))](x, rows, ptrs[0], h, hidden, inter, x.stride(0),
-                                           DTYPE=tdt, BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D)
-    down[(pairs, -(-hidden // BLOCK_OUT))](h, scale, ptrs[1], y, hidden, inter,
-                                           DTYPE=tdt, BLOCK_OUT=BLOCK_OUT, BLOCK_K=BLOCK_K)
-    out.index_add_(0, rows, y.to(out.dtype))
+    gate_up[(pairs, -(-inter // BLOCK_I))](x, rows, w13[0], offs[0], h, hidden, inter, x.stride(0),
+                                           BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D, ALIGNED=aligned)
+    down[(pairs, -(-hidden // BLOCK_OUT))](h, scale, w2[0], offs[1], y, hidden, inter,
+                                           BLOCK_OUT=BLOCK_OUT, BLOCK_K=BLOCK_K, ALIGNED=aligned)
+    if out.shape[0] == 1:             # decode: every pair is the one token's, summed in order
+        out += y.sum(0, keepdim=True).to(out.dtype)
+    else:                             # fp32 sums per token, then one rounding into out
+        summed = torch.zeros((out.shape[0], hidden), dtype=torch.float32, device=dev)
+        summed.index_add_(0, rows, y)
+        out += summed.to(out.dtype)
 
 
 def self_check(device: torch.device | str, dtype: torch.dtype) -> str | None:

@@ -177,15 +177,14 @@ class ResidencyExecutor:
                 self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
         self._run_fused(out_dev, xd, on_dev, groups, batch, layer)   # before any admission can evict a hit
         evictions = self.policy.admit_many(layer, plan.stream, self.step)   # one call for the layer-step
-        # a streamed expert evicted again by a later one of this layer-step loses its slot before
-        # the batch would run: it is computed right after its copy, as are those copied to staging
-        doomed = {key for ev in evictions for key in ev}
+        # a streamed expert the policy no longer holds (evicted again by a later one of this
+        # layer-step) is copied to staging, not into a slot: it runs right after its copy
         placed = 0
         try:
             for e, evicted in zip(plan.stream, evictions):
                 w13, w2 = self._stream_in(layer, e, evicted)
                 placed += 1
-                if fused and (layer, e) in self.slots.slot_of and (layer, e) not in doomed:
+                if fused and (layer, e) in self.slots.slot_of:
                     batch.append((e, w13, w2, "stream"))
                 else:
                     self._run(out_dev, xd, on_dev[e], w13, w2, layer, e, "stream", groups[e][0])
