@@ -52,15 +52,16 @@ try:
     raise AssertionError("a misshapen expert was accepted")
 except ValueError as exc:
     assert "contiguous" in str(exc)
-# the executor's gate: Triton there and the self-check passing; a failing self-check (here an
-# integer dtype the kernels do not take) is a warning and the torch path, not an error
+# the executor's gate: Triton there and the self-check passing; a failing self-check (here integer
+# weights, which moe_pairs refuses) is a warning naming the problem and the torch path, not an error
 import warnings
 from freetoken_py.residency.executor import _fused_ok
 assert _fused_ok(torch.device(dev), torch.float32) is True
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     assert _fused_ok(torch.device(dev), torch.int32) is False
-assert any("keeps the torch path" in str(w.message) for w in caught), [str(w.message) for w in caught]
+assert any("keeps the torch path" in str(w.message) and "torch.int32" in str(w.message) for w in caught), \
+    [str(w.message) for w in caught]
 print("ok", errs)
 '''
 

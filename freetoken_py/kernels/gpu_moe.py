@@ -5,8 +5,8 @@ The torch path (`residency.executor._swiglu` per expert) issues about nine opera
 top-k experts on the accelerator, that is ~70 kernel launches and their Python per MoE layer.
 Here every (token, expert) pair of a layer-step is one row of two kernels:
 
-    _gate_up   grid (pairs, I / BLOCK_I):  h[p, i] = silu(gate_i . x_t) * (up_i . x_t)      (fp32)
-    _down      grid (pairs, D / BLOCK_D):  y[p, d] = w_p * (down_d . h[p])                   (fp32)
+    gate_up_kernel   grid (pairs, I / BLOCK_I):    h[p, i] = silu(gate_i . x_t) * (up_i . x_t)   (fp32)
+    down_kernel      grid (pairs, D / BLOCK_OUT):  y[p, d] = w_p * (down_d . h[p])                (fp32)
 
 then the pairs' sum per token, in fp32, added into the output once. Each pair's weights are
 found at an element offset from a typed base tensor (one of the batch's experts), so experts in
@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 MAX_TOKENS_PER_EXPERT = 4
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_I, BLOCK_D = 16, 64          # gate/up: rows of I per program, columns of D per step
 BLOCK_OUT, BLOCK_K = 16, 64        # down: rows of D per program, columns of I per step
 
@@ -77,6 +78,8 @@ def moe_pairs(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: t
         return
     gate_up, down = _load()
     dtype = w13[0].dtype
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"moe_pairs: expert weights must be one of {', '.join(map(str, FLOAT_DTYPES))}, got {dtype}")
     two_i, hidden = w13[0].shape
     inter = two_i // 2
     if x.stride(1) != 1 or x.shape[1] != hidden or rows.numel() != pairs or weights.numel() != pairs:
