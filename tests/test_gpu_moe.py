@@ -23,13 +23,17 @@ dev = "cuda" if torch.cuda.is_available() else "cpu"
 assert gpu_moe.available(dev)
 g = torch.Generator().manual_seed(0)
 
-def case(dtype, tokens, hidden, inter, pairs_of, tol):
+def case(dtype, tokens, hidden, inter, pairs_of, tol, strided=False):
     # experts in separate tensors (slot chunks, staging), some used by several pairs
     w13 = [(torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(dev) for _ in range(4)]
     w2 = [(torch.randn(hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(dev) for _ in range(4)]
     chunk = torch.stack(w13[:2])                       # two experts side by side in one chunk
     w13[0], w13[1] = chunk[0], chunk[1]
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
+    if strided:                                        # columns two apart: made contiguous first
+        wide = torch.zeros(tokens, 2 * hidden, dtype=dtype, device=dev)
+        wide[:, ::2] = x
+        x = wide[:, ::2]
     rows = torch.tensor([t for t, _ in pairs_of], dtype=torch.int64, device=dev)
     wts = torch.rand(len(pairs_of), generator=g).to(dev)
     out = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)   # added into, not overwritten
@@ -45,6 +49,7 @@ errs = [
     case(torch.float32, 1, 64, 48, [(0, 0), (0, 1), (0, 2), (0, 3)], 1e-5),      # decode: one token, 4 experts
     case(torch.float32, 3, 80, 40, [(0, 1), (2, 1), (1, 3), (2, 0), (0, 2)], 1e-5),  # sizes off the block grid
     case(torch.bfloat16, 2, 128, 96, [(0, 0), (1, 0), (1, 2)], 1e-2),           # bf16 weights and activations
+    case(torch.float32, 2, 64, 32, [(1, 3), (0, 3)], 1e-5, strided=True),         # a strided view of x
 ]
 try:
     gpu_moe.moe_pairs(torch.zeros(1, 64), torch.zeros(1, 64), torch.zeros(1, dtype=torch.int64), torch.ones(1),

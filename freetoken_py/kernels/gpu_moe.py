@@ -70,7 +70,8 @@ def moe_pairs(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: t
               w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor]) -> None:
     """out[rows[p]] += weights[p] * expert_p(x[rows[p]]) for every pair p, with expert_p the SwiGLU
     of w13[p] [2I, D] (gate rows, then up rows) and w2[p] [D, I] (contiguous, one dtype, on x's
-    device; the same expert may appear in several pairs). x [T, D] with unit column stride; rows
+    device; the same expert may appear in several pairs). x [T, D] (made contiguous if its
+columns are strided); rows
     [P] int64 and weights [P] on x's device. Sums in fp32 (a lone token's pairs in a fixed order)
     and adds into out once, in out's dtype."""
     pairs = len(w13)
@@ -82,8 +83,10 @@ def moe_pairs(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: t
         raise ValueError(f"moe_pairs: expert weights must be one of {', '.join(map(str, FLOAT_DTYPES))}, got {dtype}")
     two_i, hidden = w13[0].shape
     inter = two_i // 2
-    if x.stride(1) != 1 or x.shape[1] != hidden or rows.numel() != pairs or weights.numel() != pairs:
-        raise ValueError(f"moe_pairs: x {tuple(x.shape)} (column stride {x.stride(1)}), {rows.numel()} rows, "
+    if x.dim() == 2 and x.stride(1) != 1:     # the kernels read a token's row as one run
+        x = x.contiguous()
+    if x.dim() != 2 or x.shape[1] != hidden or rows.numel() != pairs or weights.numel() != pairs:
+        raise ValueError(f"moe_pairs: x {tuple(x.shape)}, {rows.numel()} rows, "
                          f"{weights.numel()} weights for {pairs} pairs of [{two_i}, {hidden}] experts")
     for a, b in zip(w13, w2):
         if a.shape != (two_i, hidden) or b.shape != (hidden, inter) or a.dtype != dtype or b.dtype != dtype \
