@@ -9,9 +9,9 @@
 # bench does not measure again inside its timing), the `cuda` variants of the placement test
 # (logits within 1e-4 of transformers with dense weights and KV in VRAM), and
 # bench/residency_gpu.py (measured decode tok/s next to the simulator's), the Triton experts'
-# test on the GPU, and the bench again with the accelerator's experts through torch. The package is used
+# test and kernel bench on the GPU, and the bench again with the accelerator's experts through torch. The package is used
 # from this checkout (PYTHONPATH); torch with CUDA, numba, safetensors, transformers, typer and
-# rich must be installed (the device image has them). Ten files come back; the profile cache
+# rich must be installed (the device image has them). Twelve files come back; the profile cache
 # stays on the machine. Exit status: 0 when every step passed, 1 when one failed or ran out of
 # time or the two cuda placement variants did not both pass (steps.txt says which), 3 at once
 # without a CUDA GPU, 4 when torch does not import, 2 when $OUT is not a folder.
@@ -55,18 +55,21 @@ step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log it
     [ $r -eq 0 ] || fail=1
 }
 # the limits and their 10 s kill grace stay under the 590 s the device call is given
-step probe 150 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
-step "placement test (cuda)" 90 "$OUT/placement.txt" \
+step probe 135 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
+step "placement test (cuda)" 85 "$OUT/placement.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_residency_executor.py -k "placement and cuda"
 if ! grep -q "2 passed" "$OUT/placement.txt"; then    # both cuda variants ran (not skipped)
     log "placement test: the two cuda variants did not both pass"
     fail=1
 fi
 # the accelerator's Triton experts against torch on the GPU (skipped, and said so, without Triton)
-step "triton experts test" 60 "$OUT/gpu_moe.txt" \
+step "triton experts test" 55 "$OUT/gpu_moe.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_moe.py -k "match_the_torch_reference"
-step residency_gpu 150 "$OUT/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
+# one decode layer-step of Qwen3-30B's experts: Triton against torch, GB/s against the VRAM roofline
+step "triton experts bench" 40 "$OUT/gpu_moe_kernels.txt" \
+    "$PY" bench/gpu_moe_kernels.py --out "$OUT/gpu_moe_kernels.json"
+step residency_gpu 140 "$OUT/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
 # the same with the accelerator's experts through torch: what the Triton kernels change
-step "residency_gpu (torch experts)" 80 "$OUT/residency_gpu_torch.txt" \
+step "residency_gpu (torch experts)" 75 "$OUT/residency_gpu_torch.txt" \
     "$PY" bench/residency_gpu.py --torch-experts --decode-tokens 24 --out "$OUT/residency_gpu_torch.json"
 exit $fail

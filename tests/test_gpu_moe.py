@@ -183,3 +183,23 @@ def test_triton_experts_compile_for_a_gpu_with_vector_loads(arch):
                             (k.down_kernel, down, {"BLOCK_OUT": BLOCK_OUT, "BLOCK_K": BLOCK_K})):
         assert any(op.startswith("ld.global.v4") for op in loads(fn, sig, {**consts, "ALIGNED": True})), fn
         assert "ld.global.b16" in loads(fn, sig, {**consts, "ALIGNED": False}), fn
+
+
+def test_kernel_bench_runs_in_the_interpreter(tmp_path):
+    """bench/gpu_moe_kernels.py --interpret: the GPU bench's code path on CPU (tiny sizes), both
+    paths agreeing, marked not comparable; without a GPU and without --interpret it skips."""
+    import json
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu_moe_kernels.py")
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, script, "--interpret", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["skipped"] is False and row["comparable"] is False and row["agree"] is True
+    assert row["ms_per_layer_step"]["triton"] > 0 and row["ms_per_layer_step"]["torch"] > 0
+    import torch
+
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["skipped"] is True

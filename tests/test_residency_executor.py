@@ -622,7 +622,7 @@ def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, st
                           env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out)}, cwd=script.parents[1])
     assert proc.returncode == want, proc.stdout + proc.stderr
     steps = (out / "steps.txt").read_text()
-    for name in ("probe", "placement test (cuda)", "triton experts test", "residency_gpu",
+    for name in ("probe", "placement test (cuda)", "triton experts test", "triton experts bench", "residency_gpu",
                  "residency_gpu (torch experts)"):
         assert f"{name} rc={step_status}" in steps
     assert "-k placement and cuda" in (out / "placement.txt").read_text()
