@@ -57,6 +57,19 @@ try:
     raise AssertionError("a misshapen expert was accepted")
 except ValueError as exc:
     assert "contiguous" in str(exc)
+# the probe's step for the gpu_expert_kernel figure (hw/measure_gpu.py): the next top-k experts
+# of a [E, I, D] bank through the kernels, rotating, equal to torch's sum over the same experts
+from freetoken_py.hw.measure_gpu import triton_expert_step
+gate, up = (torch.randn(6, 32, 64, generator=g).to(dev) / 8 for _ in range(2))
+down = torch.randn(6, 64, 32, generator=g).to(dev) / 6
+xs = torch.randn(1, 64, generator=g).to(dev)
+step = triton_expert_step(gate, up, down, xs, 4)
+for first in (0, 4):                                   # the second step wraps around the bank
+    got = step()
+    want = sum(torch.nn.functional.silu(xs @ gate[e % 6].T) * (xs @ up[e % 6].T) @ down[e % 6].T
+               for e in range(first, first + 4)) / 4
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), first
+
 # the executor's gate: Triton there and the self-check passing; a failing self-check (here integer
 # weights, which moe_pairs refuses) is a warning naming the problem and the torch path, not an error
 import warnings

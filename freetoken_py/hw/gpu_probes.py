@@ -88,11 +88,24 @@ def _gpu_kernel(ctx: ProbeContext) -> Probe:
                     torch.randn((num, me.HIDDEN, me.INTER), **kw))
 
         gate, up, down = ctx.resource("vram_bank", bank)
-        samples = mg.gpu_expert_step(gate, up, down, me.TOP_K, 5 if quick else 20)
-        method = (f"torch SwiGLU experts, bf16, batch 1, top-{me.TOP_K} of {num} VRAM-resident "
+        reps, path, why = 5 if quick else 20, "torch", ""
+        # the path the residency executor takes at decode: the Triton experts where they run
+        # here (kernels/gpu_moe.py), else torch one expert at a time
+        from freetoken_py.kernels import gpu_moe
+
+        samples = None
+        if gpu_moe.available(f"cuda:{DEVICE}"):
+            try:
+                samples, path = mg.gpu_expert_step_triton(gate, up, down, me.TOP_K, reps), "triton"
+            except Exception as exc:      # a Triton failure here: measure the torch path, say why
+                why = f" (Triton failed: {type(exc).__name__})"
+        if samples is None:
+            samples = mg.gpu_expert_step(gate, up, down, me.TOP_K, reps)
+        kind = "Triton SwiGLU experts (kernels/gpu_moe.py)" if path == "triton" else "torch SwiGLU experts"
+        method = (f"{kind}{why}, bf16, batch 1, top-{me.TOP_K} of {num} VRAM-resident "
                   f"experts (> 4x L2), rotated; expert bytes / step time; median")
         return [mg.figure("gpu_expert_kernel", samples, method,
-                          {"bytes_per_expert": per, "num_experts": num}, t0)]
+                          {"bytes_per_expert": per, "num_experts": num, "path": path}, t0)]
 
     return Probe(("gpu_expert_kernel",), "GPU expert kernel", run)
 

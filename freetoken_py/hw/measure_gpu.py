@@ -81,10 +81,43 @@ def expert_gather(host_bank: Any, num_slots: int, top_k: int, reps: int, device:
         return timed_gpu(step, top_k * per_expert, reps)
 
 
+def triton_expert_step(gate: Any, up: Any, down: Any, x: Any, top_k: int) -> Callable[[], Any]:
+    """One batch-1 step's function for `gpu_expert_step_triton`: the next top_k experts of the
+    bank (rotating) through kernels/gpu_moe.py, returning their routing-weighted sum for x [1, D]
+    (weights 1/top_k). Any device Triton runs on (its CPU interpreter included)."""
+    torch = _torch()
+    from freetoken_py.kernels.gpu_moe import moe_pairs
+
+    num_experts = gate.shape[0]
+    w13 = torch.cat([gate, up], dim=1)                                    # [E, 2I, D], as the slots hold them
+    rows = torch.zeros(top_k, dtype=torch.long, device=gate.device)
+    wts = torch.full((top_k,), 1.0 / top_k, device=gate.device)
+    state = {"next": 0}
+
+    def step():
+        out = torch.zeros_like(x)
+        chosen = [(state["next"] + k) % num_experts for k in range(top_k)]
+        moe_pairs(out, x, rows, wts, [w13[e] for e in chosen], [down[e] for e in chosen])
+        state["next"] = (state["next"] + top_k) % num_experts
+        return out
+
+    return step
+
+
+def gpu_expert_step_triton(gate: Any, up: Any, down: Any, top_k: int, reps: int) -> list[float]:
+    """`gpu_expert_step` through the Triton experts the residency executor uses at decode
+    (kernels/gpu_moe.py: top_k pairs of one token in two launches)."""
+    torch = _torch()
+    x = torch.randn((1, gate.shape[2]), device=gate.device, dtype=gate.dtype)
+    per_expert = (gate[0].numel() + up[0].numel() + down[0].numel()) * gate.element_size()
+    with torch.cuda.device(gate.device):
+        return timed_gpu(triton_expert_step(gate, up, down, x, top_k), top_k * per_expert, reps)
+
+
 def gpu_expert_step(gate: Any, up: Any, down: Any, top_k: int, reps: int) -> list[float]:
     """Batch-1 SwiGLU experts from VRAM-resident bf16 weights (gate/up [E,I,D], down [E,D,I]),
-    top_k experts per step, rotated. There is no custom CUDA expert kernel yet: this is the torch
-    path the GPU executor uses until csrc/ provides one."""
+    top_k experts per step, rotated, through torch one expert at a time (the executor's path
+    where Triton is not available)."""
     torch = _torch()
     num_experts = gate.shape[0]
     x = torch.randn((1, gate.shape[2]), device=gate.device, dtype=gate.dtype)

@@ -9,7 +9,7 @@ Figure names (GB/s, 10^9 bytes per second):
   pcie_d2h_pinned / _pageable    device -> host copy
   vram_d2d                       device copy, read + write bytes
   gpu_expert_gather              routed experts copied from a pinned host bank into VRAM slots
-  gpu_expert_kernel              batch-1 experts computed from VRAM-resident bf16 weights
+  gpu_expert_kernel              batch-1 experts computed from VRAM-resident bf16 weights (the executor's decode path)
   pcie_h2d_pinned_concurrent     H2D streaming while the CPU expert kernel runs ...
   cpu_expert_bf16_concurrent     ... and that kernel meanwhile: the pair the planner should use
 
