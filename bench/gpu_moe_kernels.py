@@ -9,6 +9,7 @@ every layer-step reads its experts from VRAM, as in decode), bf16. Each path is 
 events over --iters layer-steps (median); both paths' outputs are compared first. Prints one JSON
 line: ms per layer-step and achieved GB/s of expert weights for each path, the ratio, and the
 roofline (this machine's VRAM copy bandwidth from `freetoken probe`'s cache, else measured here).
+Exit status 1 when the two paths' outputs disagree (beyond bf16 rounding).
 
 Without a GPU it prints {"skipped": true, ...}. `--interpret` runs the same code in Triton's CPU
 interpreter on a tiny geometry: it checks the script and the kernels' agreement, and its times
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     hidden, inter, k = (64, 32, 4) if args.interpret else (spec.hidden, spec.moe_intermediate, spec.top_k)
     dtype = torch.bfloat16
     expert_bytes = 3 * hidden * inter * 2
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 20
+    l2 = (getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 << 20) if cuda else 1 << 20
     slots = max(2 * k, -(-4 * l2 // expert_bytes))        # the bank: 4x L2, at least two layer-steps
     iters = min(args.iters, 3) if args.interpret else args.iters
     g = torch.Generator().manual_seed(0)
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
            "triton_over_torch_speed": round(times["torch"] / times["triton"], 2),
            "vram_roofline_gbps": round(roof, 1) if roof else None,
            "triton_share_of_roofline": round(gbps["triton"] / roof, 3) if roof else None}
-    return _emit(row, args)
+    _emit(row, args)
+    return 0 if row["agree"] else 1          # the two paths disagree: a failed step, not just a field
 
 
 def _time(step, iters: int, cuda: bool) -> float:

@@ -54,7 +54,8 @@ step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log it
     log "$name rc=$r$( { [ $r -eq 124 ] || [ $r -eq 137 ]; } && echo ' (time limit)')"
     [ $r -eq 0 ] || fail=1
 }
-# the limits and their 10 s kill grace stay under the 590 s the device call is given
+# the limits and their 10 s kill grace stay under the 590 s the device call is given, with 10 s
+# left for the environment check
 step probe 135 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
 step "placement test (cuda)" 85 "$OUT/placement.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_residency_executor.py -k "placement and cuda"
@@ -68,7 +69,7 @@ step "triton experts test" 55 "$OUT/gpu_moe.txt" \
 # one decode layer-step of Qwen3-30B's experts: Triton against torch, GB/s against the VRAM roofline
 step "triton experts bench" 40 "$OUT/gpu_moe_kernels.txt" \
     "$PY" bench/gpu_moe_kernels.py --out "$OUT/gpu_moe_kernels.json"
-step residency_gpu 140 "$OUT/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
+step residency_gpu 130 "$OUT/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
 # the same with the accelerator's experts through torch: what the Triton kernels change
 step "residency_gpu (torch experts)" 75 "$OUT/residency_gpu_torch.txt" \
     "$PY" bench/residency_gpu.py --torch-experts --decode-tokens 24 --out "$OUT/residency_gpu_torch.json"

@@ -95,10 +95,15 @@ def _gpu_kernel(ctx: ProbeContext) -> Probe:
 
         samples = None
         if gpu_moe.available(f"cuda:{DEVICE}"):
-            try:
-                samples, path = mg.gpu_expert_step_triton(gate, up, down, me.TOP_K, reps), "triton"
-            except Exception as exc:      # a Triton failure here: measure the torch path, say why
-                why = f" (Triton failed: {type(exc).__name__})"
+            # the executor's own gate: Triton there and its one-time check against torch passing
+            problem = gpu_moe.self_check(f"cuda:{DEVICE}", torch.bfloat16)
+            if problem is not None:
+                why = f" (Triton not used: {problem[:160]})"
+            else:
+                try:
+                    samples, path = mg.gpu_expert_step_triton(gate, up, down, me.TOP_K, reps), "triton"
+                except Exception as exc:      # a Triton failure here: measure the torch path, say why
+                    why = f" (Triton failed: {type(exc).__name__}: {str(exc)[:160]})"
         if samples is None:
             samples = mg.gpu_expert_step(gate, up, down, me.TOP_K, reps)
         kind = "Triton SwiGLU experts (kernels/gpu_moe.py)" if path == "triton" else "torch SwiGLU experts"
