@@ -259,8 +259,13 @@ def llama_cpp_timers(gguf: Path, threads: int):
 
 
 
-def emit(result: dict) -> None:
-    print(json.dumps(result), flush=True)
+def emit(result: dict, out: Path | None = None) -> int:
+    """Print the bench's one JSON line (and write it to `out` too, when given); returns 0."""
+    line = json.dumps(result)
+    print(line, flush=True)
+    if out:
+        Path(out).write_text(line + "\n")
+    return 0
 
 
 def residency_decode(llm, ex, prompt: list[int], n: int) -> dict:

@@ -18,14 +18,15 @@ are not a GPU's (`comparable: false`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.interpret
     dev = "cuda" if cuda else "cpu"
     if not cuda and not args.interpret:
-        return _emit({"bench": "gpu_moe_kernels", "skipped": True,
-                      "reason": "no CUDA GPU here; --interpret runs the kernels in Triton's CPU interpreter"}, args)
+        return common.emit({"bench": "gpu_moe_kernels", "skipped": True,
+                      "reason": "no CUDA GPU here; --interpret runs the kernels in Triton's CPU interpreter"}, args.out)
     if not gpu_moe.available(dev):
-        return _emit({"bench": "gpu_moe_kernels", "skipped": True, "reason": "Triton is not installed"}, args)
+        return common.emit({"bench": "gpu_moe_kernels", "skipped": True, "reason": "Triton is not installed"},
+                           args.out)
     spec = FRONTIER_MODELS[args.model]
     hidden, inter, k = (64, 32, 4) if args.interpret else (spec.hidden, spec.moe_intermediate, spec.top_k)
     dtype = torch.bfloat16
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
            "triton_over_torch_speed": round(times["torch"] / times["triton"], 2),
            "vram_roofline_gbps": round(roof, 1) if roof else None,
            "triton_share_of_roofline": round(gbps["triton"] / roof, 3) if roof else None}
-    _emit(row, args)
+    common.emit(row, args.out)
     return 0 if row["agree"] else 1          # the two paths disagree: a failed step, not just a field
 
 
@@ -150,14 +152,6 @@ def _vram_gbps() -> float:
     end.record()
     end.synchronize()
     return 5 * 2 * a.numel() / (start.elapsed_time(end) / 1e3) / 1e9
-
-
-def _emit(row: dict, args) -> int:
-    line = json.dumps(row)
-    print(line, flush=True)
-    if args.out:
-        args.out.write_text(line + "\n")
-    return 0
 
 
 if __name__ == "__main__":

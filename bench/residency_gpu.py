@@ -38,9 +38,9 @@ in the run, next to the calibrated prior.
 """
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         args.emulate = args.emulate or "rtx4090"          # (no slot: the accelerator's figures go unused)
         args.budget_share = 0.0
     if not args.emulate and not torch.cuda.is_available():
-        return _emit({"bench": "residency_gpu", "skipped": True,
-                      "reason": "no CUDA GPU here; pass --emulate PROFILE to run the pipeline on CPU tensors"}, args)
+        return common.emit({"bench": "residency_gpu", "skipped": True,
+                      "reason": "no CUDA GPU here; pass --emulate PROFILE to run the pipeline on CPU tensors"}, args.out)
     if args.model:                                          # no bench checkpoint to build
         from freetoken_py.kernels import configure_threads
 
@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             prior_cpu_gbps = args.cpu_gbps or _probe_cpu_gbps(dtype)
             ex.cost = _with_cpu(ex.cost, prior_cpu_gbps)
             if not args.no_host_costs:   # this machine's fixed host costs, measured before the run
-                ex.cost = _with_host_costs(ex.cost, llm.model, dtype)
+                from freetoken_py.residency.calibrate import with_host_costs
+
+                w13 = next(w for w in ex.host_w13 if w is not None)
+                ex.cost = replace(ex.cost, profile=with_host_costs(ex.cost.profile, w13, llm.args.top_k,
+                                                                   ex.cpu_banks is not None))
                 p = ex.cost.profile
                 host_prior = {"host_layer_ms": round(p.host_layer_s * 1e3, 4), "cpu_call_ms": round(p.cpu_call_s * 1e3, 4)}
             ex.telemetry.label = "emulated:cpu-only (the CPU tier is this machine's)"
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "pcie_mb_per_token": round(run["pcie_bytes"] / n / 1e6, 2),
         "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
     }
-    return _emit(row, args)
+    return common.emit(row, args.out)
 
 
 def _probe_cpu_gbps(dtype: str) -> float:
@@ -220,32 +224,7 @@ def _probe_cpu_gbps(dtype: str) -> float:
 
 def _with_cpu(cost, gbps: float):
     """The cost model with the CPU expert rate `gbps` (prior and current)."""
-    from dataclasses import replace
-
-    return type(cost)(replace(cost.profile, cpu_expert_gbps=gbps), cost.expert_bytes, cost.expert_flops_per_token,
-                      pcie_gbps=cost.pcie_gbps)
-
-
-def _with_host_costs(cost, model, dtype: str):
-    """The cost model with this machine's measured fixed host costs (`residency.calibrate`) for
-    the model's geometry."""
-    import torch
-
-    from freetoken_py.residency.calibrate import with_host_costs
-
-    a = model.args
-    geometry = {"num_experts": a.num_experts, "top_k": a.top_k, "hidden": a.hidden_size,
-                "expert_bytes": cost.expert_bytes, "dtype": getattr(torch, dtype)}
-    return type(cost)(with_host_costs(cost.profile, geometry), cost.expert_bytes, cost.expert_flops_per_token,
-                      pcie_gbps=cost.pcie_gbps, cpu_expert_gbps=cost.cpu_expert_gbps)
-
-
-def _emit(row: dict, args) -> int:
-    line = json.dumps(row)
-    print(line, flush=True)
-    if args.out:
-        args.out.write_text(line + "\n")
-    return 0
+    return replace(cost, profile=replace(cost.profile, cpu_expert_gbps=gbps), cpu_expert_gbps=gbps)
 
 
 if __name__ == "__main__":

@@ -753,8 +753,7 @@ def test_calibrated_host_costs_are_measured_and_reach_the_prediction_not_the_dec
 
     host_s, call_s = measure_host_costs(16, 4, 64, 10.0, 1 << 20, torch.float32, calls=8, warmup=2)
     assert 0 < host_s < 0.5 and 0 <= call_s < 0.5
-    geometry = {"num_experts": 8, "top_k": 2, "hidden": 32, "expert_bytes": 4096, "dtype": torch.float32}
-    measured = with_host_costs(PROFILES["rtx4090"], geometry, calls=8)
+    measured = with_host_costs(PROFILES["rtx4090"], torch.zeros(8, 64, 32), top_k=2, calls=8)   # w13 [E, 2I, D]
     assert measured.host_layer_s > 0 and measured.cpu_call_s >= 0 and measured.pcie_gbps == PROFILES["rtx4090"].pcie_gbps
     with pytest.raises(ValueError, match="top_k"):
         measure_host_costs(4, 8, 64, 10.0, 1 << 20)

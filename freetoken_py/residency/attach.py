@@ -56,9 +56,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     profile = _measured_profile() if profile_name == "measured" else get_profile(profile_name)
     activation = getattr(model.args, "hidden_act", "silu")
     if profile_name == "measured":   # this machine's fixed host costs too (timed on the real executor)
-        profile = with_host_costs(profile, {"num_experts": num_experts, "top_k": model.args.top_k,
-                                            "hidden": first.shape[2], "expert_bytes": expert_bytes, "dtype": dtype,
-                                            "cpu_kernels": cpu_kernels and activation == "silu"})
+        profile = with_host_costs(profile, first, model.args.top_k, cpu_kernels and activation == "silu")
     profile = emulated(profile) if mode == "emulate" else profile
     if mode == "cuda":   # pinned banks make the host -> device copies asynchronous DMA
         model.experts = None   # the torch executor's references to the unpinned weights go first

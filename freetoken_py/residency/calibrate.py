@@ -85,12 +85,12 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
     return float(np.median(host)), max(0.0, float(np.median(tier)) - fixed)
 
 
-def with_host_costs(profile, model_geometry: dict, calls: int = 48):
-    """`profile` with this machine's measured `host_layer_s` and `cpu_call_s` (`measure_host_costs`
-    for a model of `model_geometry`: num_experts, top_k, hidden, expert_bytes, dtype, and
-    cpu_kernels: whether the CPU tier runs the numba kernels)."""
-    m = model_geometry
-    host_s, call_s = measure_host_costs(m["num_experts"], m["top_k"], m["hidden"], profile.cpu_expert_gbps,
-                                        m["top_k"] * m["expert_bytes"], m.get("dtype", torch.bfloat16), calls,
-                                        cpu_kernels=m.get("cpu_kernels", True))
+def with_host_costs(profile, w13: torch.Tensor, top_k: int, cpu_kernels: bool = True, calls: int = 48):
+    """`profile` with this machine's measured `host_layer_s` and `cpu_call_s` (`measure_host_costs`)
+    for the model whose MoE layer holds the experts `w13` [E, 2I, D] (expert count, width and dtype
+    read from it), routing `top_k` of them; `cpu_kernels`: the CPU tier runs the numba kernels."""
+    num_experts, two_i, hidden = w13.shape
+    layer_bytes = top_k * 3 * (two_i // 2) * hidden * w13.element_size()   # gate, up and down of top_k experts
+    host_s, call_s = measure_host_costs(num_experts, top_k, hidden, profile.cpu_expert_gbps, layer_bytes,
+                                        w13.dtype, calls, cpu_kernels=cpu_kernels)
     return replace(profile, host_layer_s=host_s, cpu_call_s=call_s)

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from freetoken_py.kernels.gpu_moe import MAX_TOKENS_PER_EXPERT
+from freetoken_py.kernels import gpu_moe
+from freetoken_py.kernels.cpu_moe import add_moe_experts, moe_experts
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.planner import CostModel, LayerStats
 from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
@@ -43,8 +44,6 @@ def _fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Triton's experts can run on `device` and agree with torch there (a one-time self-check;
     on a failure the torch path stays, with a warning saying why)."""
     import warnings
-
-    from freetoken_py.kernels import gpu_moe
 
     if not gpu_moe.available(device):
         return False
@@ -167,7 +166,7 @@ class ResidencyExecutor:
         on_dev = self._to_device(groups, accel, dev, out_dev.dtype)
         # decode-sized: the experts read in their slots go to the Triton kernels in one batch each
         # for the hits and for the streamed ones (weights read once per pair: few tokens only)
-        fused = self.fused_accel and all(len(groups[e][0]) <= MAX_TOKENS_PER_EXPERT for e in accel)
+        fused = self.fused_accel and all(len(groups[e][0]) <= gpu_moe.MAX_TOKENS_PER_EXPERT for e in accel)
         batch: list = []
         for e in plan.hits:
             self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
@@ -285,14 +284,12 @@ class ResidencyExecutor:
         call (two Triton launches); empties the batch."""
         if not batch:
             return
-        from freetoken_py.kernels.gpu_moe import moe_pairs
-
         counts = [len(on_dev[e][0]) for e, *_ in batch]
         rows = torch.cat([on_dev[e][0] for e, *_ in batch])
         wts = torch.cat([on_dev[e][1] for e, *_ in batch])
         w13s = [w for (_, w, _, _), n in zip(batch, counts) for _ in range(n)]
         w2s = [w for (_, _, w, _), n in zip(batch, counts) for _ in range(n)]
-        moe_pairs(out, x, rows, wts, w13s, w2s)
+        gpu_moe.moe_pairs(out, x, rows, wts, w13s, w2s)
         if self.audit is not None:
             self.audit.extend((self.step, layer, int(t), e, tier) for e, _, _, tier in batch
                               for t in groups[e][0].tolist())
@@ -301,8 +298,6 @@ class ResidencyExecutor:
     def _run_bank(self, out, x, groups, experts, bank, layer: int) -> None:
         """Whole CPU experts through the numba kernels: every (token, expert) pair as one row
         (its token's activations, its expert id, its routing weight), summed back per token."""
-        from freetoken_py.kernels.cpu_moe import moe_experts
-
         rows = torch.cat([groups[e][0] for e in experts])                          # [P] token of each pair
         wts = torch.cat([groups[e][1] for e in experts]).float()[:, None]          # [P, 1]
         ids = torch.cat([torch.full((len(groups[e][0]),), e) for e in experts])[:, None]  # [P, 1]
@@ -327,8 +322,6 @@ class ResidencyExecutor:
         summed inside the kernel in fp32 (the batch-1 decode call `freetoken probe` measures, with
         no per-pair gather or scatter). Returns the sum [1, D] in x's dtype. `one`: the token's
         experts in routing order (the columns of `weights`)."""
-        from freetoken_py.kernels.cpu_moe import add_moe_experts
-
         w = dict(zip(one, weights.tolist()[0]))                            # expert -> routing weight
         wts = np.array([[w[e] for e in experts]], np.float32)              # [1, n] (bf16 and fp32 exact)
         xs = np.ascontiguousarray(x.detach().float().numpy())             # [1, D] fp32
@@ -399,25 +392,17 @@ class ResidencyExecutor:
 
     def _count(self, layer: int, plan, tokens: dict[int, int], cuts=()) -> None:
         c = self.telemetry.layers[layer]
-        if not cuts and len(tokens) == len(plan.hits) + len(plan.stream) + len(plan.cpu) \
-                and all(n == 1 for n in tokens.values()):     # a lone token's distinct experts: a pair each
-            c.routed_pairs += len(tokens)
-            c.hit_pairs += len(plan.hits)
-            c.stream_pairs += len(plan.stream)
-            c.cpu_pairs += len(plan.cpu)
-            c.pcie_bytes += len(plan.stream) * self.cost.expert_bytes
-            c.stall_s += max(0.0, plan.seconds - len(tokens) * self.cost.gpu_compute_s(1))
-            return
+        n_of = tokens.__getitem__
         c.routed_pairs += sum(tokens.values())
-        c.hit_pairs += sum(tokens[e] for e in plan.hits)
-        c.stream_pairs += sum(tokens[e] for e in plan.stream)
-        c.cpu_pairs += sum(tokens[e] for e in plan.cpu)
+        c.hit_pairs += sum(map(n_of, plan.hits))
+        c.stream_pairs += sum(map(n_of, plan.stream))
+        c.cpu_pairs += sum(map(n_of, plan.cpu))
         c.split_pairs += sum(tokens[e] for e, _ in plan.split)
         c.pcie_bytes += len(plan.stream) * self.cost.expert_bytes
         inter = self.host_w2[layer].shape[-1]
         c.pcie_bytes += sum(self.cost.expert_bytes * cols // inter for _, cols in cuts)
         c.split_cpu_share += sum(tokens[e] * (1 - cols / inter) for e, cols in cuts)
-        resident_s = sum(self.cost.gpu_compute_s(n) for n in tokens.values())
+        resident_s = sum(map(self.cost.gpu_compute_s, tokens.values()))
         c.stall_s += max(0.0, plan.seconds - resident_s)
 
     # ---- look-ahead prefetch ----------------------------------------------------------------

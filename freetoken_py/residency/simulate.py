@@ -58,8 +58,9 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int) -> 
     """`dense_bytes`: non-expert weights read per token (spread over the MoE layers)."""
     profile = cost.profile
     layers = trace.moe_layers
-    # every layer-step also pays the executor's fixed host work (0 in the hand-built profiles)
-    dense_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s
+    # every layer-step: its share of the dense weights read, and the executor's fixed host work (0 in the
+    # hand-built profiles)
+    fixed_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s
     r = SimResult()
     step_s, step_tokens, cur = 0.0, 0, -1
     for step, layer, ids in iter_layer_steps(trace):
@@ -83,7 +84,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int) -> 
         r.split_cpu_share += sum(tokens[e] * (1 - f) for e, f in p.split)
         r.streamed_experts += len(p.stream)
         r.pcie_bytes += len(p.stream) * cost.expert_bytes + sum(int(f * cost.expert_bytes) for _, f in p.split)
-        step_s += dense_layer_s + p.seconds
+        step_s += fixed_layer_s + p.seconds
     r.seconds += step_s
     if step_tokens == 1:
         r.decode_tokens, r.decode_seconds = r.decode_tokens + 1, r.decode_seconds + step_s
