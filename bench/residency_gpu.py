@@ -9,8 +9,10 @@ measured profile (`freetoken probe`, cached), expert slots for --budget-share of
 It decodes --decode-tokens greedy tokens and records the routing, then reports:
 
 - decode tokens/s, next to the simulator's prediction of it (its replay of the recorded trace,
-  policy "ours", same slots and profile, no prefetch, plus the dense weights read from VRAM at
-  the profile's rate, as `simulate` counts them), with `within_25pct_tok_s`;
+  policy "ours", same slots and profile, the look-ahead prefetch replayed from the trace's
+  predictions with the lead the run measured, plus the dense weights read from VRAM at the
+  profile's rate, as `simulate` counts them), with `within_25pct_tok_s`; the look-ahead copies
+  per token, run and replay (`prefetch_copies_per_token`);
 - the experts' wall time per decoded token (the executor's calls, the accelerator's part waited
   for), next to the planner's prediction for the same layer-steps and the simulator's replay,
   with `within_25pct` (the expert part alone).
@@ -48,9 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 
-def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[float, int]:
-    """The simulator's replay of the recorded trace with the executor's profile and slot count:
-    (expert seconds over the decode steps from `first_decode_step`, decode steps counted)."""
+def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[float, int, int]:
+    """The simulator's replay of the recorded trace with the executor's profile and slot count,
+    and its look-ahead prefetch (the trace's predictions, with the lead the run measured):
+    (expert seconds over the decode steps from `first_decode_step`, decode steps counted, the
+    look-ahead copies over those steps)."""
     from freetoken_py.residency.adaptive import AdaptivePolicy
     from freetoken_py.residency.simulate import simulate
     from freetoken_py.residency.stats import RoutingTrace
@@ -58,13 +62,13 @@ def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[fl
     trace = RoutingTrace.load(trace_path)
     policy = AdaptivePolicy(trace.moe_layers, trace.num_experts, ex.slots.num_slots)
     head = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
-    head.steps = trace.steps[:first_decode_step]
-    simulate(head, policy, ex.cost, 0)                      # the warm-up steps, as in the run
+    head.steps, head.predicted = trace.steps[:first_decode_step], trace.predicted
+    simulate(head, policy, ex.cost, 0, prefetch=True, lead_s=ex.lead_s)   # the warm-up steps, as in the run
     tail = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
     # empty steps in front keep the step numbers absolute (the policy's recency and decay use them)
-    tail.steps = [{}] * first_decode_step + trace.steps[first_decode_step:]
-    r = simulate(tail, policy, ex.cost, 0)                  # dense bytes 0: expert time only
-    return r.decode_seconds, r.decode_tokens
+    tail.steps, tail.predicted = [{}] * first_decode_step + trace.steps[first_decode_step:], trace.predicted
+    r = simulate(tail, policy, ex.cost, 0, prefetch=True, lead_s=ex.lead_s)   # dense bytes 0: expert time only
+    return r.decode_seconds, r.decode_tokens, r.prefetch_copies
 
 
 def dense_bytes(model) -> int:
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         common.residency_decode(llm, ex, prompt, 4)          # warm: kernels, slots, allocator
         run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
         llm.save_routing()
-        sim_s, sim_tokens = simulated_expert_s(trace_path, ex, run["first_decode_step"])
+        sim_s, sim_tokens, sim_prefetch = simulated_expert_s(trace_path, ex, run["first_decode_step"])
         corrected = None
         if args.cpu_only and run["cpu_tier_s"]:   # the simulator with the CPU tier's measured rate
             # (net of the fixed cost per call the cost model already charges: every MoE layer-step
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 tier_net_s = run["cpu_tier_s"]
             measured_gbps = run["cpu_tier_bytes"] / tier_net_s / 1e9
             prior_cost, ex.cost = ex.cost, _with_cpu(ex.cost, measured_gbps)
-            fixed_s, fixed_tokens = simulated_expert_s(trace_path, ex, run["first_decode_step"])
+            fixed_s, fixed_tokens, _ = simulated_expert_s(trace_path, ex, run["first_decode_step"])
             ex.cost = prior_cost
             corrected = {"cpu_gbps": round(measured_gbps, 2),
                          "simulator_ms_per_token": round(fixed_s / max(1, fixed_tokens) * 1e3, 3),
@@ -206,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_share": round((run["cpu_pairs"] + run["split_cpu_share"]) / routed, 3),
         "split_share": round(run["split_pairs"] / routed, 3),
         "pcie_mb_per_token": round(run["pcie_bytes"] / n / 1e6, 2),
+        "prefetch_copies_per_token": {"run": round(run["prefetch_copies"] / n, 3),
+                                      "simulator": round(sim_prefetch / max(1, sim_tokens), 3)},
+        "prefetch_accuracy": (round(run["prefetch_correct"] / run["prefetch_predicted"], 3)
+                              if run["prefetch_predicted"] else None),
+        "lead_ms": round(ex.lead_s * 1e3, 4),
         "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
     }
     return common.emit(row, args.out)

@@ -13,7 +13,9 @@ real frontier MoEs (Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3, 4.5 bits/weight
 traces (`--trace`, written by `freetoken run --record-routing`). A recorded trace of a tiny model is
 replayed with Qwen3-235B-A22B's expert bytes, its dense bytes per layer, and the resident fraction
 that model would have on each profile. `pin` counts frequencies on a separate calibration trace (another seed, or
-`--calib-trace`), as an offline profiling run would.
+`--calib-trace`), as an offline profiling run would. Where a recorded trace carries the look-ahead
+predictions, `ours` replays the executor's prefetch (`prefetch: true`, with `prefetch_accuracy`,
+`prefetch_copies_per_token` and `no_prefetch_decode_tok_s`); the synthetic traces have none.
 """
 from __future__ import annotations
 
@@ -63,16 +65,25 @@ def run_case(profile: TierProfile, spec: ModelSpec, trace_name: str, trace: Rout
     online = online_ceiling_flat_tok_s(trace, cost, dense, capacity) if iid_uniform else None
     rows = []
     for name in POLICIES:
-        r = simulate(trace, make_policy(name, trace, calib, capacity, profile), cost, dense)
-        rows.append({"profile": profile.name, "trace": trace_name, "policy": name,
-                     "hit_rate": round(r.hit_rate, 4),
-                     "pcie_bytes_per_token": round(r.pcie_bytes / max(1, r.tokens)),
-                     "cpu_share": round(r.cpu_share, 4),
-                     "predicted_decode_tok_s": round(r.decode_tok_s, 3),
-                     "fits_in_vram": spec.fits_in_vram(profile),
-                     "expert_slots": capacity, "bytes_model": spec.name,
-                     "upper_bound_tok_s": round(bound, 3),
-                     "online_ceiling_tok_s": None if online is None else round(online, 3)})
+        # ours prefetches where the trace carries the look-ahead predictions (recorded traces)
+        prefetch = name == "ours" and trace.has_predictions
+        r = simulate(trace, make_policy(name, trace, calib, capacity, profile), cost, dense, prefetch=prefetch)
+        row = {"profile": profile.name, "trace": trace_name, "policy": name,
+               "hit_rate": round(r.hit_rate, 4),
+               "pcie_bytes_per_token": round(r.pcie_bytes / max(1, r.tokens)),
+               "cpu_share": round(r.cpu_share, 4),
+               "predicted_decode_tok_s": round(r.decode_tok_s, 3),
+               "fits_in_vram": spec.fits_in_vram(profile),
+               "expert_slots": capacity, "bytes_model": spec.name,
+               "upper_bound_tok_s": round(bound, 3),
+               "online_ceiling_tok_s": None if online is None else round(online, 3),
+               "prefetch": prefetch}
+        if prefetch:
+            off = simulate(trace, make_policy(name, trace, calib, capacity, profile), cost, dense)
+            row.update(prefetch_accuracy=round(r.prefetch_accuracy, 4),
+                       prefetch_copies_per_token=round(r.prefetch_copies / max(1, r.tokens), 3),
+                       no_prefetch_decode_tok_s=round(off.decode_tok_s, 3))
+        rows.append(row)
     return rows
 
 

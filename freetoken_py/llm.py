@@ -116,8 +116,10 @@ class LLM:
         from freetoken_py.residency.stats import RoutingRecorder
 
         a = self.model.args
+        # with the routers, each step also records the look-ahead prediction the prefetch makes
+        routers = [lw.router for lw in self.model.weights.layers]
         self.model.experts = RoutingRecorder(self.model.experts, a.num_layers, a.num_experts, a.top_k,
-                                             source=str(self.config.model))
+                                             source=str(self.config.model), routers=routers)
         return self.model.experts
 
     def save_routing(self) -> None:

@@ -24,6 +24,7 @@ from freetoken_py.core import SamplingParams
 from freetoken_py.errors import FreetokenError
 from freetoken_py.llm import LLM
 from freetoken_py.residency.elastic import ElasticVram
+from freetoken_py.residency.planner import CostModel
 from freetoken_py.residency.stats import RoutingRecorder, RoutingTrace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -774,3 +775,71 @@ def test_calibrated_host_costs_are_measured_and_reach_the_prediction_not_the_dec
         assert (ca.hit_pairs, ca.stream_pairs, ca.cpu_pairs, ca.split_pairs, ca.pcie_bytes) == \
             (cb.hit_pairs, cb.stream_pairs, cb.cpu_pairs, cb.split_pairs, cb.pcie_bytes)
         assert cb.predicted_s - ca.predicted_s == pytest.approx(1e-3 * a.steps, rel=1e-6)
+
+
+def _predict_reference(logits: torch.Tensor, k: int) -> list[int]:
+    """The look-ahead rule written out: the experts some token routes to (its top-k), by most
+    tokens, then most routing probability summed over the tokens."""
+    counts = Counter(int(e) for row in torch.topk(logits.double(), k, dim=-1).indices.tolist() for e in row)
+    mass = torch.softmax(logits.double(), dim=-1).sum(0).tolist()
+    return sorted(counts, key=lambda e: (-counts[e], -mass[e], e))
+
+
+def test_recorded_predictions_are_the_next_router_on_this_layers_input(checkpoint_factory, tmp_path):
+    """`--record-routing` writes the look-ahead prediction of every MoE layer but the first: the
+    next layer's router applied to this layer's MoE input. Reference: transformers' own input to
+    each sparse MoE block (a forward pre-hook), through the next block's gate weights."""
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(path, dtype="float32", show_progress=False, record_routing=str(tmp_path / "t.jsonl"))
+    first = llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0].token_ids[0]
+    llm.save_routing()
+    trace = RoutingTrace.load(tmp_path / "t.jsonl")
+    ref = reference_model(path)
+    inputs = {}
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0][0]))
+             for i, layer in enumerate(ref.model.layers)]
+    with torch.no_grad():
+        ref(torch.tensor([PROMPT + [first]]))        # the prefill's tokens and the first decode token
+    for h in hooks:
+        h.remove()
+    moe = trace.moe_layers
+    assert trace.has_predictions and trace.prediction(0, moe[0]) is None and trace.prediction(1, moe[0]) is None
+    for prev, nxt in zip(moe, moe[1:]):
+        gate = ref.model.layers[nxt].mlp.gate.weight
+        prefill = _predict_reference(inputs[prev][:-1] @ gate.T, trace.top_k)
+        decode = _predict_reference(inputs[prev][-1:] @ gate.T, trace.top_k)
+        assert trace.prediction(0, nxt) == prefill and len(prefill) > trace.top_k, nxt   # a prefill: more than k
+        assert trace.prediction(1, nxt) == decode and len(decode) == trace.top_k, nxt
+
+
+def test_look_ahead_copies_only_what_fits_and_is_scored_like_the_trace(checkpoint_factory, tmp_path):
+    """The executor scores its look-ahead as the recorded trace does (predicted experts, and of
+    those the routed ones, per layer), copies ahead only what planner.prefetch_allowance lets it
+    (none when a copy outlasts any idle time), and the outputs do not depend on it."""
+    path = checkpoint_factory("qwen3_moe")
+
+    def run(pcie_gbps=None):
+        llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4090",
+                  record_routing=str(tmp_path / "t.jsonl"))
+        ex = llm.residency
+        ex.measure_live = False
+        if pcie_gbps is not None:
+            ex.cost = CostModel(ex.cost.profile, ex.cost.expert_bytes, ex.cost.expert_flops_per_token,
+                                pcie_gbps=pcie_gbps)
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        return out[0].token_ids, ex, llm.routing_recorder.trace
+
+    tokens, ex, trace = run()
+    predicted = correct = 0
+    for s, step in enumerate(trace.steps):
+        for layer, ids in step.items():
+            guess = trace.prediction(s, layer)
+            if guess is not None:
+                predicted += len(guess)
+                correct += len(set(guess) & set(ids.ravel().tolist()))
+    t = ex.telemetry.summary()
+    assert (ex.telemetry.totals().prefetch_predicted, ex.telemetry.totals().prefetch_correct) == (predicted, correct)
+    assert t["prefetch_copies"] > 0 and ex.lead_s > 0
+    slow_tokens, slow, _ = run(pcie_gbps=1e-6)       # a copy takes ~forever: never worth it ahead
+    assert slow.telemetry.summary()["prefetch_copies"] == 0 and slow.telemetry.totals().prefetch_predicted > 0
+    assert slow_tokens == tokens

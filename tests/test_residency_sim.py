@@ -369,3 +369,103 @@ def test_check_targets_verdicts_and_the_sets_only_ceiling():
     assert check_targets(rows("locality@m", 14.0))[0].startswith("FAIL")       # no oracle given
     assert check_targets(rows("flat@m", 14.0, online=14.2))[0].startswith("CEILING")
     assert check_targets(rows("flat_skew@m", 14.0), sets_ceiling(1.0))[0].startswith("FAIL")  # locality only
+
+
+# ---- look-ahead prefetch in the replay -------------------------------------------------------
+def _with_predictions(trace: RoutingTrace, guess) -> RoutingTrace:
+    """`trace` with a prediction for every MoE layer but the first of each step: guess(step, layer)."""
+    out = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
+    for s, step in enumerate(trace.steps):
+        out.add_step(step, {l: guess(s, l) for l in sorted(step)[1:]})
+    return out
+
+
+def test_trace_predictions_round_trip_and_old_files_still_load(tmp_path):
+    trace = synthetic_trace("flat", SMALL, steps=5, seed=2)
+    with_p = _with_predictions(trace, lambda s, l: [s, l, 15])
+    with_p.save(tmp_path / "p.jsonl")
+    back = RoutingTrace.load(tmp_path / "p.jsonl")
+    assert back.has_predictions and back.prediction(3, 2) == [3, 2, 15] and back.prediction(3, 0) is None
+    assert back.predicted == with_p.predicted
+    trace.save(tmp_path / "plain.jsonl")            # no "predicted" key in any line
+    assert '"predicted"' not in (tmp_path / "plain.jsonl").read_text()
+    plain = RoutingTrace.load(tmp_path / "plain.jsonl")
+    assert not plain.has_predictions and plain.prediction(3, 2) is None
+
+
+def test_prefetch_allowance_counts_the_copies_that_fit_the_copy_engines_idle_time():
+    from freetoken_py.residency.planner import Plan, copies_s, prefetch_allowance
+    from freetoken_py.residency.profiles import TierProfile
+
+    prof = TierProfile("t", 10**12, 1000.0, 10.0, 5.0, 1.0, 100.0, cpu_call_s=0.0, copy_call_s=0.01)
+    cost = CostModel(prof, 10**9, 1.0)                      # a copy: 0.1 s + 0.01 s call
+    p = Plan(hits=(0,), stream=(1, 2), cpu=(3,), gpu_s=0.5, cpu_s=0.3)
+    assert copies_s(p, cost) == pytest.approx(0.22)
+    # idle: 0.5 - 0.22 = 0.28 s, + lead 0.06 = 0.34 s -> 3 copies of 0.11 s
+    assert prefetch_allowance(p, cost, 0.06) == 3
+    assert prefetch_allowance(p, cost, 0.0) == 2
+    busy = Plan(hits=(), stream=(1, 2, 3, 4, 5), cpu=(), gpu_s=0.56, cpu_s=0.0)   # copies = whole layer
+    assert prefetch_allowance(busy, cost, 0.0) == 0 and prefetch_allowance(busy, cost, 0.12) == 1
+
+
+def test_a_backlog_delays_the_copies_and_only_the_hits_that_wait_for_it():
+    """simulate's timing of a layer-step whose copy engine is still busy with look-ahead copies:
+    by hand, and equal to the planner's own time when the backlog is nil."""
+    from freetoken_py.residency.planner import Budgets, LayerStats, Plan, plan
+    from freetoken_py.residency.profiles import TierProfile
+    from freetoken_py.residency.simulate import _with_backlog
+
+    prof = TierProfile("t", 10**12, 1000.0, 10.0, 5.0, 1.0, 100.0, cpu_call_s=0.0, copy_call_s=0.0)
+    cost = CostModel(prof, 10**9, 1.0)           # copy 0.1 s, accelerator compute 1 ms, CPU 0.2 s
+    tokens = {0: 1, 1: 1, 2: 1}
+    p = Plan(hits=(0,), stream=(1,), cpu=(2,), gpu_s=0.102, cpu_s=0.2)
+    assert _with_backlog(p, tokens, cost, 0.0, set()) == (p.seconds, pytest.approx(0.1))
+    # backlog 0.15: the copy starts at 0.15, ends 0.25, computes 1 ms; the hit runs at once
+    assert _with_backlog(p, tokens, cost, 0.15, set())[0] == pytest.approx(0.251)
+    # the hit is a prefetched expert still in the queue: it starts at 0.15 as well
+    assert _with_backlog(p, tokens, cost, 0.15, {0})[0] == pytest.approx(0.251)
+    only_hits = Plan(hits=(0,), stream=(), cpu=(2,), gpu_s=0.001, cpu_s=0.2)
+    assert _with_backlog(only_hits, tokens, cost, 0.5, set())[0] == pytest.approx(0.2)     # no wait
+    assert _with_backlog(only_hits, tokens, cost, 0.5, {0})[0] == pytest.approx(0.501)    # waits
+    # consistency with the planner: with a vanishing backlog the replay's formula gives the plan's time
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        m = int(rng.integers(1, 8))
+        toks = {int(e): int(rng.integers(1, 6)) for e in rng.choice(16, m, replace=False)}
+        res = frozenset(e for e in toks if rng.random() < 0.4)
+        pl = plan(LayerStats(toks, res), CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token),
+                  Budgets(stream_slots=int(rng.integers(0, 5))))
+        c = CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+        assert _with_backlog(pl, toks, c, 1e-15, set())[0] == pytest.approx(pl.seconds, rel=1e-9, abs=1e-12)
+
+
+def test_prefetch_replay_changes_nothing_without_predictions_and_follows_their_quality():
+    """No predictions: prefetch on and off are the same replay. Right predictions with room to
+    copy them turn misses into hits and save time; predictions of experts never routed only
+    cost slots; none of them ever copies more than the idle time allows."""
+    trace = synthetic_trace("flat", SMALL, steps=60, seed=5)
+    cost = CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    layers = list(range(SMALL.num_layers))
+
+    def run(tr, prefetch, dense=SMALL.dense_bytes):
+        return simulate(tr, AdaptivePolicy(layers, 16, 24), cost, dense, prefetch=prefetch)
+
+    assert run(trace, True).to_dict() == run(trace, False).to_dict()
+    right = _with_predictions(trace, lambda s, l: trace.steps[s][l][0].tolist())
+    routed = lambda s, l: set(trace.steps[s][l][0].tolist())                      # noqa: E731
+    wrong = _with_predictions(trace, lambda s, l: [e for e in range(16) if e not in routed(s, l)][:4])
+    big_lead = SMALL.dense_bytes * 50          # a long dense part per layer (long context): room to copy
+    off, good, bad = run(trace, False, big_lead), run(right, True, big_lead), run(wrong, True, big_lead)
+    assert good.prefetch_accuracy == 1.0 and bad.prefetch_accuracy == 0.0
+    assert good.prefetch_copies > 0 and bad.prefetch_copies > 0
+    dense_s = off.decode_tokens * SMALL.num_layers * big_lead / SMALL.num_layers / (cost.profile.vram_gbps * 1e9)
+
+    def expert_s(r):                           # the decode time less the dense part every policy pays
+        return r.decode_seconds - dense_s
+    assert good.hit_rate > off.hit_rate + 0.15 and expert_s(good) < 0.9 * expert_s(off)
+    assert bad.hit_rate <= off.hit_rate and expert_s(bad) >= 0.999 * expert_s(off)
+    assert good.pcie_bytes >= good.prefetch_copies * cost.expert_bytes
+    # no room (no dense part, decode layer-steps shorter than a copy): predictions are scored, nothing copied
+    tight = run(right, True, 0)
+    assert tight.prefetch_predicted > 0 and tight.prefetch_copies == 0
+    assert tight.decode_seconds == pytest.approx(run(trace, False, 0).decode_seconds, rel=1e-12)

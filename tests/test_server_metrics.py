@@ -93,7 +93,7 @@ def test_render_escapes_labels_and_leaves_out_what_a_snapshot_lacks():
                           "layers": {"1": {k: 1 for k in (
                               "routed_pairs", "hit_pairs", "stream_pairs", "cpu_pairs", "split_pairs",
                               "split_cpu_share", "pcie_bytes", "stall_s", "predicted_s", "measured_s", "cpu_tier_s",
-                              "cpu_tier_bytes", "prefetch_predicted", "prefetch_correct")}}}}
+                              "cpu_tier_bytes", "prefetch_predicted", "prefetch_correct", "prefetch_copies")}}}}
     fams = {f.name: f for f in text_string_to_metric_families(render(snap))}
     assert "freetoken_kv_pages" not in fams and "freetoken_time_to_first_token_seconds" not in fams
     assert fams["freetoken_requests_received"].samples[0].value == 3

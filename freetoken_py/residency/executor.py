@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from freetoken_py.kernels import gpu_moe
 from freetoken_py.kernels.cpu_moe import add_moe_experts, moe_experts
 from freetoken_py.residency.elastic import ElasticVram
-from freetoken_py.residency.planner import CostModel, LayerStats
+from freetoken_py.residency.planner import CostModel, LayerStats, prefetch_allowance
 from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
+from freetoken_py.residency.stats import predict_experts
 from freetoken_py.residency.streamer import Streamer
 from freetoken_py.residency.telemetry import Telemetry
 
@@ -78,6 +79,9 @@ class ResidencyExecutor:
         self.audit: Optional[list] = [] if audit else None   # (step, layer, token, expert, tier)
         self.step, self._last_layer = -1, None
         self._predicted: dict[int, set[int]] = {}
+        # the time from one call's return to the next call's routing on the host (the next layer's
+        # dense part; on a GPU the routing read waits for it): an EMA, the look-ahead copies' lead
+        self.lead_s, self._returned_at = 0.0, None
         self._timing: list = []     # (step, layer, start, end) CUDA events of calls with x on the GPU, unread
         # feed the measured CPU-tier speed and copy rate into the cost model: right when the profile
         # describes this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
@@ -109,6 +113,9 @@ class ResidencyExecutor:
             if x.device.type == "cuda":            # the experts' time on the GPU's clock, from here
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
+        if self._returned_at is not None:     # the previous layer's call, this step (_new_step clears it)
+            self.lead_s = 0.8 * self.lead_s + 0.2 * (time.perf_counter() - self._returned_at)
+        self._returned_at = None
         one = ids.tolist()[0] if ids.shape[0] == 1 else None
         if one is not None and len(set(one)) < len(one):
             one = None                        # (repeated experts: the general path)
@@ -135,7 +142,7 @@ class ResidencyExecutor:
                       else (None, None))
         # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
         # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
-        self._prefetch(predicted)
+        self._prefetch(predicted, prefetch_allowance(plan, self.cost, self.lead_s))
         inter = self.host_w2[layer].shape[-1]
         cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
         cpu_part = (self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts, one, weights)
@@ -154,6 +161,7 @@ class ResidencyExecutor:
             self._timing.append((self.step, layer, *timing))
         else:                      # the accelerator's part has been waited for above
             c.measured_s += time.perf_counter() - t0
+        self._returned_at = time.perf_counter()
         return out
 
     def _accelerator_part(self, layer: int, x: torch.Tensor, plan, cuts, accel: list[int], groups):
@@ -417,25 +425,30 @@ class ResidencyExecutor:
         nxt = self._next_moe_layer(layer)
         if nxt is None or self.top_k <= 0 or self.slots.num_slots == 0:
             return None
-        logits = self.routers[nxt](x)  # [T, E] this layer's input stands in for the next one's
-        ids = torch.topk(logits.float(), self.top_k, dim=-1).indices.flatten()
-        counts = torch.bincount(ids, minlength=logits.shape[-1]).cpu()   # one device-to-host read
-        ranked = torch.argsort(counts, descending=True, stable=True)[:self.top_k].tolist()
-        return nxt, [e for e in ranked if counts[e] > 0]
+        # this layer's input stands in for the next one's (one device-to-host read)
+        return nxt, predict_experts(self.routers[nxt](x), self.top_k)
 
-    def _prefetch(self, prediction: Optional[tuple[int, list[int]]]) -> None:
-        """Admit the predicted experts the policy wants and copy them in ahead (not waited for)."""
+    def _prefetch(self, prediction: Optional[tuple[int, list[int]]], allowed: int) -> None:
+        """Admit the predicted experts the policy wants, best first, and copy them in ahead (not
+        waited for), at most `allowed` copies (planner.prefetch_allowance: what fits where the
+        copy engine would idle before the next layer's experts start). The prediction is scored
+        either way (`prefetch%`)."""
         if prediction is None:
             return
         nxt, predicted = prediction
         self._predicted[nxt] = set(predicted)
+        copied = 0
         for e in predicted:
+            if copied == allowed:
+                break
             if not self.policy.is_resident(nxt, e):
                 for key in self.policy.admit(nxt, e, self.step):
                     self.slots.evict(key)
                 if self.policy.is_resident(nxt, e):
                     self.streamer.to_slot(nxt, e, ahead=True)
                     self.telemetry.layers[nxt].pcie_bytes += self.cost.expert_bytes
+                    self.telemetry.layers[nxt].prefetch_copies += 1
+                    copied += 1
 
     def _score_prefetch(self, layer: int, tokens: dict[int, int]) -> None:
         predicted = self._predicted.pop(layer, None)
@@ -449,6 +462,7 @@ class ResidencyExecutor:
         self.step += 1
         self.telemetry.steps += 1
         self._predicted.clear()
+        self._returned_at = None
         self._observe_copies()
         if self.elastic is not None and self.memory_probe is not None:
             target = self.elastic.target(self.memory_probe(), self.slots.num_slots)

@@ -194,6 +194,22 @@ _WHY = ("stream: the layer finishes no later than with it on the CPU", "cpu: fin
         "cpu: no slot to stream into")
 
 
+def copies_s(p: Plan, cost: CostModel) -> float:
+    """Seconds the plan's own copies hold the copy engine (streamed experts, a cut expert's part)."""
+    return len(p.stream) * cost.copy_s() + _add(f * cost.expert_bytes / (cost.pcie_gbps * GB) + cost.profile.copy_call_s
+                                               for _, f in p.split)
+
+
+def prefetch_allowance(p: Plan, cost: CostModel, lead_s: float) -> int:
+    """Look-ahead copies worth issuing after this layer-step (the executor's prefetch): as many as
+    fit where the copy engine would otherwise idle, the layer-step's predicted time less its own
+    copies, plus `lead_s`, the time before the next layer's experts start (its dense part and
+    host work). A copy beyond that delays the next layer's own copies (and a prefetched hit
+    waits for it) by as much as a right guess saves, and a wrong one saves nothing."""
+    idle = max(0.0, p.seconds - copies_s(p, cost)) + max(0.0, lead_s)
+    return int(idle / cost.copy_s())
+
+
 def evaluate(stats: LayerStats, stream: tuple[int, ...] | list[int], cost: CostModel) -> Plan:
     """The predicted times of a given split (hits = resident, `stream` copied in, the rest on CPU):
     how the baselines' fixed rules are costed with the same model `plan` optimises."""

@@ -5,8 +5,19 @@ Time model per layer-step (the planner's own, see planner.py): dense weights are
 hits compute on the accelerator while copies run on the copy engine; a streamed expert computes
 after its copy; CPU experts run concurrently; the layer ends when both sides do; the executor's
 fixed host work (`TierProfile.host_layer_s`, measured by residency.calibrate, 0 in the hand-built
-profiles) is added to every layer-step. Look-ahead
-prefetch is not modelled here (a conservative omission: it only hides copy time).
+profiles) is added to every layer-step.
+
+Look-ahead prefetch (`simulate(..., prefetch=True)`, on a trace that carries the predictions,
+`RoutingTrace.predicted`) replays the executor's: after layer l's split, the experts predicted
+for the next MoE layer are offered to the policy (`admit`), best first, and those it admits are
+copied after layer l's own copies, as many as `planner.prefetch_allowance` lets (the copy
+engine's idle time in the layer-step and the next layer's dense part and host work, which
+the executor measures and the simulator knows). The copy engine is one queue across layers and steps: the prefetch copies
+run while layer l's CPU part, the next layer's dense part and host work run, and what is left of
+them when the next layer's experts start (the backlog) delays that layer's copies, and its hits
+if one of them is a prefetched expert (a hit on a slot whose copy has not landed waits for it).
+A misprediction costs its copy and the slot it took; a layer with no copy and no prefetched hit
+does not wait for the queue.
 """
 from __future__ import annotations
 
@@ -16,7 +27,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from freetoken_py.residency.planner import CostModel, LayerStats, _add
+from freetoken_py.residency.planner import (CostModel, LayerStats, _add, _gpu_finish, copies_s,
+                                            prefetch_allowance)
 from freetoken_py.residency.profiles import GB, ModelSpec
 from freetoken_py.residency.stats import RoutingTrace, iter_layer_steps, tokens_per_expert
 
@@ -35,6 +47,13 @@ class SimResult:
     decode_seconds: float = 0.0
     seconds: float = 0.0
     pcie_bytes: int = 0
+    prefetch_predicted: int = 0      # experts predicted for the next layer (look-ahead prefetch)
+    prefetch_correct: int = 0        # of those, routed there
+    prefetch_copies: int = 0         # copies the prefetch made (admitted and not resident)
+
+    @property
+    def prefetch_accuracy(self) -> float:
+        return self.prefetch_correct / self.prefetch_predicted if self.prefetch_predicted else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -51,18 +70,27 @@ class SimResult:
 
     def to_dict(self) -> dict:
         return dict(asdict(self), hit_rate=self.hit_rate, cpu_share=self.cpu_share,
-                    decode_tok_s=self.decode_tok_s)
+                    decode_tok_s=self.decode_tok_s, prefetch_accuracy=self.prefetch_accuracy)
 
 
-def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int) -> SimResult:
-    """`dense_bytes`: non-expert weights read per token (spread over the MoE layers)."""
+def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, prefetch: bool = False,
+             lead_s: float | None = None) -> SimResult:
+    """`dense_bytes`: non-expert weights read per token (spread over the MoE layers). `prefetch`:
+    replay the trace's look-ahead predictions (module docstring); no effect on a trace without.
+    `lead_s`: the time from one layer's experts to the next layer's that the look-ahead copies
+    may use (None: a layer-step's dense read and host work; a run's measured `lead_s` to replay
+    that run)."""
     profile = cost.profile
     layers = trace.moe_layers
+    nxt_layer = dict(zip(layers, layers[1:]))
+    prefetch = prefetch and trace.has_predictions
     # every layer-step: its share of the dense weights read, and the executor's fixed host work (0 in the
     # hand-built profiles)
     fixed_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s
     r = SimResult()
     step_s, step_tokens, cur = 0.0, 0, -1
+    # copy-engine seconds left at a layer's start; per layer, the experts predicted for it and those copied
+    backlog, guessed, in_flight = 0.0, {}, {}
     for step, layer, ids in iter_layer_steps(trace):
         if step != cur:
             r.seconds += step_s
@@ -84,11 +112,59 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int) -> 
         r.split_cpu_share += sum(tokens[e] * (1 - f) for e, f in p.split)
         r.streamed_experts += len(p.stream)
         r.pcie_bytes += len(p.stream) * cost.expert_bytes + sum(int(f * cost.expert_bytes) for _, f in p.split)
-        step_s += fixed_layer_s + p.seconds
+        if not prefetch:
+            step_s += fixed_layer_s + p.seconds
+            continue
+        predicted, copied = guessed.pop(layer, ()), in_flight.pop(layer, set())
+        r.prefetch_predicted += len(predicted)
+        r.prefetch_correct += sum(e in tokens for e in predicted)
+        moe_s, own_copies_s = _with_backlog(p, tokens, cost, backlog, copied & set(p.hits))
+        queued = backlog + own_copies_s
+        # the next MoE layer's predicted experts, best first: admitted by the policy, copied after
+        # this layer's own copies, as many as the copy engine's idle time allows
+        nxt = nxt_layer.get(layer)
+        guess = trace.prediction(step, nxt) if nxt is not None else None
+        if guess:
+            guessed[nxt], in_flight[nxt] = guess, set()
+            allowed = prefetch_allowance(p, cost, fixed_layer_s if lead_s is None else lead_s)
+            for e in guess:
+                if len(in_flight[nxt]) == allowed:
+                    break
+                if not policy.is_resident(nxt, e):
+                    policy.admit(nxt, e, step)
+                    if policy.is_resident(nxt, e):
+                        in_flight[nxt].add(e)
+                        queued += cost.copy_s()
+            r.prefetch_copies += len(in_flight[nxt])
+            r.pcie_bytes += len(in_flight[nxt]) * cost.expert_bytes
+        # the queue keeps working through the rest of this layer and the next one's dense part
+        backlog = max(0.0, queued - moe_s - fixed_layer_s)
+        step_s += fixed_layer_s + moe_s
     r.seconds += step_s
     if step_tokens == 1:
         r.decode_tokens, r.decode_seconds = r.decode_tokens + 1, r.decode_seconds + step_s
     return r
+
+
+def _with_backlog(p, tokens: dict[int, int], cost: CostModel, backlog: float, prefetched_hits: set) -> tuple[float, float]:
+    """(the layer-step's expert seconds, its own copies' seconds on the copy engine) when the copy
+    engine is busy for `backlog` seconds at its start: its copies queue behind, and its hits wait
+    for the queue when one of them is a prefetched expert still in it. Backlog 0: the plan's
+    times. A cut expert's part is a copy too; with a cut the accelerator's whole side waits (the
+    plan's figures do not say how much of it is the cut's)."""
+    copies = copies_s(p, cost)
+    if backlog <= 0.0:
+        return p.seconds, copies
+    hit_start = backlog if prefetched_hits else 0.0
+    if p.split:
+        gpu = backlog + p.gpu_s
+    elif not p.stream:
+        gpu = hit_start + _add(cost.gpu_compute_s(tokens[e]) for e in p.hits) if p.hits else 0.0
+    else:
+        computes = [cost.gpu_compute_s(tokens[e]) for e in p.stream]
+        gpu = _gpu_finish(hit_start + _add(cost.gpu_compute_s(tokens[e]) for e in p.hits),
+                          backlog + copies, _add(computes), computes[-1])
+    return max(gpu, p.cpu_s), copies
 
 
 # ---- synthetic traces ---------------------------------------------------------------------------
@@ -273,8 +349,8 @@ def online_ceiling_flat_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes:
     Per step: the dense read plus layers times that and the profile's fixed host work per
     layer-step. Clairvoyant caching (`upper_bound_tok_s`)
     can do better. Speculative copies that overlap other layers' work (look-ahead prefetch,
-    which the executor has and the simulator does not model for any policy) are outside the
-    model.
+    which `simulate` replays only from a trace's recorded predictions; a flat trace has none)
+    are outside the model.
     """
     profile = cost.profile
     n_layers, k, experts = len(trace.moe_layers), trace.top_k, trace.num_experts

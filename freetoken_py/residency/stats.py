@@ -4,10 +4,15 @@ Trace file (JSON lines, written by `freetoken run --record-routing FILE`):
 
     {"format": "freetoken-routing-trace", "version": 1, "num_layers": L, "num_experts": E,
      "top_k": k, "source": "..."}                                   <- header, line 1
-    {"step": 0, "tokens": T, "layers": {"0": [[e, e], ...], ...}}   <- one line per forward pass
+    {"step": 0, "tokens": T, "layers": {"0": [[e, e], ...], ...},    <- one line per forward pass
+     "predicted": {"1": [e, ...], ...}}                               <- optional
 
 `layers[l]` holds the routed expert ids [T][k] of MoE layer l; dense layers are absent. A step is
-one forward pass (a prefill chunk or a decode batch), so T > 1 marks prefill.
+one forward pass (a prefill chunk or a decode batch), so T > 1 marks prefill. `predicted[l]`, when
+present, is the look-ahead prediction for MoE layer l made at the MoE layer before it
+(`predict_experts`: that layer's input through layer l's router), as the executor's prefetch
+makes it; the simulator replays it (`simulate(..., prefetch=True)`). Files without it are read
+as before.
 """
 from __future__ import annotations
 
@@ -29,9 +34,22 @@ class RoutingTrace:
     top_k: int
     source: str = ""
     steps: list[dict[int, np.ndarray]] = field(default_factory=list)   # step -> layer -> ids [T, k]
+    # step -> predicted layer -> the experts predicted for it, best first (may be shorter than steps)
+    predicted: list[dict[int, list[int]]] = field(default_factory=list)
 
-    def add_step(self, layers: dict[int, np.ndarray]) -> None:
+    def add_step(self, layers: dict[int, np.ndarray], predicted: dict[int, list[int]] | None = None) -> None:
         self.steps.append({int(l): np.asarray(ids, dtype=np.int64) for l, ids in layers.items()})
+        if predicted:
+            self.predicted += [{}] * (len(self.steps) - 1 - len(self.predicted))
+            self.predicted.append({int(l): [int(e) for e in v] for l, v in predicted.items()})
+
+    def prediction(self, step: int, layer: int) -> list[int] | None:
+        """The experts predicted for `layer` at `step` (None: no prediction recorded)."""
+        return self.predicted[step].get(layer) if step < len(self.predicted) else None
+
+    @property
+    def has_predictions(self) -> bool:
+        return any(self.predicted)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -47,8 +65,10 @@ class RoutingTrace:
             f.write(json.dumps(header) + "\n")
             for i, step in enumerate(self.steps):
                 tokens = next(iter(step.values())).shape[0] if step else 0
-                layers = {str(l): ids.tolist() for l, ids in sorted(step.items())}
-                f.write(json.dumps({"step": i, "tokens": tokens, "layers": layers}) + "\n")
+                rec = {"step": i, "tokens": tokens, "layers": {str(l): ids.tolist() for l, ids in sorted(step.items())}}
+                if i < len(self.predicted) and self.predicted[i]:
+                    rec["predicted"] = {str(l): v for l, v in sorted(self.predicted[i].items())}
+                f.write(json.dumps(rec) + "\n")
 
     @classmethod
     def load(cls, path: Path | str) -> "RoutingTrace":
@@ -62,7 +82,7 @@ class RoutingTrace:
                 if line.strip():
                     rec = json.loads(line)
                     trace.add_step({int(l): np.array(v, dtype=np.int64).reshape(-1, trace.top_k)
-                                    for l, v in rec["layers"].items()})
+                                    for l, v in rec["layers"].items()}, rec.get("predicted"))
         return trace
 
 
@@ -105,6 +125,23 @@ def routing_counts(trace: RoutingTrace) -> np.ndarray:
     return counts
 
 
+def predict_experts(logits, top_k: int) -> list[int]:
+    """The look-ahead prediction from a router's logits [T, E] (torch): every expert some token
+    would route to (its top-k), best first: the most tokens, then the most routing probability
+    summed over the tokens, then the lower id. A decode token gives its k experts by probability;
+    a prefill chunk nearly every expert, the busiest first. The executor's prefetch copies these
+    in order, as many as fit (`planner.prefetch_allowance`); the recorder writes them."""
+    import torch
+
+    logits = logits.float()
+    ids = torch.topk(logits, top_k, dim=-1).indices.flatten()
+    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
+    mass = torch.softmax(logits, dim=-1).sum(dim=0)
+    counts, mass = torch.stack([counts, mass]).cpu().numpy()      # one device-to-host read
+    order = np.lexsort((np.arange(len(counts)), -mass, -counts))  # last key first
+    return [int(e) for e in order if counts[e] > 0]
+
+
 def iter_layer_steps(trace: RoutingTrace) -> Iterator[tuple[int, int, np.ndarray]]:
     """(step, layer, ids [T, k]) in execution order: layers in order within each step."""
     for s, step in enumerate(trace.steps):
@@ -116,24 +153,36 @@ class RoutingRecorder:
     """An `ExpertExecutor` wrapper that records routing and delegates the compute unchanged.
 
     A call for a layer not above the previous call's layer starts a new step (a new forward pass).
+    With `routers` (per layer, the MoE layers' router as a callable x -> logits, None elsewhere),
+    each call also records the look-ahead prediction for the next MoE layer from this layer's
+    input (`predict_experts`), what the executor's prefetch copies.
     """
 
-    def __init__(self, inner, num_layers: int, num_experts: int, top_k: int, source: str = ""):
+    def __init__(self, inner, num_layers: int, num_experts: int, top_k: int, source: str = "",
+                 routers=None):
         self.inner = inner
         self.trace = RoutingTrace(num_layers, num_experts, top_k, source)
+        self.routers = routers
         self._last_layer = None
 
     def __call__(self, layer, x, ids, weights):
         if self._last_layer is None or layer <= self._last_layer:
             self.trace.steps.append({})
+            if self.routers is not None:
+                self.trace.predicted += [{}] * (len(self.trace.steps) - len(self.trace.predicted))
         self.trace.steps[-1][int(layer)] = ids.detach().cpu().numpy().astype(np.int64)
         self._last_layer = layer
+        if self.routers is not None:
+            nxt = next((l for l in range(layer + 1, len(self.routers)) if self.routers[l] is not None), None)
+            if nxt is not None:
+                self.trace.predicted[-1][nxt] = predict_experts(self.routers[nxt](x), self.trace.top_k)
         return self.inner(layer, x, ids, weights)
 
     def rewind(self, num_steps: int) -> None:
         """Forget every step after the first `num_steps` (a forward pass that failed and will be
         run again); the next call starts a new step."""
         del self.trace.steps[num_steps:]
+        del self.trace.predicted[num_steps:]
         self._last_layer = None
 
     def __getattr__(self, name):   # telemetry etc. of the wrapped executor stay reachable

@@ -100,6 +100,8 @@ _LAYER = (
     ("cpu_tier_bytes", "freetoken_expert_cpu_tier_bytes_total", "Expert bytes the CPU tier read."),
     ("prefetch_predicted", "freetoken_expert_prefetch_predicted_total", "Experts the look-ahead predicted."),
     ("prefetch_correct", "freetoken_expert_prefetch_correct_total", "Of those, experts the layer then routed."),
+    ("prefetch_copies", "freetoken_expert_prefetch_copies_total",
+     "Look-ahead copies issued (as many as fit where the copy engine would idle)."),
 )
 _RESIDENCY = (
     ("expert_slots", "freetoken_expert_slots", "gauge", "Expert slots in accelerator memory now."),
