@@ -71,21 +71,6 @@ def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[fl
     return r.decode_seconds, r.decode_tokens, r.prefetch_copies
 
 
-def dense_bytes(model) -> int:
-    """Bytes of the weights every token reads besides the routed experts (attention, norms,
-    routers, dense MLPs, the LM head; the embedding is one row per token)."""
-    from freetoken_py.layers.linear import TorchLinear
-
-    total = sum(t.numel() * t.element_size() for t in [model.weights.final_norm])
-    head = model.weights.lm_head
-    total += head.weight.numel() * head.weight.element_size() if isinstance(head, TorchLinear) else 0
-    for lw in model.weights.layers:
-        for obj in lw.dense().values():
-            t = obj.weight if isinstance(obj, TorchLinear) else obj
-            total += t.numel() * t.element_size()
-    return total
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = common.bench_args(__doc__)
     ap.add_argument("--emulate", metavar="PROFILE", help="no GPU: run the pipeline on the emulated accelerator")
@@ -126,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = args.threads or None                 # 0: every core, as the measured profile
         model_dir, prompt = common.setup(args)
     from freetoken_py.llm import LLM
+    from freetoken_py.residency.attach import dense_weight_bytes
 
     mode = "emulate" if args.emulate else "cuda"
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     n = run["tokens"]
     measured, predicted = run["measured_s"] / n, run["predicted_s"] / n
     simulated = sim_s / max(1, sim_tokens)
-    dense_s = dense_bytes(llm.model) / (ex.cost.profile.vram_gbps * 1e9)   # the simulator's dense term
+    dense_s = dense_weight_bytes(llm.model) / (ex.cost.profile.vram_gbps * 1e9)   # the simulator's dense term
     sim_tok_s = 1.0 / (simulated + dense_s) if simulated + dense_s > 0 else None
     tok_s = n / run["seconds"]
     routed = max(1, run["routed_pairs"])

@@ -14,8 +14,10 @@ traces (`--trace`, written by `freetoken run --record-routing`). A recorded trac
 replayed with Qwen3-235B-A22B's expert bytes, its dense bytes per layer, and the resident fraction
 that model would have on each profile. `pin` counts frequencies on a separate calibration trace (another seed, or
 `--calib-trace`), as an offline profiling run would. Where a recorded trace carries the look-ahead
-predictions, `ours` replays the executor's prefetch (`prefetch: true`, with `prefetch_accuracy`,
-`prefetch_copies_per_token` and `no_prefetch_decode_tok_s`); the synthetic traces have none.
+predictions, `ours` replays the executor's prefetch (`prefetch: true`, with `prefetch_accuracy`
+(decode steps), `prefetch_copies_per_token`, `no_prefetch_decode_tok_s` and
+`ungated_prefetch_decode_tok_s`: every predicted expert copied, not only what fits); the
+synthetic traces have none.
 """
 from __future__ import annotations
 
@@ -80,9 +82,12 @@ def run_case(profile: TierProfile, spec: ModelSpec, trace_name: str, trace: Rout
                "prefetch": prefetch}
         if prefetch:
             off = simulate(trace, make_policy(name, trace, calib, capacity, profile), cost, dense)
+            ungated = simulate(trace, make_policy(name, trace, calib, capacity, profile), cost, dense,
+                               prefetch=True, prefetch_limit=False)
             row.update(prefetch_accuracy=round(r.prefetch_accuracy, 4),
                        prefetch_copies_per_token=round(r.prefetch_copies / max(1, r.tokens), 3),
-                       no_prefetch_decode_tok_s=round(off.decode_tok_s, 3))
+                       no_prefetch_decode_tok_s=round(off.decode_tok_s, 3),
+                       ungated_prefetch_decode_tok_s=round(ungated.decode_tok_s, 3))
         rows.append(row)
     return rows
 

@@ -399,12 +399,13 @@ def test_prefetch_allowance_counts_the_copies_that_fit_the_copy_engines_idle_tim
 
     prof = TierProfile("t", 10**12, 1000.0, 10.0, 5.0, 1.0, 100.0, cpu_call_s=0.0, copy_call_s=0.01)
     cost = CostModel(prof, 10**9, 1.0)                      # a copy: 0.1 s + 0.01 s call
-    p = Plan(hits=(0,), stream=(1, 2), cpu=(3,), gpu_s=0.5, cpu_s=0.3)
+    p = Plan(hits=(0,), stream=(1, 2), cpu=(3,), gpu_s=0.3, cpu_s=0.62)
     assert copies_s(p, cost) == pytest.approx(0.22)
-    # idle: 0.5 - 0.22 = 0.28 s, + lead 0.06 = 0.34 s -> 3 copies of 0.11 s
+    # ahead copies wait for the accelerator side (0.3 s); the CPU runs 0.32 s past it, + lead 0.06
+    # = 0.38 s -> 3 copies of 0.11 s; without the lead 2
     assert prefetch_allowance(p, cost, 0.06) == 3
     assert prefetch_allowance(p, cost, 0.0) == 2
-    busy = Plan(hits=(), stream=(1, 2, 3, 4, 5), cpu=(), gpu_s=0.56, cpu_s=0.0)   # copies = whole layer
+    busy = Plan(hits=(), stream=(1, 2, 3, 4, 5), cpu=(), gpu_s=0.56, cpu_s=0.0)   # no CPU part: the lead only
     assert prefetch_allowance(busy, cost, 0.0) == 0 and prefetch_allowance(busy, cost, 0.12) == 1
 
 
@@ -419,11 +420,13 @@ def test_a_backlog_delays_the_copies_and_only_the_hits_that_wait_for_it():
     cost = CostModel(prof, 10**9, 1.0)           # copy 0.1 s, accelerator compute 1 ms, CPU 0.2 s
     tokens = {0: 1, 1: 1, 2: 1}
     p = Plan(hits=(0,), stream=(1,), cpu=(2,), gpu_s=0.102, cpu_s=0.2)
-    assert _with_backlog(p, tokens, cost, 0.0, set()) == (p.seconds, pytest.approx(0.1))
+    assert _with_backlog(p, tokens, cost, 0.0, set()) == (p.seconds, p.gpu_s, pytest.approx(0.1))
     # backlog 0.15: the copy starts at 0.15, ends 0.25, computes 1 ms; the hit runs at once
-    assert _with_backlog(p, tokens, cost, 0.15, set())[0] == pytest.approx(0.251)
+    assert _with_backlog(p, tokens, cost, 0.15, set())[:2] == (pytest.approx(0.251), pytest.approx(0.251))
     # the hit is a prefetched expert still in the queue: it starts at 0.15 as well
     assert _with_backlog(p, tokens, cost, 0.15, {0})[0] == pytest.approx(0.251)
+    slow_cpu = Plan(hits=(0,), stream=(1,), cpu=(2,), gpu_s=0.102, cpu_s=0.4)
+    assert _with_backlog(slow_cpu, tokens, cost, 0.15, set())[:2] == (pytest.approx(0.4), pytest.approx(0.251))
     only_hits = Plan(hits=(0,), stream=(), cpu=(2,), gpu_s=0.001, cpu_s=0.2)
     assert _with_backlog(only_hits, tokens, cost, 0.5, set())[0] == pytest.approx(0.2)     # no wait
     assert _with_backlog(only_hits, tokens, cost, 0.5, {0})[0] == pytest.approx(0.501)    # waits
@@ -439,18 +442,18 @@ def test_a_backlog_delays_the_copies_and_only_the_hits_that_wait_for_it():
         assert _with_backlog(pl, toks, c, 1e-15, set())[0] == pytest.approx(pl.seconds, rel=1e-9, abs=1e-12)
 
 
-def test_prefetch_replay_changes_nothing_without_predictions_and_follows_their_quality():
-    """No predictions: prefetch on and off are the same replay. Right predictions with room to
-    copy them turn misses into hits and save time; predictions of experts never routed only
-    cost slots; none of them ever copies more than the idle time allows."""
+def test_prefetch_replay_follows_the_quality_of_the_predictions_and_the_allowance():
+    """Right predictions with room to copy them turn misses into hits and save time; predictions
+    of experts never routed only cost slots; no room, nothing is copied and the time is the
+    same; the copies never exceed the allowance; copying every prediction regardless (ungated)
+    backs the copy engine up into the next layers and costs time."""
     trace = synthetic_trace("flat", SMALL, steps=60, seed=5)
     cost = CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token)
     layers = list(range(SMALL.num_layers))
 
-    def run(tr, prefetch, dense=SMALL.dense_bytes):
-        return simulate(tr, AdaptivePolicy(layers, 16, 24), cost, dense, prefetch=prefetch)
+    def run(tr, prefetch, dense=SMALL.dense_bytes, **kw):
+        return simulate(tr, AdaptivePolicy(layers, 16, 24), cost, dense, prefetch=prefetch, **kw)
 
-    assert run(trace, True).to_dict() == run(trace, False).to_dict()
     right = _with_predictions(trace, lambda s, l: trace.steps[s][l][0].tolist())
     routed = lambda s, l: set(trace.steps[s][l][0].tolist())                      # noqa: E731
     wrong = _with_predictions(trace, lambda s, l: [e for e in range(16) if e not in routed(s, l)][:4])
@@ -458,14 +461,22 @@ def test_prefetch_replay_changes_nothing_without_predictions_and_follows_their_q
     off, good, bad = run(trace, False, big_lead), run(right, True, big_lead), run(wrong, True, big_lead)
     assert good.prefetch_accuracy == 1.0 and bad.prefetch_accuracy == 0.0
     assert good.prefetch_copies > 0 and bad.prefetch_copies > 0
-    dense_s = off.decode_tokens * SMALL.num_layers * big_lead / SMALL.num_layers / (cost.profile.vram_gbps * 1e9)
+    dense_s = off.decode_tokens * big_lead / (cost.profile.vram_gbps * 1e9)
 
     def expert_s(r):                           # the decode time less the dense part every policy pays
         return r.decode_seconds - dense_s
     assert good.hit_rate > off.hit_rate + 0.15 and expert_s(good) < 0.9 * expert_s(off)
     assert bad.hit_rate <= off.hit_rate and expert_s(bad) >= 0.999 * expert_s(off)
     assert good.pcie_bytes >= good.prefetch_copies * cost.expert_bytes
-    # no room (no dense part, decode layer-steps shorter than a copy): predictions are scored, nothing copied
-    tight = run(right, True, 0)
-    assert tight.prefetch_predicted > 0 and tight.prefetch_copies == 0
-    assert tight.decode_seconds == pytest.approx(run(trace, False, 0).decode_seconds, rel=1e-12)
+    # the lead given: at most floor(lead / copy) copies per layer-step where the CPU side is idle
+    no_cpu = CostModel(replace(PROFILES["rtx4090"], cpu_expert_gbps=1e-3), SMALL.expert_bytes,
+                       SMALL.expert_flops_per_token)              # the CPU never takes an expert
+    for n in (0, 1, 2):
+        r = simulate(right, AdaptivePolicy(layers, 16, 24), no_cpu, 0, prefetch=True,
+                     lead_s=(n + 0.5) * no_cpu.copy_s())
+        assert r.cpu_pairs == 0 and r.prefetch_copies <= n * 60 * (SMALL.num_layers - 1)
+        assert (r.prefetch_copies > 0) == (n > 0)
+    # ungated, wrong guesses and no lead: the copies run into the next layers' own copies
+    gated, ungated, none = run(wrong, True, 0), run(wrong, True, 0, prefetch_limit=False), run(trace, False, 0)
+    assert ungated.prefetch_copies > gated.prefetch_copies
+    assert ungated.decode_seconds > 1.05 * none.decode_seconds and ungated.decode_seconds > gated.decode_seconds

@@ -19,7 +19,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from freetoken_py import envs

@@ -65,7 +65,8 @@ class ResidencyExecutor:
     def __init__(self, host_w13: list, host_w2: list, policy, cost: CostModel, slots: SlotCache, *,
                  routers: Optional[list] = None, top_k: int = 0, elastic: Optional[ElasticVram] = None,
                  memory_probe: Optional[Callable[[], int]] = None, label: str = "emulated",
-                 audit: bool = False, measure_live: bool = False, cpu_banks: Optional[list] = None):
+                 audit: bool = False, measure_live: bool = False, cpu_banks: Optional[list] = None,
+                 lead_s: Optional[float] = None):
         self.host_w13, self.host_w2 = host_w13, host_w2   # per layer [E, 2I, D] / [E, D, I] or None
         # per layer: a kernels.cpu_moe.ExpertBank viewing the same host weights (the numba CPU
         # kernels), or None (the CPU tier then runs torch on the host weights)
@@ -79,9 +80,16 @@ class ResidencyExecutor:
         self.audit: Optional[list] = [] if audit else None   # (step, layer, token, expert, tier)
         self.step, self._last_layer = -1, None
         self._predicted: dict[int, set[int]] = {}
-        # the time from one call's return to the next call's routing on the host (the next layer's
-        # dense part; on a GPU the routing read waits for it): an EMA, the look-ahead copies' lead
-        self.lead_s, self._returned_at = 0.0, None
+        # the look-ahead copies' lead: the time from one layer's expert work to the next layer's
+        # routing (its attention and dense part), per kind of step (decode, prefill). `lead_s`
+        # given (emulation: the profile's dense read and host work) fixes it; else it is measured
+        # (an EMA): on a GPU on its clock, from the previous call's end event to the routing read,
+        # on the host from the previous call's return
+        self.fixed_lead_s, self._lead = None, {True: 0.0, False: 0.0}
+        if lead_s is not None:
+            self.fix_lead(lead_s)
+        self._prev_end = None          # the previous call of this step: its end (event or perf_counter)
+        self.prediction_made: Optional[tuple[int, list[int]]] = None   # this call's look-ahead, for a recorder
         self._timing: list = []     # (step, layer, start, end) CUDA events of calls with x on the GPU, unread
         # feed the measured CPU-tier speed and copy rate into the cost model: right when the profile
         # describes this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
@@ -113,9 +121,8 @@ class ResidencyExecutor:
             if x.device.type == "cuda":            # the experts' time on the GPU's clock, from here
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
-        if self._returned_at is not None:     # the previous layer's call, this step (_new_step clears it)
-            self.lead_s = 0.8 * self.lead_s + 0.2 * (time.perf_counter() - self._returned_at)
-        self._returned_at = None
+        decode = ids.shape[0] == 1
+        self._measure_lead(decode)
         one = ids.tolist()[0] if ids.shape[0] == 1 else None
         if one is not None and len(set(one)) < len(one):
             one = None                        # (repeated experts: the general path)
@@ -124,7 +131,7 @@ class ResidencyExecutor:
         else:
             counts = torch.bincount(ids.flatten(), minlength=self.host_w13[layer].shape[0]).tolist()
             tokens = {e: n for e, n in enumerate(counts) if n}
-        self._score_prefetch(layer, tokens)
+        self._score_prefetch(layer, tokens, decode)
         plan = self.policy.split(layer, LayerStats(tokens, self.policy.resident(layer)), self.cost)
         self.policy.touch(layer, self.step, tokens)
         cuts = [(e, self._cut_columns(layer, f)) for e, f in plan.split]
@@ -142,7 +149,7 @@ class ResidencyExecutor:
                       else (None, None))
         # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
         # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
-        self._prefetch(predicted, prefetch_allowance(plan, self.cost, self.lead_s))
+        self._prefetch(predicted, prefetch_allowance(plan, self.cost, self._lead[decode]))
         inter = self.host_w2[layer].shape[-1]
         cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
         cpu_part = (self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts, one, weights)
@@ -158,10 +165,12 @@ class ResidencyExecutor:
         c.predicted_s += plan.seconds + self.cost.profile.host_layer_s   # (the simulator's layer-step)
         if timing is not None:     # ends when the two parts' sum is ready; read back later, no wait now
             timing[1].record()
+            self._prev_end = timing[1]
             self._timing.append((self.step, layer, *timing))
         else:                      # the accelerator's part has been waited for above
             c.measured_s += time.perf_counter() - t0
-        self._returned_at = time.perf_counter()
+        if timing is None:
+            self._prev_end = time.perf_counter()
         return out
 
     def _accelerator_part(self, layer: int, x: torch.Tensor, plan, cuts, accel: list[int], groups):
@@ -428,31 +437,66 @@ class ResidencyExecutor:
         # this layer's input stands in for the next one's (one device-to-host read)
         return nxt, predict_experts(self.routers[nxt](x), self.top_k)
 
+    @property
+    def lead_s(self) -> float:
+        """The decode steps' lead (seconds) the look-ahead copies are allowed."""
+        return self._lead[True]
+
+    def fix_lead(self, seconds: float) -> None:
+        """Use this lead for every step from now on instead of measuring it."""
+        self.fixed_lead_s = seconds
+        self._lead = {True: seconds, False: seconds}
+
+    def _measure_lead(self, decode: bool) -> None:
+        """Called once the routing is on the host: the time since the previous layer's expert
+        work (same step) joins that kind of step's EMA, unless the lead is fixed (emulation)."""
+        prev, self._prev_end = self._prev_end, None
+        if prev is None or self.fixed_lead_s is not None:
+            return
+        if isinstance(prev, float):       # host: from the previous call's return
+            gap = time.perf_counter() - prev
+        else:                              # GPU clock: from the previous call's end event to now
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
+            now.synchronize()              # the stream has just been waited for: at once
+            gap = prev.elapsed_time(now) / 1e3
+        self._lead[decode] = 0.8 * self._lead[decode] + 0.2 * gap
+
     def _prefetch(self, prediction: Optional[tuple[int, list[int]]], allowed: int) -> None:
         """Admit the predicted experts the policy wants, best first, and copy them in ahead (not
         waited for), at most `allowed` copies (planner.prefetch_allowance: what fits where the
-        copy engine would idle before the next layer's experts start). The prediction is scored
-        either way (`prefetch%`)."""
+        copy engine would idle before the next layer's experts start). An admission that evicts
+        an expert this look-ahead copied ends it (the guesses further down are worth less than
+        the one it pushed out). The prediction is scored either way (`prefetch%`)."""
+        self.prediction_made = prediction
         if prediction is None:
             return
         nxt, predicted = prediction
         self._predicted[nxt] = set(predicted)
-        copied = 0
+        mine: set[int] = set()
         for e in predicted:
-            if copied == allowed:
+            if len(mine) >= allowed:
                 break
-            if not self.policy.is_resident(nxt, e):
-                for key in self.policy.admit(nxt, e, self.step):
-                    self.slots.evict(key)
-                if self.policy.is_resident(nxt, e):
-                    self.streamer.to_slot(nxt, e, ahead=True)
-                    self.telemetry.layers[nxt].pcie_bytes += self.cost.expert_bytes
-                    self.telemetry.layers[nxt].prefetch_copies += 1
-                    copied += 1
+            if self.policy.is_resident(nxt, e):
+                continue
+            evicted = self.policy.admit(nxt, e, self.step)
+            for key in evicted:
+                self.slots.evict(key)
+            lost = {k[1] for k in evicted if k[0] == nxt and k[1] in mine}
+            mine -= lost
+            if self.policy.is_resident(nxt, e):
+                self.streamer.to_slot(nxt, e, ahead=True)
+                self.telemetry.layers[nxt].pcie_bytes += self.cost.expert_bytes
+                self.telemetry.layers[nxt].prefetch_copies += 1
+                mine.add(e)
+            if lost:
+                break
 
-    def _score_prefetch(self, layer: int, tokens: dict[int, int]) -> None:
+    def _score_prefetch(self, layer: int, tokens: dict[int, int], decode: bool) -> None:
+        """`prefetch%` counts the decode steps' predictions (a prefill chunk's routes to nearly
+        every expert: its predictions would be right whatever they were)."""
         predicted = self._predicted.pop(layer, None)
-        if predicted is not None:
+        if predicted is not None and decode:
             c = self.telemetry.layers[layer]
             c.prefetch_predicted += len(predicted)
             c.prefetch_correct += len(predicted & set(tokens))
@@ -462,7 +506,7 @@ class ResidencyExecutor:
         self.step += 1
         self.telemetry.steps += 1
         self._predicted.clear()
-        self._returned_at = None
+        self._prev_end = None
         self._observe_copies()
         if self.elastic is not None and self.memory_probe is not None:
             target = self.elastic.target(self.memory_probe(), self.slots.num_slots)

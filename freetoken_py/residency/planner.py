@@ -202,11 +202,13 @@ def copies_s(p: Plan, cost: CostModel) -> float:
 
 def prefetch_allowance(p: Plan, cost: CostModel, lead_s: float) -> int:
     """Look-ahead copies worth issuing after this layer-step (the executor's prefetch): as many as
-    fit where the copy engine would otherwise idle, the layer-step's predicted time less its own
-    copies, plus `lead_s`, the time before the next layer's experts start (its dense part and
-    host work). A copy beyond that delays the next layer's own copies (and a prefetched hit
-    waits for it) by as much as a right guess saves, and a wrong one saves nothing."""
-    idle = max(0.0, p.seconds - copies_s(p, cost)) + max(0.0, lead_s)
+    fit where the copy engine would otherwise idle. An ahead copy waits for the layer's
+    accelerator work (the slot it overwrites may still be read; on a GPU the copy stream waits
+    for the compute stream), so it can use the time the CPU side runs past the accelerator
+    side, plus `lead_s`, the time before the next layer's experts start (its attention and dense
+    part, host work). A copy beyond that delays the next layer's own copies (and a prefetched
+    hit waits for it) by about what a right guess saves, and a wrong one saves nothing."""
+    idle = max(0.0, p.cpu_s - p.gpu_s) + max(0.0, lead_s)
     return int(idle / cost.copy_s())
 
 

@@ -8,16 +8,18 @@ fixed host work (`TierProfile.host_layer_s`, measured by residency.calibrate, 0 
 profiles) is added to every layer-step.
 
 Look-ahead prefetch (`simulate(..., prefetch=True)`, on a trace that carries the predictions,
-`RoutingTrace.predicted`) replays the executor's: after layer l's split, the experts predicted
-for the next MoE layer are offered to the policy (`admit`), best first, and those it admits are
-copied after layer l's own copies, as many as `planner.prefetch_allowance` lets (the copy
-engine's idle time in the layer-step and the next layer's dense part and host work, which
-the executor measures and the simulator knows). The copy engine is one queue across layers and steps: the prefetch copies
-run while layer l's CPU part, the next layer's dense part and host work run, and what is left of
-them when the next layer's experts start (the backlog) delays that layer's copies, and its hits
-if one of them is a prefetched expert (a hit on a slot whose copy has not landed waits for it).
-A misprediction costs its copy and the slot it took; a layer with no copy and no prefetched hit
-does not wait for the queue.
+`RoutingTrace.predicted`) replays the executor's (`ResidencyExecutor._prefetch`): after layer l's
+split, the experts predicted for the next MoE layer are offered to the policy (`admit`), best
+first, and those it admits are copied once layer l's accelerator work is done, as many as
+`planner.prefetch_allowance` lets (the time the CPU side runs past the accelerator side, plus
+the lead to the next layer's routing: the dense read and host work here, measured by the
+executor), stopping when an admission evicts one of them. The copy engine is one queue across
+layers and steps: what is left of it when the next layer's experts start (the backlog) delays
+that layer's copies, and its hits if one of them is a prefetched expert (a hit on a slot whose
+copy has not landed waits for it); a layer with no copy and no prefetched hit does not wait.
+Within the allowance and with the lead replayed as it was, the queue is empty by then; the
+backlog is what an ungated look-ahead (`prefetch_limit=False`) pays. A misprediction costs its
+copy and the slot it took. The prediction is scored on decode steps.
 """
 from __future__ import annotations
 
@@ -74,12 +76,13 @@ class SimResult:
 
 
 def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, prefetch: bool = False,
-             lead_s: float | None = None) -> SimResult:
+             lead_s: float | None = None, prefetch_limit: bool = True) -> SimResult:
     """`dense_bytes`: non-expert weights read per token (spread over the MoE layers). `prefetch`:
     replay the trace's look-ahead predictions (module docstring); no effect on a trace without.
-    `lead_s`: the time from one layer's experts to the next layer's that the look-ahead copies
-    may use (None: a layer-step's dense read and host work; a run's measured `lead_s` to replay
-    that run)."""
+    `lead_s`: the time from one layer's expert work to the next layer's routing, which the
+    look-ahead copies may use (None: a layer-step's dense read and host work; a run's measured
+    lead to replay that run). `prefetch_limit` False copies every predicted expert the policy
+    admits, not only what fits (what the allowance saves)."""
     profile = cost.profile
     layers = trace.moe_layers
     nxt_layer = dict(zip(layers, layers[1:]))
@@ -87,6 +90,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     # every layer-step: its share of the dense weights read, and the executor's fixed host work (0 in the
     # hand-built profiles)
     fixed_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s
+    lead = fixed_layer_s if lead_s is None else lead_s
     r = SimResult()
     step_s, step_tokens, cur = 0.0, 0, -1
     # copy-engine seconds left at a layer's start; per layer, the experts predicted for it and those copied
@@ -116,29 +120,35 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
             step_s += fixed_layer_s + p.seconds
             continue
         predicted, copied = guessed.pop(layer, ()), in_flight.pop(layer, set())
-        r.prefetch_predicted += len(predicted)
-        r.prefetch_correct += sum(e in tokens for e in predicted)
-        moe_s, own_copies_s = _with_backlog(p, tokens, cost, backlog, copied & set(p.hits))
-        queued = backlog + own_copies_s
-        # the next MoE layer's predicted experts, best first: admitted by the policy, copied after
-        # this layer's own copies, as many as the copy engine's idle time allows
+        if ids.shape[0] == 1:           # scored on decode steps, as the executor's prefetch%
+            r.prefetch_predicted += len(predicted)
+            r.prefetch_correct += sum(e in tokens for e in predicted)
+        moe_s, gpu_end, own_copies_s = _with_backlog(p, tokens, cost, backlog, copied & set(p.hits))
+        # ahead copies start once the layer's accelerator work is done (and its own copies)
+        queued = max(gpu_end, backlog + own_copies_s)
         nxt = nxt_layer.get(layer)
         guess = trace.prediction(step, nxt) if nxt is not None else None
-        if guess:
-            guessed[nxt], in_flight[nxt] = guess, set()
-            allowed = prefetch_allowance(p, cost, fixed_layer_s if lead_s is None else lead_s)
+        if guess:   # the executor's _prefetch: best first, up to the allowance, until one evicts another
+            guessed[nxt], mine = guess, set()
+            allowed = prefetch_allowance(p, cost, lead) if prefetch_limit else len(guess)
             for e in guess:
-                if len(in_flight[nxt]) == allowed:
+                if len(mine) >= allowed:
                     break
-                if not policy.is_resident(nxt, e):
-                    policy.admit(nxt, e, step)
-                    if policy.is_resident(nxt, e):
-                        in_flight[nxt].add(e)
-                        queued += cost.copy_s()
-            r.prefetch_copies += len(in_flight[nxt])
-            r.pcie_bytes += len(in_flight[nxt]) * cost.expert_bytes
-        # the queue keeps working through the rest of this layer and the next one's dense part
-        backlog = max(0.0, queued - moe_s - fixed_layer_s)
+                if policy.is_resident(nxt, e):
+                    continue
+                evicted = policy.admit(nxt, e, step)
+                lost = {k[1] for k in evicted if k[0] == nxt and k[1] in mine}
+                mine -= lost
+                if policy.is_resident(nxt, e):
+                    mine.add(e)
+                    r.prefetch_copies += 1
+                    r.pcie_bytes += cost.expert_bytes
+                    queued += cost.copy_s()
+                if lost:
+                    break
+            in_flight[nxt] = mine
+        # the queue keeps working through the rest of this layer and up to the next one's routing
+        backlog = max(0.0, queued - moe_s - lead)
         step_s += fixed_layer_s + moe_s
     r.seconds += step_s
     if step_tokens == 1:
@@ -146,15 +156,16 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     return r
 
 
-def _with_backlog(p, tokens: dict[int, int], cost: CostModel, backlog: float, prefetched_hits: set) -> tuple[float, float]:
-    """(the layer-step's expert seconds, its own copies' seconds on the copy engine) when the copy
-    engine is busy for `backlog` seconds at its start: its copies queue behind, and its hits wait
-    for the queue when one of them is a prefetched expert still in it. Backlog 0: the plan's
-    times. A cut expert's part is a copy too; with a cut the accelerator's whole side waits (the
-    plan's figures do not say how much of it is the cut's)."""
+def _with_backlog(p, tokens: dict[int, int], cost: CostModel, backlog: float,
+                  prefetched_hits: set) -> tuple[float, float, float]:
+    """(the layer-step's expert seconds, its accelerator side's finish, its own copies' seconds on
+    the copy engine) when the copy engine is busy for `backlog` seconds at its start: its copies
+    queue behind, and its hits wait for the queue when one of them is a prefetched expert still
+    in it. Backlog 0: the plan's times. A cut expert's part is a copy too; with a cut the
+    accelerator's whole side waits (the plan's figures do not say how much of it is the cut's)."""
     copies = copies_s(p, cost)
     if backlog <= 0.0:
-        return p.seconds, copies
+        return p.seconds, p.gpu_s, copies
     hit_start = backlog if prefetched_hits else 0.0
     if p.split:
         gpu = backlog + p.gpu_s
@@ -164,7 +175,7 @@ def _with_backlog(p, tokens: dict[int, int], cost: CostModel, backlog: float, pr
         computes = [cost.gpu_compute_s(tokens[e]) for e in p.stream]
         gpu = _gpu_finish(hit_start + _add(cost.gpu_compute_s(tokens[e]) for e in p.hits),
                           backlog + copies, _add(computes), computes[-1])
-    return max(gpu, p.cpu_s), copies
+    return max(gpu, p.cpu_s), gpu, copies
 
 
 # ---- synthetic traces ---------------------------------------------------------------------------

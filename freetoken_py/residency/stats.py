@@ -155,7 +155,8 @@ class RoutingRecorder:
     A call for a layer not above the previous call's layer starts a new step (a new forward pass).
     With `routers` (per layer, the MoE layers' router as a callable x -> logits, None elsewhere),
     each call also records the look-ahead prediction for the next MoE layer from this layer's
-    input (`predict_experts`), what the executor's prefetch copies.
+    input (`predict_experts`), what the executor's prefetch copies: the residency executor's own
+    when it made one (`prediction_made`: no second router call), else computed here.
     """
 
     def __init__(self, inner, num_layers: int, num_experts: int, top_k: int, source: str = "",
@@ -172,11 +173,15 @@ class RoutingRecorder:
                 self.trace.predicted += [{}] * (len(self.trace.steps) - len(self.trace.predicted))
         self.trace.steps[-1][int(layer)] = ids.detach().cpu().numpy().astype(np.int64)
         self._last_layer = layer
+        out = self.inner(layer, x, ids, weights)
         if self.routers is not None:
             nxt = next((l for l in range(layer + 1, len(self.routers)) if self.routers[l] is not None), None)
-            if nxt is not None:
+            made = getattr(self.inner, "prediction_made", None)   # the residency executor's own, when it made one
+            if made is not None and made[0] == nxt:
+                self.trace.predicted[-1][nxt] = list(made[1])
+            elif nxt is not None:
                 self.trace.predicted[-1][nxt] = predict_experts(self.routers[nxt](x), self.trace.top_k)
-        return self.inner(layer, x, ids, weights)
+        return out
 
     def rewind(self, num_steps: int) -> None:
         """Forget every step after the first `num_steps` (a forward pass that failed and will be
