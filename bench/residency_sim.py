@@ -75,6 +75,7 @@ def run_case(profile: TierProfile, spec: ModelSpec, trace_name: str, trace: Rout
                "pcie_bytes_per_token": round(r.pcie_bytes / max(1, r.tokens)),
                "cpu_share": round(r.cpu_share, 4),
                "predicted_decode_tok_s": round(r.decode_tok_s, 3),
+               "predicted_prefill_tok_s": round(r.prefill_tok_s, 3) if r.prefill_tokens else None,
                "fits_in_vram": spec.fits_in_vram(profile),
                "expert_slots": capacity, "bytes_model": spec.name,
                "upper_bound_tok_s": round(bound, 3),

@@ -233,6 +233,9 @@ def test_the_upper_bound_counts_decode_only_after_a_prefill():
     cost = CostModel(PROFILES["rtx4090"], spec.expert_bytes, spec.expert_flops_per_token)
     r = simulate(trace, PinPolicy([0, 1], counts, 8), cost, spec.dense_bytes)
     assert r.hit_rate > 0.5 and r.decode_tok_s <= upper_bound_tok_s(trace, cost, spec.dense_bytes, 8)
+    # the prefill's two tokens are counted apart from the six decode steps; the time adds up
+    assert (r.prefill_tokens, r.decode_tokens, r.tokens) == (2, 6, 8)
+    assert r.seconds == pytest.approx(r.prefill_seconds + r.decode_seconds) and r.prefill_seconds > 0
 
 
 @pytest.mark.parametrize("profile", ["rtx4060-laptop-8g", "rtx4090", "rtx-pro-6000"])

@@ -47,6 +47,8 @@ class SimResult:
     tokens: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    prefill_tokens: int = 0          # steps of more than one token (a prompt, or a chunk of one)
+    prefill_seconds: float = 0.0
     seconds: float = 0.0
     pcie_bytes: int = 0
     prefetch_predicted: int = 0      # experts predicted for the next layer (look-ahead prefetch)
@@ -70,9 +72,21 @@ class SimResult:
     def decode_tok_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    def _end_step(self, tokens: int, seconds: float) -> None:
+        self.seconds += seconds
+        if tokens == 1:
+            self.decode_tokens, self.decode_seconds = self.decode_tokens + 1, self.decode_seconds + seconds
+        elif tokens > 1:
+            self.prefill_tokens, self.prefill_seconds = self.prefill_tokens + tokens, self.prefill_seconds + seconds
+
     def to_dict(self) -> dict:
         return dict(asdict(self), hit_rate=self.hit_rate, cpu_share=self.cpu_share,
-                    decode_tok_s=self.decode_tok_s, prefetch_accuracy=self.prefetch_accuracy)
+                    decode_tok_s=self.decode_tok_s, prefill_tok_s=self.prefill_tok_s,
+                    prefetch_accuracy=self.prefetch_accuracy)
 
 
 def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, prefetch: bool = False,
@@ -97,9 +111,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     backlog, guessed, in_flight = 0.0, {}, {}
     for step, layer, ids in iter_layer_steps(trace):
         if step != cur:
-            r.seconds += step_s
-            if step_tokens == 1:
-                r.decode_tokens, r.decode_seconds = r.decode_tokens + 1, r.decode_seconds + step_s
+            r._end_step(step_tokens, step_s)
             step_s, step_tokens, cur = 0.0, ids.shape[0], step
             r.tokens += step_tokens
         counts = tokens_per_expert(ids, trace.num_experts)
@@ -150,9 +162,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
         # the queue keeps working through the rest of this layer and up to the next one's routing
         backlog = max(0.0, queued - moe_s - lead)
         step_s += fixed_layer_s + moe_s
-    r.seconds += step_s
-    if step_tokens == 1:
-        r.decode_tokens, r.decode_seconds = r.decode_tokens + 1, r.decode_seconds + step_s
+    r._end_step(step_tokens, step_s)
     return r
 
 
