@@ -63,11 +63,12 @@ def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[fl
     policy = AdaptivePolicy(trace.moe_layers, trace.num_experts, ex.slots.num_slots)
     head = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
     head.steps, head.predicted = trace.steps[:first_decode_step], trace.predicted
-    simulate(head, policy, ex.cost, 0, prefetch=True, lead_s=ex.lead_s)   # the warm-up steps, as in the run
+    leads = {"lead_s": ex.lead(True), "prefill_lead_s": ex.lead(False)}   # as the run measured them
+    simulate(head, policy, ex.cost, 0, prefetch=True, **leads)       # the warm-up steps, as in the run
     tail = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
     # empty steps in front keep the step numbers absolute (the policy's recency and decay use them)
     tail.steps, tail.predicted = [{}] * first_decode_step + trace.steps[first_decode_step:], trace.predicted
-    r = simulate(tail, policy, ex.cost, 0, prefetch=True, lead_s=ex.lead_s)   # dense bytes 0: expert time only
+    r = simulate(tail, policy, ex.cost, 0, prefetch=True, **leads)   # dense bytes 0: expert time only
     return r.decode_seconds, r.decode_tokens, r.prefetch_copies
 
 

@@ -746,7 +746,7 @@ def test_an_idle_engine_gives_the_kv_growth_back_at_once(checkpoint_factory):
 def test_calibrated_host_costs_are_measured_and_reach_the_prediction_not_the_decisions(checkpoint_factory):
     """residency.calibrate times the real executor's fixed host work on this machine; a profile
     carrying `host_layer_s` adds it to every layer-step's predicted time (as the simulator
-    does) and changes no decision of the planner."""
+    does) and changes no decision of the planner (the look-ahead's lead held fixed)."""
     from dataclasses import replace
 
     from freetoken_py.residency.calibrate import measure_host_costs, with_host_costs
@@ -765,6 +765,7 @@ def test_calibrated_host_costs_are_measured_and_reach_the_prediction_not_the_dec
         llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4060-laptop-8g")
         ex = llm.residency
         ex.cost = replace(ex.cost, profile=replace(ex.cost.profile, host_layer_s=host_layer_s))
+        ex.fix_lead(0.0)   # (the profile's lead counts the host work: more time to copy ahead in)
         toks = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
         return toks, ex.telemetry
 
@@ -814,9 +815,8 @@ def test_recorded_predictions_are_the_next_router_on_this_layers_input(checkpoin
 
 def test_look_ahead_copies_only_what_fits_and_is_scored_like_the_trace(checkpoint_factory, tmp_path):
     """The executor scores its look-ahead on decode steps as the recorded trace gives it
-    (predicted experts, and of those the routed ones), the copies ahead stay within
-    planner.prefetch_allowance (none when a copy
-    outlasts any idle time; some with a long lead), and the outputs do not depend on it.
+    (predicted experts, and of those the routed ones), copies ahead nothing when a copy
+    outlasts any idle time and some with a long lead, and the outputs do not depend on it.
     Emulated, the lead is the profile's (a layer's dense read), not this host's timing."""
     path = checkpoint_factory("qwen3_moe")
 
@@ -825,7 +825,7 @@ def test_look_ahead_copies_only_what_fits_and_is_scored_like_the_trace(checkpoin
                   record_routing=str(tmp_path / "t.jsonl"))
         ex = llm.residency
         ex.measure_live = False
-        assert ex.fixed_lead_s is not None and 0 < ex.lead_s < 1e-3      # the profile's dense read
+        assert ex.dense_layer_bytes > 0 and 0 < ex.lead_s < 1e-3          # the profile's dense read
         if lead is not None:
             ex.fix_lead(lead)
         if pcie_gbps is not None:
@@ -848,3 +848,43 @@ def test_look_ahead_copies_only_what_fits_and_is_scored_like_the_trace(checkpoin
     slow_tokens, slow, _ = run(pcie_gbps=1e-6)       # a copy takes ~forever: never worth it ahead
     assert slow.telemetry.totals().prefetch_copies == 0 and slow.telemetry.totals().prefetch_predicted > 0
     assert slow_tokens == tokens
+
+
+@pytest.mark.parametrize("lead", [None, 2e-5, 1.0])
+def test_the_simulator_replays_the_executors_decisions_exactly(checkpoint_factory, tmp_path, lead):
+    """A run on the emulated tiers, recorded, and its trace replayed by `simulate` with the same
+    policy, cost model and lead: the same hits, copies, CPU and cut pairs, look-ahead copies and
+    prefetch scores, pair for pair (the simulator's figures are the executor's decisions)."""
+    from freetoken_py.residency.attach import make_policy
+    from freetoken_py.residency.simulate import simulate
+
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4090",
+              record_routing=str(tmp_path / "t.jsonl"))
+    ex = llm.residency
+    ex.measure_live = False
+    ex.fix_lead(lead)
+    llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    trace = llm.routing_recorder.trace
+    policy = make_policy("ours", trace.moe_layers, trace.num_experts, ex.slots.num_slots, ex.cost.profile)
+    r = simulate(trace, policy, ex.cost, 0, prefetch=True, lead_s=ex.lead(True), prefill_lead_s=ex.lead(False))
+    t = ex.telemetry.totals()
+    assert (r.routed_pairs, r.hit_pairs, r.stream_pairs, r.cpu_pairs, r.split_pairs) == \
+        (t.routed_pairs, t.hit_pairs, t.stream_pairs, t.cpu_pairs, t.split_pairs)
+    assert (r.prefetch_copies, r.prefetch_predicted, r.prefetch_correct) == \
+        (t.prefetch_copies, t.prefetch_predicted, t.prefetch_correct)
+    # bytes: a cut expert is cut at whole columns in the run, at the planner's fraction in the replay
+    assert r.pcie_bytes == pytest.approx(t.pcie_bytes, rel=0.01) and t.hit_pairs > 0 and t.cpu_pairs > 0
+    if lead == 1.0:
+        assert t.prefetch_copies > 0
+
+
+def test_the_trace_holds_only_the_predictions_the_executor_made(checkpoint_factory, tmp_path):
+    """With no slots the executor predicts nothing (nothing to copy into): the recorded trace
+    then carries no predictions for the simulator to replay."""
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", vram_budget_bytes=1,
+              record_routing=str(tmp_path / "t.jsonl"))
+    llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    trace = llm.routing_recorder.trace
+    assert llm.residency.slots.num_slots == 0 and len(trace.steps) == 3 and not trace.has_predictions

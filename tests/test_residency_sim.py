@@ -446,10 +446,11 @@ def test_a_backlog_delays_the_copies_and_only_the_hits_that_wait_for_it():
 
 
 def test_prefetch_replay_follows_the_quality_of_the_predictions_and_the_allowance():
-    """Right predictions with room to copy them turn misses into hits and save time; predictions
-    of experts never routed only cost slots; no room, nothing is copied and the time is the
-    same; the copies never exceed the allowance; copying every prediction regardless (ungated)
-    backs the copy engine up into the next layers and costs time."""
+    """No predictions: prefetch on and off replay the same. Right predictions with room to copy
+    them turn misses into hits and save time; predictions of experts never routed only cost
+    slots; a given lead bounds the copies; with no room nothing is copied and the time is the
+    same, while copying every prediction regardless (ungated) backs the copy engine up into
+    the next layers and costs time."""
     trace = synthetic_trace("flat", SMALL, steps=60, seed=5)
     cost = CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token)
     layers = list(range(SMALL.num_layers))
@@ -457,6 +458,7 @@ def test_prefetch_replay_follows_the_quality_of_the_predictions_and_the_allowanc
     def run(tr, prefetch, dense=SMALL.dense_bytes, **kw):
         return simulate(tr, AdaptivePolicy(layers, 16, 24), cost, dense, prefetch=prefetch, **kw)
 
+    assert run(trace, True).to_dict() == run(trace, False).to_dict()
     right = _with_predictions(trace, lambda s, l: trace.steps[s][l][0].tolist())
     routed = lambda s, l: set(trace.steps[s][l][0].tolist())                      # noqa: E731
     wrong = _with_predictions(trace, lambda s, l: [e for e in range(16) if e not in routed(s, l)][:4])
@@ -482,4 +484,20 @@ def test_prefetch_replay_follows_the_quality_of_the_predictions_and_the_allowanc
     # ungated, wrong guesses and no lead: the copies run into the next layers' own copies
     gated, ungated, none = run(wrong, True, 0), run(wrong, True, 0, prefetch_limit=False), run(trace, False, 0)
     assert ungated.prefetch_copies > gated.prefetch_copies
-    assert ungated.decode_seconds > 1.05 * none.decode_seconds and ungated.decode_seconds > gated.decode_seconds
+    assert gated.prefetch_copies == 0 and gated.decode_seconds == none.decode_seconds
+    assert ungated.decode_seconds > 1.05 * none.decode_seconds
+
+
+def test_a_look_ahead_stops_when_it_would_evict_a_better_guess():
+    """Predicted [0, 5, 6] for layer 1 with a two-slot LRU holding layer 1's expert 0 (the
+    oldest): admitting 5 evicts 0, a better-ranked guess, so 6 is not tried (the executor's rule)."""
+    trace = RoutingTrace(2, 8, 1)
+    trace.add_step({0: np.array([[1]]), 1: np.array([[0]])})            # both streamed and kept
+    trace.add_step({0: np.array([[1]]), 1: np.array([[5]])}, {1: [0, 5, 6]})
+    cost = CostModel(PROFILES["rtx4090"], SMALL.expert_bytes, SMALL.expert_flops_per_token)
+    policy = LruPolicy(2, 1.0)                                          # every miss streams
+    r = simulate(trace, policy, cost, 0, prefetch=True, lead_s=1.0)     # room for every guess
+    assert r.prefetch_copies == 1 and policy.is_resident(1, 5) and not policy.is_resident(1, 6)
+    ungated = LruPolicy(2, 1.0)
+    simulate(trace, ungated, cost, 0, prefetch=True, lead_s=1.0, prefetch_limit=False)
+    assert ungated.is_resident(1, 5) and not ungated.is_resident(1, 6)   # the same stop, ungated too

@@ -18,7 +18,7 @@ from freetoken_py.residency.elastic import ElasticVram, cuda_free_bytes
 from freetoken_py.residency.executor import ResidencyExecutor
 from freetoken_py.residency.planner import CostModel
 from freetoken_py.residency.policy import LruPolicy, StaticPolicy
-from freetoken_py.residency.profiles import GB, emulated, from_hardware_profile, get_profile
+from freetoken_py.residency.profiles import emulated, from_hardware_profile, get_profile
 from freetoken_py.residency.slots import SlotCache
 
 POLICIES = ("ours", "lru", "static")
@@ -84,14 +84,13 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
         elastic = ElasticVram(expert_bytes, num_slots, reserve_bytes=reserve)
     # the look-ahead's lead: measured on a GPU; emulated, the profile's (a layer's dense read and
     # host work, as the simulator counts it), not this host's CPU-side dense compute
-    lead_s = (dense_weight_bytes(model) / len(moe) / (profile.vram_gbps * GB) + profile.host_layer_s
-              if mode == "emulate" else None)
+    dense_layer = dense_weight_bytes(model) // len(moe) if mode == "emulate" else None
     executor = ResidencyExecutor(w13, w2, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,
                                  memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
                                  audit=audit, measure_live=mode == "cuda",
                                  cpu_banks=_cpu_banks(w13, w2, activation)
-                                 if cpu_kernels else None, lead_s=lead_s)
+                                 if cpu_kernels else None, dense_layer_bytes=dense_layer)
     model.experts = executor
     return executor
 
@@ -99,17 +98,8 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
 def dense_weight_bytes(model) -> int:
     """Bytes of the weights every token reads besides the routed experts (attention, norms,
     routers, dense MLPs, the LM head; the embedding is one row per token)."""
-    from freetoken_py.layers.linear import TorchLinear
-
-    w = model.weights
-    total = w.final_norm.numel() * w.final_norm.element_size()
-    head = w.lm_head
-    total += head.weight.numel() * head.weight.element_size() if isinstance(head, TorchLinear) else 0
-    for lw in w.layers:
-        for obj in lw.dense().values():
-            t = obj.weight if isinstance(obj, TorchLinear) else obj
-            total += t.numel() * t.element_size()
-    return total
+    w = model.weights      # tensors (norms) and linear layers (torch or numba): each has nbytes
+    return w.final_norm.nbytes + w.lm_head.nbytes + sum(obj.nbytes for lw in w.layers for obj in lw.dense().values())
 
 
 def _cpu_banks(w13: list, w2: list, activation: str) -> Optional[list]:

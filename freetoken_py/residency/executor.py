@@ -35,6 +35,7 @@ from freetoken_py.kernels import gpu_moe
 from freetoken_py.kernels.cpu_moe import add_moe_experts, moe_experts
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.planner import CostModel, LayerStats, prefetch_allowance
+from freetoken_py.residency.profiles import GB
 from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
 from freetoken_py.residency.stats import predict_experts
 from freetoken_py.residency.streamer import Streamer
@@ -66,7 +67,7 @@ class ResidencyExecutor:
                  routers: Optional[list] = None, top_k: int = 0, elastic: Optional[ElasticVram] = None,
                  memory_probe: Optional[Callable[[], int]] = None, label: str = "emulated",
                  audit: bool = False, measure_live: bool = False, cpu_banks: Optional[list] = None,
-                 lead_s: Optional[float] = None):
+                 dense_layer_bytes: Optional[int] = None):
         self.host_w13, self.host_w2 = host_w13, host_w2   # per layer [E, 2I, D] / [E, D, I] or None
         # per layer: a kernels.cpu_moe.ExpertBank viewing the same host weights (the numba CPU
         # kernels), or None (the CPU tier then runs torch on the host weights)
@@ -81,13 +82,15 @@ class ResidencyExecutor:
         self.step, self._last_layer = -1, None
         self._predicted: dict[int, set[int]] = {}
         # the look-ahead copies' lead: the time from one layer's expert work to the next layer's
-        # routing (its attention and dense part), per kind of step (decode, prefill). `lead_s`
-        # given (emulation: the profile's dense read and host work) fixes it; else it is measured
-        # (an EMA): on a GPU on its clock, from the previous call's end event to the routing read,
-        # on the host from the previous call's return
-        self.fixed_lead_s, self._lead = None, {True: 0.0, False: 0.0}
-        if lead_s is not None:
-            self.fix_lead(lead_s)
+        # routing (its attention and dense part), per kind of step (decode, prefill). With
+        # `dense_layer_bytes` (emulation) it is the profile's: that read at its VRAM rate plus its
+        # host work, as the simulator counts it; else measured (an EMA seeded by the first gap):
+        # on a GPU on its clock, from the previous call's end event to this call's routing read
+        # (read back later, never waited for), on the host from the previous call's return
+        self.dense_layer_bytes = dense_layer_bytes
+        self._fixed_lead: Optional[float] = None
+        self._lead, self._lead_seen = {True: 0.0, False: 0.0}, {True: False, False: False}
+        self._lead_pending: list = []  # CUDA: (previous call's end event, this call's start event, decode)
         self._prev_end = None          # the previous call of this step: its end (event or perf_counter)
         self.prediction_made: Optional[tuple[int, list[int]]] = None   # this call's look-ahead, for a recorder
         self._timing: list = []     # (step, layer, start, end) CUDA events of calls with x on the GPU, unread
@@ -122,7 +125,7 @@ class ResidencyExecutor:
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
         decode = ids.shape[0] == 1
-        self._measure_lead(decode)
+        self._measure_lead(decode, timing[0] if timing is not None else None)
         one = ids.tolist()[0] if ids.shape[0] == 1 else None
         if one is not None and len(set(one)) < len(one):
             one = None                        # (repeated experts: the general path)
@@ -149,7 +152,7 @@ class ResidencyExecutor:
                       else (None, None))
         # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
         # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
-        self._prefetch(predicted, prefetch_allowance(plan, self.cost, self._lead[decode]))
+        self._prefetch(predicted, prefetch_allowance(plan, self.cost, self.lead(decode)))
         inter = self.host_w2[layer].shape[-1]
         cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
         cpu_part = (self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts, one, weights)
@@ -226,6 +229,13 @@ class ResidencyExecutor:
             else:
                 pending.append((step, layer, start, end))
         self._timing = pending
+        waiting = []
+        for prev, routed, decode in self._lead_pending:
+            if prev.query() and routed.query():
+                self._add_lead(decode, prev.elapsed_time(routed) / 1e3)
+            else:
+                waiting.append((prev, routed, decode))
+        self._lead_pending = waiting
 
     def checkpoint(self) -> tuple:
         """What `rewind_pass` needs to forget the coming forward pass: the counters, the GPU-clock
@@ -437,58 +447,69 @@ class ResidencyExecutor:
         # this layer's input stands in for the next one's (one device-to-host read)
         return nxt, predict_experts(self.routers[nxt](x), self.top_k)
 
+    def lead(self, decode: bool = True) -> float:
+        """The lead (seconds) the look-ahead copies of a decode (or a prefill) step may use."""
+        if self._fixed_lead is not None:
+            return self._fixed_lead
+        if self.dense_layer_bytes is not None:
+            p = self.cost.profile
+            return self.dense_layer_bytes / (p.vram_gbps * GB) + p.host_layer_s
+        return self._lead[decode]
+
     @property
     def lead_s(self) -> float:
-        """The decode steps' lead (seconds) the look-ahead copies are allowed."""
-        return self._lead[True]
+        return self.lead(True)
 
-    def fix_lead(self, seconds: float) -> None:
-        """Use this lead for every step from now on instead of measuring it."""
-        self.fixed_lead_s = seconds
-        self._lead = {True: seconds, False: seconds}
+    def fix_lead(self, seconds: Optional[float]) -> None:
+        """Use this lead for every step from now on (None: back to the profile's or the measured one)."""
+        self._fixed_lead = seconds
 
-    def _measure_lead(self, decode: bool) -> None:
-        """Called once the routing is on the host: the time since the previous layer's expert
-        work (same step) joins that kind of step's EMA, unless the lead is fixed (emulation)."""
+    def _measure_lead(self, decode: bool, routed=None) -> None:
+        """Called once the routing is on the host (`routed`: an event recorded then, on a GPU): the
+        time since the previous layer's expert work (same step) joins that kind of step's EMA."""
         prev, self._prev_end = self._prev_end, None
-        if prev is None or self.fixed_lead_s is not None:
+        if prev is None or self._fixed_lead is not None or self.dense_layer_bytes is not None:
             return
         if isinstance(prev, float):       # host: from the previous call's return
-            gap = time.perf_counter() - prev
-        else:                              # GPU clock: from the previous call's end event to now
-            now = torch.cuda.Event(enable_timing=True)
-            now.record()
-            now.synchronize()              # the stream has just been waited for: at once
-            gap = prev.elapsed_time(now) / 1e3
-        self._lead[decode] = 0.8 * self._lead[decode] + 0.2 * gap
+            self._add_lead(decode, time.perf_counter() - prev)
+        elif routed is not None:          # GPU clock: read back in flush_timing, once both have happened
+            self._lead_pending.append((prev, routed, decode))
+
+    def _add_lead(self, decode: bool, gap: float) -> None:
+        seen, self._lead_seen[decode] = self._lead_seen[decode], True
+        self._lead[decode] = 0.8 * self._lead[decode] + 0.2 * gap if seen else gap
 
     def _prefetch(self, prediction: Optional[tuple[int, list[int]]], allowed: int) -> None:
         """Admit the predicted experts the policy wants, best first, and copy them in ahead (not
         waited for), at most `allowed` copies (planner.prefetch_allowance: what fits where the
         copy engine would idle before the next layer's experts start). An admission that evicts
-        an expert this look-ahead copied ends it (the guesses further down are worth less than
-        the one it pushed out). The prediction is scored either way (`prefetch%`)."""
+        a better-ranked predicted expert (resident, or copied by this look-ahead) ends it: the
+        guesses further down are worth less than the one it pushed out. The prediction is scored either way (`prefetch%`)."""
         self.prediction_made = prediction
         if prediction is None:
             return
         nxt, predicted = prediction
         self._predicted[nxt] = set(predicted)
-        mine: set[int] = set()
+        mine: set[int] = set()       # copied by this look-ahead
+        seen: set[int] = set()       # better guesses already passed (resident, or copied now)
         for e in predicted:
             if len(mine) >= allowed:
                 break
             if self.policy.is_resident(nxt, e):
+                seen.add(e)
                 continue
             evicted = self.policy.admit(nxt, e, self.step)
             for key in evicted:
                 self.slots.evict(key)
-            lost = {k[1] for k in evicted if k[0] == nxt and k[1] in mine}
+            lost = {k[1] for k in evicted if k[0] == nxt and k[1] in seen}
             mine -= lost
+            seen -= lost
             if self.policy.is_resident(nxt, e):
                 self.streamer.to_slot(nxt, e, ahead=True)
                 self.telemetry.layers[nxt].pcie_bytes += self.cost.expert_bytes
                 self.telemetry.layers[nxt].prefetch_copies += 1
                 mine.add(e)
+                seen.add(e)
             if lost:
                 break
 

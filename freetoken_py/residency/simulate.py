@@ -13,7 +13,8 @@ split, the experts predicted for the next MoE layer are offered to the policy (`
 first, and those it admits are copied once layer l's accelerator work is done, as many as
 `planner.prefetch_allowance` lets (the time the CPU side runs past the accelerator side, plus
 the lead to the next layer's routing: the dense read and host work here, measured by the
-executor), stopping when an admission evicts one of them. The copy engine is one queue across
+executor), stopping when an admission evicts a better-ranked predicted expert (resident, or
+copied by this look-ahead). The copy engine is one queue across
 layers and steps: what is left of it when the next layer's experts start (the backlog) delays
 that layer's copies, and its hits if one of them is a prefetched expert (a hit on a slot whose
 copy has not landed waits for it); a layer with no copy and no prefetched hit does not wait.
@@ -90,13 +91,15 @@ class SimResult:
 
 
 def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, prefetch: bool = False,
-             lead_s: float | None = None, prefetch_limit: bool = True) -> SimResult:
+             lead_s: float | None = None, prefill_lead_s: float | None = None,
+             prefetch_limit: bool = True) -> SimResult:
     """`dense_bytes`: non-expert weights read per token (spread over the MoE layers). `prefetch`:
     replay the trace's look-ahead predictions (module docstring); no effect on a trace without.
     `lead_s`: the time from one layer's expert work to the next layer's routing, which the
     look-ahead copies may use (None: a layer-step's dense read and host work; a run's measured
-    lead to replay that run). `prefetch_limit` False copies every predicted expert the policy
-    admits, not only what fits (what the allowance saves)."""
+    lead to replay that run); `prefill_lead_s` the same for steps of more than one token (None:
+    `lead_s`). `prefetch_limit` False copies every predicted expert the policy admits, not only
+    what fits (what the allowance saves)."""
     profile = cost.profile
     layers = trace.moe_layers
     nxt_layer = dict(zip(layers, layers[1:]))
@@ -104,7 +107,8 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     # every layer-step: its share of the dense weights read, and the executor's fixed host work (0 in the
     # hand-built profiles)
     fixed_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s
-    lead = fixed_layer_s if lead_s is None else lead_s
+    lead_decode = fixed_layer_s if lead_s is None else lead_s
+    lead_prefill = lead_decode if prefill_lead_s is None else prefill_lead_s
     r = SimResult()
     step_s, step_tokens, cur = 0.0, 0, -1
     # copy-engine seconds left at a layer's start; per layer, the experts predicted for it and those copied
@@ -135,24 +139,28 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
         if ids.shape[0] == 1:           # scored on decode steps, as the executor's prefetch%
             r.prefetch_predicted += len(predicted)
             r.prefetch_correct += sum(e in tokens for e in predicted)
+        lead = lead_decode if ids.shape[0] == 1 else lead_prefill
         moe_s, gpu_end, own_copies_s = _with_backlog(p, tokens, cost, backlog, copied & set(p.hits))
         # ahead copies start once the layer's accelerator work is done (and its own copies)
         queued = max(gpu_end, backlog + own_copies_s)
         nxt = nxt_layer.get(layer)
         guess = trace.prediction(step, nxt) if nxt is not None else None
         if guess:   # the executor's _prefetch: best first, up to the allowance, until one evicts another
-            guessed[nxt], mine = guess, set()
+            guessed[nxt], mine, seen = guess, set(), set()
             allowed = prefetch_allowance(p, cost, lead) if prefetch_limit else len(guess)
             for e in guess:
                 if len(mine) >= allowed:
                     break
                 if policy.is_resident(nxt, e):
+                    seen.add(e)
                     continue
                 evicted = policy.admit(nxt, e, step)
-                lost = {k[1] for k in evicted if k[0] == nxt and k[1] in mine}
+                lost = {k[1] for k in evicted if k[0] == nxt and k[1] in seen}
                 mine -= lost
+                seen -= lost
                 if policy.is_resident(nxt, e):
                     mine.add(e)
+                    seen.add(e)
                     r.prefetch_copies += 1
                     r.pcie_bytes += cost.expert_bytes
                     queued += cost.copy_s()

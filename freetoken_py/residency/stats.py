@@ -155,8 +155,9 @@ class RoutingRecorder:
     A call for a layer not above the previous call's layer starts a new step (a new forward pass).
     With `routers` (per layer, the MoE layers' router as a callable x -> logits, None elsewhere),
     each call also records the look-ahead prediction for the next MoE layer from this layer's
-    input (`predict_experts`), what the executor's prefetch copies: the residency executor's own
-    when it made one (`prediction_made`: no second router call), else computed here.
+    input (`predict_experts`), what the executor's prefetch copies. Over the residency executor
+    it records that executor's own (`prediction_made`: no second router call), and nothing where
+    it made none (no slots, prefetch off); over any other executor it computes them here.
     """
 
     def __init__(self, inner, num_layers: int, num_experts: int, top_k: int, source: str = "",
@@ -176,9 +177,10 @@ class RoutingRecorder:
         out = self.inner(layer, x, ids, weights)
         if self.routers is not None:
             nxt = next((l for l in range(layer + 1, len(self.routers)) if self.routers[l] is not None), None)
-            made = getattr(self.inner, "prediction_made", None)   # the residency executor's own, when it made one
-            if made is not None and made[0] == nxt:
-                self.trace.predicted[-1][nxt] = list(made[1])
+            if hasattr(self.inner, "prediction_made"):    # the residency executor: what it acted on, if anything
+                made = self.inner.prediction_made
+                if made is not None and made[0] == nxt:
+                    self.trace.predicted[-1][nxt] = list(made[1])
             elif nxt is not None:
                 self.trace.predicted[-1][nxt] = predict_experts(self.routers[nxt](x), self.trace.top_k)
         return out

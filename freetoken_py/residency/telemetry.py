@@ -26,7 +26,7 @@ class LayerCounters:
                               # (CUDA events) when the dense weights are on the GPU
     cpu_tier_s: float = 0.0   # measured wall time in the CPU tier (real even under emulation)
     cpu_tier_bytes: int = 0   # expert weight bytes the CPU tier read
-    prefetch_predicted: int = 0   # experts the look-ahead predicted for this layer
+    prefetch_predicted: int = 0   # experts the look-ahead predicted for this layer at decode steps
     prefetch_correct: int = 0     # of those, experts the layer then routed
     prefetch_copies: int = 0      # look-ahead copies into this layer's slots (planner.prefetch_allowance)
 
@@ -98,8 +98,8 @@ class Telemetry:
                          f"{'; not comparable under emulation' if self.label.startswith('emulated') else ''})")
         if t.prefetch_predicted:
             lines.append(f"look-ahead prefetch: {100 * t.prefetch_correct / t.prefetch_predicted:.1f}% of "
-                         f"{t.prefetch_predicted} predicted experts routed; {t.prefetch_copies} copied ahead "
-                         f"(only what fits where the copy engine would idle)")
+                         f"{t.prefetch_predicted} experts predicted at decode routed; {t.prefetch_copies} copied "
+                         f"ahead (only what fits where the copy engine would idle)")
         if t.cpu_tier_s:
             lines.append(f"CPU tier (measured): {t.cpu_tier_bytes / 1e6:.1f} MB of expert weights in "
                          f"{t.cpu_tier_s * 1e3:.1f} ms = {t.cpu_tier_bytes / t.cpu_tier_s / 1e9:.2f} GB/s")
