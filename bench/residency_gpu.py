@@ -10,7 +10,8 @@ It decodes --decode-tokens greedy tokens and records the routing, then reports:
 
 - decode tokens/s, next to the simulator's prediction of it (its replay of the recorded trace,
   policy "ours", same slots and profile, the look-ahead prefetch replayed from the trace's
-  predictions with the lead the run measured, plus the dense weights read from VRAM at the
+  predictions with the leads the run ended with (its EMA's last values: close to, not exactly,
+  what each step used), plus the dense weights read from VRAM at the
   profile's rate, as `simulate` counts them), with `within_25pct_tok_s`; the look-ahead copies
   per token, run and replay (`prefetch_copies_per_token`);
 - the experts' wall time per decoded token (the executor's calls, the accelerator's part waited
@@ -63,7 +64,8 @@ def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[fl
     policy = AdaptivePolicy(trace.moe_layers, trace.num_experts, ex.slots.num_slots)
     head = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
     head.steps, head.predicted = trace.steps[:first_decode_step], trace.predicted
-    leads = {"lead_s": ex.lead(True), "prefill_lead_s": ex.lead(False)}   # as the run measured them
+    # the leads the run ended with (it measured them as it went: an EMA, seeded by its first gap)
+    leads = {"lead_s": ex.lead(True), "prefill_lead_s": ex.lead(False)}
     simulate(head, policy, ex.cost, 0, prefetch=True, **leads)       # the warm-up steps, as in the run
     tail = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
     # empty steps in front keep the step numbers absolute (the policy's recency and decay use them)
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "simulator": round(sim_prefetch / max(1, sim_tokens), 3)},
         "prefetch_accuracy": (round(run["prefetch_correct"] / run["prefetch_predicted"], 3)
                               if run["prefetch_predicted"] else None),
-        "lead_ms": round(ex.lead_s * 1e3, 4),
+        "lead_ms": {"decode": round(ex.lead(True) * 1e3, 4), "prefill": round(ex.lead(False) * 1e3, 4)},
         "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
     }
     return common.emit(row, args.out)

@@ -788,7 +788,8 @@ def _predict_reference(logits: torch.Tensor, k: int) -> list[int]:
 
 def test_recorded_predictions_are_the_next_router_on_this_layers_input(checkpoint_factory, tmp_path):
     """`--record-routing` writes the look-ahead prediction of every MoE layer but the first: the
-    next layer's router applied to this layer's MoE input. Reference: transformers' own input to
+    next layer's router applied to this layer's MoE input (the plain engine's recorder computes
+    it, the residency executor makes it itself). Reference: transformers' own input to
     each sparse MoE block (a forward pre-hook), through the next block's gate weights."""
     path = checkpoint_factory("qwen3_moe")
     llm = LLM(path, dtype="float32", show_progress=False, record_routing=str(tmp_path / "t.jsonl"))
@@ -811,6 +812,10 @@ def test_recorded_predictions_are_the_next_router_on_this_layers_input(checkpoin
         decode = _predict_reference(inputs[prev][-1:] @ gate.T, trace.top_k)
         assert trace.prediction(0, nxt) == prefill and len(prefill) > trace.top_k, nxt   # a prefill: more than k
         assert trace.prediction(1, nxt) == decode and len(decode) == trace.top_k, nxt
+    # on the residency tiers the trace holds the executor's own predictions: the same ones
+    tiers = LLM(path, dtype="float32", show_progress=False, residency="emulate", record_routing=str(tmp_path / "r.jsonl"))
+    tiers.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert tiers.routing_recorder.trace.predicted == trace.predicted
 
 
 def test_look_ahead_copies_only_what_fits_and_is_scored_like_the_trace(checkpoint_factory, tmp_path):
@@ -844,29 +849,39 @@ def test_look_ahead_copies_only_what_fits_and_is_scored_like_the_trace(checkpoin
                 correct += len(set(guess) & set(ids.ravel().tolist()))
     totals = ex.telemetry.totals()
     assert (totals.prefetch_predicted, totals.prefetch_correct) == (predicted, correct) and predicted > 0
-    assert totals.prefetch_copies > 0 and ex.lead_s == 1.0
+    assert totals.prefetch_copies > 0
     slow_tokens, slow, _ = run(pcie_gbps=1e-6)       # a copy takes ~forever: never worth it ahead
     assert slow.telemetry.totals().prefetch_copies == 0 and slow.telemetry.totals().prefetch_predicted > 0
     assert slow_tokens == tokens
 
 
-@pytest.mark.parametrize("lead", [None, 2e-5, 1.0])
-def test_the_simulator_replays_the_executors_decisions_exactly(checkpoint_factory, tmp_path, lead):
+@pytest.mark.parametrize("policy_name,budget,leads", [
+    ("ours", 0, None), ("ours", 0, (2e-5, 2e-5)), ("ours", 0, (1.0, 1.0)),
+    ("ours", 0, (0.0, 1.0)),            # copies ahead in the prefill step only
+    ("lru", 3, (1.0, 1.0)),             # three slots: weaker guesses evict better ones (the stop)
+])
+def test_the_simulator_replays_the_executors_decisions_exactly(checkpoint_factory, tmp_path, policy_name, budget,
+                                                               leads):
     """A run on the emulated tiers, recorded, and its trace replayed by `simulate` with the same
-    policy, cost model and lead: the same hits, copies, CPU and cut pairs, look-ahead copies and
-    prefetch scores, pair for pair (the simulator's figures are the executor's decisions)."""
+    policy, cost model and leads (decode, prefill): the same hits, copies, CPU and cut pairs,
+    look-ahead copies and prefetch scores, pair for pair (the simulator's figures are the
+    executor's decisions)."""
     from freetoken_py.residency.attach import make_policy
     from freetoken_py.residency.simulate import simulate
 
     path = checkpoint_factory("qwen3_moe")
+    extra = {}
+    if budget:     # slots for `budget` experts
+        probe = LLM(path, dtype="float32", show_progress=False, residency="emulate")
+        extra["vram_budget_bytes"] = budget * probe.residency.cost.expert_bytes
     llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4090",
-              record_routing=str(tmp_path / "t.jsonl"))
+              residency_policy=policy_name, record_routing=str(tmp_path / "t.jsonl"), **extra)
     ex = llm.residency
-    ex.measure_live = False
-    ex.fix_lead(lead)
+    assert not budget or ex.slots.num_slots == budget
+    ex.fix_lead(*(leads or (None,)))
     llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     trace = llm.routing_recorder.trace
-    policy = make_policy("ours", trace.moe_layers, trace.num_experts, ex.slots.num_slots, ex.cost.profile)
+    policy = make_policy(policy_name, trace.moe_layers, trace.num_experts, ex.slots.num_slots, ex.cost.profile)
     r = simulate(trace, policy, ex.cost, 0, prefetch=True, lead_s=ex.lead(True), prefill_lead_s=ex.lead(False))
     t = ex.telemetry.totals()
     assert (r.routed_pairs, r.hit_pairs, r.stream_pairs, r.cpu_pairs, r.split_pairs) == \
@@ -875,8 +890,15 @@ def test_the_simulator_replays_the_executors_decisions_exactly(checkpoint_factor
         (t.prefetch_copies, t.prefetch_predicted, t.prefetch_correct)
     # bytes: a cut expert is cut at whole columns in the run, at the planner's fraction in the replay
     assert r.pcie_bytes == pytest.approx(t.pcie_bytes, rel=0.01) and t.hit_pairs > 0 and t.cpu_pairs > 0
-    if lead == 1.0:
+    if leads and max(leads) == 1.0:
         assert t.prefetch_copies > 0
+    if leads == (0.0, 1.0):       # none at decode: every copy ahead was in the prefill step
+        decode_only = simulate(trace, make_policy(policy_name, trace.moe_layers, trace.num_experts,
+                                                  ex.slots.num_slots, ex.cost.profile),
+                               ex.cost, 0, prefetch=True, lead_s=0.0, prefill_lead_s=0.0)
+        assert decode_only.prefetch_copies == 0 and t.prefetch_copies > 0
+    if policy_name == "lru":
+        assert r.prefetch_stops > 0
 
 
 def test_the_trace_holds_only_the_predictions_the_executor_made(checkpoint_factory, tmp_path):
@@ -888,3 +910,37 @@ def test_the_trace_holds_only_the_predictions_the_executor_made(checkpoint_facto
     llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     trace = llm.routing_recorder.trace
     assert llm.residency.slots.num_slots == 0 and len(trace.steps) == 3 and not trace.has_predictions
+
+
+def test_the_lead_is_measured_per_kind_of_step_and_seeded_by_the_first_gap(checkpoint_factory):
+    """Without a fixed or profile lead the executor measures the time between two layers' calls
+    on the host, decode steps and prefill apart; the first gap seeds the EMA. The CUDA pairs are
+    read back only once both events have happened (stand-in events here)."""
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate")
+    ex = llm.residency
+    ex.dense_layer_bytes = None                 # measure, as on a host without a profile lead
+    llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert ex._lead_seen == {True: True, False: True} and ex.lead(True) > 0 and ex.lead(False) > 0
+    ex._lead_seen, ex._lead = {True: False, False: False}, {True: 0.0, False: 0.0}
+    ex._add_lead(True, 0.5)
+    ex._add_lead(True, 1.0)
+    assert ex.lead(True) == pytest.approx(0.6) and ex.lead(False) == 0.0
+
+    class Event:        # what flush_timing asks of a CUDA event
+        def __init__(self, t, done=True):
+            self.t, self.done = t, done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    ex._lead_pending = [(Event(0.0), Event(0.25), False), (Event(1.0), Event(2.0, done=False), False)]
+    ex.flush_timing(wait=False)
+    assert ex.lead(False) == pytest.approx(0.25) and len(ex._lead_pending) == 1
+    ex.fix_lead(3.0, 4.0)
+    assert (ex.lead(True), ex.lead(False)) == (3.0, 4.0)
+    ex.fix_lead(None)
+    assert ex.lead(False) == pytest.approx(0.25)

@@ -88,7 +88,7 @@ class ResidencyExecutor:
         # on a GPU on its clock, from the previous call's end event to this call's routing read
         # (read back later, never waited for), on the host from the previous call's return
         self.dense_layer_bytes = dense_layer_bytes
-        self._fixed_lead: Optional[float] = None
+        self._fixed_lead: Optional[tuple[float, float]] = None
         self._lead, self._lead_seen = {True: 0.0, False: 0.0}, {True: False, False: False}
         self._lead_pending: list = []  # CUDA: (previous call's end event, this call's start event, decode)
         self._prev_end = None          # the previous call of this step: its end (event or perf_counter)
@@ -222,6 +222,8 @@ class ResidencyExecutor:
         `wait`, wait for the last ones first (before reading the telemetry)."""
         if wait and self._timing:
             self._timing[-1][3].synchronize()
+        if wait and self._lead_pending:
+            self._lead_pending[-1][1].synchronize()
         pending = []
         for step, layer, start, end in self._timing:
             if end.query():
@@ -450,7 +452,7 @@ class ResidencyExecutor:
     def lead(self, decode: bool = True) -> float:
         """The lead (seconds) the look-ahead copies of a decode (or a prefill) step may use."""
         if self._fixed_lead is not None:
-            return self._fixed_lead
+            return self._fixed_lead[0 if decode else 1]
         if self.dense_layer_bytes is not None:
             p = self.cost.profile
             return self.dense_layer_bytes / (p.vram_gbps * GB) + p.host_layer_s
@@ -460,9 +462,10 @@ class ResidencyExecutor:
     def lead_s(self) -> float:
         return self.lead(True)
 
-    def fix_lead(self, seconds: Optional[float]) -> None:
-        """Use this lead for every step from now on (None: back to the profile's or the measured one)."""
-        self._fixed_lead = seconds
+    def fix_lead(self, decode_s: Optional[float], prefill_s: Optional[float] = None) -> None:
+        """Use these leads from now on (decode steps, other steps: default the same; None: back
+        to the profile's or the measured one)."""
+        self._fixed_lead = None if decode_s is None else (decode_s, decode_s if prefill_s is None else prefill_s)
 
     def _measure_lead(self, decode: bool, routed=None) -> None:
         """Called once the routing is on the host (`routed`: an event recorded then, on a GPU): the

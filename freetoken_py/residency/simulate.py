@@ -55,6 +55,7 @@ class SimResult:
     prefetch_predicted: int = 0      # experts predicted for the next layer (look-ahead prefetch)
     prefetch_correct: int = 0        # of those, routed there
     prefetch_copies: int = 0         # copies the prefetch made (admitted and not resident)
+    prefetch_stops: int = 0          # look-aheads ended because a guess evicted a better-ranked one
 
     @property
     def prefetch_accuracy(self) -> float:
@@ -117,6 +118,8 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
         if step != cur:
             r._end_step(step_tokens, step_s)
             step_s, step_tokens, cur = 0.0, ids.shape[0], step
+            guessed.clear()             # as the executor's _new_step: a prediction lives within its step
+            in_flight.clear()
             r.tokens += step_tokens
         counts = tokens_per_expert(ids, trace.num_experts)
         tokens = {int(e): int(counts[e]) for e in np.flatnonzero(counts)}
@@ -165,6 +168,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
                     r.pcie_bytes += cost.expert_bytes
                     queued += cost.copy_s()
                 if lost:
+                    r.prefetch_stops += 1
                     break
             in_flight[nxt] = mine
         # the queue keeps working through the rest of this layer and up to the next one's routing

@@ -96,10 +96,11 @@ class Telemetry:
             lines.append(f"expert time: predicted {t.predicted_s * 1e3:.1f} ms ({self.label} profile), measured "
                          f"{t.measured_s * 1e3:.1f} ms (this machine's wall clock"
                          f"{'; not comparable under emulation' if self.label.startswith('emulated') else ''})")
-        if t.prefetch_predicted:
-            lines.append(f"look-ahead prefetch: {100 * t.prefetch_correct / t.prefetch_predicted:.1f}% of "
-                         f"{t.prefetch_predicted} experts predicted at decode routed; {t.prefetch_copies} copied "
-                         f"ahead (only what fits where the copy engine would idle)")
+        if t.prefetch_predicted or t.prefetch_copies:
+            acc = (f"{100 * t.prefetch_correct / t.prefetch_predicted:.1f}% of {t.prefetch_predicted} experts "
+                   f"predicted at decode routed" if t.prefetch_predicted else "no decode prediction")
+            lines.append(f"look-ahead prefetch: {acc}; {t.prefetch_copies} copied ahead over all steps "
+                         f"(only what fits where the copy engine would idle)")
         if t.cpu_tier_s:
             lines.append(f"CPU tier (measured): {t.cpu_tier_bytes / 1e6:.1f} MB of expert weights in "
                          f"{t.cpu_tier_s * 1e3:.1f} ms = {t.cpu_tier_bytes / t.cpu_tier_s / 1e9:.2f} GB/s")
