@@ -45,10 +45,26 @@ class EngineConfig:
         if (self.expert_dtype != "auto" or self.dense_dtype != "auto") and self.backend == "torch":
             raise FreetokenError("--expert-dtype needs the cpu backend (the torch backend runs weights as stored)")
         self._check_residency()
+        if self.record_routing:
+            self._check_record_routing()
         if self.kv_dtype not in ("auto", "fp32", "bf16", "fp8"):
             raise FreetokenError(f"kv dtype must be auto, fp32, bf16 or fp8 (got {self.kv_dtype!r})")
         if self.kv_cache_bytes < 0 or self.max_model_len < 0:
             raise FreetokenError("kv_cache_bytes and max_model_len must be >= 0")
+
+    def _check_record_routing(self) -> None:
+        """The trace is written at the end of a run: a path it cannot be written to is said now,
+        before the model loads and the run is spent."""
+        import os
+        from pathlib import Path
+
+        out = Path(self.record_routing)
+        folder = out.parent
+        if out.is_dir():
+            raise FreetokenError(f"--record-routing {out}: is a directory; give a file path")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise FreetokenError(f"--record-routing {out}: cannot write into {folder}; give a file path in a "
+                                 "writable directory")
 
     def _check_residency(self) -> None:
         if self.residency not in ("off", "emulate", "cuda"):

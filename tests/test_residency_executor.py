@@ -204,6 +204,12 @@ def test_bad_residency_options_are_one_line_errors():
         EngineConfig(model="m", residency="gpu")
     with pytest.raises(FreetokenError, match="residency policy"):
         EngineConfig(model="m", residency="emulate", residency_policy="fifo")
+    # a trace path that cannot be written is said before the model loads, not after the run
+    proc = freetoken("x", "--record-routing", "/nonexistent-dir/t.jsonl")
+    assert proc.returncode == 2 and "cannot write into /nonexistent-dir" in proc.stderr
+    assert "Traceback" not in proc.stderr and "TTFT" not in proc.stderr + proc.stdout
+    with pytest.raises(FreetokenError, match="is a directory"):
+        EngineConfig(model="m", record_routing=str(ROOT))
 
 
 def test_measured_cpu_speed_feeds_the_cost_model(checkpoint_factory):
