@@ -11,7 +11,7 @@ so a policy calibrated on one is evaluated on the other):
     mixtral    the tests' tiny Mixtral checkpoint, likewise
 
 Each trace is what `freetoken run --record-routing FILE` writes: the real router decisions of one
-prefill and `--tokens` decode steps, and the look-ahead predictions (the next layer's router on
+prefill and `--tokens` - 1 decode steps (the prefill samples the first token), and the look-ahead predictions (the next layer's router on
 each layer's input) the simulator replays for `ours`. Prints one JSON line per trace (path, steps, routed pairs).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 Prints one JSON line per (profile, trace, policy) with `profile`, `trace`, `policy` (static, pin,
 lru, ours), `hit_rate`, `pcie_bytes_per_token`, `cpu_share`, `predicted_decode_tok_s`,
-`fits_in_vram`, then a summary of the targets on stderr. Every number is a *prediction of the cost
+`fits_in_vram` (and `predicted_prefill_tok_s`, null without a prefill step, and `prefetch`), then a summary of the targets on stderr. Every number is a *prediction of the cost
 model* for the named machine class (profiles in freetoken_py/residency/profiles.py), not a
 measurement: no accelerator is involved.
 
@@ -16,8 +16,8 @@ that model would have on each profile. `pin` counts frequencies on a separate ca
 `--calib-trace`), as an offline profiling run would. Where a recorded trace carries the look-ahead
 predictions, `ours` replays the executor's prefetch (`prefetch: true`, with `prefetch_accuracy`
 (decode steps), `prefetch_copies_per_token`, `no_prefetch_decode_tok_s` and
-`ungated_prefetch_decode_tok_s`: every predicted expert copied, not only what fits); the
-synthetic traces have none.
+`ungated_prefetch_decode_tok_s`: no allowance, the stop still applies); the synthetic traces
+have none.
 """
 from __future__ import annotations
 

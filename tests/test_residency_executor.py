@@ -869,9 +869,9 @@ def test_look_ahead_copies_only_what_fits_and_is_scored_like_the_trace(checkpoin
 def test_the_simulator_replays_the_executors_decisions_exactly(checkpoint_factory, tmp_path, policy_name, budget,
                                                                leads):
     """A run on the emulated tiers, recorded, and its trace replayed by `simulate` with the same
-    policy, cost model and leads (decode, prefill): the same hits, copies, CPU and cut pairs,
-    look-ahead copies and prefetch scores, pair for pair (the simulator's figures are the
-    executor's decisions)."""
+    policy, cost model and leads (decode, prefill): the same totals of hits, copies, CPU and cut
+    pairs, look-ahead copies and prefetch scores (the simulator's figures are the executor's
+    decisions)."""
     from freetoken_py.residency.attach import make_policy
     from freetoken_py.residency.simulate import simulate
 

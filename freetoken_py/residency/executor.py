@@ -13,8 +13,10 @@ Per call (one MoE layer of one forward pass):
                                            pair's two column ranges are disjoint and add up)
 
 Before the CPU part runs, the next MoE layer's experts are predicted through its router from this
-layer's input (the residual stream changes little between layers) and copied ahead (look-ahead
-prefetch), so the copies overlap the CPU's work; the next call scores the prediction. At the
+layer's input (the residual stream changes little between layers) and as many as fit where the
+copy engine would idle (planner.prefetch_allowance, with the measured lead to the next layer)
+are copied ahead (look-ahead prefetch), so the copies overlap the CPU's work; the next call
+scores the prediction on decode steps. At the
 start of each step (a call for a layer not above the previous one) the free-memory probe may
 shrink or grow the slot cache (elastic VRAM), and the last step's measured copy times feed the
 cost model.

@@ -99,8 +99,8 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     `lead_s`: the time from one layer's expert work to the next layer's routing, which the
     look-ahead copies may use (None: a layer-step's dense read and host work; a run's measured
     lead to replay that run); `prefill_lead_s` the same for steps of more than one token (None:
-    `lead_s`). `prefetch_limit` False copies every predicted expert the policy admits, not only
-    what fits (what the allowance saves)."""
+    `lead_s`). `prefetch_limit` False drops the allowance (the stop still applies): what the
+    allowance saves."""
     profile = cost.profile
     layers = trace.moe_layers
     nxt_layer = dict(zip(layers, layers[1:]))
