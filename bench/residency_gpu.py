@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch_accuracy": (round(run["prefetch_correct"] / run["prefetch_predicted"], 3)
                               if run["prefetch_predicted"] else None),
         "lead_ms": {"decode": round(ex.lead(True) * 1e3, 4), "prefill": round(ex.lead(False) * 1e3, 4)},
+        # copies into slots over the whole run: started at once (no queued compute reads the slot)
+        # or after the compute queued before them (on a GPU; emulated, every copy counts as after)
+        "slot_copies": {"at_once": ex.streamer.slot_copies[0], "after_compute": ex.streamer.slot_copies[1]},
         "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
     }
     return common.emit(row, args.out)

@@ -950,3 +950,55 @@ def test_the_lead_is_measured_per_kind_of_step_and_seeded_by_the_first_gap(check
     assert (ex.lead(True), ex.lead(False)) == (3.0, 4.0)
     ex.fix_lead(None)
     assert ex.lead(False) == pytest.approx(0.25)
+
+
+def test_a_copy_waits_for_compute_only_into_a_slot_this_calls_compute_reads(checkpoint_factory):
+    """The streamer's bookkeeping for the copy stream (the wait itself is CUDA's): after a routing
+    read that waited for the GPU, a copy into a slot no queued compute reads starts at once; one
+    into a slot a queued hit reads (its expert just evicted), or any copy when the reads are
+    unknown (no sync, a resize), waits. In a run, every slot a call computes from is marked."""
+    from freetoken_py.residency.slots import SlotCache
+    from freetoken_py.residency.streamer import Streamer
+
+    host13, host2 = [torch.randn(4, 8, 16)], [torch.randn(4, 16, 4)]
+    slots = SlotCache(2, (8, 16), (16, 4), torch.float32, "cpu")     # free slots handed out 0, then 1
+    st = Streamer(slots, host13, host2)
+    st.new_call(synced=True)
+    st.to_slot(0, 0)                               # slot 0, free: no compute reads it
+    assert slots.slot_of[(0, 0)] == 0 and st.slot_copies == [1, 0]
+    st.mark_read((0, 0))                           # a hit of this call computes from slot 0
+    slots.evict((0, 0))
+    st.to_slot(0, 1)                               # slot 0 again, just freed: after that compute
+    assert slots.slot_of[(0, 1)] == 0 and st.slot_copies == [1, 1]
+    st.to_slot(0, 2)                               # slot 1, never read this call: at once
+    assert slots.slot_of[(0, 2)] == 1 and st.slot_copies == [2, 1]
+    st.new_call(synced=False)                      # reads unknown: every copy waits
+    slots.evict((0, 2))
+    st.to_slot(0, 3)
+    assert st.slot_copies == [2, 2]
+    assert torch.equal(slots.get((0, 3))[0], host13[0][3])    # the copies themselves are plain
+
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4060-laptop-8g")
+    ex = llm.residency
+    ex.audit = []
+    seen = []
+    emulated_sync = ex.streamer.new_call
+    ex.streamer.new_call = lambda synced: emulated_sync(True)      # as on a GPU, where ids.cpu() syncs
+
+    def spy(layer, x, ids, weights, call=ex.__call__):
+        out = call(layer, x, ids, weights)
+        # the experts this call computed from a slot: its hits and the streamed experts it kept
+        read = {e for s, l, _, e, tier in ex.audit if (s, l) == (ex.step, layer) and tier in ("hit", "stream")}
+        kept = {ex.slots.slot_of[(layer, e)] for e in read if (layer, e) in ex.slots.slot_of}
+        seen.append((kept, set(ex.streamer.reading), read))
+        return out
+
+    llm.model.experts = spy
+    llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(seen) > 4 and any(kept for kept, _, _ in seen)
+    for kept, reading, read in seen:
+        assert kept <= reading and len(reading) <= len(read)
+    assert ex.streamer.slot_copies[0] > 0      # copies that need not wait for this call's compute
+    ex.resize(ex.slots.num_slots // 2)         # slots move on the compute stream: reads unknown again
+    assert ex.streamer.reading is None

@@ -128,6 +128,7 @@ class ResidencyExecutor:
                 timing[0].record()
         decode = ids.shape[0] == 1
         self._measure_lead(decode, timing[0] if timing is not None else None)
+        self.streamer.new_call(synced=on_accel)   # ids.cpu() waited for all compute queued before it
         one = ids.tolist()[0] if ids.shape[0] == 1 else None
         if one is not None and len(set(one)) < len(one):
             one = None                        # (repeated experts: the general path)
@@ -192,6 +193,7 @@ class ResidencyExecutor:
         batch: list = []
         for e in plan.hits:
             self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
+            self.streamer.mark_read((layer, e))    # a copy into its slot (an eviction) waits for this compute
             if fused:
                 batch.append((e, *self.slots.get((layer, e)), "hit"))
             else:
@@ -205,6 +207,8 @@ class ResidencyExecutor:
             for e, evicted in zip(plan.stream, evictions):
                 w13, w2 = self._stream_in(layer, e, evicted)
                 placed += 1
+                if (layer, e) in self.slots.slot_of:
+                    self.streamer.mark_read((layer, e))
                 if fused and (layer, e) in self.slots.slot_of:
                     batch.append((e, w13, w2, "stream"))
                 else:
@@ -583,6 +587,7 @@ class ResidencyExecutor:
         keeps what it could allocate). Returns the slot count reached; never raises for lack of
         memory, and the policy's capacity follows what is held."""
         self.streamer.wait_all()                  # slots may move: no look-ahead copy in flight
+        self.streamer.reading = None              # the moves are queued compute: copies wait until the next sync
         if num_slots < self.slots.num_slots:
             num_slots = self.slots.held_after_shrink(num_slots)   # evict no more than is freed
             for key in self.policy.resize(num_slots):

@@ -7,6 +7,12 @@ the compute stream waits on an event, so copies overlap compute. Under an emulat
 The CUDA branch is the same code with a stream; it is not exercised on a machine without a GPU.
 There, each copy is timed with a pair of CUDA events on the copy stream, read back without
 waiting (`finished_copies`), so the cost model's PCIe figure follows what the link delivers.
+
+A copy into a slot waits for the compute stream only when compute queued since the executor's
+last routing read may still read that slot (`reading`, filled by `mark_read`): the routing read
+waited for everything queued before it, so a slot no work of this call reads is free to
+overwrite at once, and the copy overlaps the hits' compute, as the planner's time assumes.
+Staging buffers (two, reused) always wait.
 """
 from __future__ import annotations
 
@@ -25,28 +31,45 @@ class Streamer:
         self._next = 0
         self._timed: list = []     # CUDA: (start event, end event, bytes) of copies not yet read back
         self._pending: dict = {}   # CUDA: (layer, expert) -> end event of a look-ahead copy nobody waited for
+        # slots compute queued since the last routing read may read (None: unknown, every copy waits)
+        self.reading: set[int] | None = None
+        self.slot_copies = [0, 0]  # copies into slots: [without waiting for compute, after it]
 
     def _staging_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slots
         return (torch.empty(s.w13_shape, dtype=s.dtype, device=s.device),
                 torch.empty(s.w2_shape, dtype=s.dtype, device=s.device))
 
-    def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int, wait: bool = True):
-        return self._copy_pairs([(dst13, self.host_w13[layer][expert]), (dst2, self.host_w2[layer][expert])], wait)
+    def new_call(self, synced: bool) -> None:
+        """The executor has read this call's routing: with `synced` (the read waited for the
+        compute stream) no earlier work reads a slot any more; else the reads are unknown."""
+        self.reading = set() if synced else None
+
+    def mark_read(self, key: tuple[int, int]) -> None:
+        """Compute reading (layer, expert)'s slot has been (or is about to be) queued."""
+        if self.reading is not None:
+            self.reading.add(self.slots.slot_of[key])
+
+    def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int, wait: bool = True,
+              after_compute: bool = True):
+        return self._copy_pairs([(dst13, self.host_w13[layer][expert]), (dst2, self.host_w2[layer][expert])], wait,
+                                after_compute)
 
     @torch.inference_mode()   # a slot chunk grown inside a forward is an inference tensor
-    def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool = True):
+    def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool = True,
+                    after_compute: bool = True):
         """(device destination, host source) copies, on the copy stream where there is one. With
         `wait`, later compute waits for them; without, the caller gets the copy's end event and
         waits for it where the data is first used (a look-ahead copy must not hold up the
-        current layer's work)."""
+        current layer's work). With `after_compute` they start after the compute queued so far
+        (which may read the destination)."""
         if self._stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
             return None
         compute = torch.cuda.current_stream()     # taken outside the block: inside it, this is the copy stream
-        # the slot or staging buffer may still be read by compute queued earlier: wait for it first
-        self._stream.wait_stream(compute)
+        if after_compute:   # the slot or staging buffer may still be read by compute queued earlier
+            self._stream.wait_stream(compute)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             start.record()
@@ -70,8 +93,11 @@ class Streamer:
     def to_slot(self, layer: int, expert: int, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy into the slot the cache reserved for (layer, expert); returns the slot's views.
         `ahead` (look-ahead prefetch): compute does not wait for it now, only in `wait_for`."""
-        w13, w2 = self.slots.views(self.slots.reserve((layer, expert)))
-        end = self._copy(w13, w2, layer, expert, wait=not ahead)
+        slot = self.slots.reserve((layer, expert))
+        w13, w2 = self.slots.views(slot)
+        after = self.reading is None or slot in self.reading
+        self.slot_copies[after] += 1
+        end = self._copy(w13, w2, layer, expert, wait=not ahead, after_compute=after)
         if ahead and end is not None:
             self._pending[(layer, expert)] = end
         return w13, w2
