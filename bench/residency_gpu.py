@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                 host_prior = {"host_layer_ms": round(p.host_layer_s * 1e3, 4), "cpu_call_ms": round(p.cpu_call_s * 1e3, 4)}
             ex.telemetry.label = "emulated:cpu-only (the CPU tier is this machine's)"
         common.residency_decode(llm, ex, prompt, 4)          # warm: kernels, slots, allocator
+        copies_before = list(ex.streamer.slot_copies)
         run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
+        slot_copies = [n - b for n, b in zip(ex.streamer.slot_copies, copies_before)]   # the measured run's
         llm.save_routing()
         sim_s, sim_tokens, sim_prefetch = simulated_expert_s(trace_path, ex, run["first_decode_step"])
         corrected = None
@@ -204,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch_accuracy": (round(run["prefetch_correct"] / run["prefetch_predicted"], 3)
                               if run["prefetch_predicted"] else None),
         "lead_ms": {"decode": round(ex.lead(True) * 1e3, 4), "prefill": round(ex.lead(False) * 1e3, 4)},
-        # copies into slots over the whole run: started at once (no queued compute reads the slot)
-        # or after the compute queued before them (on a GPU; emulated, every copy counts as after)
-        "slot_copies": {"at_once": ex.streamer.slot_copies[0], "after_compute": ex.streamer.slot_copies[1]},
+        # copies into slots in the measured run: started at once (no queued compute reads the slot)
+        # or after the compute queued before them (on a GPU; emulated, no sync: every one after)
+        "slot_copies": {"at_once": slot_copies[0], "after_compute": slot_copies[1]},
         "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
     }
     return common.emit(row, args.out)

@@ -979,26 +979,62 @@ def test_a_copy_waits_for_compute_only_into_a_slot_this_calls_compute_reads(chec
     assert torch.equal(slots.get((0, 3))[0], host13[0][3])    # the copies themselves are plain
 
     path = checkpoint_factory("qwen3_moe")
-    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4060-laptop-8g")
+    # two slots, LRU: this layer's experts are the most recent, so the look-ahead's admissions
+    # evict them, and its copies land in slots this call has just computed from
+    probe = LLM(path, dtype="float32", show_progress=False, residency="emulate")
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4060-laptop-8g",
+              residency_policy="lru", vram_budget_bytes=2 * probe.residency.cost.expert_bytes)
     ex = llm.residency
     ex.audit = []
+    st = ex.streamer
+    read_now: set = set()            # slots this call's compute has read so far (from the compute itself)
+    log = {"copies_into_read": 0, "waited": 0}
+    new_call, mark_read, to_slot = st.new_call, st.mark_read, st.to_slot
+
+    def on_new_call(synced):         # as on a GPU, where the routing read (ids.cpu()) syncs
+        read_now.clear()
+        new_call(True)
+
+    def on_mark_read(key):
+        mark_read(key)
+
+    run = ex._run
+    slot_ptrs = {ex.slots.views(i)[0].data_ptr(): i for i in range(ex.slots.num_slots)}
+
+    def on_run(out, x, group, w13, w2, *rest):   # what compute reads, told apart from the marks
+        if w13.data_ptr() in slot_ptrs:
+            read_now.add(slot_ptrs[w13.data_ptr()])
+        return run(out, x, group, w13, w2, *rest)
+
+    ex._run = on_run
+
+    def on_to_slot(layer, expert, ahead=False):
+        before = list(st.slot_copies)
+        out = to_slot(layer, expert, ahead)
+        if ex.slots.slot_of[(layer, expert)] in read_now:      # this call computed from it before
+            log["copies_into_read"] += 1
+            log["waited"] += st.slot_copies[1] - before[1]
+        return out
+
+    st.new_call, st.mark_read, st.to_slot = on_new_call, on_mark_read, on_to_slot
     seen = []
-    emulated_sync = ex.streamer.new_call
-    ex.streamer.new_call = lambda synced: emulated_sync(True)      # as on a GPU, where ids.cpu() syncs
 
     def spy(layer, x, ids, weights, call=ex.__call__):
         out = call(layer, x, ids, weights)
         # the experts this call computed from a slot: its hits and the streamed experts it kept
         read = {e for s, l, _, e, tier in ex.audit if (s, l) == (ex.step, layer) and tier in ("hit", "stream")}
         kept = {ex.slots.slot_of[(layer, e)] for e in read if (layer, e) in ex.slots.slot_of}
-        seen.append((kept, set(ex.streamer.reading), read))
+        seen.append((kept, set(st.reading)))
         return out
 
     llm.model.experts = spy
-    llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert len(seen) > 4 and any(kept for kept, _, _ in seen)
-    for kept, reading, read in seen:
-        assert kept <= reading and len(reading) <= len(read)
-    assert ex.streamer.slot_copies[0] > 0      # copies that need not wait for this call's compute
+    ex.fix_lead(1.0)                 # look-ahead copies too (they may evict this call's hits)
+    llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(seen) > 6 and any(kept for kept, _ in seen)
+    for kept, reading in seen:
+        assert kept <= reading
+    assert log["waited"] == log["copies_into_read"] > 0  # every copy into a slot read this call waited
+    assert st.slot_copies[0] > 0                         # and the others did not
+    assert ex.slots.num_slots == 2
     ex.resize(ex.slots.num_slots // 2)         # slots move on the compute stream: reads unknown again
     assert ex.streamer.reading is None

@@ -119,6 +119,8 @@ class ResidencyExecutor:
             self._new_step()
         self._last_layer = layer
         on_accel = x.device.type != "cpu"      # dense weights on the GPU: x and the routing live there
+        # reading the routing back from the GPU waits for everything queued on the compute stream
+        synced = ids.device.type == "cuda"
         timing = None
         if on_accel:
             ids, weights = ids.cpu(), weights.cpu()   # the plan is made on the host either way
@@ -128,7 +130,7 @@ class ResidencyExecutor:
                 timing[0].record()
         decode = ids.shape[0] == 1
         self._measure_lead(decode, timing[0] if timing is not None else None)
-        self.streamer.new_call(synced=on_accel)   # ids.cpu() waited for all compute queued before it
+        self.streamer.new_call(synced)       # after it no earlier compute reads a slot any more
         one = ids.tolist()[0] if ids.shape[0] == 1 else None
         if one is not None and len(set(one)) < len(one):
             one = None                        # (repeated experts: the general path)
