@@ -500,3 +500,18 @@ def test_a_look_ahead_stops_when_it_would_evict_a_better_guess():
     ungated = LruPolicy(2, 1.0)
     simulate(trace, ungated, cost, 0, prefetch=True, lead_s=1.0, prefetch_limit=False)
     assert ungated.is_resident(1, 5) and not ungated.is_resident(1, 6)   # the same stop, ungated too
+
+
+def test_a_lone_tokens_prediction_is_the_general_rule():
+    """predict_experts' one-token shortcut (top-k by logit) ranks as the counting rule does: the
+    same token twice (every count and probability doubled) gives the same experts in order."""
+    import torch
+
+    from freetoken_py.residency.stats import predict_experts
+
+    g = torch.Generator().manual_seed(0)
+    for E, k in ((8, 2), (64, 8), (128, 8)):
+        for _ in range(50):
+            x = torch.randn(1, E, generator=g)
+            one = predict_experts(x, k)
+            assert one == predict_experts(torch.cat([x, x]), k) and len(one) == k
