@@ -10,6 +10,11 @@ Qwen3-235B-A22B) through the policy with the profile's slot count, exactly as th
 the executor call it, and times the three calls after 8 warm-up steps. One JSON line per
 (profile, regime): ms per token for each call and in all, and per layer. This machine's CPU time;
 no accelerator is involved.
+
+Each line also times the look-ahead's prediction for one decode token from a router's logits
+[1, E] (`stats.predict_experts`, run at every MoE layer-step with slots): `predict_ms_per_token`
+(its one-token path, top-k by logit), next to `predict_counting_ms_per_token`, the general
+counting rule on the same token (two identical rows: the same ranking, the prefill path's work).
 """
 from __future__ import annotations
 
@@ -22,12 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from freetoken_py.residency.adaptive import AdaptivePolicy  # noqa: E402
 from freetoken_py.residency.planner import CostModel, LayerStats  # noqa: E402
 from freetoken_py.residency.profiles import FRONTIER_MODELS, PROFILES  # noqa: E402
 from freetoken_py.residency.simulate import synthetic_trace  # noqa: E402
-from freetoken_py.residency.stats import iter_layer_steps, routing_counts, tokens_per_expert  # noqa: E402
+from freetoken_py.residency.stats import (iter_layer_steps, predict_experts, routing_counts,  # noqa: E402
+                                          tokens_per_expert)
 
 WARM_STEPS = 8
 
@@ -55,11 +62,28 @@ def measure(profile: str, regime: str, model: str, steps: int) -> dict:
         if step >= WARM_STEPS:
             spent += (t1 - t0, t2 - t1, t3 - t2)
     per_token = spent / (steps - WARM_STEPS) * 1e3
+    layers = len(trace.moe_layers)
+    one = torch.randn(1, trace.num_experts, generator=torch.Generator().manual_seed(0))
+    predict, counting = (_per_call_s(lambda x=x: predict_experts(x, trace.top_k)) * layers * 1e3
+                         for x in (one, torch.cat([one, one])))
     return {"bench": "residency_policy_cost", "profile": profile, "regime": regime, "model": model,
             "expert_slots": policy.capacity, "layers": len(trace.moe_layers),
             "split_ms_per_token": round(per_token[0], 2), "touch_ms_per_token": round(per_token[1], 2),
             "admit_ms_per_token": round(per_token[2], 2), "total_ms_per_token": round(per_token.sum(), 2),
-            "ms_per_layer": round(per_token.sum() / len(trace.moe_layers), 3)}
+            "ms_per_layer": round(per_token.sum() / layers, 3),
+            "predict_ms_per_token": round(predict, 3), "predict_counting_ms_per_token": round(counting, 3)}
+
+
+def _per_call_s(fn, calls: int = 2000) -> float:
+    """Median seconds per call of `fn` over 5 rounds (after a warm-up round)."""
+    rounds = []
+    for r in range(6):
+        t0 = time.perf_counter()
+        for _ in range(calls // 5):
+            fn()
+        if r:
+            rounds.append((time.perf_counter() - t0) / (calls // 5))
+    return float(np.median(rounds))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -836,7 +836,7 @@ def test_look_ahead_copies_only_what_fits_and_is_scored_like_the_trace(checkpoin
                   record_routing=str(tmp_path / "t.jsonl"))
         ex = llm.residency
         ex.measure_live = False
-        assert ex.dense_layer_bytes > 0 and 0 < ex.lead_s < 1e-3          # the profile's dense read
+        assert ex.dense_layer_bytes > 0 and 0 < ex.lead(True) < 1e-3          # the profile's dense read
         if lead is not None:
             ex.fix_lead(lead)
         if pcie_gbps is not None:

@@ -290,6 +290,7 @@ def test_policy_cost_bench_prints_one_line_per_case():
         parts = r["split_ms_per_token"] + r["touch_ms_per_token"] + r["admit_ms_per_token"]
         assert r["total_ms_per_token"] == pytest.approx(parts, abs=0.02) and r["total_ms_per_token"] > 0
         assert r["layers"] == 48 and r["expert_slots"] == 2109
+        assert r["predict_ms_per_token"] > 0 and r["predict_counting_ms_per_token"] > 0
 
 
 def test_locality_oracle_bound_script():

@@ -37,6 +37,7 @@ from freetoken_py.kernels import gpu_moe
 from freetoken_py.kernels.cpu_moe import add_moe_experts, moe_experts
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.planner import CostModel, LayerStats, prefetch_allowance
+from freetoken_py.residency.policy import look_ahead
 from freetoken_py.residency.profiles import GB
 from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
 from freetoken_py.residency.stats import predict_experts
@@ -176,9 +177,8 @@ class ResidencyExecutor:
             self._prev_end = timing[1]
             self._timing.append((self.step, layer, *timing))
         else:                      # the accelerator's part has been waited for above
-            c.measured_s += time.perf_counter() - t0
-        if timing is None:
             self._prev_end = time.perf_counter()
+            c.measured_s += self._prev_end - t0
         return out
 
     def _accelerator_part(self, layer: int, x: torch.Tensor, plan, cuts, accel: list[int], groups):
@@ -209,9 +209,10 @@ class ResidencyExecutor:
             for e, evicted in zip(plan.stream, evictions):
                 w13, w2 = self._stream_in(layer, e, evicted)
                 placed += 1
-                if (layer, e) in self.slots.slot_of:
+                in_slot = (layer, e) in self.slots.slot_of      # (else staging, which every copy waits for)
+                if in_slot:
                     self.streamer.mark_read((layer, e))
-                if fused and (layer, e) in self.slots.slot_of:
+                if fused and in_slot:
                     batch.append((e, w13, w2, "stream"))
                 else:
                     self._run(out_dev, xd, on_dev[e], w13, w2, layer, e, "stream", groups[e][0])
@@ -466,10 +467,6 @@ class ResidencyExecutor:
             return self.dense_layer_bytes / (p.vram_gbps * GB) + p.host_layer_s
         return self._lead[decode]
 
-    @property
-    def lead_s(self) -> float:
-        return self.lead(True)
-
     def fix_lead(self, decode_s: Optional[float], prefill_s: Optional[float] = None) -> None:
         """Use these leads from now on (decode steps, other steps: default the same; None: back
         to the profile's or the measured one)."""
@@ -493,36 +490,24 @@ class ResidencyExecutor:
     def _prefetch(self, prediction: Optional[tuple[int, list[int]]], allowed: int) -> None:
         """Admit the predicted experts the policy wants, best first, and copy them in ahead (not
         waited for), at most `allowed` copies (planner.prefetch_allowance: what fits where the
-        copy engine would idle before the next layer's experts start). An admission that evicts
-        a better-ranked predicted expert (resident, or copied by this look-ahead) ends it: the
-        guesses further down are worth less than the one it pushed out. The prediction is scored either way (`prefetch%`)."""
+        copy engine would idle before the next layer's experts start), with `policy.look_ahead`'s
+        stop. The prediction is scored either way (`prefetch%`)."""
         self.prediction_made = prediction
         if prediction is None:
             return
         nxt, predicted = prediction
         self._predicted[nxt] = set(predicted)
-        mine: set[int] = set()       # copied by this look-ahead
-        seen: set[int] = set()       # better guesses already passed (resident, or copied now)
-        for e in predicted:
-            if len(mine) >= allowed:
-                break
-            if self.policy.is_resident(nxt, e):
-                seen.add(e)
-                continue
-            evicted = self.policy.admit(nxt, e, self.step)
+        c = self.telemetry.layers[nxt]
+
+        def on_admit(e, evicted, admitted):
             for key in evicted:
                 self.slots.evict(key)
-            lost = {k[1] for k in evicted if k[0] == nxt and k[1] in seen}
-            mine -= lost
-            seen -= lost
-            if self.policy.is_resident(nxt, e):
+            if admitted:
                 self.streamer.to_slot(nxt, e, ahead=True)
-                self.telemetry.layers[nxt].pcie_bytes += self.cost.expert_bytes
-                self.telemetry.layers[nxt].prefetch_copies += 1
-                mine.add(e)
-                seen.add(e)
-            if lost:
-                break
+                c.pcie_bytes += self.cost.expert_bytes
+                c.prefetch_copies += 1
+
+        look_ahead(self.policy, nxt, predicted, allowed, self.step, on_admit)
 
     def _score_prefetch(self, layer: int, tokens: dict[int, int], decode: bool) -> None:
         """`prefetch%` counts the decode steps' predictions (a prefill chunk's routes to nearly

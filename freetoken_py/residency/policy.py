@@ -25,6 +25,39 @@ from freetoken_py.residency.planner import CostModel, LayerStats, Plan, evaluate
 Key = tuple[int, int]   # (layer, expert)
 
 
+def look_ahead(policy, layer: int, predicted, allowed: int, step: int, on_admit=None) -> tuple[set[int], int, bool]:
+    """The look-ahead prefetch's admissions for `layer` (the executor's `_prefetch` and the
+    simulator's replay both run this): the `predicted` experts, best first, are offered to the
+    policy until `allowed` of them were copied; an admission that evicts a better-ranked
+    predicted expert (one already resident, or copied here) ends it, as the guesses further down
+    are worth less than the one it pushed out. `on_admit(expert, evicted, admitted)` runs after
+    each admission (the executor frees the victims' slots and copies an admitted expert).
+    Returns (the experts copied here and still resident, the copies made, whether it stopped)."""
+    mine: set[int] = set()       # copied here
+    seen: set[int] = set()       # better guesses already passed (resident, or copied here)
+    copies = 0
+    for e in predicted:
+        if len(mine) >= allowed:
+            break
+        if policy.is_resident(layer, e):
+            seen.add(e)
+            continue
+        evicted = policy.admit(layer, e, step)
+        admitted = policy.is_resident(layer, e)
+        if on_admit is not None:
+            on_admit(e, evicted, admitted)
+        lost = {k[1] for k in evicted if k[0] == layer and k[1] in seen}
+        mine -= lost
+        seen -= lost
+        if admitted:
+            mine.add(e)
+            seen.add(e)
+            copies += 1
+        if lost:
+            return mine, copies, True
+    return mine, copies, False
+
+
 class _SetPolicy:
     """A fixed resident set; every miss runs on the CPU."""
     name = "set"

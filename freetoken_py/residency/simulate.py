@@ -32,6 +32,7 @@ import numpy as np
 
 from freetoken_py.residency.planner import (CostModel, LayerStats, _add, _gpu_finish, copies_s,
                                             prefetch_allowance)
+from freetoken_py.residency.policy import look_ahead
 from freetoken_py.residency.profiles import GB, ModelSpec
 from freetoken_py.residency.stats import RoutingTrace, iter_layer_steps, tokens_per_expert
 
@@ -148,29 +149,14 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
         queued = max(gpu_end, backlog + own_copies_s)
         nxt = nxt_layer.get(layer)
         guess = trace.prediction(step, nxt) if nxt is not None else None
-        if guess:   # the executor's _prefetch: best first, up to the allowance, until one evicts another
-            guessed[nxt], mine, seen = guess, set(), set()
+        if guess:   # the executor's _prefetch: the same admissions (policy.look_ahead), copied in order
+            guessed[nxt] = guess
             allowed = prefetch_allowance(p, cost, lead) if prefetch_limit else len(guess)
-            for e in guess:
-                if len(mine) >= allowed:
-                    break
-                if policy.is_resident(nxt, e):
-                    seen.add(e)
-                    continue
-                evicted = policy.admit(nxt, e, step)
-                lost = {k[1] for k in evicted if k[0] == nxt and k[1] in seen}
-                mine -= lost
-                seen -= lost
-                if policy.is_resident(nxt, e):
-                    mine.add(e)
-                    seen.add(e)
-                    r.prefetch_copies += 1
-                    r.pcie_bytes += cost.expert_bytes
-                    queued += cost.copy_s()
-                if lost:
-                    r.prefetch_stops += 1
-                    break
-            in_flight[nxt] = mine
+            in_flight[nxt], copies, stopped = look_ahead(policy, nxt, guess, allowed, step)
+            r.prefetch_copies += copies
+            r.prefetch_stops += stopped
+            r.pcie_bytes += copies * cost.expert_bytes
+            queued += copies * cost.copy_s()
         # the queue keeps working through the rest of this layer and up to the next one's routing
         backlog = max(0.0, queued - moe_s - lead)
         step_s += fixed_layer_s + moe_s
