@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from freetoken_py.kernels import gpu_moe
-    from freetoken_py.residency.executor import _swiglu
+    from freetoken_py.residency.formats import swiglu as _swiglu
     from freetoken_py.residency.profiles import FRONTIER_MODELS
 
     if args.model not in FRONTIER_MODELS:

@@ -6,12 +6,13 @@
 #
 # Steps, each with its own time limit, each writing its result under $OUT as soon as it ends (a
 # step that runs long costs only itself): the environment, `freetoken probe` (cached, so the
-# bench does not measure again inside its timing), the `cuda` variants of the placement test
-# (logits within 1e-4 of transformers with dense weights and KV in VRAM), and
-# bench/residency_gpu.py (measured decode tok/s next to the simulator's), the Triton experts'
-# test and kernel bench on the GPU, and the bench again with the accelerator's experts through torch. The package is used
+# bench does not measure again inside its timing), the `cuda` variants of the placement tests
+# (logits within 1e-4 of transformers, or of the cpu backend for int8 / int4 experts, with dense
+# weights and KV in VRAM), the Triton experts' test and kernel bench on the GPU,
+# bench/residency_gpu.py (measured decode tok/s next to the simulator's), and the bench again
+# with the accelerator's experts through torch and with int4 experts. The package is used
 # from this checkout (PYTHONPATH); torch with CUDA, numba, safetensors, transformers, typer and
-# rich must be installed (the device image has them). Twelve files come back; the profile cache
+# rich must be installed (the device image has them). Fourteen files come back; the profile cache
 # stays on the machine. Exit status: 0 when every step passed, 1 when one failed or ran out of
 # time or the two cuda placement variants did not both pass (steps.txt says which), 3 at once
 # without a CUDA GPU, 4 when torch does not import, 2 when $OUT is not a folder.
@@ -56,21 +57,25 @@ step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log it
 }
 # the limits and their 10 s kill grace stay under the 590 s the device call is given, with 10 s
 # left for the environment check
-step probe 135 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
-step "placement test (cuda)" 85 "$OUT/placement.txt" \
+step probe 120 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
+# the float and the quantised (int8 / int4 experts) placement tests' cuda variants
+step "placement test (cuda)" 100 "$OUT/placement.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_residency_executor.py -k "placement and cuda"
-if ! grep -q "2 passed" "$OUT/placement.txt"; then    # both cuda variants ran (not skipped)
-    log "placement test: the two cuda variants did not both pass"
+if ! grep -q "5 passed" "$OUT/placement.txt"; then    # every cuda variant ran (not skipped)
+    log "placement test: the five cuda variants did not all pass"
     fail=1
 fi
 # the accelerator's Triton experts against torch on the GPU (skipped, and said so, without Triton)
-step "triton experts test" 55 "$OUT/gpu_moe.txt" \
+step "triton experts test" 45 "$OUT/gpu_moe.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_moe.py -k "match_the_torch_reference"
 # one decode layer-step of Qwen3-30B's experts: Triton against torch, GB/s against the VRAM roofline
-step "triton experts bench" 40 "$OUT/gpu_moe_kernels.txt" \
+step "triton experts bench" 35 "$OUT/gpu_moe_kernels.txt" \
     "$PY" bench/gpu_moe_kernels.py --out "$OUT/gpu_moe_kernels.json"
-step residency_gpu 130 "$OUT/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
+step residency_gpu 120 "$OUT/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
 # the same with the accelerator's experts through torch: what the Triton kernels change
-step "residency_gpu (torch experts)" 75 "$OUT/residency_gpu_torch.txt" \
-    "$PY" bench/residency_gpu.py --torch-experts --decode-tokens 24 --out "$OUT/residency_gpu_torch.json"
+step "residency_gpu (torch experts)" 45 "$OUT/residency_gpu_torch.txt" \
+    "$PY" bench/residency_gpu.py --torch-experts --decode-tokens 16 --out "$OUT/residency_gpu_torch.json"
+# the experts in int4 on every tier (28 % of bf16's bytes per slot and per copy at g = 32)
+step "residency_gpu (int4 experts)" 45 "$OUT/residency_gpu_int4.txt" \
+    "$PY" bench/residency_gpu.py --expert-dtype int4 --decode-tokens 16 --out "$OUT/residency_gpu_int4.json"
 exit $fail

@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-experts", action="store_true",
                     help="the accelerator's experts through torch, one expert at a time (default on a GPU: the "
                          "Triton kernels, kernels/gpu_moe.py, for decode-sized steps)")
+    ap.add_argument("--expert-dtype", default="auto", choices=("auto", "bf16", "fp32", "int8", "int4"),
+                    help="the experts' format in the tiers (auto: the checkpoint's; int8 / int4 quantised on load, "
+                         "through the expert store)")
     ap.add_argument("--no-host-costs", action="store_true",
                     help="with --cpu-only: predict without this machine's measured fixed host costs per layer-step "
                          "(residency.calibrate), bandwidths only")
@@ -122,25 +125,31 @@ def main(argv: list[str] | None = None) -> int:
         probe = LLM(model_dir, max_model_len=1024, show_progress=False, backend="torch")
         w13 = [lw.w13 for lw in probe.model.weights.layers if lw.w13 is not None]
         expert_bytes = sum(w.numel() * w.element_size() * 3 // 2 for w in w13)   # gate+up and down
+        if args.expert_dtype != "auto":   # the bytes of the format the tiers will hold them in
+            from freetoken_py.kernels import ExpertBank
+
+            inter, hidden = w13[0].shape[1] // 2, w13[0].shape[2]
+            one = ExpertBank.empty(args.expert_dtype, 1, inter, hidden).bytes_per_expert
+            expert_bytes = one * sum(w.shape[0] for w in w13)
         dtype = str(probe.model.dtype).removeprefix("torch.")
         prompt = [t % probe.args.vocab_size for t in prompt]
         del probe
         llm = LLM(model_dir, max_model_len=1024, show_progress=False, enable_prefix_cache=False, dtype=dtype,
-                  residency=mode, residency_profile=args.emulate or "measured",
+                  expert_dtype=args.expert_dtype, residency=mode, residency_profile=args.emulate or "measured",
                   vram_budget_bytes=max(1, int(args.budget_share * expert_bytes)), record_routing=str(trace_path))
         ex = llm.residency
         if args.torch_experts:
             ex.fused_accel = False
         prior_cpu_gbps = host_prior = None
         if args.cpu_only:
-            prior_cpu_gbps = args.cpu_gbps or _probe_cpu_gbps(dtype)
+            prior_cpu_gbps = args.cpu_gbps or _probe_cpu_gbps(dtype if args.expert_dtype == "auto" else args.expert_dtype)
             ex.cost = _with_cpu(ex.cost, prior_cpu_gbps)
             if not args.no_host_costs:   # this machine's fixed host costs, measured before the run
                 from freetoken_py.residency.calibrate import with_host_costs
 
-                w13 = next(w for w in ex.host_w13 if w is not None)
-                ex.cost = replace(ex.cost, profile=with_host_costs(ex.cost.profile, w13, llm.args.top_k,
-                                                                   ex.cpu_banks is not None))
+                num_experts = next(h[0].shape[0] for h in ex.host if h is not None)
+                ex.cost = replace(ex.cost, profile=with_host_costs(ex.cost.profile, num_experts, ex.fmt,
+                                                                   llm.args.top_k, ex.cpu_banks is not None))
                 p = ex.cost.profile
                 host_prior = {"host_layer_ms": round(p.host_layer_s * 1e3, 4), "cpu_call_ms": round(p.cpu_call_s * 1e3, 4)}
             ex.telemetry.label = "emulated:cpu-only (the CPU tier is this machine's)"
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu_only and run["cpu_tier_s"]:   # the simulator with the CPU tier's measured rate
             # (net of the fixed cost per call the cost model already charges: every MoE layer-step
             # of a decode step calls the CPU tier once here)
-            calls = run["tokens"] * sum(1 for w in ex.host_w13 if w is not None)
+            calls = run["tokens"] * sum(1 for h in ex.host if h is not None)
             tier_net_s = run["cpu_tier_s"] - calls * ex.cost.profile.cpu_call_s
             if tier_net_s <= 0:
                 tier_net_s = run["cpu_tier_s"]
@@ -188,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         "profile": {k: getattr(ex.cost.profile, k) for k in ("pcie_gbps", "vram_gbps", "cpu_expert_gbps")},
         "dense_on": str(llm.model.device), "kv_on": str(llm.runner.cache.k.device),
         "accel_experts": "triton" if ex.fused_accel else "torch",
+        "expert_format": ex.fmt.name if ex.fmt.name != "float" else str(ex.fmt.dtype).removeprefix("torch."),
+        "expert_mb": round(ex.fmt.expert_bytes / 1e6, 3),
         "decode_tok_s": round(tok_s, 2),
         "simulator_decode_tok_s": round(sim_tok_s, 2) if sim_tok_s else None,
         "within_25pct_tok_s": bool(sim_tok_s and abs(tok_s / sim_tok_s - 1) <= 0.25) if mode == "cuda" else None,

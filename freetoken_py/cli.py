@@ -71,11 +71,12 @@ def run(
     kv_cache_gb: float = typer.Option(0.0, "--kv-cache-gb", min=0.0, help="KV cache size (0 = auto)."),
     backend: str = typer.Option("auto", "--backend", help="auto, cpu (numba kernels) or torch (reference)."),
     expert_dtype: str = typer.Option("auto", "--expert-dtype",
-                                     help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
+                                     help="cpu backend and the residency tiers: expert weights as auto (as loaded), "
+                                     "bf16, fp32, int8, int4."),
     dense_dtype: str = typer.Option("auto", "--dense-dtype",
                                     help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8, "
                                     "int4 (router and lm_head stay int8)."),
-    expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend: auto (map the packed-expert cache "
+    expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend / --expert-dtype: auto (map the packed-expert cache "
                                      "file, else build and write it), off, or rebuild."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8 "
@@ -138,11 +139,12 @@ def serve(
     kv_cache_gb: float = typer.Option(0.0, "--kv-cache-gb", min=0.0, help="KV cache size (0 = auto)."),
     backend: str = typer.Option("auto", "--backend", help="auto, cpu (numba kernels) or torch (reference)."),
     expert_dtype: str = typer.Option("auto", "--expert-dtype",
-                                     help="cpu backend: expert weights as auto (as loaded), bf16, fp32, int8, int4."),
+                                     help="cpu backend and the residency tiers: expert weights as auto (as loaded), "
+                                     "bf16, fp32, int8, int4."),
     dense_dtype: str = typer.Option("auto", "--dense-dtype",
                                     help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8, "
                                     "int4 (router and lm_head stay int8)."),
-    expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend: auto (map the packed-expert cache "
+    expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend / --expert-dtype: auto (map the packed-expert cache "
                                      "file, else build and write it), off, or rebuild."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8."),

@@ -16,10 +16,10 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     backend: str = "auto"  # auto | torch | cpu (numba kernels); auto = cpu kernels on a CPU-only machine
-    expert_dtype: str = "auto"  # cpu backend: auto (as loaded) | bf16 | fp32 | int8 | int4
+    expert_dtype: str = "auto"  # cpu backend and residency tiers: auto (as loaded) | bf16 | fp32 | int8 | int4
     dense_dtype: str = "auto"  # cpu backend: attention/router/lm_head weights: auto (as loaded) | bf16 | fp32 | int8 | int4 (router and lm_head int8)
     expert_group_size: int = 32  # int4 quantisation group (elements sharing one scale)
-    expert_cache: str = "auto"  # cpu backend: auto (map the expert-bank cache file, else build + write it) | off | rebuild
+    expert_cache: str = "auto"  # expert store (cpu backend, tiers with expert_dtype): auto (map the expert-bank cache file, else build + write it) | off | rebuild
     show_progress: bool = True
     kv_dtype: str = "auto"  # auto (the checkpoint dtype on the cpu backend, else the compute dtype) | fp32 | bf16 | fp8 (e4m3, per-head scales fixed at warm-up)
     enable_prefix_cache: bool = True  # share full KV pages of common prefixes across requests and turns
@@ -42,8 +42,11 @@ class EngineConfig:
             raise FreetokenError(f"expert cache must be auto, off or rebuild (got {self.expert_cache!r})")
         if self.dense_dtype not in ("auto", "bf16", "fp32", "int8", "int4"):
             raise FreetokenError(f"dense dtype must be auto, bf16, fp32, int8 or int4 (got {self.dense_dtype!r})")
-        if (self.expert_dtype != "auto" or self.dense_dtype != "auto") and self.backend == "torch":
-            raise FreetokenError("--expert-dtype needs the cpu backend (the torch backend runs weights as stored)")
+        if self.dense_dtype != "auto" and self.backend == "torch":
+            raise FreetokenError("--dense-dtype needs the cpu backend (the torch backend runs weights as stored)")
+        if self.expert_dtype != "auto" and self.backend == "torch" and self.residency == "off":
+            raise FreetokenError("--expert-dtype needs the cpu backend or the residency tiers (--emulate-gpu / "
+                                 "--gpu-experts); the torch backend runs weights as stored")
         self._check_residency()
         if self.record_routing:
             self._check_record_routing()
@@ -82,9 +85,9 @@ class EngineConfig:
                                  f"choose one of {', '.join(PROFILES)}")
         if self.residency_policy not in ("ours", "lru", "static"):
             raise FreetokenError(f"residency policy must be ours, lru or static (got {self.residency_policy!r})")
-        if self.backend == "cpu" or self.expert_dtype != "auto":
-            raise FreetokenError("the residency tiers run the torch backend's expert weights; "
-                                 "drop --backend cpu / --expert-dtype")
+        if self.backend == "cpu" or self.dense_dtype != "auto":
+            raise FreetokenError("the residency tiers run the dense weights on the torch backend, as stored; "
+                                 "drop --backend cpu / --dense-dtype (--expert-dtype is fine)")
         if self.vram_budget_bytes < 0:
             raise FreetokenError("vram budget must be >= 0")
         if self.residency == "cuda":

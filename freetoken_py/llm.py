@@ -53,6 +53,8 @@ class LLM:
             c = self.config
             self.model = load_cpu_model(model_dir, c.dtype, auto(c.expert_dtype), c.expert_group_size,
                                         auto(c.dense_dtype), c.expert_cache, c.show_progress)
+        elif self.config.residency != "off" and self.config.expert_dtype != "auto":
+            self.model = self._load_tier_experts(model_dir)
         else:
             self.model = load_model(model_dir, self.config.dtype, self.config.show_progress)
         if self.config.residency == "cuda":   # (EngineConfig checked that a CUDA GPU is there)
@@ -97,9 +99,24 @@ class LLM:
     def _resolve_backend(self) -> str:
         if self.config.backend != "auto":
             return self.config.backend
-        if self.config.residency != "off":
-            return "torch"  # the residency tiers take the torch expert weights
+        c = self.config
+        if c.residency != "off":
+            return "torch"  # the residency tiers run the dense weights in torch (experts: theirs or the store's)
+        if c.expert_dtype != "auto" or c.dense_dtype != "auto":
+            return "cpu"    # only the numba kernels quantise (the torch backend runs weights as stored)
         return "torch" if torch.cuda.is_available() else "cpu"  # the GPU tiers are the residency issue
+
+    def _load_tier_experts(self, model_dir: Path):
+        """The residency tiers with `--expert-dtype`: dense weights through the torch loader, the
+        experts from the expert store (built from the checkpoint in that format, or mapped from
+        its cache file), never stacked in torch; `_attach_residency` hands its banks to the tiers."""
+        from freetoken_py.engine.expert_store import open_expert_store
+
+        c = self.config
+        model = load_model(model_dir, c.dtype, c.show_progress, experts="skip")
+        model.expert_store = open_expert_store(model_dir, model.args, model.dtype, c.expert_dtype,
+                                               c.expert_group_size, c.expert_cache, c.show_progress)
+        return model
 
     def _attach_residency(self):
         """The expert residency tiers (residency/), when asked for; None otherwise."""
@@ -108,7 +125,9 @@ class LLM:
             return None
         from freetoken_py.residency.attach import attach_residency
 
-        return attach_residency(self.model, c.residency, c.residency_profile, c.vram_budget_bytes, c.residency_policy)
+        store = getattr(self.model, "expert_store", None)
+        return attach_residency(self.model, c.residency, c.residency_profile, c.vram_budget_bytes, c.residency_policy,
+                                banks=store.banks if store is not None else None)
 
     def _attach_recorder(self):
         if not self.config.record_routing:

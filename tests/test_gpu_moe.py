@@ -17,7 +17,7 @@ import os, sys, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 from freetoken_py.kernels import gpu_moe
-from freetoken_py.residency.executor import _swiglu
+from freetoken_py.residency.formats import swiglu as _swiglu
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 assert gpu_moe.available(dev)

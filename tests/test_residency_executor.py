@@ -44,6 +44,11 @@ def drive(path, **overrides):
     llm = LLM(path, dtype="float32", show_progress=False, **overrides)
     if llm.residency is not None:   # on a GPU too: plan from the given profile, not from live timings
         llm.residency.measure_live = False   # of these tiny experts (which tiers get used is asserted)
+    return drive_llm(llm)
+
+
+def drive_llm(llm):
+    """Greedy decode of PROMPT, NUM_DECODE tokens: (llm, tokens, logits of every step)."""
     req = llm.add_request(PROMPT, SamplingParams(max_tokens=NUM_DECODE + 1, temperature=0, ignore_eos=True))
     steps = []
     while len(req.output_token_ids) <= NUM_DECODE:
@@ -83,11 +88,11 @@ def test_logits_do_not_depend_on_placement(arch, mode, checkpoint_factory):
     # the CPU tier is the numba expert kernels, reading the same host weights the streamer copies
     for llm, _, _ in runs.values():
         ex = llm.residency
-        assert ex.cpu_banks and [b is None for b in ex.cpu_banks] == [w is None for w in ex.host_w13]
+        assert ex.cpu_banks and [b is None for b in ex.cpu_banks] == [h is None for h in ex.host]
     if mode == "cuda":    # dense weights, activations and the KV cache in VRAM; experts in pinned host banks
         for llm, _, _ in runs.values():
             assert llm.runner.cache.k.is_cuda and llm.model.weights.layers[0].qkv.weight.is_cuda
-            assert all(w is None or w.is_pinned() for w in llm.residency.host_w13)
+            assert all(h is None or all(w.is_pinned() for w in h) for h in llm.residency.host)
     assert s["all_cpu"]["cpu_share"] == 1.0
     assert s["all_cpu"]["label"].startswith("emulated:") if mode == "emulate" else s["all_cpu"]["label"] == "cuda"
     assert s["all_resident"]["hit_rate"] == 1.0 and s["all_resident"]["pcie_bytes"] == 0
@@ -96,6 +101,55 @@ def test_logits_do_not_depend_on_placement(arch, mode, checkpoint_factory):
     # ours also cut experts between the two sides (planner decision 5); lru never does
     assert s["mixed_laptop"]["split_share"] > 0 and s["mixed_5090_lru"]["split_share"] == 0
     assert s["all_cpu"]["split_share"] == 0 and s["all_resident"]["split_share"] == 0
+
+
+@pytest.mark.parametrize("mode", ["emulate", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("arch,fmt", [("mixtral", "int4"), ("qwen3_moe_step2", "int8"), ("qwen3_moe", "int8")])
+def test_quantised_experts_do_not_depend_on_placement(arch, fmt, mode, checkpoint_factory):
+    """--expert-dtype int8 / int4 in the tiers: the expert store's banks are the host banks (the
+    streamer copies their packed weights and scales, the numba kernels read them in place), the
+    slots hold the quantised bytes, and every placement gives the cpu backend's logits for the
+    same expert format (numba kernels for every pair) within 1e-4. The mixed runs use both
+    sides' bandwidths only (no fixed call costs), so the planner also cuts experts where the
+    width allows one (I = 64: two 32-column blocks; qwen3_moe's I = 48 has one: a planned cut
+    sends the whole expert to one side)."""
+    from dataclasses import replace
+
+    path = checkpoint_factory(arch)
+    reference = drive(path, backend="cpu", expert_dtype=fmt, expert_cache="off")
+    placements = dict(PLACEMENTS)
+    if mode == "cuda":   # there a budget of 0 means "the VRAM left": give the mixed runs emulation's half
+        slots = LLM(path, dtype="float32", show_progress=False, residency="emulate", expert_dtype=fmt,
+                    expert_cache="off").residency.slots
+        placements = {name: {"vram_budget_bytes": slots.num_slots * slots.slot_bytes, **kw}
+                      for name, kw in PLACEMENTS.items()}
+    runs = {}
+    for name, kw in placements.items():
+        llm = LLM(path, dtype="float32", show_progress=False, residency=mode, expert_dtype=fmt, expert_cache="off",
+                  **kw)
+        ex = llm.residency
+        ex.measure_live = False
+        if name.startswith("mixed"):
+            ex.cost = replace(ex.cost, profile=replace(ex.cost.profile, cpu_call_s=0.0, copy_call_s=0.0))
+        runs[name] = drive_llm(llm)
+        assert ex.fmt.name == fmt and ex.slots.slot_bytes == ex.cpu_banks[1].bytes_per_expert
+        store = llm.model.expert_store.banks
+        assert all((h is None) == (b is None) for h, b in zip(ex.host, store))
+        assert all(h is None or h[0].data_ptr() == b.w13.ctypes.data for h, b in zip(ex.host, store))
+        if mode == "cuda":   # the store page-locks its banks in place: the copies are asynchronous DMA
+            assert all(h is None or all(w.is_pinned() for w in h) for h in ex.host)
+    # on a GPU the dense layers and the accelerator's experts sum in another order than the
+    # host's: near a rounding tie of the int8 activations one value may land a step away
+    tol = 1e-4 if mode == "emulate" else 1e-3
+    for name, (llm, toks, ours) in runs.items():
+        assert toks == reference[1], name
+        assert (ours - reference[2]).abs().max().item() <= tol, name
+    s = {name: run[0].residency.telemetry.summary() for name, run in runs.items()}
+    assert s["all_cpu"]["cpu_share"] == 1.0 and s["all_resident"]["hit_rate"] == 1.0
+    for name in ("mixed_laptop", "mixed_5090_lru"):
+        assert s[name]["hit_rate"] > 0 and s[name]["stream_share"] > 0 and s[name]["cpu_share"] > 0, name
+    if runs["all_cpu"][0].residency.fmt.inter >= 64:   # (I = 48: a planned cut goes whole to one side)
+        assert s["mixed_laptop"]["split_share"] > 0, s["mixed_laptop"]
 
 
 def test_every_routed_pair_is_computed_exactly_once(checkpoint_factory):
@@ -179,6 +233,19 @@ def test_cli_stats_and_record_routing(tmp_path):
     assert trace.steps[0][0].shape[0] > 1 and all(s[0].shape == (1, 2) for s in trace.steps[1:])
 
 
+def test_cli_runs_int4_experts_on_the_tiers():
+    """`freetoken run --emulate-gpu PROFILE --expert-dtype int4`: the demo model's experts in int4
+    on every tier, the same greedy tokens as the cpu backend with int4 experts."""
+    proc = freetoken("import os\n", "--json", "--max-tokens", "6", "--temperature", "0", "--dtype", "float32",
+                     "--emulate-gpu", "rtx4090", "--expert-dtype", "int4", "--expert-cache", "off", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    demo = LLM(DEMO_MODEL, dtype="float32", show_progress=False, backend="cpu", expert_dtype="int4",
+               expert_cache="off")
+    expected = demo.generate(["import os\n"], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert json.loads(proc.stdout)["token_ids"] == expected.token_ids
+    assert "EMULATED accelerator" in proc.stderr and "  all " in proc.stderr
+
+
 def test_bad_residency_options_are_one_line_errors():
     proc = freetoken("x", "--emulate-gpu", "h100")
     assert proc.returncode == 2 and "unknown hardware profile 'h100'" in proc.stderr and "Traceback" not in proc.stderr
@@ -200,6 +267,11 @@ def test_bad_residency_options_are_one_line_errors():
         EngineConfig(model="m", residency="emulate", residency_profile="measured")
     with pytest.raises(FreetokenError, match="drop --backend cpu"):
         EngineConfig(model="m", residency="emulate", backend="cpu")
+    with pytest.raises(FreetokenError, match="--dense-dtype"):     # the tiers' dense weights are torch's
+        EngineConfig(model="m", residency="emulate", dense_dtype="int8")
+    with pytest.raises(FreetokenError, match="--expert-dtype needs the cpu backend or the residency tiers"):
+        EngineConfig(model="m", backend="torch", expert_dtype="int4")
+    EngineConfig(model="m", residency="emulate", expert_dtype="int4")   # the tiers take quantised experts
     with pytest.raises(FreetokenError, match="residency must be off, emulate or cuda"):
         EngineConfig(model="m", residency="gpu")
     with pytest.raises(FreetokenError, match="residency policy"):
@@ -612,7 +684,8 @@ def test_gpu_session_script_stops_at_once_without_a_gpu(tmp_path):
     assert proc.returncode != 0 and "OUT" in proc.stderr
 
 
-@pytest.mark.parametrize("step_status,pytest_says,want", [(0, "2 passed", 0), (0, "2 skipped", 1), (1, "", 1)])
+@pytest.mark.parametrize("step_status,pytest_says,want", [(0, "5 passed", 0), (0, "5 skipped", 1),
+                                                            (0, "2 passed, 3 skipped", 1), (1, "", 1)])
 def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, step_status, pytest_says, want):
     """bench/gpu_session.sh runs every step under its limit and logs each status; its own exit
     status is 1 when any step failed or the cuda placement variants were skipped, 0 when all
@@ -630,7 +703,7 @@ def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, st
     assert proc.returncode == want, proc.stdout + proc.stderr
     steps = (out / "steps.txt").read_text()
     for name in ("probe", "placement test (cuda)", "triton experts test", "triton experts bench", "residency_gpu",
-                 "residency_gpu (torch experts)"):
+                 "residency_gpu (torch experts)", "residency_gpu (int4 experts)"):
         assert f"{name} rc={step_status}" in steps
     assert "-k placement and cuda" in (out / "placement.txt").read_text()
 
@@ -648,11 +721,11 @@ def test_an_error_between_a_layers_copies_leaves_the_slots_and_the_policy_in_ste
     ex = llm.residency
     run, raised = ex._run, []
 
-    def run_once_oom(out, x, rows, w13, w2, layer, expert, tier, *rest):
+    def run_once_oom(out, x, rows, parts, layer, expert, tier, *rest):
         if tier == "stream" and x.shape[0] > 1 and not raised:
             raised.append(layer)
             raise torch.OutOfMemoryError("emulated: CUDA out of memory")
-        return run(out, x, rows, w13, w2, layer, expert, tier, *rest)
+        return run(out, x, rows, parts, layer, expert, tier, *rest)
 
     ex._run = run_once_oom
     req = llm.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
@@ -756,12 +829,16 @@ def test_calibrated_host_costs_are_measured_and_reach_the_prediction_not_the_dec
     from dataclasses import replace
 
     from freetoken_py.residency.calibrate import measure_host_costs, with_host_costs
+    from freetoken_py.residency.formats import ExpertFormat
     from freetoken_py.residency.profiles import PROFILES
 
     host_s, call_s = measure_host_costs(16, 4, 64, 10.0, 1 << 20, torch.float32, calls=8, warmup=2)
     assert 0 < host_s < 0.5 and 0 <= call_s < 0.5
-    measured = with_host_costs(PROFILES["rtx4090"], torch.zeros(8, 64, 32), top_k=2, calls=8)   # w13 [E, 2I, D]
+    fmt = ExpertFormat.of_float(torch.zeros(8, 64, 32), torch.zeros(8, 32, 32))   # w13 [E, 2I, D], w2 [E, D, I]
+    measured = with_host_costs(PROFILES["rtx4090"], 8, fmt, top_k=2, calls=8)
     assert measured.host_layer_s > 0 and measured.cpu_call_s >= 0 and measured.pcie_gbps == PROFILES["rtx4090"].pcie_gbps
+    int4_s, int4_call_s = measure_host_costs(16, 4, 64, 10.0, 1 << 20, calls=8, warmup=2, expert_format="int4")
+    assert 0 < int4_s < 0.5 and 0 <= int4_call_s < 0.5
     with pytest.raises(ValueError, match="top_k"):
         measure_host_costs(4, 8, 64, 10.0, 1 << 20)
 
@@ -957,12 +1034,14 @@ def test_a_copy_waits_for_compute_only_into_a_slot_this_calls_compute_reads(chec
     read that waited for the GPU, a copy into a slot no queued compute reads starts at once; one
     into a slot a queued hit reads (its expert just evicted), or any copy when the reads are
     unknown (no sync, a resize), waits. In a run, every slot a call computes from is marked."""
+    from freetoken_py.residency.formats import ExpertFormat
     from freetoken_py.residency.slots import SlotCache
     from freetoken_py.residency.streamer import Streamer
 
     host13, host2 = [torch.randn(4, 8, 16)], [torch.randn(4, 16, 4)]
-    slots = SlotCache(2, (8, 16), (16, 4), torch.float32, "cpu")     # free slots handed out 0, then 1
-    st = Streamer(slots, host13, host2)
+    fmt = ExpertFormat.of_float(host13[0], host2[0])
+    slots = SlotCache(2, fmt.specs, "cpu")     # free slots handed out 0, then 1
+    st = Streamer(slots, [(host13[0], host2[0])], fmt)
     st.new_call(synced=True)
     st.to_slot(0, 0)                               # slot 0, free: no compute reads it
     assert slots.slot_of[(0, 0)] == 0 and st.slot_copies == [1, 0]
@@ -1001,10 +1080,10 @@ def test_a_copy_waits_for_compute_only_into_a_slot_this_calls_compute_reads(chec
     run = ex._run
     slot_ptrs = {ex.slots.views(i)[0].data_ptr(): i for i in range(ex.slots.num_slots)}
 
-    def on_run(out, x, group, w13, w2, *rest):   # what compute reads, told apart from the marks
-        if w13.data_ptr() in slot_ptrs:
-            read_now.add(slot_ptrs[w13.data_ptr()])
-        return run(out, x, group, w13, w2, *rest)
+    def on_run(out, x, group, parts, *rest):   # what compute reads, told apart from the marks
+        if parts[0].data_ptr() in slot_ptrs:
+            read_now.add(slot_ptrs[parts[0].data_ptr()])
+        return run(out, x, group, parts, *rest)
 
     ex._run = on_run
 

@@ -136,6 +136,11 @@ def test_measured_hardware_profile_converts_with_concurrent_figures_first():
     # the measured batch-1 expert kernel (launches included) is the accelerator's rate when present
     with_kernel = dict(figures, gpu_expert_kernel=fig("gpu_expert_kernel", 240.0))
     assert from_hardware_profile(dataclasses.replace(hw, figures=with_kernel)).vram_gbps == 240.0
+    # another expert format's CPU rate: its kernel's figure, scaled by the concurrent bf16 one's share
+    q = dict(figures, cpu_expert_bf16=fig("cpu_expert_bf16", 25.0), cpu_expert_int4=fig("cpu_expert_int4", 15.0))
+    assert from_hardware_profile(dataclasses.replace(hw, figures=q), expert_format="int4").cpu_expert_gbps == \
+        pytest.approx(22.0 * 15.0 / 25.0)
+    assert from_hardware_profile(dataclasses.replace(hw, figures=q), expert_format="bf16").cpu_expert_gbps == 22.0
 
 
 def test_one_miss_is_cut_so_both_sides_finish_together():

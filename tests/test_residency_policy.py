@@ -233,8 +233,8 @@ def test_slot_cache_shrinks_without_allocating_and_keeps_what_a_failed_grow_got(
             raise torch.OutOfMemoryError("emulated: CUDA out of memory")
         return torch.empty(shape, **kw)
 
-    cache = SlotCache(12, (4, 3), (3, 2), torch.float32, alloc=alloc, chunk_slots=4)
-    assert cache.num_slots == 12 and len(cache._w13) == 3
+    cache = SlotCache(12, [((4, 3), torch.float32), ((3, 2), torch.float32)], alloc=alloc, chunk_slots=4)
+    assert cache.num_slots == 12 and len(cache._chunks) == 3
     weights = {}
     for key in [(0, 1), (0, 2), (1, 0), (1, 5), (2, 3)]:
         w13, w2 = cache.views(cache.reserve(key))
@@ -257,11 +257,11 @@ def test_slot_cache_shrinks_without_allocating_and_keeps_what_a_failed_grow_got(
 
     fail["on"] = True
     assert cache.resize(7) == 8                              # whole chunks: 8 slots hold the 6 experts
-    assert len(cache._w13) == 2 and max(cache.slot_of.values()) < 8 and same()
+    assert len(cache._chunks) == 2 and max(cache.slot_of.values()) < 8 and same()
     assert sorted(cache.free + list(cache.slot_of.values())) == list(range(8))
     assert cache.resize(16) == 8                             # every allocation fails: nothing gained, nothing lost
     fail["on"] = False
-    assert cache.resize(14) == 14 and [t.shape[0] for t in cache._w13] == [4, 4, 4, 2] and same()
+    assert cache.resize(14) == 14 and [c[0].shape[0] for c in cache._chunks] == [4, 4, 4, 2] and same()
     calls = {"n": 0}
 
     def third_fails(shape, **kw):
@@ -322,13 +322,14 @@ def test_slot_chunks_grown_inside_a_forward_can_shrink_and_fill_outside_one():
     experts into such chunks, and the streamer may copy into them: neither may raise."""
     import torch
 
+    from freetoken_py.residency.formats import ExpertFormat
     from freetoken_py.residency.slots import SlotCache
     from freetoken_py.residency.streamer import Streamer
 
-    cache = SlotCache(2, (4, 3), (3, 2), torch.float32, chunk_slots=2)
-    host13 = [torch.randn(6, 4, 3)]
-    host2 = [torch.randn(6, 3, 2)]
-    streamer = Streamer(cache, host13, host2)
+    host13, host2 = torch.randn(6, 4, 3), torch.randn(6, 3, 2)
+    fmt = ExpertFormat.of_float(host13, host2)
+    cache = SlotCache(2, fmt.specs, chunk_slots=2)
+    streamer = Streamer(cache, [(host13, host2)], fmt)
     with torch.inference_mode():
         cache.resize(6)                                    # two chunks grown "inside a forward"
     for e in range(5):
@@ -339,7 +340,7 @@ def test_slot_chunks_grown_inside_a_forward_can_shrink_and_fill_outside_one():
     assert cache.resize(4) == 4                            # outside: (0, 4) moves into a grown chunk
     assert cache.slot_of[(0, 4)] in (2, 3)
     for e in (0, 1, 4):
-        assert torch.equal(cache.get((0, e))[0], host13[0][e]) and torch.equal(cache.get((0, e))[1], host2[0][e])
+        assert torch.equal(cache.get((0, e))[0], host13[e]) and torch.equal(cache.get((0, e))[1], host2[e])
 
 
 def test_shadow_caches_sample_every_fourth_layer_with_that_share_of_the_capacity():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,8 +203,10 @@ _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA >= 11.1): th
 def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False) -> int:
     """Page-lock the banks' memory when CUDA is present, so host->device expert copies can be
     asynchronous. Returns the bytes registered. UNTESTED: no GPU on the development machine; a
-    failure only warns (the banks still work for the CPU kernels). Registered memory stays
-    registered for the life of the process (the banks live that long). `file_backed` banks map the
+    failure only warns (the banks still work for the CPU kernels). Each array is unregistered
+    when it is garbage-collected, before its memory can go back (it holds the mapping or buffer
+    it views): a later bank mapped at the same address registers afresh, and the device never
+    reads pages that are no longer the array's. `file_backed` banks map the
     cache file copy-on-write: they are registered read-only, since pinning them for writing would
     break copy-on-write and copy every page."""
     if not torch.cuda.is_available():
@@ -218,5 +221,6 @@ def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False) -> int:
             if int(err) != 0:
                 _warn(f"expert store: cudaHostRegister failed ({err}); expert copies to the GPU will not be async")
                 return done
+            weakref.finalize(a, cudart.cudaHostUnregister, a.ctypes.data)
             done += a.nbytes
     return done

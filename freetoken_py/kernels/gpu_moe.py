@@ -1,6 +1,6 @@
 """The accelerator tier's experts for decode-sized batches in two Triton launches per layer-step.
 
-The torch path (`residency.executor._swiglu` per expert) issues about nine operations per expert
+The torch path (`residency.formats.swiglu` per expert) issues about nine operations per expert
 (gather, two GEMVs, chunk, SiLU, multiply, scale, scatter): at decode, with one token and up to
 top-k experts on the accelerator, that is ~70 kernel launches and their Python per MoE layer.
 Here every (token, expert) pair of a layer-step is one row of two kernels:

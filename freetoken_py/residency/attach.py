@@ -1,7 +1,8 @@
 """Build a `ResidencyExecutor` for a loaded model and plug it in as the model's expert executor.
 
 Duck-typed on the model (`model.weights.layers[i].w13 / w2 / router`, `model.args.top_k`) so this
-package does not import `models`. Under "emulate" the accelerator tier runs on CPU tensors and
+package does not import `models`; with `--expert-dtype` the experts come instead as the expert
+store's banks (`banks=`), in any of its formats (formats.py). Under "emulate" the accelerator tier runs on CPU tensors and
 every time is taken from the injected profile; "cuda" is the same code on the GPU (slots and the
 copy stream in VRAM, host banks pinned) and is untested where no GPU was lent.
 """
@@ -16,6 +17,7 @@ from freetoken_py.residency.adaptive import AdaptivePolicy
 from freetoken_py.residency.calibrate import with_host_costs
 from freetoken_py.residency.elastic import ElasticVram, cuda_free_bytes
 from freetoken_py.residency.executor import ResidencyExecutor
+from freetoken_py.residency.formats import ExpertFormat, bank_parts
 from freetoken_py.residency.planner import CostModel
 from freetoken_py.residency.policy import LruPolicy, StaticPolicy
 from freetoken_py.residency.profiles import emulated, from_hardware_profile, get_profile
@@ -37,32 +39,41 @@ def make_policy(name: str, layers: list[int], num_experts: int, capacity: int, p
 
 def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int = 0, policy: str = "ours",
                      memory_probe: Optional[Callable[[], int]] = None, audit: bool = False,
-                     prefetch: bool = True, cpu_kernels: bool = True) -> ResidencyExecutor:
+                     prefetch: bool = True, cpu_kernels: bool = True, banks: Optional[list] = None
+                     ) -> ResidencyExecutor:
     """`vram_budget_bytes`: bytes for expert slots (0 = on CUDA, the free VRAM less max(1 GiB, a
     tenth of the card) (call it after the dense weights and the KV cache are placed); emulated, room for half the
-    model's experts, so a tiny model exercises hits, streaming and the CPU at once). `cpu_kernels`: the CPU tier runs
-    the numba expert kernels on views of the host weights (bf16 / fp32 SwiGLU experts); False,
-    or any other dtype, runs torch there."""
+    model's experts, so a tiny model exercises hits, streaming and the CPU at once). `banks`: per
+    layer the expert store's `ExpertBank` (`--expert-dtype`: bf16, fp32, int8 or int4; None for
+    a dense layer), whose arrays become the host banks the streamer copies from and the CPU
+    kernels read; without, the model's torch expert stacks (the checkpoint's precision).
+    `cpu_kernels`: with the torch stacks, the CPU tier runs the numba expert kernels on views of
+    them (bf16 / fp32 SwiGLU experts); False, or any other dtype, runs torch there."""
     layers = model.weights.layers
-    w13 = [lw.w13 for lw in layers]
-    w2 = [lw.w2 for lw in layers]
-    moe = [i for i, w in enumerate(w13) if w is not None]
+    activation = getattr(model.args, "hidden_act", "silu")
+    if banks is not None:
+        if activation != "silu":
+            raise FreetokenError(f"the residency tiers compute SwiGLU experts; this model's are {activation!r}")
+        host = [bank_parts(b) if b is not None else None for b in banks]
+    else:
+        host = [(lw.w13, lw.w2) if lw.w13 is not None else None for lw in layers]
+    moe = [i for i, h in enumerate(host) if h is not None]
     if not moe:
         raise ValueError("this model has no routed experts")
-    first = w13[moe[0]]
-    num_experts, dtype = first.shape[0], first.dtype
-    expert_bytes = (first[0].numel() + w2[moe[0]][0].numel()) * first.element_size()
+    fmt = ExpertFormat.of_bank(banks[moe[0]]) if banks is not None else ExpertFormat.of_float(*host[moe[0]])
+    num_experts, expert_bytes = host[moe[0]][0].shape[0], fmt.expert_bytes
     device = "cpu" if mode == "emulate" else "cuda"
-    profile = _measured_profile() if profile_name == "measured" else get_profile(profile_name)
-    activation = getattr(model.args, "hidden_act", "silu")
+    profile = _measured_profile(_probe_format(fmt)) if profile_name == "measured" else get_profile(profile_name)
     if profile_name == "measured":   # this machine's fixed host costs too (timed on the real executor)
-        profile = with_host_costs(profile, first, model.args.top_k, cpu_kernels and activation == "silu")
+        kernels = banks is not None or (cpu_kernels and activation == "silu")
+        profile = with_host_costs(profile, num_experts, fmt, model.args.top_k, kernels)
     profile = emulated(profile) if mode == "emulate" else profile
-    if mode == "cuda":   # pinned banks make the host -> device copies asynchronous DMA
+    if mode == "cuda" and banks is None:   # pinned banks make the host -> device copies asynchronous DMA
         model.experts = None   # the torch executor's references to the unpinned weights go first
         for i in moe:    # layer by layer, replacing the model's own reference: one host copy, not two
             layers[i].w13, layers[i].w2 = layers[i].w13.pin_memory(), layers[i].w2.pin_memory()
-            w13[i], w2[i] = layers[i].w13, layers[i].w2
+            host[i] = (layers[i].w13, layers[i].w2)
+    # (the expert store's banks are page-locked in place when it opens them: engine.expert_store.pin_banks)
     # room for activations on a GPU: a tenth of the card, at least CUDA_RESERVE_BYTES
     reserve = max(CUDA_RESERVE_BYTES, torch.cuda.mem_get_info()[1] // 10) if mode == "cuda" else 0
     if vram_budget_bytes:
@@ -72,10 +83,10 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     else:
         budget = expert_bytes * (len(moe) * num_experts // 2)
     num_slots = min(budget // expert_bytes, len(moe) * num_experts)
-    slots = SlotCache(num_slots, tuple(first.shape[1:]), tuple(w2[moe[0]].shape[1:]), dtype, device)
-    flops = 2.0 * first.shape[1] * first.shape[2] * 3 / 2     # gate+up [2I, D] and down [D, I]
+    slots = SlotCache(num_slots, fmt.specs, device)
+    flops = 2.0 * 3 * fmt.inter * fmt.hidden     # gate+up [2I, D] and down [D, I]
     cost = CostModel(profile, expert_bytes, flops)
-    routers = [lw.router if lw.w13 is not None else None for lw in layers] if prefetch else None
+    routers = [lw.router if h is not None else None for lw, h in zip(layers, host)] if prefetch else None
     elastic = ElasticVram(expert_bytes, num_slots) if memory_probe is not None else None
     if mode == "cuda" and memory_probe is None:
         memory_probe = cuda_free_bytes
@@ -85,12 +96,17 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     # the look-ahead's lead: measured on a GPU; emulated, the profile's (a layer's dense read and
     # host work, as the simulator counts it), not this host's CPU-side dense compute
     dense_layer = dense_weight_bytes(model) // len(moe) if mode == "emulate" else None
-    executor = ResidencyExecutor(w13, w2, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
+    if banks is not None:
+        cpu_banks = banks
+        _warm(banks[moe[0]])
+    else:
+        cpu_banks = _cpu_banks([h and h[0] for h in host], [h and h[1] for h in host], activation) \
+            if cpu_kernels else None
+    executor = ResidencyExecutor(host, fmt, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,
                                  memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
                                  audit=audit, measure_live=mode == "cuda",
-                                 cpu_banks=_cpu_banks(w13, w2, activation)
-                                 if cpu_kernels else None, dense_layer_bytes=dense_layer)
+                                 cpu_banks=cpu_banks, dense_layer_bytes=dense_layer)
     model.experts = executor
     return executor
 
@@ -105,7 +121,7 @@ def dense_weight_bytes(model) -> int:
 def _cpu_banks(w13: list, w2: list, activation: str) -> Optional[list]:
     """Per layer, a numba ExpertBank viewing the host expert weights (no copy); None where the
     kernels cannot take them (fp16 weights, another activation)."""
-    from freetoken_py.kernels.cpu_moe import ExpertBank, moe_experts
+    from freetoken_py.kernels.cpu_moe import ExpertBank
 
     if activation != "silu":
         return None
@@ -116,16 +132,29 @@ def _cpu_banks(w13: list, w2: list, activation: str) -> Optional[list]:
     bank = next((b for b in banks if b is not None), None)
     if bank is None:
         return None
-    # compile / load the kernel now, not in the first step
-    moe_experts(bank, torch.zeros(1, bank.hidden), torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1))
+    _warm(bank)
     return banks
 
 
-def _measured_profile():
+def _warm(bank) -> None:
+    """Compile / load the CPU tier's kernel for `bank`'s format now, not in the first step."""
+    from freetoken_py.kernels.cpu_moe import moe_experts
+
+    moe_experts(bank, torch.zeros(1, bank.hidden), torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1))
+
+
+def _probe_format(fmt: ExpertFormat) -> str:
+    """The probe's name for the CPU kernel that runs experts of format `fmt`."""
+    if fmt.name != "float":
+        return fmt.name
+    return "fp32" if fmt.dtype == torch.float32 else "bf16"
+
+
+def _measured_profile(expert_format: str = "bf16"):
     """This machine's tier profile from `freetoken probe` (cached, revalidated, or measured now)."""
     from freetoken_py.hw import get_profile as machine_profile
 
-    profile = from_hardware_profile(machine_profile(progress=False))
+    profile = from_hardware_profile(machine_profile(progress=False), expert_format=expert_format)
     if profile is None:
         raise FreetokenError("this machine's profile has no GPU figures (PCIe, VRAM); run `freetoken probe` "
                              "with the GPU visible, or name a hand-built profile")

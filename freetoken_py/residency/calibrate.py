@@ -32,16 +32,20 @@ _MAX_HIDDEN = 256    # the tiny experts' width (the conversions of wider activat
 
 def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbps: float,
                        layer_bytes: int, dtype: torch.dtype = torch.bfloat16, calls: int = 48,
-                       warmup: int = 8, seed: int = 0, cpu_kernels: bool = True) -> tuple[float, float]:
+                       warmup: int = 8, seed: int = 0, cpu_kernels: bool = True,
+                       expert_format: str = "float", group_size: int = 32) -> tuple[float, float]:
     """(host_layer_s, cpu_call_s): medians per call. `cpu_expert_gbps` is the rate the cost model
     charges the CPU tier's bytes at (the tiny experts' bytes at that rate are taken off the
     tier's time, so `cpu_call_s` is the fixed part); `layer_bytes`: the routed expert bytes of one
     real layer-step, read between calls to evict the caches (capped at 64 MiB); `cpu_kernels`:
     the CPU tier runs the numba kernels (as the executor does for bf16 / fp32 SiLU experts when
-    attached with them), else torch on the host weights."""
+    attached with them), else torch on the host weights; `expert_format` "int8" / "int4": the
+    experts quantised in banks, as `--expert-dtype` holds them (the numba kernels then always;
+    int4 with `group_size`, the experts one group wide if that is more than 32 columns)."""
     from freetoken_py.kernels.cpu_moe import ExpertBank
     from freetoken_py.residency.adaptive import AdaptivePolicy
     from freetoken_py.residency.executor import ResidencyExecutor
+    from freetoken_py.residency.formats import ExpertFormat, bank_parts
     from freetoken_py.residency.planner import CostModel
     from freetoken_py.residency.profiles import GB, PROFILES, emulated
     from freetoken_py.residency.slots import SlotCache
@@ -50,19 +54,27 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
         raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
     d = min(hidden, _MAX_HIDDEN)
     g = torch.Generator().manual_seed(seed)
-    w13 = [(torch.rand(num_experts, 2 * _INTER, d, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
-    w2 = [(torch.rand(num_experts, d, _INTER, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
+    inter = max(_INTER, group_size) if expert_format == "int4" else _INTER
+    w13 = [(torch.rand(num_experts, 2 * inter, d, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
+    w2 = [(torch.rand(num_experts, d, inter, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
     banks = None
-    if cpu_kernels:   # the numba CPU tier for bf16 / fp32 experts; torch on the host weights otherwise, as in a run
-        try:
-            banks = [ExpertBank.view_of(a, b) for a, b in zip(w13, w2)]
-        except ValueError:
-            banks = None
-    expert_bytes = 3 * _INTER * d * w13[0].element_size()
+    if expert_format in ("int8", "int4"):   # the store's banks: the host banks and the CPU tier's
+        banks = [ExpertBank.from_weights(a[:, :inter], a[:, inter:], b, fmt=expert_format, group_size=group_size)
+                 for a, b in zip(w13, w2)]
+        host = [bank_parts(b) for b in banks]
+        fmt = ExpertFormat.of_bank(banks[0])
+    else:
+        if cpu_kernels:   # the numba CPU tier for bf16 / fp32 experts; torch on the host weights otherwise
+            try:
+                banks = [ExpertBank.view_of(a, b) for a, b in zip(w13, w2)]
+            except ValueError:
+                banks = None
+        host, fmt = list(zip(w13, w2)), ExpertFormat.of_float(w13[0], w2[0])
+    expert_bytes = fmt.expert_bytes
     profile = replace(emulated(PROFILES["rtx4090"]), cpu_expert_gbps=cpu_expert_gbps)   # (no slot: GPU unused)
-    cost = CostModel(profile, expert_bytes, 6.0 * _INTER * d)
-    ex = ResidencyExecutor(w13, w2, AdaptivePolicy(list(range(_LAYERS)), num_experts, 0), cost,
-                           SlotCache(0, (2 * _INTER, d), (d, _INTER), dtype, "cpu"), cpu_banks=banks)
+    cost = CostModel(profile, expert_bytes, 6.0 * inter * d)
+    ex = ResidencyExecutor(host, fmt, AdaptivePolicy(list(range(_LAYERS)), num_experts, 0), cost,
+                           SlotCache(0, fmt.specs, "cpu"), cpu_banks=banks)
     flush = np.ones(max(1, min(layer_bytes, MAX_FLUSH_BYTES) // 8))
     host, tier = [], []
     rng = np.random.default_rng(seed)
@@ -85,12 +97,13 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
     return float(np.median(host)), max(0.0, float(np.median(tier)) - fixed)
 
 
-def with_host_costs(profile, w13: torch.Tensor, top_k: int, cpu_kernels: bool = True, calls: int = 48):
+def with_host_costs(profile, num_experts: int, fmt, top_k: int, cpu_kernels: bool = True, calls: int = 48):
     """`profile` with this machine's measured `host_layer_s` and `cpu_call_s` (`measure_host_costs`)
-    for the model whose MoE layer holds the experts `w13` [E, 2I, D] (expert count, width and dtype
-    read from it), routing `top_k` of them; `cpu_kernels`: the CPU tier runs the numba kernels."""
-    num_experts, two_i, hidden = w13.shape
-    layer_bytes = top_k * 3 * (two_i // 2) * hidden * w13.element_size()   # gate, up and down of top_k experts
-    host_s, call_s = measure_host_costs(num_experts, top_k, hidden, profile.cpu_expert_gbps, layer_bytes,
-                                        w13.dtype, calls, cpu_kernels=cpu_kernels)
+    for a model whose MoE layers hold `num_experts` experts of format `fmt` (formats.ExpertFormat:
+    width, bytes, dtype), routing `top_k` of them; `cpu_kernels`: the CPU tier runs the numba
+    kernels. The tiny experts are in `fmt`'s format (a quantised one's quantised from bf16)."""
+    dtype = fmt.dtype if fmt.name == "float" else torch.bfloat16
+    host_s, call_s = measure_host_costs(num_experts, top_k, fmt.hidden, profile.cpu_expert_gbps,
+                                        top_k * fmt.expert_bytes, dtype, calls, cpu_kernels=cpu_kernels,
+                                        expert_format=fmt.name, group_size=fmt.group_size)
     return replace(profile, host_layer_s=host_s, cpu_call_s=call_s)

@@ -31,11 +31,11 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from freetoken_py.kernels import gpu_moe
 from freetoken_py.kernels.cpu_moe import add_moe_experts, moe_experts
 from freetoken_py.residency.elastic import ElasticVram
+from freetoken_py.residency.formats import ExpertFormat
 from freetoken_py.residency.planner import CostModel, LayerStats, prefetch_allowance
 from freetoken_py.residency.policy import look_ahead
 from freetoken_py.residency.profiles import GB
@@ -58,25 +58,22 @@ def _fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
     return problem is None
 
 
-def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I] each
-    return F.linear(F.silu(gate) * up, w2)  # [n, D]
-
-
 class ResidencyExecutor:
     oom_errors = OOM_ERRORS      # what an allocation failure raises (the engine shrinks the slots on it)
 
-    def __init__(self, host_w13: list, host_w2: list, policy, cost: CostModel, slots: SlotCache, *,
+    def __init__(self, host: list, fmt: ExpertFormat, policy, cost: CostModel, slots: SlotCache, *,
                  routers: Optional[list] = None, top_k: int = 0, elastic: Optional[ElasticVram] = None,
                  memory_probe: Optional[Callable[[], int]] = None, label: str = "emulated",
                  audit: bool = False, measure_live: bool = False, cpu_banks: Optional[list] = None,
                  dense_layer_bytes: Optional[int] = None):
-        self.host_w13, self.host_w2 = host_w13, host_w2   # per layer [E, 2I, D] / [E, D, I] or None
+        # per layer: the experts' parts on the host, [E, ...] each (formats.py; float: w13
+        # [E, 2I, D] and w2 [E, D, I]), or None (no routed experts)
+        self.host, self.fmt = host, fmt
         # per layer: a kernels.cpu_moe.ExpertBank viewing the same host weights (the numba CPU
         # kernels), or None (the CPU tier then runs torch on the host weights)
         self.cpu_banks = cpu_banks
         self.policy, self.cost, self.slots = policy, cost, slots
-        self.streamer = Streamer(slots, host_w13, host_w2)
+        self.streamer = Streamer(slots, host, fmt)
         self.routers, self.top_k = routers, top_k
         self.elastic, self.memory_probe = elastic, memory_probe
         self._slots_lent = 0     # what the KV cache took off the elastic sizing's ceiling (lend_slots)
@@ -103,7 +100,8 @@ class ResidencyExecutor:
         # decode-sized layer-steps' accelerator experts in two Triton launches (kernels/gpu_moe.py):
         # on a CUDA GPU when Triton is there and its self-check passes; never under emulation
         # (tests turn it on with Triton's CPU interpreter)
-        self.fused_accel = self.slots.device.type == "cuda" and _fused_ok(self.slots.device, self.slots.dtype)
+        self.fused_accel = (self.slots.device.type == "cuda" and fmt.name == "float"
+                            and _fused_ok(self.slots.device, fmt.dtype))
         self.sync_slots()
 
     def sync_slots(self) -> None:
@@ -138,7 +136,7 @@ class ResidencyExecutor:
         if one is not None:                   # decode: k distinct experts, a pair each
             tokens = dict.fromkeys(sorted(one), 1)
         else:
-            counts = torch.bincount(ids.flatten(), minlength=self.host_w13[layer].shape[0]).tolist()
+            counts = torch.bincount(ids.flatten(), minlength=self.host[layer][0].shape[0]).tolist()
             tokens = {e: n for e, n in enumerate(counts) if n}
         self._score_prefetch(layer, tokens, decode)
         plan = self.policy.split(layer, LayerStats(tokens, self.policy.resident(layer)), self.cost)
@@ -159,8 +157,7 @@ class ResidencyExecutor:
         # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
         # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
         self._prefetch(predicted, prefetch_allowance(plan, self.cost, self.lead(decode)))
-        inter = self.host_w2[layer].shape[-1]
-        cpu_cuts = [(e, cols) for e, cols in cuts if cols < inter]
+        cpu_cuts = [(e, cols) for e, cols in cuts if cols < self.fmt.inter]
         cpu_part = (self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts, one, weights)
                     if plan.cpu or cpu_cuts else None)
         if ready is not None:
@@ -197,9 +194,9 @@ class ResidencyExecutor:
             self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
             self.streamer.mark_read((layer, e))    # a copy into its slot (an eviction) waits for this compute
             if fused:
-                batch.append((e, *self.slots.get((layer, e)), "hit"))
+                batch.append((e, self.slots.get((layer, e)), "hit"))
             else:
-                self._run(out_dev, xd, on_dev[e], *self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
+                self._run(out_dev, xd, on_dev[e], self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
         self._run_fused(out_dev, xd, on_dev, groups, batch, layer)   # before any admission can evict a hit
         evictions = self.policy.admit_many(layer, plan.stream, self.step)   # one call for the layer-step
         # a streamed expert the policy no longer holds (evicted again by a later one of this
@@ -207,22 +204,22 @@ class ResidencyExecutor:
         placed = 0
         try:
             for e, evicted in zip(plan.stream, evictions):
-                w13, w2 = self._stream_in(layer, e, evicted)
+                parts = self._stream_in(layer, e, evicted)
                 placed += 1
                 in_slot = (layer, e) in self.slots.slot_of      # (else staging, which every copy waits for)
                 if in_slot:
                     self.streamer.mark_read((layer, e))
                 if fused and in_slot:
-                    batch.append((e, w13, w2, "stream"))
+                    batch.append((e, parts, "stream"))
                 else:
-                    self._run(out_dev, xd, on_dev[e], w13, w2, layer, e, "stream", groups[e][0])
+                    self._run(out_dev, xd, on_dev[e], parts, layer, e, "stream", groups[e][0])
         except BaseException:     # (an out-of-memory error: the pass runs again) slots and policy agree
             self._unadmit(layer, plan.stream[placed:], evictions[placed:])
             raise
         self._run_fused(out_dev, xd, on_dev, groups, batch, layer)
         for e, cols in cuts:
             if cols:
-                self._run(out_dev, xd, on_dev[e], *self.streamer.to_staging_columns(layer, e, cols), layer, e,
+                self._run(out_dev, xd, on_dev[e], self.streamer.to_staging_columns(layer, e, cols), layer, e,
                           "split", groups[e][0])
         return self._to_host(out_dev, x)
 
@@ -307,52 +304,73 @@ class ResidencyExecutor:
         wts = torch.cat([groups[e][1] for e in experts]).to(dev, dtype, non_blocking=True)
         return dict(zip(experts, zip(rows.split(sizes), wts.split(sizes))))
 
-    def _run(self, out, x, group, w13, w2, layer: int, expert: int, tier: Optional[str],
+    def _run(self, out, x, group, parts, layer: int, expert: int, tier: Optional[str],
              host_rows: Optional[torch.Tensor] = None) -> None:
-        """out[rows] += w * expert(x[rows]); `group` = (rows, weights) on out's device."""
+        """out[rows] += w * expert(x[rows]); `group` = (rows, weights) on out's device, `parts` the
+        expert's weights (formats.py) on the same device."""
         rows, w = group
-        y = _swiglu(x[rows], w13, w2)  # [n, D]
+        y = self.fmt.compute(x[rows], parts)  # [n, D]
         out.index_add_(0, rows, y * w.to(out.dtype)[:, None])
         if self.audit is not None and tier is not None:   # a cut expert's CPU columns: audited once, above
             rows = rows if host_rows is None else host_rows
             self.audit.extend((self.step, layer, int(t), expert, tier) for t in rows.tolist())
 
     def _run_fused(self, out, x, on_dev, groups, batch: list, layer: int) -> None:
-        """`batch` [(expert, w13, w2, tier)]: every pair of those experts in one `gpu_moe.moe_pairs`
+        """`batch` [(expert, (w13, w2), tier)]: every pair of those experts in one `gpu_moe.moe_pairs`
         call (two Triton launches); empties the batch."""
         if not batch:
             return
         counts = [len(on_dev[e][0]) for e, *_ in batch]
         rows = torch.cat([on_dev[e][0] for e, *_ in batch])
         wts = torch.cat([on_dev[e][1] for e, *_ in batch])
-        w13s = [w for (_, w, _, _), n in zip(batch, counts) for _ in range(n)]
-        w2s = [w for (_, _, w, _), n in zip(batch, counts) for _ in range(n)]
+        w13s = [parts[0] for (_, parts, _), n in zip(batch, counts) for _ in range(n)]
+        w2s = [parts[1] for (_, parts, _), n in zip(batch, counts) for _ in range(n)]
         gpu_moe.moe_pairs(out, x, rows, wts, w13s, w2s)
         if self.audit is not None:
-            self.audit.extend((self.step, layer, int(t), e, tier) for e, _, _, tier in batch
+            self.audit.extend((self.step, layer, int(t), e, tier) for e, _, tier in batch
                               for t in groups[e][0].tolist())
         batch.clear()
 
-    def _run_bank(self, out, x, groups, experts, bank, layer: int) -> None:
+    def _run_bank(self, out, x, groups, experts, bank, layer: int, tier: Optional[str] = "cpu",
+                  expert: Optional[int] = None) -> None:
         """Whole CPU experts through the numba kernels: every (token, expert) pair as one row
-        (its token's activations, its expert id, its routing weight), summed back per token."""
+        (its token's activations, its expert id, its routing weight), summed back per token.
+        `expert`: the layer's expert id when `bank` is a one-expert bank (`_rest_bank`)."""
         rows = torch.cat([groups[e][0] for e in experts])                          # [P] token of each pair
         wts = torch.cat([groups[e][1] for e in experts]).float()[:, None]          # [P, 1]
         ids = torch.cat([torch.full((len(groups[e][0]),), e) for e in experts])[:, None]  # [P, 1]
         y = moe_experts(bank, x[rows].float(), ids, wts)                          # [P, D] fp32
         out.index_add_(0, rows, y.to(out.dtype))
-        if self.audit is not None:
-            self.audit.extend((self.step, layer, int(t), int(e), "cpu") for t, e in zip(rows.tolist(), ids[:, 0].tolist()))
+        if self.audit is not None and tier is not None:
+            self.audit.extend((self.step, layer, int(t), int(e if expert is None else expert), tier)
+                              for t, e in zip(rows.tolist(), ids[:, 0].tolist()))
+
+    def _rest_bank(self, layer: int, expert: int, cols: int):
+        """A quantised expert's columns [cols, I) as a one-expert `ExpertBank` (contiguous copies
+        of its rows and column ranges, about the bytes the kernel then reads): the CPU's side of a
+        cut runs in the numba kernels too. `cols` is whole activation blocks and scale groups, so
+        the kernel's blocks of h are the full expert's."""
+        from freetoken_py.kernels.cpu_moe import ExpertBank
+
+        def arr(t: torch.Tensor) -> np.ndarray:
+            a = t.contiguous().numpy()
+            return (a.view(np.uint16) if a.dtype == np.int16 else a)[None]   # int4 scales: fp16 bits
+
+        return ExpertBank(self.fmt.name, self.fmt.group_size,
+                          *(arr(t) for t in self.fmt.rest(self._host_expert(layer, expert), cols)))
 
     def _cut_columns(self, layer: int, fraction: float) -> int:
         """The planner's fraction as a column count of the intermediate dimension, in whole
-        32-column blocks (what a quantised slice needs), at least one block on each side when
-        the dimension has two."""
-        inter = self.host_w2[layer].shape[-1]
-        blocks = inter // 32
+        blocks (`ExpertFormat.cut_block`: 32 columns, an int4 scale group if wider), at least
+        one block on each side when the dimension has two. With fewer, float weights cut at any
+        column; a quantised expert goes whole to the side with the larger share."""
+        inter, block = self.fmt.inter, self.fmt.cut_block
+        blocks = inter // block
         if blocks < 2:
+            if self.fmt.name != "float":
+                return inter if fraction >= 0.5 else 0
             return int(round(fraction * inter))
-        return 32 * min(blocks - 1, max(1, int(round(fraction * blocks))))
+        return block * min(blocks - 1, max(1, int(round(fraction * blocks))))
 
     def _bank_row(self, x: torch.Tensor, weights: torch.Tensor, one: list[int], experts, bank,
                   layer: int) -> torch.Tensor:
@@ -387,15 +405,19 @@ class ResidencyExecutor:
         else:
             out_cpu = torch.zeros_like(x)
             for e in experts:
-                self._run(out_cpu, x, groups[e], self.host_w13[layer][e], self.host_w2[layer][e], layer, e, "cpu")
+                self._run(out_cpu, x, groups[e], self._host_expert(layer, e), layer, e, "cpu")
         for e, cols in cuts:          # the columns the accelerator did not take
-            w13, w2 = self.host_w13[layer][e], self.host_w2[layer][e]   # [2I, D], [D, I]
-            inter = w2.shape[-1]
-            if cols < inter:
-                rest13 = torch.cat([w13[cols:inter], w13[inter + cols:]])  # gate and up rows cols..I
-                self._run(out_cpu, x, groups[e], rest13, w2[:, cols:], layer, e, "split" if not cols else None)
+            tier = "split" if not cols else None    # (a cut's pairs are audited once, on the accelerator's side)
+            if cols >= self.fmt.inter:
+                continue
+            if bank is not None and cols == 0:     # all of it: the layer's bank, as a whole CPU expert
+                self._run_bank(out_cpu, x, groups, [e], bank, layer, tier)
+            elif bank is not None and self.fmt.name != "float":   # quantised: its columns as a bank of one
+                self._run_bank(out_cpu, x, {0: groups[e]}, [0], self._rest_bank(layer, e, cols), layer, tier, e)
+            else:
+                self._run(out_cpu, x, groups[e], self.fmt.rest(self._host_expert(layer, e), cols), layer, e, tier)
         seconds = time.perf_counter() - t0
-        share = len(experts) + sum(1 - cols / self.host_w2[layer].shape[-1] for _, cols in cuts)
+        share = len(experts) + sum(1 - cols / self.fmt.inter for _, cols in cuts)
         c = self.telemetry.layers[layer]       # measured on this machine, emulated or not
         c.cpu_tier_s += seconds
         c.cpu_tier_bytes += int(share * self.cost.expert_bytes)
@@ -405,7 +427,10 @@ class ResidencyExecutor:
             self.cost = self.cost.observe(cpu_gbps=share * self.cost.expert_bytes / net / 1e9)
         return out_cpu
 
-    def _stream_in(self, layer: int, expert: int, evicted: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _host_expert(self, layer: int, expert: int) -> tuple:
+        return tuple(part[expert] for part in self.host[layer])
+
+    def _stream_in(self, layer: int, expert: int, evicted: list) -> tuple[torch.Tensor, ...]:
         """Copy a streamed expert in: into a slot when the policy (still) holds it, after its
         victims, `evicted`, leave theirs, else into staging. A victim with no slot is one admitted
         earlier in the same layer-step and evicted again before its copy (a policy may do that
@@ -437,7 +462,7 @@ class ResidencyExecutor:
         c.cpu_pairs += sum(map(n_of, plan.cpu))
         c.split_pairs += sum(tokens[e] for e, _ in plan.split)
         c.pcie_bytes += len(plan.stream) * self.cost.expert_bytes
-        inter = self.host_w2[layer].shape[-1]
+        inter = self.fmt.inter
         c.pcie_bytes += sum(self.cost.expert_bytes * cols // inter for _, cols in cuts)
         c.split_cpu_share += sum(tokens[e] * (1 - cols / inter) for e, cols in cuts)
         resident_s = sum(map(self.cost.gpu_compute_s, tokens.values()))

@@ -70,14 +70,20 @@ def emulated(profile: TierProfile, vram_bytes: Optional[int] = None) -> TierProf
                    name=profile.name if profile.name.startswith("emulated:") else f"emulated:{profile.name}")
 
 
-def from_hardware_profile(hw, name: str = "measured") -> Optional[TierProfile]:
-    """A measured `hw.profile.HardwareProfile` as a TierProfile; None without GPU figures."""
+def from_hardware_profile(hw, name: str = "measured", expert_format: str = "bf16") -> Optional[TierProfile]:
+    """A measured `hw.profile.HardwareProfile` as a TierProfile; None without GPU figures.
+    `expert_format` (bf16, fp32, int8, int4): the experts' format in the tiers, whose CPU kernel
+    rate the CPU side takes (the figure measured alongside PCIe traffic is bf16's: another
+    format's is scaled by its ratio to bf16 alone)."""
     gpus = hw.gpu.gpus
     # the accelerator's expert rate: batch-1 torch SwiGLU experts, launches included (what a decode
     # step does per expert); a plain VRAM copy rate only if that probe did not run
     vram = hw.gbps("gpu_expert_kernel", hw.gbps("vram_d2d"))
     pcie = hw.gbps("pcie_h2d_pinned_concurrent", hw.gbps("pcie_h2d_pinned"))
     cpu = hw.gbps("cpu_expert_bf16_concurrent", hw.gbps("cpu_expert_bf16", hw.gbps("dram_read_all_cores")))
+    alone, bf16 = hw.gbps(f"cpu_expert_{expert_format}"), hw.gbps("cpu_expert_bf16")
+    if expert_format != "bf16" and alone is not None:
+        cpu = cpu * alone / bf16 if cpu is not None and bf16 else alone
     if not gpus or gpus[0].vram_total_bytes is None or None in (vram, pcie, cpu):
         return None
     # compute ceilings are not probed yet: rough per-core / per-GPU class guesses

@@ -1,9 +1,10 @@
 """The VRAM slot cache: fixed-size slots of one expert format, addressed by (layer, expert).
 
-Slots live in chunks of `chunk_slots` experts (at most CHUNK_BYTES, at least 16 chunks):
+An expert is a few parts (`formats.ExpertFormat.specs`: w13 [2I, D] and w2 [D, I] for float
+weights; the packed weights and scales of both for int8 / int4). Slots live in chunks of
+`chunk_slots` experts (at most CHUNK_BYTES, at least 16 chunks), one tensor per part:
 
-    w13 chunk [c, 2I, D]   gate and up projections of the experts in those slots
-    w2  chunk [c, D, I]    down projections
+    part p's chunk [c, *shape_p]   that part of the experts in those slots
 
 so the cache can change size without ever holding two copies of itself. Shrinking (elastic
 VRAM: another process took memory) moves the experts that sit in the chunks to be dropped into
@@ -33,15 +34,15 @@ OOM_ERRORS = _oom_types()
 
 
 class SlotCache:
-    def __init__(self, num_slots: int, w13_shape: tuple[int, int], w2_shape: tuple[int, int],
-                 dtype: torch.dtype, device: str | torch.device = "cpu", alloc=torch.empty, chunk_slots: int = 0):
-        self.w13_shape, self.w2_shape = tuple(w13_shape), tuple(w2_shape)
-        self.dtype, self.device = dtype, torch.device(device)
+    def __init__(self, num_slots: int, specs, device: str | torch.device = "cpu", alloc=torch.empty,
+                 chunk_slots: int = 0):
+        """`specs`: per part of an expert, (shape, dtype) (`ExpertFormat.specs`)."""
+        self.specs = tuple((tuple(shape), dtype) for shape, dtype in specs)
+        self.device = torch.device(device)
         self._alloc = alloc   # injectable so tests can make an allocation fail
         # at most CHUNK_BYTES a chunk, and at least 16 chunks, so a shrink can free a sixteenth
         self.chunk_slots = chunk_slots or max(1, min(CHUNK_BYTES // self.slot_bytes, -(-num_slots // 16)))
-        self._w13: list[torch.Tensor] = []   # chunks [c, 2I, D]
-        self._w2: list[torch.Tensor] = []    # chunks [c, D, I]
+        self._chunks: list[tuple[torch.Tensor, ...]] = []   # per chunk, a tensor [c, *shape] per part
         self._starts: list[int] = []         # first slot id of each chunk
         self.slot_of: dict[Key, int] = {}
         self.free: list[int] = []            # free slot ids (pop() takes the last)
@@ -51,23 +52,28 @@ class SlotCache:
 
     @property
     def num_slots(self) -> int:
-        return self._starts[-1] + self._w13[-1].shape[0] if self._w13 else 0
+        return self._starts[-1] + self._chunks[-1][0].shape[0] if self._chunks else 0
 
     @property
     def slot_bytes(self) -> int:
-        return (self.w13_shape[0] * self.w13_shape[1] + self.w2_shape[0] * self.w2_shape[1]) * \
-            torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for shape, dtype in self.specs:
+            n = torch.empty((), dtype=dtype).element_size()
+            for s in shape:
+                n *= s
+            total += n
+        return total
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of
 
-    def views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The [2I, D] and [D, I] tensors of one slot."""
+    def views(self, slot: int) -> tuple[torch.Tensor, ...]:
+        """The parts of one slot (for float experts, the [2I, D] and [D, I] tensors)."""
         c = bisect_right(self._starts, slot) - 1
         i = slot - self._starts[c]
-        return self._w13[c][i], self._w2[c][i]
+        return tuple(part[i] for part in self._chunks[c])
 
-    def get(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, key: Key) -> tuple[torch.Tensor, ...]:
         return self.views(self.slot_of[key])
 
     def reserve(self, key: Key) -> int:
@@ -119,11 +125,9 @@ class SlotCache:
         return [min(self.chunk_slots, end - s) for s in range(start, end, self.chunk_slots)]
 
     def _append_chunk(self, size: int) -> None:
-        w13 = self._alloc((size, *self.w13_shape), dtype=self.dtype, device=self.device)
-        w2 = self._alloc((size, *self.w2_shape), dtype=self.dtype, device=self.device)
+        chunk = tuple(self._alloc((size, *shape), dtype=dtype, device=self.device) for shape, dtype in self.specs)
         self._starts.append(self.num_slots)
-        self._w13.append(w13)
-        self._w2.append(w2)
+        self._chunks.append(chunk)
 
     def _shrink(self, num_slots: int) -> None:
         keep = sum(1 for start in self._starts if start < num_slots)   # chunks kept
@@ -135,6 +139,6 @@ class SlotCache:
                 for d, src in zip(self.views(dst), self.views(s)):
                     d.copy_(src)
                 self.slot_of[key] = dst
-        del self._w13[keep:], self._w2[keep:], self._starts[keep:]   # their memory goes back
+        del self._chunks[keep:], self._starts[keep:]   # their memory goes back
         used = set(self.slot_of.values())
         self.free = [s for s in range(total - 1, -1, -1) if s not in used]

@@ -16,15 +16,18 @@ Staging buffers (two, reused) always wait.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from freetoken_py.residency.formats import ExpertFormat
 from freetoken_py.residency.slots import SlotCache
 
 
 class Streamer:
-    def __init__(self, slots: SlotCache, host_w13: list, host_w2: list):
-        self.slots = slots
-        self.host_w13, self.host_w2 = host_w13, host_w2   # per layer [E, 2I, D] / [E, D, I] (pinned on CUDA)
+    def __init__(self, slots: SlotCache, host: list, fmt: ExpertFormat):
+        self.slots, self.fmt = slots, fmt
+        self.host = host      # per layer: the parts' host banks [E, ...] (pinned on CUDA), or None
         self.cuda = slots.device.type == "cuda"
         self._stream = torch.cuda.Stream() if self.cuda else None
         self._staging = [self._staging_pair(), self._staging_pair()]   # double buffer for unkept copies
@@ -35,10 +38,9 @@ class Streamer:
         self.reading: set[int] | None = None
         self.slot_copies = [0, 0]  # copies into slots: [without waiting for compute, after it]
 
-    def _staging_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _staging_pair(self) -> tuple[torch.Tensor, ...]:
         s = self.slots
-        return (torch.empty(s.w13_shape, dtype=s.dtype, device=s.device),
-                torch.empty(s.w2_shape, dtype=s.dtype, device=s.device))
+        return tuple(torch.empty(shape, dtype=dtype, device=s.device) for shape, dtype in s.specs)
 
     def new_call(self, synced: bool) -> None:
         """The executor has read this call's routing: with `synced` (the read waited for the
@@ -50,10 +52,8 @@ class Streamer:
         if self.reading is not None:
             self.reading.add(self.slots.slot_of[key])
 
-    def _copy(self, dst13: torch.Tensor, dst2: torch.Tensor, layer: int, expert: int, wait: bool = True,
-              after_compute: bool = True):
-        return self._copy_pairs([(dst13, self.host_w13[layer][expert]), (dst2, self.host_w2[layer][expert])], wait,
-                                after_compute)
+    def _copy(self, dst: tuple, layer: int, expert: int, wait: bool = True, after_compute: bool = True):
+        return self._copy_pairs([(d, part[expert]) for d, part in zip(dst, self.host[layer])], wait, after_compute)
 
     @torch.inference_mode()   # a slot chunk grown inside a forward is an inference tensor
     def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wait: bool = True,
@@ -90,17 +90,17 @@ class Streamer:
         self._timed = pending
         return (sum(b for _, _, b in done), sum(s.elapsed_time(e) for s, e, _ in done) / 1e3)
 
-    def to_slot(self, layer: int, expert: int, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy into the slot the cache reserved for (layer, expert); returns the slot's views.
+    def to_slot(self, layer: int, expert: int, ahead: bool = False) -> tuple[torch.Tensor, ...]:
+        """Copy into the slot the cache reserved for (layer, expert); returns the slot's parts.
         `ahead` (look-ahead prefetch): compute does not wait for it now, only in `wait_for`."""
         slot = self.slots.reserve((layer, expert))
-        w13, w2 = self.slots.views(slot)
+        parts = self.slots.views(slot)
         after = self.reading is None or slot in self.reading
         self.slot_copies[after] += 1
-        end = self._copy(w13, w2, layer, expert, wait=not ahead, after_compute=after)
+        end = self._copy(parts, layer, expert, wait=not ahead, after_compute=after)
         if ahead and end is not None:
             self._pending[(layer, expert)] = end
-        return w13, w2
+        return parts
 
     def wait_for(self, key: tuple[int, int]) -> None:
         """Before compute reads a slot: wait for its look-ahead copy, if one is still pending."""
@@ -114,26 +114,32 @@ class Streamer:
             torch.cuda.current_stream().wait_event(end)
         self._pending.clear()
 
-    def to_staging(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_staging(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         """Copy into the next staging buffer: a streamed expert the policy chose not to keep."""
         dst = self._staging[self._next]
         self._next ^= 1
-        self._copy(dst[0], dst[1], layer, expert)
+        self._copy(dst, layer, expert)
         return dst
 
-    def to_staging_columns(self, layer: int, expert: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_staging_columns(self, layer: int, expert: int, cols: int) -> tuple[torch.Tensor, ...]:
         """Copy the first `cols` columns of an expert's intermediate dimension (gate rows [0, cols),
-        up rows [I, I + cols), down columns [0, cols)) into the next staging buffer: the
-        accelerator's part of an expert the planner cut in two. Returns ([2 cols, D], [D, cols])."""
-        w13, w2 = self.host_w13[layer][expert], self.host_w2[layer][expert]   # [2I, D], [D, I]
-        inter, dim = w2.shape[-1], w2.shape[0]
-        down = w2[:, :cols].contiguous()       # the one strided part: gathered on the host
-        if self.cuda:                          # pinned, so its copy stays an asynchronous DMA
-            down = down.pin_memory()
+        up rows [I, I + cols), the down part's first columns: `ExpertFormat.column_pieces`) into
+        the next staging buffer: the accelerator's part of an expert the planner cut in two.
+        Returns its parts (float: [2 cols, D], [D, cols])."""
+        pieces = self.fmt.column_pieces(tuple(part[expert] for part in self.host[layer]), cols)
         dst = self._staging[self._next]
         self._next ^= 1
-        dst13 = dst[0][:2 * cols]
-        dst2 = dst[1].view(-1)[:dim * cols].view(dim, cols)
-        # gate rows [0, cols) and up rows [I, I + cols) are contiguous slices of the host bank
-        self._copy_pairs([(dst13[:cols], w13[:cols]), (dst13[cols:], w13[inter:inter + cols]), (dst2, down)])
-        return dst13, dst2
+        out, pairs = [], []
+        for buf, shape, srcs in zip(dst, self.fmt.column_shapes(cols), pieces):
+            view = buf.view(-1)[:math.prod(shape)].view(shape)
+            row = 0
+            for src in srcs:
+                if not src.is_contiguous():    # the down part's first columns: gathered on the host,
+                    src = src.contiguous()     # pinned, so its copy stays an asynchronous DMA
+                    if self.cuda:
+                        src = src.pin_memory()
+                pairs.append((view[row:row + src.shape[0]], src))
+                row += src.shape[0]
+            out.append(view)
+        self._copy_pairs(pairs)
+        return tuple(out)
