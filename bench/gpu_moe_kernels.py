@@ -1,7 +1,7 @@
 """The accelerator tier's decode experts: the Triton kernels (kernels/gpu_moe.py) against torch's
 one-expert-at-a-time path, on one layer-step of a frontier model's geometry, on this GPU.
 
-    python bench/gpu_moe_kernels.py [--model qwen3-30b-a3b] [--iters 50] [--out FILE]
+    python bench/gpu_moe_kernels.py [--model qwen3-30b-a3b] [--iters 50] [--no-int4] [--out FILE]
     python bench/gpu_moe_kernels.py --interpret      # no GPU: Triton's CPU interpreter, tiny sizes
 
 One token, top-k distinct experts drawn from a bank of slots larger than the GPU's L2 cache (so
@@ -9,7 +9,10 @@ every layer-step reads its experts from VRAM, as in decode), bf16. Each path is 
 events over --iters layer-steps (median); both paths' outputs are compared first. Prints one JSON
 line: ms per layer-step and achieved GB/s of expert weights for each path, the ratio, and the
 roofline (this machine's VRAM copy bandwidth from `freetoken probe`'s cache, else measured here).
-Exit status 1 when the two paths' outputs disagree (beyond bf16 rounding).
+Then the same for int4 experts (`--expert-dtype int4` in the tiers: g = 32, 4.5 bits per
+weight), under `"int4"`: the quantised Triton kernels (`moe_pairs_quant`) against the torch path
+(`ExpertFormat.compute`: dequantise, then two GEMVs), GB/s of int4 bytes.
+Exit status 1 when the two paths' outputs disagree (beyond bf16 rounding; 1e-4 for int4).
 
 Without a GPU it prints {"skipped": true, ...}. `--interpret` runs the same code in Triton's CPU
 interpreter on a tiny geometry: it checks the script and the kernels' agreement, and its times
@@ -34,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-30b-a3b", help="geometry from residency.profiles.FRONTIER_MODELS")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--interpret", action="store_true", help="no GPU: Triton's CPU interpreter, tiny sizes")
+    ap.add_argument("--no-int4", action="store_true", help="only the bf16 experts")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.interpret:
@@ -99,8 +103,55 @@ def main(argv: list[str] | None = None) -> int:
            "triton_over_torch_speed": round(times["torch"] / times["triton"], 2),
            "vram_roofline_gbps": round(roof, 1) if roof else None,
            "triton_share_of_roofline": round(gbps["triton"] / roof, 3) if roof else None}
+    if not args.no_int4:
+        row["int4"] = _int4(hidden, inter, k, l2, iters, dev, cuda, roof)
     common.emit(row, args.out)
-    return 0 if row["agree"] else 1          # the two paths disagree: a failed step, not just a field
+    agree = row["agree"] and (args.no_int4 or row["int4"]["agree"])
+    return 0 if agree else 1          # the two paths disagree: a failed step, not just a field
+
+
+def _int4(hidden: int, inter: int, k: int, l2: int, iters: int, dev: str, cuda: bool, roof) -> dict:
+    """The int4 experts' layer-step: Triton (`moe_pairs_quant`) against torch (`ExpertFormat.compute`)."""
+    import torch
+
+    from freetoken_py.kernels import ExpertBank, gpu_moe
+    from freetoken_py.residency.formats import ExpertFormat, bank_parts
+
+    g = torch.Generator().manual_seed(1)
+    one = ExpertBank.empty("int4", 1, inter, hidden).bytes_per_expert
+    slots = max(2 * k, -(-4 * l2 // one))
+    # a few random experts quantised on the host, tiled to the bank's size on the device
+    base = ExpertBank.from_weights(*(torch.randn(2, *shape, generator=g) / 8 for shape in
+                                     ((inter, hidden), (inter, hidden), (hidden, inter))), fmt="int4")
+    fmt = ExpertFormat.of_bank(base)
+    bank = [t.to(dev).repeat(-(-slots // 2), *([1] * (t.dim() - 1)))[:slots].contiguous() for t in bank_parts(base)]
+    x = torch.randn(1, hidden, generator=g).to(dev)
+    wts = torch.rand(k, generator=g).to(dev)
+    rows = torch.zeros(k, dtype=torch.long, device=dev)
+
+    def experts(i: int) -> list[tuple]:
+        return [tuple(t[(i * k + j) % slots] for t in bank) for j in range(k)]
+
+    def triton_step(i: int) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        gpu_moe.moe_pairs_quant(out, x, rows, wts, experts(i), "int4", 32)
+        return out
+
+    def torch_step(i: int) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for j, parts in enumerate(experts(i)):
+            out += wts[j] * fmt.compute(x, parts)
+        return out
+
+    a, b = triton_step(0), torch_step(0)
+    rel = ((a - b).abs().max() / b.abs().max()).item()
+    times = {name: _time(step, iters, cuda) for name, step in (("triton", triton_step), ("torch", torch_step))}
+    gbps = {name: k * one / t / 1e9 for name, t in times.items()}
+    return {"expert_mb": round(one / 1e6, 3), "slots": slots, "max_rel_diff": rel, "agree": rel <= 1e-4,
+            "ms_per_layer_step": {n: round(t * 1e3, 4) for n, t in times.items()},
+            "gbps": {n: round(v, 1) for n, v in gbps.items()},
+            "triton_over_torch_speed": round(times["torch"] / times["triton"], 2),
+            "triton_share_of_roofline": round(gbps["triton"] / roof, 3) if roof else None}
 
 
 def _time(step, iters: int, cuda: bool) -> float:

@@ -57,7 +57,7 @@ step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log it
 }
 # the limits and their 10 s kill grace stay under the 590 s the device call is given, with 10 s
 # left for the environment check
-step probe 120 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
+step probe 110 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
 # the float and the quantised (int8 / int4 experts) placement tests' cuda variants
 step "placement test (cuda)" 100 "$OUT/placement.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_residency_executor.py -k "placement and cuda"
@@ -69,7 +69,7 @@ fi
 step "triton experts test" 45 "$OUT/gpu_moe.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_moe.py -k "match_the_torch_reference"
 # one decode layer-step of Qwen3-30B's experts: Triton against torch, GB/s against the VRAM roofline
-step "triton experts bench" 35 "$OUT/gpu_moe_kernels.txt" \
+step "triton experts bench" 45 "$OUT/gpu_moe_kernels.txt" \
     "$PY" bench/gpu_moe_kernels.py --out "$OUT/gpu_moe_kernels.json"
 step residency_gpu 120 "$OUT/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
 # the same with the accelerator's experts through torch: what the Triton kernels change

@@ -74,12 +74,49 @@ for first in (0, 4):                                   # the second step wraps a
 # weights, which moe_pairs refuses) is a warning naming the problem and the torch path, not an error
 import warnings
 from freetoken_py.residency.executor import _fused_ok
-assert _fused_ok(torch.device(dev), torch.float32) is True
+from freetoken_py.residency.formats import ExpertFormat, bank_parts
+
+def float_format(dtype):
+    return ExpertFormat("float", 32, 64, (((64, 64), dtype), ((64, 32), dtype)))
+
+assert _fused_ok(torch.device(dev), float_format(torch.float32)) is True
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    assert _fused_ok(torch.device(dev), torch.int32) is False
+    assert _fused_ok(torch.device(dev), float_format(torch.int32)) is False
 assert any("keeps the torch path" in str(w.message) and "torch.int32" in str(w.message) for w in caught), \
     [str(w.message) for w in caught]
+
+# quantised experts (int8, int4 at three group sizes): moe_pairs_quant against the torch path the
+# executor takes otherwise (ExpertFormat.compute: dequantised weights, activations rounded alike),
+# experts side by side in one bank (a slot chunk) and one copied out alone (staging)
+from freetoken_py.kernels import ExpertBank
+for fmt, group in (("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)):
+    inter, hidden = max(64, 2 * group), 2 * group if group > 32 else 96
+    bank = ExpertBank.from_weights(*(torch.randn(4, *shape, generator=g) / 8 for shape in
+                                     ((inter, hidden), (inter, hidden), (hidden, inter))), fmt=fmt, group_size=group)
+    f, host = ExpertFormat.of_bank(bank), [t.to(dev) for t in bank_parts(bank)]
+    experts = [tuple(t[e] for t in host) for e in range(4)]
+    experts[3] = tuple(t.clone() for t in experts[3])
+    pairs_of = [(0, 0), (0, 3), (1, 1), (2, 3), (1, 2)]
+    x = torch.randn(3, hidden, generator=g).to(dev)
+    rows = torch.tensor([t for t, _ in pairs_of], device=dev)
+    wts = torch.rand(len(pairs_of), generator=g).to(dev)
+    out = torch.zeros(3, hidden, device=dev)
+    gpu_moe.moe_pairs_quant(out, x, rows, wts, [experts[e] for _, e in pairs_of], fmt, group)
+    ref = torch.zeros(3, hidden, device=dev)
+    for (t, e), w in zip(pairs_of, wts.tolist()):
+        ref[t] += w * f.compute(x[t:t + 1], experts[e])[0]
+    err = (out - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= 1e-5, (fmt, group, err)
+    errs.append(err)
+    assert gpu_moe.self_check_quant(dev, fmt, group) is None
+    assert _fused_ok(torch.device(dev), f) is True
+try:
+    gpu_moe.moe_pairs_quant(torch.zeros(1, 96), torch.zeros(1, 96), torch.zeros(1, dtype=torch.int64), torch.ones(1),
+                            [(experts[0][0][:, :10], *experts[0][1:])], "int4", 128)
+    raise AssertionError("a misshapen quantised expert was accepted")
+except ValueError as exc:
+    assert "contiguous" in str(exc) or "pairs" in str(exc)
 print("ok", errs)
 '''
 
@@ -106,18 +143,23 @@ from freetoken_py.llm import LLM
 from freetoken_py.residency.stats import RoutingRecorder
 
 calls = collections.Counter()
-real = gpu_moe.moe_pairs
-def counted(out, x, rows, *rest):
-    calls["launches"] += 1
-    calls["pairs"] += rows.numel()
-    return real(out, x, rows, *rest)
-gpu_moe.moe_pairs = counted
+
+def counting(real, name):
+    def counted(out, x, rows, *rest):
+        calls[name] += 1
+        calls["pairs"] += rows.numel()
+        return real(out, x, rows, *rest)
+    return counted
+
+gpu_moe.moe_pairs = counting(gpu_moe.moe_pairs, "launches")
+gpu_moe.moe_pairs_quant = counting(gpu_moe.moe_pairs_quant, "quant_launches")
 
 path = build_checkpoint("qwen3_moe", Path(tempfile.mkdtemp()), torch.float32)
 prompt = random_prompt(19, seed=4)
 
-def run(fused):
-    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4060-laptop-8g")
+def run(fused, path=path, **kw):
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4060-laptop-8g",
+              **kw)
     ex = llm.residency
     assert ex.fused_accel is False                  # never on by itself under emulation
     ex.fused_accel, ex.audit = fused, []
@@ -145,6 +187,15 @@ ref = reference_model(path)
 with torch.no_grad():
     theirs = ref(torch.tensor([prompt + toks1[:-1]])).logits[0, len(prompt) - 1:]
 assert (fused - theirs).abs().max().item() <= 1e-4
+# int4 experts (mixtral: I = 64): the quantised kernels, the same tokens and logits as the torch path
+mixtral = build_checkpoint("mixtral", Path(tempfile.mkdtemp()), torch.float32)
+before = calls["launches"]
+toks_q0, base_q, _ = run(False, mixtral, expert_dtype="int4", expert_cache="off")
+assert calls["quant_launches"] == 0
+toks_q1, fused_q, tiers_q = run(True, mixtral, expert_dtype="int4", expert_cache="off")
+assert toks_q1 == toks_q0 and calls["quant_launches"] > 0 and tiers_q["hit"] > 0, (calls, tiers_q)
+assert calls["launches"] == before            # (the float kernels: not for int4 experts)
+assert (fused_q - base_q).abs().max().item() <= 1e-4
 print("ok", dict(calls), dict(tiers))
 '''
 
@@ -152,7 +203,8 @@ print("ok", dict(calls), dict(tiers))
 def test_executor_with_triton_experts_keeps_outputs_and_computes_each_pair_once():
     """The executor's decode steps with the accelerator's experts batched into the Triton
     kernels (interpreter, on the emulated accelerator's CPU tensors): the same tokens and logits
-    within 1e-5 of the torch path and 1e-4 of transformers, every routed pair computed once."""
+    within 1e-5 of the torch path and 1e-4 of transformers, every routed pair computed once; and
+    with int4 experts (the quantised kernels) the torch path's tokens and logits within 1e-4."""
     tests = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run([sys.executable, "-c", EXECUTOR_SCRIPT, tests], capture_output=True, text=True,
                           timeout=900, cwd=os.path.dirname(tests))
@@ -197,6 +249,18 @@ def test_triton_experts_compile_for_a_gpu_with_vector_loads(arch):
         assert any(op.startswith("ld.global.v4") for op in loads(fn, sig, {**consts, "ALIGNED": True})), fn
         assert "ld.global.b16" in loads(fn, sig, {**consts, "ALIGNED": False}), fn
 
+    # the quantised kernels (int8, int4) compile too
+    for int4 in (False, True):
+        q, sc = ("*u8", "*i16") if int4 else ("*i8", "*fp32")
+        gate_up_q = {"x_ptr": "*fp32", "rows_ptr": "*i64", "q_base": q, "q_offs": "*i64", "s_base": sc,
+                     "s_offs": "*i64", "h_ptr": "*fp32", "D": "i32", "I": "i32", "stride_x": "i32",
+                     "INT4": "constexpr", "G": "constexpr", "BLOCK_I": "constexpr", "BLOCK_D": "constexpr"}
+        down_q = {"h_ptr": "*fp32", "wts_ptr": "*fp32", "q_base": q, "q_offs": "*i64", "s_base": sc,
+                  "s_offs": "*i64", "y_ptr": "*fp32", "D": "i32", "I": "i32", "INT4": "constexpr",
+                  "G": "constexpr", "BLOCK_OUT": "constexpr", "BLOCK_K": "constexpr"}
+        assert loads(k.gate_up_q_kernel, gate_up_q, {"INT4": int4, "G": 32, "BLOCK_I": BLOCK_I, "BLOCK_D": BLOCK_D})
+        assert loads(k.down_q_kernel, down_q, {"INT4": int4, "G": 32, "BLOCK_OUT": BLOCK_OUT, "BLOCK_K": BLOCK_K})
+
 
 def test_kernel_bench_runs_in_the_interpreter(tmp_path):
     """bench/gpu_moe_kernels.py --interpret: the GPU bench's code path on CPU (tiny sizes), both
@@ -211,8 +275,10 @@ def test_kernel_bench_runs_in_the_interpreter(tmp_path):
     row = json.loads(out.read_text())
     assert row["skipped"] is False and row["comparable"] is False and row["agree"] is True
     assert row["ms_per_layer_step"]["triton"] > 0 and row["ms_per_layer_step"]["torch"] > 0
+    assert row["int4"]["agree"] is True and row["int4"]["ms_per_layer_step"]["triton"] > 0
     import torch
 
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and json.loads(proc.stdout)["skipped"] is True
+

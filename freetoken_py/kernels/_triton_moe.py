@@ -62,3 +62,88 @@ def down_kernel(h_ptr, wts_ptr, w2_base, w2_offs, y_ptr, D, I,
         acc += tl.sum(wd * hv[None, :], axis=1)
     scale = tl.load(wts_ptr + p)
     tl.store(y_ptr + p * D + d, acc * scale, mask=dm)
+
+
+@triton.jit
+def gate_up_q_kernel(x_ptr, rows_ptr, q_base, q_offs, s_base, s_offs, h_ptr, D, I, stride_x,
+                     INT4: tl.constexpr, G: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`gate_up_kernel` for quantised weights: int8 (q [2I, D] int8, s [2I, 1] fp32 per row) or
+    int4 (q [2I, D/2] uint8, two columns a byte, low nibble even, value + 8; s [2I, D/G] fp16
+    bits held as int16). x is taken as given (the caller rounds it as the CPU kernels see it)."""
+    p = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    im = i < I
+    row = tl.load(rows_ptr + p)
+    q = q_base + tl.load(q_offs + p)
+    s = s_base + tl.load(s_offs + p)
+    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+    if INT4:
+        half = D // 2
+        groups = D // G
+        for d0 in range(0, D, BLOCK_D):
+            j = d0 // 2 + tl.arange(0, BLOCK_D // 2)          # byte columns: weights 2j and 2j + 1
+            jm = j < half
+            xe = tl.load(x_ptr + row * stride_x + 2 * j, mask=jm, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + row * stride_x + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
+            m = im[:, None] & jm[None, :]
+            grp = (2 * j) // G
+            bg = tl.load(q + i[:, None] * half + j[None, :], mask=m, other=136).to(tl.int32)
+            bu = tl.load(q + (i[:, None] + I) * half + j[None, :], mask=m, other=136).to(tl.int32)
+            sg = tl.load(s + i[:, None] * groups + grp[None, :], mask=m, other=0).to(tl.float16, bitcast=True)
+            su = tl.load(s + (i[:, None] + I) * groups + grp[None, :], mask=m, other=0).to(tl.float16, bitcast=True)
+            acc_g += tl.sum(sg.to(tl.float32) * (((bg & 15) - 8).to(tl.float32) * xe[None, :]
+                                                 + ((bg >> 4) - 8).to(tl.float32) * xo[None, :]), axis=1)
+            acc_u += tl.sum(su.to(tl.float32) * (((bu & 15) - 8).to(tl.float32) * xe[None, :]
+                                                 + ((bu >> 4) - 8).to(tl.float32) * xo[None, :]), axis=1)
+    else:
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            dm = d < D
+            xv = tl.load(x_ptr + row * stride_x + d, mask=dm, other=0.0).to(tl.float32)
+            m = im[:, None] & dm[None, :]
+            wg = tl.load(q + i[:, None] * D + d[None, :], mask=m, other=0).to(tl.float32)
+            wu = tl.load(q + (i[:, None] + I) * D + d[None, :], mask=m, other=0).to(tl.float32)
+            acc_g += tl.sum(wg * xv[None, :], axis=1)
+            acc_u += tl.sum(wu * xv[None, :], axis=1)
+        acc_g *= tl.load(s + i, mask=im, other=0.0)
+        acc_u *= tl.load(s + I + i, mask=im, other=0.0)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + p * I + i, h, mask=im)
+
+
+@triton.jit
+def down_q_kernel(h_ptr, wts_ptr, q_base, q_offs, s_base, s_offs, y_ptr, D, I,
+                  INT4: tl.constexpr, G: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`down_kernel` for quantised weights (q [D, I] int8 with s [D, 1], or [D, I/2] int4 with
+    s [D, I/G] fp16 bits); h as given (rounded by the caller)."""
+    p = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    dm = d < D
+    q = q_base + tl.load(q_offs + p)
+    s = s_base + tl.load(s_offs + p)
+    acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
+    if INT4:
+        half = I // 2
+        groups = I // G
+        for k0 in range(0, I, BLOCK_K):
+            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            jm = j < half
+            he = tl.load(h_ptr + p * I + 2 * j, mask=jm, other=0.0)
+            ho = tl.load(h_ptr + p * I + 2 * j + 1, mask=jm, other=0.0)
+            m = dm[:, None] & jm[None, :]
+            b = tl.load(q + d[:, None] * half + j[None, :], mask=m, other=136).to(tl.int32)
+            sc = tl.load(s + d[:, None] * groups + ((2 * j) // G)[None, :], mask=m, other=0).to(tl.float16,
+                                                                                                  bitcast=True)
+            acc += tl.sum(sc.to(tl.float32) * (((b & 15) - 8).to(tl.float32) * he[None, :]
+                                               + ((b >> 4) - 8).to(tl.float32) * ho[None, :]), axis=1)
+    else:
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < I
+            hv = tl.load(h_ptr + p * I + k, mask=km, other=0.0)
+            wd = tl.load(q + d[:, None] * I + k[None, :], mask=dm[:, None] & km[None, :], other=0).to(tl.float32)
+            acc += tl.sum(wd * hv[None, :], axis=1)
+        acc *= tl.load(s + d, mask=dm, other=0.0)
+    scale = tl.load(wts_ptr + p)
+    tl.store(y_ptr + p * D + d, acc * scale, mask=dm)

@@ -8,7 +8,9 @@ Here every (token, expert) pair of a layer-step is one row of two kernels:
     gate_up_kernel   grid (pairs, I / BLOCK_I):    h[p, i] = silu(gate_i . x_t) * (up_i . x_t)   (fp32)
     down_kernel      grid (pairs, D / BLOCK_OUT):  y[p, d] = w_p * (down_d . h[p])                (fp32)
 
-then the pairs' sum per token, in fp32, added into the output once. Each pair's weights are
+then the pairs' sum per token, in fp32, added into the output once. `moe_pairs_quant` does the
+same for int8 / int4 experts (the expert store's layouts: packed weights and scales, read in
+place), with x and h rounded as the CPU kernels see them. Each pair's weights are
 found at an element offset from a typed base tensor (one of the batch's experts), so experts in
 any slot chunk are read in place: no gather copy of weights. When every offset and row length is
 a multiple of 16 elements (slots in a chunk, chunks from the allocator) the kernels are told so
@@ -56,8 +58,25 @@ def _load():
     if _kernels is None:
         from freetoken_py.kernels import _triton_moe
 
-        _kernels = (_triton_moe.gate_up_kernel, _triton_moe.down_kernel)
+        _kernels = (_triton_moe.gate_up_kernel, _triton_moe.down_kernel, _triton_moe.gate_up_q_kernel,
+                    _triton_moe.down_q_kernel)
     return _kernels
+
+
+def seen_by_cpu_kernels(v: torch.Tensor) -> torch.Tensor:
+    """An activation [n, K] fp32, on any device, as the CPU kernels multiply it with int8 / int4
+    weights (`_dots.INT_ACT`): on the int8 path every 32-element block rounded to int8 against
+    max|block| / 127 and back (a partial last block as if zero-padded; the arithmetic of
+    `quant.roundtrip_act_q8`, which works on the host), else as is."""
+    from freetoken_py.kernels._dots import INT_ACT
+
+    if INT_ACT != "int8":
+        return v
+    k = v.shape[-1]
+    blocks = torch.nn.functional.pad(v, (0, -k % 32)).view(*v.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)).clamp_(-127, 127)
+    return (q * scale).view(*v.shape[:-1], -1)[..., :k]
 
 
 def _offsets(tensors: Sequence[torch.Tensor], base: torch.Tensor) -> list[int]:
@@ -77,7 +96,7 @@ columns are strided); rows
     pairs = len(w13)
     if pairs == 0:
         return
-    gate_up, down = _load()
+    gate_up, down, *_ = _load()
     dtype = w13[0].dtype
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"moe_pairs: expert weights must be one of {', '.join(map(str, FLOAT_DTYPES))}, got {dtype}")
@@ -116,6 +135,102 @@ columns are strided); rows
         summed = torch.zeros((out.shape[0], hidden), dtype=torch.float32, device=dev)
         summed.index_add_(0, rows, y)
         out += summed.to(out.dtype)
+
+
+QUANT_FORMATS = ("int8", "int4")
+
+
+def moe_pairs_quant(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                    experts: Sequence[tuple], fmt: str, group_size: int = 32) -> None:
+    """`moe_pairs` for quantised experts: `experts[p]` = (q13, s13, q2, s2) of pair p's expert in
+    the expert store's layouts (`residency.formats`; int4 scales as int16 bits), each part
+    contiguous and of one dtype across pairs. x and h are rounded as the CPU kernels see them
+    (`seen_by_cpu_kernels`), so a pair gives the CPU tier's result up to fp32 rounding."""
+    pairs = len(experts)
+    if pairs == 0:
+        return
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"moe_pairs_quant: format must be one of {QUANT_FORMATS}, got {fmt!r}")
+    *_, gate_up, down = _load()
+    int4 = fmt == "int4"
+    q13, s13, q2, s2 = experts[0]
+    two_i, hidden = q13.shape[0], q2.shape[0]
+    inter = two_i // 2
+    per_byte = 2 if int4 else 1
+    shapes = [(two_i, hidden // per_byte), (two_i, hidden // group_size if int4 else 1),
+              (hidden, inter // per_byte), (hidden, inter // group_size if int4 else 1)]
+    if x.dim() != 2 or x.shape[1] != hidden or rows.numel() != pairs or weights.numel() != pairs \
+            or (int4 and (hidden % group_size or inter % group_size or group_size % 2)):
+        raise ValueError(f"moe_pairs_quant: x {tuple(x.shape)}, {rows.numel()} rows, {weights.numel()} weights "
+                         f"for {pairs} pairs of {fmt} experts [{two_i}, {hidden}] (group {group_size})")
+    for parts in experts:
+        for t, shape, first in zip(parts, shapes, experts[0]):
+            if tuple(t.shape) != shape or t.dtype != first.dtype or not t.is_contiguous():
+                raise ValueError(f"moe_pairs_quant: every expert's parts must be contiguous {shapes} of one "
+                                 f"dtype each, got {tuple(t.shape)} {t.dtype}")
+    dev = x.device
+    offs = torch.tensor([_offsets([e[k] for e in experts], experts[0][k]) for k in range(4)], dtype=torch.int64)
+    offs = offs.to(dev, non_blocking=True) if dev.type == "cuda" else offs
+    rows = rows.to(dev, torch.int64).contiguous()
+    scale = weights.to(dev, torch.float32).contiguous()
+    xs = seen_by_cpu_kernels(x.float()).contiguous()
+    h = torch.empty((pairs, inter), dtype=torch.float32, device=dev)
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
+    gate_up[(pairs, -(-inter // BLOCK_I))](xs, rows, q13, offs[0], s13, offs[1], h, hidden, inter, xs.stride(0),
+                                           INT4=int4, G=group_size, BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D)
+    h = seen_by_cpu_kernels(h).contiguous()
+    down[(pairs, -(-hidden // BLOCK_OUT))](h, scale, q2, offs[2], s2, offs[3], y, hidden, inter,
+                                           INT4=int4, G=group_size, BLOCK_OUT=BLOCK_OUT, BLOCK_K=BLOCK_K)
+    if out.shape[0] == 1:
+        out += y.sum(0, keepdim=True).to(out.dtype)
+    else:
+        summed = torch.zeros((out.shape[0], hidden), dtype=torch.float32, device=dev)
+        summed.index_add_(0, rows, y)
+        out += summed.to(out.dtype)
+
+
+def self_check_quant(device: torch.device | str, fmt: str, group_size: int = 32) -> str | None:
+    """`self_check` for `moe_pairs_quant`: a small random int8 / int4 case against the same
+    experts dequantised in torch with the activations rounded alike (1e-4 relative)."""
+    try:
+        from freetoken_py.quant import quantize_int4, quantize_int8
+
+        g = torch.Generator().manual_seed(0)
+        hidden, inter = 2 * max(32, group_size), max(64, 2 * group_size)
+        parts, deq = [], []
+        for _ in range(3):
+            w13 = torch.randn(2 * inter, hidden, generator=g) / 10
+            w2 = torch.randn(hidden, inter, generator=g) / 9
+            if fmt == "int4":
+                (a, sa), (b, sb) = (quantize_int4(w, group_size, torch.float16) for w in (w13, w2))
+                sa, sb = sa.view(torch.int16), sb.view(torch.int16)
+                d13 = (_unpack4(a) * sa.view(torch.float16).float().repeat_interleave(group_size, -1))
+                d2 = (_unpack4(b) * sb.view(torch.float16).float().repeat_interleave(group_size, -1))
+            else:
+                (a, sa), (b, sb) = (quantize_int8(w) for w in (w13, w2))
+                sa, sb = sa[:, None].contiguous(), sb[:, None].contiguous()
+                d13, d2 = a.float() * sa, b.float() * sb
+            parts.append(tuple(t.to(device) for t in (a, sa, b, sb)))
+            deq.append((d13.to(device), d2.to(device)))
+        x = torch.randn(2, hidden, generator=g).to(device)
+        pairs = [(0, 0), (0, 2), (1, 1), (1, 2)]
+        rows = torch.tensor([t for t, _ in pairs], device=device)
+        wts = torch.tensor([0.5, 0.25, 0.75, 0.125], device=device)
+        out = torch.zeros(2, hidden, device=device)
+        moe_pairs_quant(out, x, rows, wts, [parts[e] for _, e in pairs], fmt, group_size)
+        ref = torch.zeros(2, hidden, device=device)
+        for (t, e), w in zip(pairs, wts.tolist()):
+            gate, up = (seen_by_cpu_kernels(x[t:t + 1]) @ deq[e][0].T).chunk(2, dim=-1)
+            ref[t] += w * (seen_by_cpu_kernels(torch.nn.functional.silu(gate) * up) @ deq[e][1].T)[0]
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        return None if err <= 1e-4 else f"Triton {fmt} experts differ from torch by {err:.2e} (relative) on {device}"
+    except Exception as exc:
+        return f"Triton {fmt} experts failed on {device}: {type(exc).__name__}: {exc}"
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:
+    p = packed.to(torch.int16)
+    return torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1).float() - 8.0
 
 
 def self_check(device: torch.device | str, dtype: torch.dtype) -> str | None:

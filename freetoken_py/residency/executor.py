@@ -45,14 +45,17 @@ from freetoken_py.residency.streamer import Streamer
 from freetoken_py.residency.telemetry import Telemetry
 
 
-def _fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Triton's experts can run on `device` and agree with torch there (a one-time self-check;
-    on a failure the torch path stays, with a warning saying why)."""
+def _fused_ok(device: torch.device, fmt: ExpertFormat) -> bool:
+    """Triton's experts for `fmt` (float, int8 or int4) can run on `device` and agree with torch
+    there (a one-time self-check; on a failure the torch path stays, with a warning saying why)."""
     import warnings
 
     if not gpu_moe.available(device):
         return False
-    problem = gpu_moe.self_check(device, dtype)
+    if fmt.name == "float":
+        problem = gpu_moe.self_check(device, fmt.dtype)
+    else:
+        problem = gpu_moe.self_check_quant(device, fmt.name, fmt.group_size)
     if problem is not None:
         warnings.warn(f"{problem}; the accelerator tier keeps the torch path", RuntimeWarning, stacklevel=3)
     return problem is None
@@ -100,8 +103,7 @@ class ResidencyExecutor:
         # decode-sized layer-steps' accelerator experts in two Triton launches (kernels/gpu_moe.py):
         # on a CUDA GPU when Triton is there and its self-check passes; never under emulation
         # (tests turn it on with Triton's CPU interpreter)
-        self.fused_accel = (self.slots.device.type == "cuda" and fmt.name == "float"
-                            and _fused_ok(self.slots.device, fmt.dtype))
+        self.fused_accel = self.slots.device.type == "cuda" and _fused_ok(self.slots.device, fmt)
         self.sync_slots()
 
     def sync_slots(self) -> None:
@@ -316,16 +318,18 @@ class ResidencyExecutor:
             self.audit.extend((self.step, layer, int(t), expert, tier) for t in rows.tolist())
 
     def _run_fused(self, out, x, on_dev, groups, batch: list, layer: int) -> None:
-        """`batch` [(expert, (w13, w2), tier)]: every pair of those experts in one `gpu_moe.moe_pairs`
-        call (two Triton launches); empties the batch."""
+        """`batch` [(expert, parts, tier)]: every pair of those experts in one `gpu_moe.moe_pairs`
+        (or, quantised, `moe_pairs_quant`) call (two Triton launches); empties the batch."""
         if not batch:
             return
         counts = [len(on_dev[e][0]) for e, *_ in batch]
         rows = torch.cat([on_dev[e][0] for e, *_ in batch])
         wts = torch.cat([on_dev[e][1] for e, *_ in batch])
-        w13s = [parts[0] for (_, parts, _), n in zip(batch, counts) for _ in range(n)]
-        w2s = [parts[1] for (_, parts, _), n in zip(batch, counts) for _ in range(n)]
-        gpu_moe.moe_pairs(out, x, rows, wts, w13s, w2s)
+        experts = [parts for (_, parts, _), n in zip(batch, counts) for _ in range(n)]
+        if self.fmt.name == "float":
+            gpu_moe.moe_pairs(out, x, rows, wts, [p[0] for p in experts], [p[1] for p in experts])
+        else:
+            gpu_moe.moe_pairs_quant(out, x, rows, wts, experts, self.fmt.name, self.fmt.group_size)
         if self.audit is not None:
             self.audit.extend((self.step, layer, int(t), e, tier) for e, _, tier in batch
                               for t in groups[e][0].tolist())

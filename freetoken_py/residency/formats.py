@@ -28,6 +28,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from freetoken_py.kernels.gpu_moe import seen_by_cpu_kernels
+
 Parts = tuple  # one expert's tensors (views of a host bank or of a slot)
 
 QUANTISED = ("int8", "int4")
@@ -154,18 +156,9 @@ def bank_parts(bank) -> Parts:
 
 def _seen(v: torch.Tensor) -> torch.Tensor:
     """An activation [n, K] fp32 as the CPU kernels multiply it with int8 / int4 weights
-    (`_dots.INT_ACT`): on the int8 path, every 32-element block rounded to int8 against
-    max|block| / 127 and back (a partial last block as if zero-padded), the arithmetic of
-    `quant.roundtrip_act_q8` on any device (a test checks the two agree bit for bit)."""
-    from freetoken_py.kernels._dots import INT_ACT
-
-    if INT_ACT != "int8":
-        return v
-    k = v.shape[-1]
-    blocks = F.pad(v, (0, -k % 32)).view(*v.shape[:-1], -1, 32)
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)).clamp_(-127, 127)
-    return (q * scale).view(*v.shape[:-1], -1)[..., :k]
+    (`kernels.gpu_moe.seen_by_cpu_kernels`, on any device; a test checks it against
+    `quant.roundtrip_act_q8` bit for bit)."""
+    return seen_by_cpu_kernels(v)
 
 
 def _numel(shape: Sequence[int]) -> int:
