@@ -57,7 +57,7 @@ step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log it
 }
 # the limits and their 10 s kill grace stay under the 590 s the device call is given, with 10 s
 # left for the environment check
-step probe 110 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
+step probe 100 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
 # the float and the quantised (int8 / int4 experts) placement tests' cuda variants
 step "placement test (cuda)" 100 "$OUT/placement.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_residency_executor.py -k "placement and cuda"
@@ -66,7 +66,7 @@ if ! grep -q "5 passed" "$OUT/placement.txt"; then    # every cuda variant ran (
     fail=1
 fi
 # the accelerator's Triton experts against torch on the GPU (skipped, and said so, without Triton)
-step "triton experts test" 45 "$OUT/gpu_moe.txt" \
+step "triton experts test" 55 "$OUT/gpu_moe.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_moe.py -k "match_the_torch_reference"
 # one decode layer-step of Qwen3-30B's experts: Triton against torch, GB/s against the VRAM roofline
 step "triton experts bench" 45 "$OUT/gpu_moe_kernels.txt" \

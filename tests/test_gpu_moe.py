@@ -90,8 +90,11 @@ assert any("keeps the torch path" in str(w.message) and "torch.int32" in str(w.m
 # executor takes otherwise (ExpertFormat.compute: dequantised weights, activations rounded alike),
 # experts side by side in one bank (a slot chunk) and one copied out alone (staging)
 from freetoken_py.kernels import ExpertBank
-for fmt, group in (("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)):
-    inter, hidden = max(64, 2 * group), 2 * group if group > 32 else 96
+# (int8 at D = 72, I = 40: partial tiles on both axes; on a GPU the sums run in another order, and
+# an element of h within rounding of an int8 tie may land a step away: ~1e-3 at these sizes)
+qtol = 1e-5 if dev == "cpu" else 2e-3
+for fmt, group, inter, hidden in (("int8", 32, 40, 72), ("int8", 32, 64, 96), ("int4", 32, 64, 96),
+                                  ("int4", 64, 128, 128), ("int4", 128, 256, 256)):
     bank = ExpertBank.from_weights(*(torch.randn(4, *shape, generator=g) / 8 for shape in
                                      ((inter, hidden), (inter, hidden), (hidden, inter))), fmt=fmt, group_size=group)
     f, host = ExpertFormat.of_bank(bank), [t.to(dev) for t in bank_parts(bank)]
@@ -107,16 +110,16 @@ for fmt, group in (("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)):
     for (t, e), w in zip(pairs_of, wts.tolist()):
         ref[t] += w * f.compute(x[t:t + 1], experts[e])[0]
     err = (out - ref).abs().max().item() / ref.abs().max().item()
-    assert err <= 1e-5, (fmt, group, err)
+    assert err <= qtol, (fmt, group, err)
     errs.append(err)
     assert gpu_moe.self_check_quant(dev, fmt, group) is None
     assert _fused_ok(torch.device(dev), f) is True
-try:
-    gpu_moe.moe_pairs_quant(torch.zeros(1, 96), torch.zeros(1, 96), torch.zeros(1, dtype=torch.int64), torch.ones(1),
-                            [(experts[0][0][:, :10], *experts[0][1:])], "int4", 128)
+try:                                               # (the last case: int4, g = 128, D = 256)
+    gpu_moe.moe_pairs_quant(torch.zeros(1, 256), torch.zeros(1, 256), torch.zeros(1, dtype=torch.int64),
+                            torch.ones(1), [(experts[0][0][:, :10], *experts[0][1:])], "int4", 128)
     raise AssertionError("a misshapen quantised expert was accepted")
 except ValueError as exc:
-    assert "contiguous" in str(exc) or "pairs" in str(exc)
+    assert "contiguous" in str(exc), exc
 print("ok", errs)
 '''
 
@@ -249,17 +252,23 @@ def test_triton_experts_compile_for_a_gpu_with_vector_loads(arch):
         assert any(op.startswith("ld.global.v4") for op in loads(fn, sig, {**consts, "ALIGNED": True})), fn
         assert "ld.global.b16" in loads(fn, sig, {**consts, "ALIGNED": False}), fn
 
-    # the quantised kernels (int8, int4) compile too
-    for int4 in (False, True):
+    # the quantised kernels (int8; int4 at g = 32, two scale groups a step, and g = 128, one)
+    # compile too, and with ALIGNED read the weight rows as 16-byte vectors
+    for int4, group in ((False, 32), (True, 32), (True, 128)):
         q, sc = ("*u8", "*i16") if int4 else ("*i8", "*fp32")
         gate_up_q = {"x_ptr": "*fp32", "rows_ptr": "*i64", "q_base": q, "q_offs": "*i64", "s_base": sc,
                      "s_offs": "*i64", "h_ptr": "*fp32", "D": "i32", "I": "i32", "stride_x": "i32",
-                     "INT4": "constexpr", "G": "constexpr", "BLOCK_I": "constexpr", "BLOCK_D": "constexpr"}
+                     "INT4": "constexpr", "G": "constexpr", "NG": "constexpr", "BLOCK_I": "constexpr",
+                     "BLOCK_D": "constexpr", "ALIGNED": "constexpr"}
         down_q = {"h_ptr": "*fp32", "wts_ptr": "*fp32", "q_base": q, "q_offs": "*i64", "s_base": sc,
                   "s_offs": "*i64", "y_ptr": "*fp32", "D": "i32", "I": "i32", "INT4": "constexpr",
-                  "G": "constexpr", "BLOCK_OUT": "constexpr", "BLOCK_K": "constexpr"}
-        assert loads(k.gate_up_q_kernel, gate_up_q, {"INT4": int4, "G": 32, "BLOCK_I": BLOCK_I, "BLOCK_D": BLOCK_D})
-        assert loads(k.down_q_kernel, down_q, {"INT4": int4, "G": 32, "BLOCK_OUT": BLOCK_OUT, "BLOCK_K": BLOCK_K})
+                  "G": "constexpr", "NG": "constexpr", "BLOCK_OUT": "constexpr", "BLOCK_K": "constexpr",
+                  "ALIGNED": "constexpr"}
+        for fn, sig, block in ((k.gate_up_q_kernel, gate_up_q, {"BLOCK_I": BLOCK_I, "BLOCK_D": BLOCK_D}),
+                               (k.down_q_kernel, down_q, {"BLOCK_OUT": BLOCK_OUT, "BLOCK_K": BLOCK_K})):
+            consts = {"INT4": int4, "G": group, "NG": max(1, 64 // group), **block}
+            aligned = loads(fn, sig, {**consts, "ALIGNED": True})
+            assert any(op.startswith("ld.global.v4") for op in aligned), (fn, int4, group, aligned)
 
 
 def test_kernel_bench_runs_in_the_interpreter(tmp_path):

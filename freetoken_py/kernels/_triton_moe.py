@@ -66,15 +66,21 @@ def down_kernel(h_ptr, wts_ptr, w2_base, w2_offs, y_ptr, D, I,
 
 @triton.jit
 def gate_up_q_kernel(x_ptr, rows_ptr, q_base, q_offs, s_base, s_offs, h_ptr, D, I, stride_x,
-                     INT4: tl.constexpr, G: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+                     INT4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BLOCK_I: tl.constexpr,
+                     BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
     """`gate_up_kernel` for quantised weights: int8 (q [2I, D] int8, s [2I, 1] fp32 per row) or
     int4 (q [2I, D/2] uint8, two columns a byte, low nibble even, value + 8; s [2I, D/G] fp16
-    bits held as int16). x is taken as given (the caller rounds it as the CPU kernels see it)."""
+    bits held as int16). x is taken as given (the caller rounds it as the CPU kernels see it).
+    int4: a step of BLOCK_D columns spans NG scale groups (NG = BLOCK_D / G, or 1 when a group is
+    wider; G is then a multiple of BLOCK_D): each group's products are summed, then scaled once."""
     p = tl.program_id(0)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     im = i < I
     row = tl.load(rows_ptr + p)
-    q = q_base + tl.load(q_offs + p)
+    qo = tl.load(q_offs + p)
+    if ALIGNED:
+        qo = tl.multiple_of(qo, 16)
+    q = q_base + qo
     s = s_base + tl.load(s_offs + p)
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
@@ -82,20 +88,23 @@ def gate_up_q_kernel(x_ptr, rows_ptr, q_base, q_offs, s_base, s_offs, h_ptr, D, 
         half = D // 2
         groups = D // G
         for d0 in range(0, D, BLOCK_D):
-            j = d0 // 2 + tl.arange(0, BLOCK_D // 2)          # byte columns: weights 2j and 2j + 1
-            jm = j < half
-            xe = tl.load(x_ptr + row * stride_x + 2 * j, mask=jm, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + row * stride_x + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
-            m = im[:, None] & jm[None, :]
-            grp = (2 * j) // G
+            d = d0 + tl.arange(0, BLOCK_D)
+            xv = tl.load(x_ptr + row * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+            xe, xo = tl.split(tl.reshape(xv, [BLOCK_D // 2, 2]))     # even and odd columns
+            j = d0 // 2 + tl.arange(0, BLOCK_D // 2)                # byte columns: weights 2j and 2j + 1
+            m = im[:, None] & (j < half)[None, :]
+            gi = d0 // G + tl.arange(0, NG)
+            sm = im[:, None] & (gi < groups)[None, :]
             bg = tl.load(q + i[:, None] * half + j[None, :], mask=m, other=136).to(tl.int32)
             bu = tl.load(q + (i[:, None] + I) * half + j[None, :], mask=m, other=136).to(tl.int32)
-            sg = tl.load(s + i[:, None] * groups + grp[None, :], mask=m, other=0).to(tl.float16, bitcast=True)
-            su = tl.load(s + (i[:, None] + I) * groups + grp[None, :], mask=m, other=0).to(tl.float16, bitcast=True)
-            acc_g += tl.sum(sg.to(tl.float32) * (((bg & 15) - 8).to(tl.float32) * xe[None, :]
-                                                 + ((bg >> 4) - 8).to(tl.float32) * xo[None, :]), axis=1)
-            acc_u += tl.sum(su.to(tl.float32) * (((bu & 15) - 8).to(tl.float32) * xe[None, :]
-                                                 + ((bu >> 4) - 8).to(tl.float32) * xo[None, :]), axis=1)
+            pg = ((bg & 15) - 8).to(tl.float32) * xe[None, :] + ((bg >> 4) - 8).to(tl.float32) * xo[None, :]
+            pu = ((bu & 15) - 8).to(tl.float32) * xe[None, :] + ((bu >> 4) - 8).to(tl.float32) * xo[None, :]
+            sg = tl.load(s + i[:, None] * groups + gi[None, :], mask=sm, other=0).to(tl.float16, bitcast=True)
+            su = tl.load(s + (i[:, None] + I) * groups + gi[None, :], mask=sm, other=0).to(tl.float16, bitcast=True)
+            acc_g += tl.sum(tl.sum(tl.reshape(pg, [BLOCK_I, NG, BLOCK_D // 2 // NG]), axis=2)
+                            * sg.to(tl.float32), axis=1)
+            acc_u += tl.sum(tl.sum(tl.reshape(pu, [BLOCK_I, NG, BLOCK_D // 2 // NG]), axis=2)
+                            * su.to(tl.float32), axis=1)
     else:
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
@@ -114,29 +123,35 @@ def gate_up_q_kernel(x_ptr, rows_ptr, q_base, q_offs, s_base, s_offs, h_ptr, D, 
 
 @triton.jit
 def down_q_kernel(h_ptr, wts_ptr, q_base, q_offs, s_base, s_offs, y_ptr, D, I,
-                  INT4: tl.constexpr, G: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
+                  INT4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BLOCK_OUT: tl.constexpr,
+                  BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
     """`down_kernel` for quantised weights (q [D, I] int8 with s [D, 1], or [D, I/2] int4 with
-    s [D, I/G] fp16 bits); h as given (rounded by the caller)."""
+    s [D, I/G] fp16 bits; NG as in `gate_up_q_kernel`); h as given (rounded by the caller)."""
     p = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     dm = d < D
-    q = q_base + tl.load(q_offs + p)
+    qo = tl.load(q_offs + p)
+    if ALIGNED:
+        qo = tl.multiple_of(qo, 16)
+    q = q_base + qo
     s = s_base + tl.load(s_offs + p)
     acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
     if INT4:
         half = I // 2
         groups = I // G
         for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            hv = tl.load(h_ptr + p * I + k, mask=k < I, other=0.0)
+            he, ho = tl.split(tl.reshape(hv, [BLOCK_K // 2, 2]))
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            jm = j < half
-            he = tl.load(h_ptr + p * I + 2 * j, mask=jm, other=0.0)
-            ho = tl.load(h_ptr + p * I + 2 * j + 1, mask=jm, other=0.0)
-            m = dm[:, None] & jm[None, :]
+            m = dm[:, None] & (j < half)[None, :]
+            gi = k0 // G + tl.arange(0, NG)
             b = tl.load(q + d[:, None] * half + j[None, :], mask=m, other=136).to(tl.int32)
-            sc = tl.load(s + d[:, None] * groups + ((2 * j) // G)[None, :], mask=m, other=0).to(tl.float16,
-                                                                                                  bitcast=True)
-            acc += tl.sum(sc.to(tl.float32) * (((b & 15) - 8).to(tl.float32) * he[None, :]
-                                               + ((b >> 4) - 8).to(tl.float32) * ho[None, :]), axis=1)
+            pb = ((b & 15) - 8).to(tl.float32) * he[None, :] + ((b >> 4) - 8).to(tl.float32) * ho[None, :]
+            sc = tl.load(s + d[:, None] * groups + gi[None, :], mask=dm[:, None] & (gi < groups)[None, :],
+                         other=0).to(tl.float16, bitcast=True)
+            acc += tl.sum(tl.sum(tl.reshape(pb, [BLOCK_OUT, NG, BLOCK_K // 2 // NG]), axis=2)
+                          * sc.to(tl.float32), axis=1)
     else:
         for k0 in range(0, I, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)

@@ -10,8 +10,9 @@ the streamer copies part by part, and the CPU tier's numba kernels read the host
         q13 [2I, D | D/2] int8 | uint8 (two nibbles)  s13 [2I, 1 | D/g] fp32 | fp16 bits (int16)
         q2  [D, I | I/2]                              s2  [D, 1 | I/g]
 
-The accelerator tier computes a quantised expert from its dequantised weights, in fp32, with its
-activations seen exactly as the CPU kernels see them (`kernels._dots.INT_ACT`: on AVX2, x and h
+The accelerator tier computes a quantised expert (`compute`, torch; on a GPU at decode, the
+same arithmetic in `kernels.gpu_moe.moe_pairs_quant`'s Triton kernels) from its dequantised
+weights, in fp32, with its activations seen exactly as the CPU kernels see them (`kernels._dots.INT_ACT`: on AVX2, x and h
 rounded through the per-32-block int8 quantiser, `quant.roundtrip_act_q8`), so a pair gives the
 same result whichever tier computes it (up to fp32 rounding, which near a tie of the int8
 rounding of h may move one value a step): outputs do not depend on placement.
