@@ -333,17 +333,24 @@ def test_serve_with_emulated_tiers_reports_residency_in_stats():
     assert res["hit_rate"] == pytest.approx(sum(c["hit_pairs"] for c in res["layers"].values()) / total)
 
 
-def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, tmp_path):
+@pytest.mark.parametrize("expert_dtype", ["auto", "int8"])
+def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, tmp_path, expert_dtype):
     """bench/residency_gpu.py (the check to run when a GPU is lent): under --emulate it decodes on
     the tiers, records routing, replays it in the simulator and reports both, marked not
-    comparable; without a GPU and without --emulate it skips cleanly."""
+    comparable; without a GPU and without --emulate it skips cleanly. With --expert-dtype the
+    tiers hold the experts in that format (int8: a byte a weight, a quarter of fp32's)."""
     path = checkpoint_factory("qwen3_moe")
     script = str(ROOT / "bench" / "residency_gpu.py")
     proc = subprocess.run([sys.executable, script, "--emulate", "rtx4090", "--model", str(path), "--decode-tokens", "8",
-                           "--threads", "1", "--out", str(tmp_path / "gpu.json")],
+                           "--threads", "1", "--expert-dtype", expert_dtype, "--out", str(tmp_path / "gpu.json")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     row = json.loads((tmp_path / "gpu.json").read_text())
+    fp32_mb = 3 * 64 * 48 * 4 / 1e6                 # the checkpoint's expert: D = 64, I = 48, fp32
+    if expert_dtype == "int8":                      # 1 byte a weight and a 4-byte scale a row
+        assert row["expert_format"] == "int8" and row["expert_mb"] == round((3 * 64 * 48 + 4 * (2 * 48 + 64)) / 1e6, 3)
+    else:
+        assert row["expert_format"] == "float32" and row["expert_mb"] == round(fp32_mb, 3)
     assert row["mode"] == "emulate" and row["comparable"] is False and row["within_25pct"] is None
     assert row["label"] == "emulated:rtx4090" and row["expert_slots"] > 0
     assert row["dense_on"] == row["kv_on"] == "cpu" and row["simulator_decode_tok_s"] > 0
