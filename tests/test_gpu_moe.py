@@ -70,6 +70,20 @@ for first in (0, 4):                                   # the second step wraps a
                for e in range(first, first + 4)) / 4
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), first
 
+# the int4 probe's step (gpu_expert_kernel_int4): the next top-k int4 experts through the
+# quantised kernels, equal to the torch path's sum over the same experts
+from freetoken_py.hw.measure_gpu import triton_expert_step_int4
+from freetoken_py.kernels import ExpertBank
+from freetoken_py.residency.formats import ExpertFormat as _Fmt, bank_parts as _parts
+qbank = ExpertBank.from_weights(gate.cpu(), up.cpu(), down.cpu(), fmt="int4")
+qparts = tuple(t.to(dev) for t in _parts(qbank))
+qfmt = _Fmt.of_bank(qbank)
+step = triton_expert_step_int4(qparts, xs, 4)
+for first in (0, 4):
+    got = step()
+    want = sum(qfmt.compute(xs, tuple(p[e % 6] for p in qparts)) for e in range(first, first + 4)) / 4
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), first
+
 # the executor's gate: Triton there and the self-check passing; a failing self-check (here integer
 # weights, which moe_pairs refuses) is a warning naming the problem and the torch path, not an error
 import warnings

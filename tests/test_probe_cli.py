@@ -22,7 +22,7 @@ ISA = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx"}
 GPU_FIELDS = {"name", "uuid", "vram_total_bytes", "vram_free_bytes", "pcie_gen_current",
               "pcie_gen_max", "pcie_width_current", "pcie_width_max"}
 GPU_FIGURES = {"pcie_h2d_pinned", "pcie_h2d_pageable", "pcie_d2h_pinned", "pcie_d2h_pageable",
-               "vram_d2d", "gpu_expert_gather", "gpu_expert_kernel",
+               "vram_d2d", "gpu_expert_gather", "gpu_expert_kernel", "gpu_expert_kernel_int4",
                "pcie_h2d_pinned_concurrent", "cpu_expert_bf16_concurrent"}
 CPU_FIGURES = {"dram_read_all_cores", "dram_read_single_core"}
 

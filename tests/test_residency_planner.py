@@ -141,6 +141,10 @@ def test_measured_hardware_profile_converts_with_concurrent_figures_first():
     assert from_hardware_profile(dataclasses.replace(hw, figures=q), expert_format="int4").cpu_expert_gbps == \
         pytest.approx(22.0 * 15.0 / 25.0)
     assert from_hardware_profile(dataclasses.replace(hw, figures=q), expert_format="bf16").cpu_expert_gbps == 22.0
+    # and the accelerator's: the int4 kernels' own figure where the probe measured it
+    q4 = dict(q, gpu_expert_kernel=fig("gpu_expert_kernel", 240.0), gpu_expert_kernel_int4=fig("gpu_expert_kernel_int4", 90.0))
+    assert from_hardware_profile(dataclasses.replace(hw, figures=q4), expert_format="int4").vram_gbps == 90.0
+    assert from_hardware_profile(dataclasses.replace(hw, figures=q4), expert_format="int8").vram_gbps == 240.0
 
 
 def test_one_miss_is_cut_so_both_sides_finish_together():

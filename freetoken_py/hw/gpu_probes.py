@@ -115,6 +115,36 @@ def _gpu_kernel(ctx: ProbeContext) -> Probe:
     return Probe(("gpu_expert_kernel",), "GPU expert kernel", run)
 
 
+def _gpu_kernel_int4(ctx: ProbeContext) -> Probe:
+    """`gpu_expert_kernel` for int4 experts (`--expert-dtype int4` in the residency tiers): the
+    quantised Triton kernels on the same geometry, random packed weights and small fp16 scales."""
+    def run(quick: bool) -> list[Figure]:
+        import torch
+
+        from freetoken_py.kernels import gpu_moe
+
+        t0, dev = time.perf_counter(), f"cuda:{DEVICE}"
+        i, d, g = me.INTER, me.HIDDEN, me.GROUP_SIZE
+        per = 3 * i * d // 2 + 2 * (2 * i * d // g + d * i // g)
+        l2 = getattr(torch.cuda.get_device_properties(DEVICE), "L2_cache_size", 0) or 64 * 2**20
+        num = max(math.ceil(4 * l2 / per), 4 * me.TOP_K)
+        problem = gpu_moe.self_check_quant(dev, "int4", g)
+        if problem is not None:
+            raise RuntimeError(problem)
+        scale = torch.full((), 0.01, dtype=torch.float16).view(torch.int16)
+        parts = (torch.randint(0, 256, (num, 2 * i, d // 2), dtype=torch.uint8, device=dev),
+                 scale.expand(num, 2 * i, d // g).contiguous().to(dev),
+                 torch.randint(0, 256, (num, d, i // 2), dtype=torch.uint8, device=dev),
+                 scale.expand(num, d, i // g).contiguous().to(dev))
+        samples = mg.gpu_expert_step_int4(parts, me.TOP_K, 5 if quick else 20, g)
+        method = (f"Triton int4 experts (kernels/gpu_moe.py moe_pairs_quant), g = {g}, batch 1, top-{me.TOP_K} "
+                  f"of {num} VRAM-resident experts (> 4x L2), rotated; int4 expert bytes / step time; median")
+        return [mg.figure("gpu_expert_kernel_int4", samples, method,
+                          {"bytes_per_expert": per, "num_experts": num, "path": "triton"}, t0)]
+
+    return Probe(("gpu_expert_kernel_int4",), "GPU expert kernel, int4", run)
+
+
 def _concurrent(ctx: ProbeContext) -> Probe:
     names = ("pcie_h2d_pinned_concurrent", "cpu_expert_bf16_concurrent")
 
@@ -138,9 +168,11 @@ def _concurrent(ctx: ProbeContext) -> Probe:
     return Probe(names, "PCIe H2D + CPU expert kernel together", run)
 
 
-def gpu_probes(ctx: ProbeContext, with_cpu_kernel: bool = True) -> list[Probe]:
+def gpu_probes(ctx: ProbeContext, with_cpu_kernel: bool = True, with_triton: bool = True) -> list[Probe]:
     probes = [_pcie(d, p) for d in ("h2d", "d2h") for p in (True, False)]
     probes += [_vram(ctx), _gather(ctx), _gpu_kernel(ctx)]
+    if with_triton:
+        probes.append(_gpu_kernel_int4(ctx))
     if with_cpu_kernel:
         probes.append(_concurrent(ctx))
     return probes

@@ -104,6 +104,39 @@ def triton_expert_step(gate: Any, up: Any, down: Any, x: Any, top_k: int) -> Cal
     return step
 
 
+def triton_expert_step_int4(parts: tuple, x: Any, top_k: int, group_size: int = 32) -> Callable[[], Any]:
+    """`triton_expert_step` for int4 experts: `parts` = (q13 [E, 2I, D/2] uint8, s13 [E, 2I, D/g]
+    int16 fp16 bits, q2 [E, D, I/2], s2 [E, D, I/g]), the slots' layout; the next top_k experts
+    through `gpu_moe.moe_pairs_quant` (weights 1/top_k)."""
+    torch = _torch()
+    from freetoken_py.kernels.gpu_moe import moe_pairs_quant
+
+    num_experts = parts[0].shape[0]
+    rows = torch.zeros(top_k, dtype=torch.long, device=x.device)
+    wts = torch.full((top_k,), 1.0 / top_k, device=x.device)
+    state = {"next": 0}
+
+    def step():
+        out = torch.zeros_like(x)
+        chosen = [(state["next"] + k) % num_experts for k in range(top_k)]
+        moe_pairs_quant(out, x, rows, wts, [tuple(p[e] for p in parts) for e in chosen], "int4", group_size)
+        state["next"] = (state["next"] + top_k) % num_experts
+        return out
+
+    return step
+
+
+def gpu_expert_step_int4(parts: tuple, top_k: int, reps: int, group_size: int = 32) -> list[float]:
+    """Batch-1 int4 experts from VRAM-resident slots through the Triton kernels the residency
+    executor uses at decode with `--expert-dtype int4`; GB/s of int4 bytes (weights and scales)."""
+    torch = _torch()
+    device = parts[0].device
+    x = torch.randn((1, parts[2].shape[1]), device=device)
+    per_expert = sum(p[0].numel() * p.element_size() for p in parts)
+    with torch.cuda.device(device):
+        return timed_gpu(triton_expert_step_int4(parts, x, top_k, group_size), top_k * per_expert, reps)
+
+
 def gpu_expert_step_triton(gate: Any, up: Any, down: Any, top_k: int, reps: int) -> list[float]:
     """`gpu_expert_step` through the Triton experts the residency executor uses at decode
     (kernels/gpu_moe.py: top_k pairs of one token in two launches)."""

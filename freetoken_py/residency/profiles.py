@@ -79,6 +79,8 @@ def from_hardware_profile(hw, name: str = "measured", expert_format: str = "bf16
     # the accelerator's expert rate: batch-1 torch SwiGLU experts, launches included (what a decode
     # step does per expert); a plain VRAM copy rate only if that probe did not run
     vram = hw.gbps("gpu_expert_kernel", hw.gbps("vram_d2d"))
+    if expert_format == "int4":   # the quantised Triton kernels' own rate, of int4 bytes, where measured
+        vram = hw.gbps("gpu_expert_kernel_int4", vram)
     pcie = hw.gbps("pcie_h2d_pinned_concurrent", hw.gbps("pcie_h2d_pinned"))
     cpu = hw.gbps("cpu_expert_bf16_concurrent", hw.gbps("cpu_expert_bf16", hw.gbps("dram_read_all_cores")))
     alone, bf16 = hw.gbps(f"cpu_expert_{expert_format}"), hw.gbps("cpu_expert_bf16")
