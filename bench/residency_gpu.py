@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "dense_on": str(llm.model.device), "kv_on": str(llm.runner.cache.k.device),
         "accel_experts": "triton" if ex.fused_accel else "torch",
         "expert_format": ex.fmt.name if ex.fmt.name != "float" else str(ex.fmt.dtype).removeprefix("torch."),
-        "expert_mb": round(ex.fmt.expert_bytes / 1e6, 3),
+        "expert_mb": round(ex.fmt.expert_bytes / 1e6, 3), "expert_bytes": ex.fmt.expert_bytes,
         "decode_tok_s": round(tok_s, 2),
         "simulator_decode_tok_s": round(sim_tok_s, 2) if sim_tok_s else None,
         "within_25pct_tok_s": bool(sim_tok_s and abs(tok_s / sim_tok_s - 1) <= 0.25) if mode == "cuda" else None,

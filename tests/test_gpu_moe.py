@@ -78,11 +78,13 @@ from freetoken_py.residency.formats import ExpertFormat as _Fmt, bank_parts as _
 qbank = ExpertBank.from_weights(gate.cpu(), up.cpu(), down.cpu(), fmt="int4")
 qparts = tuple(t.to(dev) for t in _parts(qbank))
 qfmt = _Fmt.of_bank(qbank)
-step = triton_expert_step_int4(qparts, xs, 4)
-for first in (0, 4):
-    got = step()
-    want = sum(qfmt.compute(xs, tuple(p[e % 6] for p in qparts)) for e in range(first, first + 4)) / 4
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), first
+tol4 = 1e-5 if dev == "cpu" else 2e-3          # (on a GPU: room for h rounded a step apart near a tie)
+for use_triton in (True, False):               # (the probe's torch fallback: the executor's other path)
+    step = triton_expert_step_int4(qparts, xs, 4, triton=use_triton)
+    for first in (0, 4):
+        got = step()
+        want = sum(qfmt.compute(xs, tuple(p[e % 6] for p in qparts)) for e in range(first, first + 4)) / 4
+        assert (got - want).abs().max().item() <= tol4 * want.abs().max().item(), (use_triton, first)
 
 # the executor's gate: Triton there and the self-check passing; a failing self-check (here integer
 # weights, which moe_pairs refuses) is a warning naming the problem and the torch path, not an error

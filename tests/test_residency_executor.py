@@ -346,11 +346,10 @@ def test_gpu_check_script_runs_its_pipeline_under_emulation(checkpoint_factory, 
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     row = json.loads((tmp_path / "gpu.json").read_text())
-    fp32_mb = 3 * 64 * 48 * 4 / 1e6                 # the checkpoint's expert: D = 64, I = 48, fp32
-    if expert_dtype == "int8":                      # 1 byte a weight and a 4-byte scale a row
-        assert row["expert_format"] == "int8" and row["expert_mb"] == round((3 * 64 * 48 + 4 * (2 * 48 + 64)) / 1e6, 3)
-    else:
-        assert row["expert_format"] == "float32" and row["expert_mb"] == round(fp32_mb, 3)
+    if expert_dtype == "int8":   # the checkpoint's expert (D = 64, I = 48): a byte a weight, an fp32 scale a row
+        assert row["expert_format"] == "int8" and row["expert_bytes"] == 3 * 64 * 48 + 4 * (2 * 48 + 64)
+    else:                        # as stored: fp32
+        assert row["expert_format"] == "float32" and row["expert_bytes"] == 3 * 64 * 48 * 4
     assert row["mode"] == "emulate" and row["comparable"] is False and row["within_25pct"] is None
     assert row["label"] == "emulated:rtx4090" and row["expert_slots"] > 0
     assert row["dense_on"] == row["kv_on"] == "cpu" and row["simulator_decode_tok_s"] > 0

@@ -116,8 +116,10 @@ def _gpu_kernel(ctx: ProbeContext) -> Probe:
 
 
 def _gpu_kernel_int4(ctx: ProbeContext) -> Probe:
-    """`gpu_expert_kernel` for int4 experts (`--expert-dtype int4` in the residency tiers): the
-    quantised Triton kernels on the same geometry, random packed weights and small fp16 scales."""
+    """`gpu_expert_kernel` for int4 experts (`--expert-dtype int4` in the residency tiers) on the
+    same geometry, random packed weights and small fp16 scales, through the path the executor
+    takes at decode: the quantised Triton kernels where they run and pass their self-check, else
+    torch dequantising each expert (`params.path` says which; the method says why)."""
     def run(quick: bool) -> list[Figure]:
         import torch
 
@@ -128,19 +130,29 @@ def _gpu_kernel_int4(ctx: ProbeContext) -> Probe:
         per = 3 * i * d // 2 + 2 * (2 * i * d // g + d * i // g)
         l2 = getattr(torch.cuda.get_device_properties(DEVICE), "L2_cache_size", 0) or 64 * 2**20
         num = max(math.ceil(4 * l2 / per), 4 * me.TOP_K)
-        problem = gpu_moe.self_check_quant(dev, "int4", g)
-        if problem is not None:
-            raise RuntimeError(problem)
-        scale = torch.full((), 0.01, dtype=torch.float16).view(torch.int16)
         parts = (torch.randint(0, 256, (num, 2 * i, d // 2), dtype=torch.uint8, device=dev),
-                 scale.expand(num, 2 * i, d // g).contiguous().to(dev),
+                 torch.full((num, 2 * i, d // g), 0.01, dtype=torch.float16, device=dev).view(torch.int16),
                  torch.randint(0, 256, (num, d, i // 2), dtype=torch.uint8, device=dev),
-                 scale.expand(num, d, i // g).contiguous().to(dev))
-        samples = mg.gpu_expert_step_int4(parts, me.TOP_K, 5 if quick else 20, g)
-        method = (f"Triton int4 experts (kernels/gpu_moe.py moe_pairs_quant), g = {g}, batch 1, top-{me.TOP_K} "
-                  f"of {num} VRAM-resident experts (> 4x L2), rotated; int4 expert bytes / step time; median")
+                 torch.full((num, d, i // g), 0.01, dtype=torch.float16, device=dev).view(torch.int16))
+        reps, path, why = 5 if quick else 20, "torch", ""
+        samples = None
+        if gpu_moe.available(dev):
+            problem = gpu_moe.self_check_quant(dev, "int4", g)
+            if problem is not None:
+                why = f" (Triton not used: {problem[:160]})"
+            else:
+                try:
+                    samples, path = mg.gpu_expert_step_int4(parts, me.TOP_K, reps, g), "triton"
+                except Exception as exc:      # a Triton failure here: measure the torch path, say why
+                    why = f" (Triton failed: {type(exc).__name__}: {str(exc)[:160]})"
+        if samples is None:
+            samples = mg.gpu_expert_step_int4(parts, me.TOP_K, reps, g, triton=False)
+        kind = ("Triton int4 experts (kernels/gpu_moe.py moe_pairs_quant)" if path == "triton"
+                else "torch int4 experts (dequantised per expert)")
+        method = (f"{kind}{why}, g = {g}, batch 1, top-{me.TOP_K} of {num} VRAM-resident experts "
+                  f"(>= 4x L2), rotated; int4 expert bytes (weights and scales) / step time; median")
         return [mg.figure("gpu_expert_kernel_int4", samples, method,
-                          {"bytes_per_expert": per, "num_experts": num, "path": "triton"}, t0)]
+                          {"bytes_per_expert": per, "num_experts": num, "path": path}, t0)]
 
     return Probe(("gpu_expert_kernel_int4",), "GPU expert kernel, int4", run)
 
@@ -168,11 +180,9 @@ def _concurrent(ctx: ProbeContext) -> Probe:
     return Probe(names, "PCIe H2D + CPU expert kernel together", run)
 
 
-def gpu_probes(ctx: ProbeContext, with_cpu_kernel: bool = True, with_triton: bool = True) -> list[Probe]:
+def gpu_probes(ctx: ProbeContext, with_cpu_kernel: bool = True) -> list[Probe]:
     probes = [_pcie(d, p) for d in ("h2d", "d2h") for p in (True, False)]
-    probes += [_vram(ctx), _gather(ctx), _gpu_kernel(ctx)]
-    if with_triton:
-        probes.append(_gpu_kernel_int4(ctx))
+    probes += [_vram(ctx), _gather(ctx), _gpu_kernel(ctx), _gpu_kernel_int4(ctx)]
     if with_cpu_kernel:
         probes.append(_concurrent(ctx))
     return probes

@@ -104,12 +104,14 @@ def triton_expert_step(gate: Any, up: Any, down: Any, x: Any, top_k: int) -> Cal
     return step
 
 
-def triton_expert_step_int4(parts: tuple, x: Any, top_k: int, group_size: int = 32) -> Callable[[], Any]:
+def triton_expert_step_int4(parts: tuple, x: Any, top_k: int, group_size: int = 32,
+                            triton: bool = True) -> Callable[[], Any]:
     """`triton_expert_step` for int4 experts: `parts` = (q13 [E, 2I, D/2] uint8, s13 [E, 2I, D/g]
     int16 fp16 bits, q2 [E, D, I/2], s2 [E, D, I/g]), the slots' layout; the next top_k experts
-    through `gpu_moe.moe_pairs_quant` (weights 1/top_k)."""
+    through `gpu_moe.moe_pairs_quant` (weights 1/top_k), or with `triton=False` through torch,
+    each expert dequantised (`gpu_moe.dequant_int4`) with the activations rounded alike."""
     torch = _torch()
-    from freetoken_py.kernels.gpu_moe import moe_pairs_quant
+    from freetoken_py.kernels.gpu_moe import dequant_int4, moe_pairs_quant, seen_by_cpu_kernels
 
     num_experts = parts[0].shape[0]
     rows = torch.zeros(top_k, dtype=torch.long, device=x.device)
@@ -119,22 +121,30 @@ def triton_expert_step_int4(parts: tuple, x: Any, top_k: int, group_size: int = 
     def step():
         out = torch.zeros_like(x)
         chosen = [(state["next"] + k) % num_experts for k in range(top_k)]
-        moe_pairs_quant(out, x, rows, wts, [tuple(p[e] for p in parts) for e in chosen], "int4", group_size)
+        if triton:
+            moe_pairs_quant(out, x, rows, wts, [tuple(p[e] for p in parts) for e in chosen], "int4", group_size)
+        else:
+            for e in chosen:
+                w13, w2 = dequant_int4(parts[0][e], parts[1][e], group_size), dequant_int4(parts[2][e], parts[3][e],
+                                                                                          group_size)
+                gate, up = (seen_by_cpu_kernels(x) @ w13.T).chunk(2, dim=-1)
+                out += (seen_by_cpu_kernels(torch.nn.functional.silu(gate) * up) @ w2.T) / top_k
         state["next"] = (state["next"] + top_k) % num_experts
         return out
 
     return step
 
 
-def gpu_expert_step_int4(parts: tuple, top_k: int, reps: int, group_size: int = 32) -> list[float]:
-    """Batch-1 int4 experts from VRAM-resident slots through the Triton kernels the residency
-    executor uses at decode with `--expert-dtype int4`; GB/s of int4 bytes (weights and scales)."""
+def gpu_expert_step_int4(parts: tuple, top_k: int, reps: int, group_size: int = 32, triton: bool = True) -> list[float]:
+    """Batch-1 int4 experts from VRAM-resident slots through the path the residency executor takes
+    at decode with `--expert-dtype int4` (Triton, or torch with `triton=False`); GB/s of int4
+    bytes (weights and scales)."""
     torch = _torch()
     device = parts[0].device
     x = torch.randn((1, parts[2].shape[1]), device=device)
     per_expert = sum(p[0].numel() * p.element_size() for p in parts)
     with torch.cuda.device(device):
-        return timed_gpu(triton_expert_step_int4(parts, x, top_k, group_size), top_k * per_expert, reps)
+        return timed_gpu(triton_expert_step_int4(parts, x, top_k, group_size, triton), top_k * per_expert, reps)
 
 
 def gpu_expert_step_triton(gate: Any, up: Any, down: Any, top_k: int, reps: int) -> list[float]:

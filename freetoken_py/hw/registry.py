@@ -10,7 +10,7 @@ Figure names (GB/s, 10^9 bytes per second):
   vram_d2d                       device copy, read + write bytes
   gpu_expert_gather              routed experts copied from a pinned host bank into VRAM slots
   gpu_expert_kernel              batch-1 experts computed from VRAM-resident bf16 weights (the executor's decode path)
-  gpu_expert_kernel_int4         the same for int4 experts (the quantised Triton kernels; needs Triton)
+  gpu_expert_kernel_int4         the same for int4 experts (the quantised Triton kernels, else torch's dequantise path)
   pcie_h2d_pinned_concurrent     H2D streaming while the CPU expert kernel runs ...
   cpu_expert_bf16_concurrent     ... and that kernel meanwhile: the pair the planner should use
 
@@ -114,19 +114,10 @@ def gpu_selection(ctx: ProbeContext, names: Sequence[str] = GPU_FIGURES
     from freetoken_py.hw.gpu_probes import gpu_probes
 
     why = cpu_kernel(ctx)[1] if wanted & set(CONCURRENT_FIGURES) else None
-    triton = _triton_available()
-    probes = [p for p in gpu_probes(ctx, with_cpu_kernel=why is None, with_triton=triton) if wanted & set(p.names)]
+    probes = [p for p in gpu_probes(ctx, with_cpu_kernel=why is None) if wanted & set(p.names)]
     unavailable = {n: f"needs the CPU expert kernel: {why}"
                    for n in CONCURRENT_FIGURES if why and n in wanted}
-    if not triton and "gpu_expert_kernel_int4" in wanted:
-        unavailable["gpu_expert_kernel_int4"] = "needs Triton (the int4 experts' GPU kernels)"
     return probes, unavailable
-
-
-def _triton_available() -> bool:
-    from freetoken_py.kernels import gpu_moe
-
-    return gpu_moe.available("cuda:0")
 
 
 def default_probes(ctx: ProbeContext) -> tuple[list[Probe], dict[str, str]]:

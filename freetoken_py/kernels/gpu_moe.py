@@ -214,8 +214,7 @@ def self_check_quant(device: torch.device | str, fmt: str, group_size: int = 32)
             if fmt == "int4":
                 (a, sa), (b, sb) = (quantize_int4(w, group_size, torch.float16) for w in (w13, w2))
                 sa, sb = sa.view(torch.int16), sb.view(torch.int16)
-                d13 = (_unpack4(a) * sa.view(torch.float16).float().repeat_interleave(group_size, -1))
-                d2 = (_unpack4(b) * sb.view(torch.float16).float().repeat_interleave(group_size, -1))
+                d13, d2 = dequant_int4(a, sa, group_size), dequant_int4(b, sb, group_size)
             else:
                 (a, sa), (b, sb) = (quantize_int8(w) for w in (w13, w2))
                 sa, sb = sa[:, None].contiguous(), sb[:, None].contiguous()
@@ -240,9 +239,14 @@ def self_check_quant(device: torch.device | str, fmt: str, group_size: int = 32)
         return f"Triton {fmt} experts failed on {device}: {type(exc).__name__}: {exc}"
 
 
-def _unpack4(packed: torch.Tensor) -> torch.Tensor:
+def dequant_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int4 rows (uint8 [N, K/2], low nibble the even column, value + 8; fp16 scale bits
+    [N, K/g] as int16) -> fp32 [N, K], on their device: what the accelerator's torch path
+    computes from."""
     p = packed.to(torch.int16)
-    return torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1).float() - 8.0
+    w = torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1).float() - 8.0
+    scale = scales.view(torch.float16).float()
+    return (w.view(w.shape[0], scale.shape[1], group_size) * scale[..., None]).reshape(w.shape)
 
 
 def self_check(device: torch.device | str, dtype: torch.dtype) -> str | None:

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from freetoken_py.kernels.gpu_moe import seen_by_cpu_kernels
+from freetoken_py.kernels.gpu_moe import dequant_int4, seen_by_cpu_kernels
 
 Parts = tuple  # one expert's tensors (views of a host bank or of a slot)
 
@@ -89,10 +89,7 @@ class ExpertFormat:
     def _dequant(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         if self.name == "int8":
             return q.float() * s.float()                                   # [N, K] * [N, 1]
-        p = q.to(torch.int16)                                              # [N, K/2], nibbles + 8
-        w = torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1).float() - 8.0
-        scale = s.view(torch.float16).float()                              # [N, K/g] (int16 bits)
-        return (w.view(w.shape[0], scale.shape[1], -1) * scale[..., None]).reshape(w.shape)
+        return dequant_int4(q, s, self.group_size)                         # [N, K/2] nibbles, [N, K/g] bits
 
     # ---- cutting along I -------------------------------------------------------------------
     def _down_cols(self, cols: int) -> tuple[int, int]:

@@ -62,7 +62,7 @@ class CostModel:
 
     def gpu_compute_s(self, tokens: int) -> float:
         p = self.profile
-        return max(self.expert_bytes / (p.vram_gbps * GB), tokens * self.expert_flops_per_token / (p.gpu_tflops * 1e12))
+        return max(self.expert_bytes / (p.expert_gbps * GB), tokens * self.expert_flops_per_token / (p.gpu_tflops * 1e12))
 
     def copy_s(self) -> float:
         return self.expert_bytes / (self.pcie_gbps * GB) + self.profile.copy_call_s
@@ -144,7 +144,7 @@ def core_costs(cost: CostModel) -> np.ndarray:
     got = cost.__dict__.get("_core_costs")
     if got is None:
         p = cost.profile
-        got = np.array([cost.expert_bytes, cost.expert_flops_per_token, p.vram_gbps * GB, p.gpu_tflops,
+        got = np.array([cost.expert_bytes, cost.expert_flops_per_token, p.expert_gbps * GB, p.gpu_tflops,
                         cost.pcie_gbps * GB, p.copy_call_s, cost.cpu_expert_gbps * GB, p.cpu_tflops, p.cpu_call_s],
                        np.float64)
         cost.__dict__["_core_costs"] = got        # (frozen: set beside the fields, as a cache)

@@ -31,12 +31,20 @@ class TierProfile:
     host_layer_s: float = 0.0
     vram_reserve_bytes: int = 2**30   # CUDA context, activations, allocator slack
     emulated: bool = False     # True: numbers injected for an emulated accelerator, not measured
+    # the accelerator's expert kernels' rate when it is not `vram_gbps` (a measured profile for
+    # int4 experts: their own kernels'); 0: `vram_gbps`. Dense weights are read at `vram_gbps`
+    accel_expert_gbps: float = 0.0
+
+    @property
+    def expert_gbps(self) -> float:
+        """The rate the accelerator computes experts at (bytes of expert weights per second)."""
+        return self.accel_expert_gbps or self.vram_gbps
 
     def __post_init__(self) -> None:
         for f in ("vram_gbps", "pcie_gbps", "cpu_expert_gbps", "cpu_tflops", "gpu_tflops"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"profile {self.name}: {f} must be positive")
-        for f in ("cpu_call_s", "copy_call_s", "host_layer_s"):
+        for f in ("cpu_call_s", "copy_call_s", "host_layer_s", "accel_expert_gbps"):
             if getattr(self, f) < 0:
                 raise ValueError(f"profile {self.name}: {f} must not be negative")
 
@@ -79,8 +87,9 @@ def from_hardware_profile(hw, name: str = "measured", expert_format: str = "bf16
     # the accelerator's expert rate: batch-1 torch SwiGLU experts, launches included (what a decode
     # step does per expert); a plain VRAM copy rate only if that probe did not run
     vram = hw.gbps("gpu_expert_kernel", hw.gbps("vram_d2d"))
-    if expert_format == "int4":   # the quantised Triton kernels' own rate, of int4 bytes, where measured
-        vram = hw.gbps("gpu_expert_kernel_int4", vram)
+    # int4 experts: the quantised Triton kernels' own rate (of int4 bytes), where measured, for
+    # the experts only (the dense weights stay as they are, read at `vram`)
+    accel = hw.gbps("gpu_expert_kernel_int4", 0.0) if expert_format == "int4" else 0.0
     pcie = hw.gbps("pcie_h2d_pinned_concurrent", hw.gbps("pcie_h2d_pinned"))
     cpu = hw.gbps("cpu_expert_bf16_concurrent", hw.gbps("cpu_expert_bf16", hw.gbps("dram_read_all_cores")))
     alone, bf16 = hw.gbps(f"cpu_expert_{expert_format}"), hw.gbps("cpu_expert_bf16")
@@ -90,7 +99,7 @@ def from_hardware_profile(hw, name: str = "measured", expert_format: str = "bf16
         return None
     # compute ceilings are not probed yet: rough per-core / per-GPU class guesses
     return TierProfile(name, gpus[0].vram_total_bytes, vram, pcie, cpu,
-                       cpu_tflops=0.1 * max(1, hw.cpu.physical_cores), gpu_tflops=100)
+                       cpu_tflops=0.1 * max(1, hw.cpu.physical_cores), gpu_tflops=100, accel_expert_gbps=accel)
 
 
 @dataclass(frozen=True)
