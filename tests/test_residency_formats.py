@@ -15,7 +15,8 @@ from test_kernels_moe import close_to_ref, moe_ref_slack
 from freetoken_py.kernels import ExpertBank, moe_experts
 from freetoken_py.kernels._dots import INT_ACT
 from freetoken_py.quant import roundtrip_act_q8
-from freetoken_py.residency.formats import ExpertFormat, _seen, bank_parts
+from freetoken_py.kernels.gpu_moe import seen_by_cpu_kernels
+from freetoken_py.residency.formats import ExpertFormat, bank_parts
 from freetoken_py.residency.slots import SlotCache
 from freetoken_py.residency.streamer import Streamer
 
@@ -58,12 +59,12 @@ def test_the_accelerators_expert_is_the_cpu_kernels_expert(fmt, group):
 
 @pytest.mark.parametrize("k", [64, 37])
 def test_activations_are_seen_as_the_cpu_kernels_see_them(k):
-    """`_seen` (any device) is `quant.roundtrip_act_q8` bit for bit on the int8-activation path
+    """`gpu_moe.seen_by_cpu_kernels` (any device; what the accelerator's quantised experts use) is `quant.roundtrip_act_q8` bit for bit on the int8-activation path
     (a partial last block zero-padded), and the activation itself on the fp32 path."""
     v = torch.randn(4, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-3, 2, k)
     v[1] = 0.0                                         # an all-zero row: scale 0
     want = roundtrip_act_q8(v) if INT_ACT == "int8" else v
-    assert torch.equal(_seen(v), want)
+    assert torch.equal(seen_by_cpu_kernels(v), want)
 
 
 @pytest.mark.parametrize("fmt,group", FORMATS)

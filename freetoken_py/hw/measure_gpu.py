@@ -81,6 +81,21 @@ def expert_gather(host_bank: Any, num_slots: int, top_k: int, reps: int, device:
         return timed_gpu(step, top_k * per_expert, reps)
 
 
+def _rotating(num_experts: int, top_k: int, x: Any, add: Callable[[Any, list[int]], None]) -> Callable[[], Any]:
+    """A step function: `add(out, chosen)` for the next top_k experts of the bank (rotating) into a
+    fresh zero output like x, which it returns."""
+    torch = _torch()
+    state = {"next": 0}
+
+    def step():
+        out = torch.zeros_like(x)
+        add(out, [(state["next"] + k) % num_experts for k in range(top_k)])
+        state["next"] = (state["next"] + top_k) % num_experts
+        return out
+
+    return step
+
+
 def triton_expert_step(gate: Any, up: Any, down: Any, x: Any, top_k: int) -> Callable[[], Any]:
     """One batch-1 step's function for `gpu_expert_step_triton`: the next top_k experts of the
     bank (rotating) through kernels/gpu_moe.py, returning their routing-weighted sum for x [1, D]
@@ -88,20 +103,11 @@ def triton_expert_step(gate: Any, up: Any, down: Any, x: Any, top_k: int) -> Cal
     torch = _torch()
     from freetoken_py.kernels.gpu_moe import moe_pairs
 
-    num_experts = gate.shape[0]
     w13 = torch.cat([gate, up], dim=1)                                    # [E, 2I, D], as the slots hold them
     rows = torch.zeros(top_k, dtype=torch.long, device=gate.device)
     wts = torch.full((top_k,), 1.0 / top_k, device=gate.device)
-    state = {"next": 0}
-
-    def step():
-        out = torch.zeros_like(x)
-        chosen = [(state["next"] + k) % num_experts for k in range(top_k)]
-        moe_pairs(out, x, rows, wts, [w13[e] for e in chosen], [down[e] for e in chosen])
-        state["next"] = (state["next"] + top_k) % num_experts
-        return out
-
-    return step
+    return _rotating(gate.shape[0], top_k, x, lambda out, chosen: moe_pairs(
+        out, x, rows, wts, [w13[e] for e in chosen], [down[e] for e in chosen]))
 
 
 def triton_expert_step_int4(parts: tuple, x: Any, top_k: int, group_size: int = 32,
@@ -109,30 +115,22 @@ def triton_expert_step_int4(parts: tuple, x: Any, top_k: int, group_size: int = 
     """`triton_expert_step` for int4 experts: `parts` = (q13 [E, 2I, D/2] uint8, s13 [E, 2I, D/g]
     int16 fp16 bits, q2 [E, D, I/2], s2 [E, D, I/g]), the slots' layout; the next top_k experts
     through `gpu_moe.moe_pairs_quant` (weights 1/top_k), or with `triton=False` through torch,
-    each expert dequantised (`gpu_moe.dequant_int4`) with the activations rounded alike."""
+    each expert dequantised (`gpu_moe.quant_swiglu`)."""
     torch = _torch()
-    from freetoken_py.kernels.gpu_moe import dequant_int4, moe_pairs_quant, seen_by_cpu_kernels
+    from freetoken_py.kernels.gpu_moe import moe_pairs_quant, quant_swiglu
 
-    num_experts = parts[0].shape[0]
     rows = torch.zeros(top_k, dtype=torch.long, device=x.device)
     wts = torch.full((top_k,), 1.0 / top_k, device=x.device)
-    state = {"next": 0}
 
-    def step():
-        out = torch.zeros_like(x)
-        chosen = [(state["next"] + k) % num_experts for k in range(top_k)]
+    def add(out, chosen):
+        experts = [tuple(p[e] for p in parts) for e in chosen]
         if triton:
-            moe_pairs_quant(out, x, rows, wts, [tuple(p[e] for p in parts) for e in chosen], "int4", group_size)
+            moe_pairs_quant(out, x, rows, wts, experts, "int4", group_size)
         else:
-            for e in chosen:
-                w13, w2 = dequant_int4(parts[0][e], parts[1][e], group_size), dequant_int4(parts[2][e], parts[3][e],
-                                                                                          group_size)
-                gate, up = (seen_by_cpu_kernels(x) @ w13.T).chunk(2, dim=-1)
-                out += (seen_by_cpu_kernels(torch.nn.functional.silu(gate) * up) @ w2.T) / top_k
-        state["next"] = (state["next"] + top_k) % num_experts
-        return out
+            for expert in experts:
+                out += quant_swiglu(x, expert, "int4", group_size) / top_k
 
-    return step
+    return _rotating(parts[0].shape[0], top_k, x, add)
 
 
 def gpu_expert_step_int4(parts: tuple, top_k: int, reps: int, group_size: int = 32, triton: bool = True) -> list[float]:
@@ -162,21 +160,16 @@ def gpu_expert_step(gate: Any, up: Any, down: Any, top_k: int, reps: int) -> lis
     top_k experts per step, rotated, through torch one expert at a time (the executor's path
     where Triton is not available)."""
     torch = _torch()
-    num_experts = gate.shape[0]
     x = torch.randn((1, gate.shape[2]), device=gate.device, dtype=gate.dtype)
     per_expert = (gate[0].numel() + up[0].numel() + down[0].numel()) * gate.element_size()
-    state = {"next": 0}
 
-    def step():
-        out = torch.zeros_like(x)
-        for k in range(top_k):
-            e = (state["next"] + k) % num_experts
+    def add(out, chosen):
+        for e in chosen:
             h = torch.nn.functional.silu(x @ gate[e].T) * (x @ up[e].T)     # [1, I]
             out += (h @ down[e].T) / top_k                                 # [1, D]
-        state["next"] = (state["next"] + top_k) % num_experts
 
     with torch.cuda.device(gate.device):
-        return timed_gpu(step, top_k * per_expert, reps)
+        return timed_gpu(_rotating(gate.shape[0], top_k, x, add), top_k * per_expert, reps)
 
 
 def concurrent_h2d_and_cpu(nbytes: int, copies: int, cpu_sample: Callable[[], float],

@@ -65,6 +65,27 @@ def down_kernel(h_ptr, wts_ptr, w2_base, w2_offs, y_ptr, D, I,
 
 
 @triton.jit
+def _int4_rows(q, s, r, half, groups, j, gi, rm, xe, xo, NG: tl.constexpr, ROWS: tl.constexpr,
+               BYTES: tl.constexpr):
+    """One step of int4 rows `r` (mask `rm`) against activations: bytes j of each row (columns
+    2j, 2j + 1: low nibble times `xe`, high times `xo`), each of its NG scale groups `gi` summed,
+    then scaled once. Returns [ROWS] fp32."""
+    m = rm[:, None] & (j < half)[None, :]
+    b = tl.load(q + r[:, None] * half + j[None, :], mask=m, other=136).to(tl.int32)   # 136: two zeros
+    prod = ((b & 15) - 8).to(tl.float32) * xe[None, :] + ((b >> 4) - 8).to(tl.float32) * xo[None, :]
+    sc = tl.load(s + r[:, None] * groups + gi[None, :], mask=rm[:, None] & (gi < groups)[None, :],
+                 other=0).to(tl.float16, bitcast=True)
+    return tl.sum(tl.sum(tl.reshape(prod, [ROWS, NG, BYTES // NG]), axis=2) * sc.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _int8_rows(q, r, K, k, rm, km, v):
+    """One step of int8 rows `r` against activations `v` at columns `k`: [rows] fp32, unscaled."""
+    w = tl.load(q + r[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0).to(tl.float32)
+    return tl.sum(w * v[None, :], axis=1)
+
+
+@triton.jit
 def gate_up_q_kernel(x_ptr, rows_ptr, q_base, q_offs, s_base, s_offs, h_ptr, D, I, stride_x,
                      INT4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BLOCK_I: tl.constexpr,
                      BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
@@ -84,37 +105,20 @@ def gate_up_q_kernel(x_ptr, rows_ptr, q_base, q_offs, s_base, s_offs, h_ptr, D, 
     s = s_base + tl.load(s_offs + p)
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-    if INT4:
-        half = D // 2
-        groups = D // G
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            xv = tl.load(x_ptr + row * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < D
+        xv = tl.load(x_ptr + row * stride_x + d, mask=dm, other=0.0).to(tl.float32)
+        if INT4:
             xe, xo = tl.split(tl.reshape(xv, [BLOCK_D // 2, 2]))     # even and odd columns
-            j = d0 // 2 + tl.arange(0, BLOCK_D // 2)                # byte columns: weights 2j and 2j + 1
-            m = im[:, None] & (j < half)[None, :]
+            j = d0 // 2 + tl.arange(0, BLOCK_D // 2)
             gi = d0 // G + tl.arange(0, NG)
-            sm = im[:, None] & (gi < groups)[None, :]
-            bg = tl.load(q + i[:, None] * half + j[None, :], mask=m, other=136).to(tl.int32)
-            bu = tl.load(q + (i[:, None] + I) * half + j[None, :], mask=m, other=136).to(tl.int32)
-            pg = ((bg & 15) - 8).to(tl.float32) * xe[None, :] + ((bg >> 4) - 8).to(tl.float32) * xo[None, :]
-            pu = ((bu & 15) - 8).to(tl.float32) * xe[None, :] + ((bu >> 4) - 8).to(tl.float32) * xo[None, :]
-            sg = tl.load(s + i[:, None] * groups + gi[None, :], mask=sm, other=0).to(tl.float16, bitcast=True)
-            su = tl.load(s + (i[:, None] + I) * groups + gi[None, :], mask=sm, other=0).to(tl.float16, bitcast=True)
-            acc_g += tl.sum(tl.sum(tl.reshape(pg, [BLOCK_I, NG, BLOCK_D // 2 // NG]), axis=2)
-                            * sg.to(tl.float32), axis=1)
-            acc_u += tl.sum(tl.sum(tl.reshape(pu, [BLOCK_I, NG, BLOCK_D // 2 // NG]), axis=2)
-                            * su.to(tl.float32), axis=1)
-    else:
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            dm = d < D
-            xv = tl.load(x_ptr + row * stride_x + d, mask=dm, other=0.0).to(tl.float32)
-            m = im[:, None] & dm[None, :]
-            wg = tl.load(q + i[:, None] * D + d[None, :], mask=m, other=0).to(tl.float32)
-            wu = tl.load(q + (i[:, None] + I) * D + d[None, :], mask=m, other=0).to(tl.float32)
-            acc_g += tl.sum(wg * xv[None, :], axis=1)
-            acc_u += tl.sum(wu * xv[None, :], axis=1)
+            acc_g += _int4_rows(q, s, i, D // 2, D // G, j, gi, im, xe, xo, NG, BLOCK_I, BLOCK_D // 2)
+            acc_u += _int4_rows(q, s, i + I, D // 2, D // G, j, gi, im, xe, xo, NG, BLOCK_I, BLOCK_D // 2)
+        else:
+            acc_g += _int8_rows(q, i, D, d, im, dm, xv)
+            acc_u += _int8_rows(q, i + I, D, d, im, dm, xv)
+    if not INT4:                                               # one fp32 scale a row
         acc_g *= tl.load(s + i, mask=im, other=0.0)
         acc_u *= tl.load(s + I + i, mask=im, other=0.0)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -136,29 +140,18 @@ def down_q_kernel(h_ptr, wts_ptr, q_base, q_offs, s_base, s_offs, y_ptr, D, I,
     q = q_base + qo
     s = s_base + tl.load(s_offs + p)
     acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-    if INT4:
-        half = I // 2
-        groups = I // G
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            hv = tl.load(h_ptr + p * I + k, mask=k < I, other=0.0)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < I
+        hv = tl.load(h_ptr + p * I + k, mask=km, other=0.0)
+        if INT4:
             he, ho = tl.split(tl.reshape(hv, [BLOCK_K // 2, 2]))
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            m = dm[:, None] & (j < half)[None, :]
             gi = k0 // G + tl.arange(0, NG)
-            b = tl.load(q + d[:, None] * half + j[None, :], mask=m, other=136).to(tl.int32)
-            pb = ((b & 15) - 8).to(tl.float32) * he[None, :] + ((b >> 4) - 8).to(tl.float32) * ho[None, :]
-            sc = tl.load(s + d[:, None] * groups + gi[None, :], mask=dm[:, None] & (gi < groups)[None, :],
-                         other=0).to(tl.float16, bitcast=True)
-            acc += tl.sum(tl.sum(tl.reshape(pb, [BLOCK_OUT, NG, BLOCK_K // 2 // NG]), axis=2)
-                          * sc.to(tl.float32), axis=1)
-    else:
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < I
-            hv = tl.load(h_ptr + p * I + k, mask=km, other=0.0)
-            wd = tl.load(q + d[:, None] * I + k[None, :], mask=dm[:, None] & km[None, :], other=0).to(tl.float32)
-            acc += tl.sum(wd * hv[None, :], axis=1)
+            acc += _int4_rows(q, s, d, I // 2, I // G, j, gi, dm, he, ho, NG, BLOCK_OUT, BLOCK_K // 2)
+        else:
+            acc += _int8_rows(q, d, I, k, dm, km, hv)
+    if not INT4:
         acc *= tl.load(s + d, mask=dm, other=0.0)
     scale = tl.load(wts_ptr + p)
     tl.store(y_ptr + p * D + d, acc * scale, mask=dm)

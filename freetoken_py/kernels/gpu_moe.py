@@ -200,27 +200,24 @@ def moe_pairs_quant(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weig
 
 
 def self_check_quant(device: torch.device | str, fmt: str, group_size: int = 32) -> str | None:
-    """`self_check` for `moe_pairs_quant`: a small random int8 / int4 case against the same
-    experts dequantised in torch with the activations rounded alike (2e-3 relative)."""
+    """`self_check` for `moe_pairs_quant`: a small random int8 / int4 case against the torch path
+    (`quant_swiglu`: the same experts dequantised, the activations rounded alike; 2e-3 relative)."""
     try:
         from freetoken_py.quant import quantize_int4, quantize_int8
 
         g = torch.Generator().manual_seed(0)
         hidden, inter = 2 * max(32, group_size), max(64, 2 * group_size)
-        parts, deq = [], []
+        parts = []
         for _ in range(3):
             w13 = torch.randn(2 * inter, hidden, generator=g) / 10
             w2 = torch.randn(hidden, inter, generator=g) / 9
             if fmt == "int4":
                 (a, sa), (b, sb) = (quantize_int4(w, group_size, torch.float16) for w in (w13, w2))
                 sa, sb = sa.view(torch.int16), sb.view(torch.int16)
-                d13, d2 = dequant_int4(a, sa, group_size), dequant_int4(b, sb, group_size)
             else:
                 (a, sa), (b, sb) = (quantize_int8(w) for w in (w13, w2))
                 sa, sb = sa[:, None].contiguous(), sb[:, None].contiguous()
-                d13, d2 = a.float() * sa, b.float() * sb
             parts.append(tuple(t.to(device) for t in (a, sa, b, sb)))
-            deq.append((d13.to(device), d2.to(device)))
         x = torch.randn(2, hidden, generator=g).to(device)
         pairs = [(0, 0), (0, 2), (1, 1), (1, 2)]
         rows = torch.tensor([t for t, _ in pairs], device=device)
@@ -229,8 +226,7 @@ def self_check_quant(device: torch.device | str, fmt: str, group_size: int = 32)
         moe_pairs_quant(out, x, rows, wts, [parts[e] for _, e in pairs], fmt, group_size)
         ref = torch.zeros(2, hidden, device=device)
         for (t, e), w in zip(pairs, wts.tolist()):
-            gate, up = (seen_by_cpu_kernels(x[t:t + 1]) @ deq[e][0].T).chunk(2, dim=-1)
-            ref[t] += w * (seen_by_cpu_kernels(torch.nn.functional.silu(gate) * up) @ deq[e][1].T)[0]
+            ref[t] += w * quant_swiglu(x[t:t + 1], parts[e], fmt, group_size)[0]
         err = ((out - ref).abs().max() / ref.abs().max()).item()
         # (2e-3: room for one element of h rounded a step apart near an int8 tie, ~1e-3 at this
         # size; a wrong nibble, scale or group is off by far more)
@@ -247,6 +243,19 @@ def dequant_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) ->
     w = torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1).float() - 8.0
     scale = scales.view(torch.float16).float()
     return (w.view(w.shape[0], scale.shape[1], group_size) * scale[..., None]).reshape(w.shape)
+
+
+def quant_swiglu(x: torch.Tensor, parts: tuple, fmt: str, group_size: int = 32) -> torch.Tensor:
+    """One int8 / int4 expert (q13, s13, q2, s2, as `moe_pairs_quant` takes them) in torch, on
+    their device: x [n, D] -> [n, D] in x's dtype, from the dequantised weights in fp32 with x
+    and h seen as the CPU kernels see them. The accelerator's path without the Triton kernels."""
+    q13, s13, q2, s2 = parts
+    if fmt == "int4":
+        w13, w2 = dequant_int4(q13, s13, group_size), dequant_int4(q2, s2, group_size)
+    else:
+        w13, w2 = q13.float() * s13.float(), q2.float() * s2.float()      # [N, K] * [N, 1]
+    gate, up = torch.nn.functional.linear(seen_by_cpu_kernels(x.float()), w13).chunk(2, dim=-1)
+    return torch.nn.functional.linear(seen_by_cpu_kernels(torch.nn.functional.silu(gate) * up), w2).to(x.dtype)
 
 
 def self_check(device: torch.device | str, dtype: torch.dtype) -> str | None:

@@ -100,8 +100,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
         cpu_banks = banks
         _warm(banks[moe[0]])
     else:
-        cpu_banks = _cpu_banks([h and h[0] for h in host], [h and h[1] for h in host], activation) \
-            if cpu_kernels else None
+        cpu_banks = _cpu_banks(host, activation) if cpu_kernels else None
     executor = ResidencyExecutor(host, fmt, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
                                  routers=routers, top_k=model.args.top_k, elastic=elastic,
                                  memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
@@ -118,7 +117,7 @@ def dense_weight_bytes(model) -> int:
     return w.final_norm.nbytes + w.lm_head.nbytes + sum(obj.nbytes for lw in w.layers for obj in lw.dense().values())
 
 
-def _cpu_banks(w13: list, w2: list, activation: str) -> Optional[list]:
+def _cpu_banks(host: list, activation: str) -> Optional[list]:
     """Per layer, a numba ExpertBank viewing the host expert weights (no copy); None where the
     kernels cannot take them (fp16 weights, another activation)."""
     from freetoken_py.kernels.cpu_moe import ExpertBank
@@ -126,7 +125,7 @@ def _cpu_banks(w13: list, w2: list, activation: str) -> Optional[list]:
     if activation != "silu":
         return None
     try:
-        banks = [ExpertBank.view_of(a, b) if a is not None else None for a, b in zip(w13, w2)]
+        banks = [ExpertBank.view_of(*h) if h is not None else None for h in host]
     except ValueError:
         return None
     bank = next((b for b in banks if b is not None), None)

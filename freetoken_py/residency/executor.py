@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from freetoken_py.kernels import gpu_moe
-from freetoken_py.kernels.cpu_moe import add_moe_experts, moe_experts
+from freetoken_py.kernels.cpu_moe import ExpertBank, add_moe_experts, moe_experts
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.formats import ExpertFormat
 from freetoken_py.residency.planner import CostModel, LayerStats, prefetch_allowance
@@ -354,8 +354,6 @@ class ResidencyExecutor:
         of its rows and column ranges, about the bytes the kernel then reads): the CPU's side of a
         cut runs in the numba kernels too. `cols` is whole activation blocks and scale groups, so
         the kernel's blocks of h are the full expert's."""
-        from freetoken_py.kernels.cpu_moe import ExpertBank
-
         def arr(t: torch.Tensor) -> np.ndarray:
             a = t.contiguous().numpy()
             return (a.view(np.uint16) if a.dtype == np.int16 else a)[None]   # int4 scales: fp16 bits
@@ -410,10 +408,8 @@ class ResidencyExecutor:
             out_cpu = torch.zeros_like(x)
             for e in experts:
                 self._run(out_cpu, x, groups[e], self._host_expert(layer, e), layer, e, "cpu")
-        for e, cols in cuts:          # the columns the accelerator did not take
+        for e, cols in cuts:          # the columns the accelerator did not take (cols < I)
             tier = "split" if not cols else None    # (a cut's pairs are audited once, on the accelerator's side)
-            if cols >= self.fmt.inter:
-                continue
             if bank is not None and cols == 0:     # all of it: the layer's bank, as a whole CPU expert
                 self._run_bank(out_cpu, x, groups, [e], bank, layer, tier)
             elif bank is not None and self.fmt.name != "float":   # quantised: its columns as a bank of one

@@ -24,12 +24,12 @@ computes columns [0, cols), the CPU [cols, I). `cut_block` is the granularity a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from freetoken_py.kernels.gpu_moe import dequant_int4, seen_by_cpu_kernels
+from freetoken_py.kernels.gpu_moe import quant_swiglu
+from freetoken_py.residency.slots import parts_bytes
 
 Parts = tuple  # one expert's tensors (views of a host bank or of a slot)
 
@@ -51,7 +51,7 @@ class ExpertFormat:
 
     @property
     def expert_bytes(self) -> int:
-        return sum(_numel(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in self.specs)
+        return parts_bytes(self.specs)
 
     @property
     def cut_block(self) -> int:
@@ -81,15 +81,7 @@ class ExpertFormat:
                 return swiglu(x, *parts)
             # (`--expert-dtype bf16` under fp32 activations: in fp32, as the CPU kernels widen them)
             return swiglu(x.float(), *(p.float() for p in parts)).to(x.dtype)
-        q13, s13, q2, s2 = parts
-        w13, w2 = self._dequant(q13, s13), self._dequant(q2, s2)   # fp32, as the kernels see them
-        gate, up = F.linear(_seen(x.float()), w13).chunk(2, dim=-1)
-        return F.linear(_seen(F.silu(gate) * up), w2).to(x.dtype)
-
-    def _dequant(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        if self.name == "int8":
-            return q.float() * s.float()                                   # [N, K] * [N, 1]
-        return dequant_int4(q, s, self.group_size)                         # [N, K/2] nibbles, [N, K/g] bits
+        return quant_swiglu(x, parts, self.name, self.group_size)
 
     # ---- cutting along I -------------------------------------------------------------------
     def _down_cols(self, cols: int) -> tuple[int, int]:
@@ -150,17 +142,3 @@ def bank_parts(bank) -> Parts:
     # dtype every torch device copies and views
     return tuple(torch.from_numpy(a.view("int16") if a.dtype == "uint16" else a)
                  for a in (bank.w13, bank.s13, bank.w2, bank.s2))
-
-
-def _seen(v: torch.Tensor) -> torch.Tensor:
-    """An activation [n, K] fp32 as the CPU kernels multiply it with int8 / int4 weights
-    (`kernels.gpu_moe.seen_by_cpu_kernels`, on any device; a test checks it against
-    `quant.roundtrip_act_q8` bit for bit)."""
-    return seen_by_cpu_kernels(v)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

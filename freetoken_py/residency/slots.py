@@ -17,6 +17,7 @@ same code holds them in VRAM and the copies go through `Streamer`.
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 
 import torch
@@ -31,6 +32,11 @@ def _oom_types() -> tuple[type, ...]:
 
 
 OOM_ERRORS = _oom_types()
+
+
+def parts_bytes(specs) -> int:
+    """Bytes of one expert made of parts `specs` [(shape, dtype)]."""
+    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs)
 
 
 class SlotCache:
@@ -56,13 +62,7 @@ class SlotCache:
 
     @property
     def slot_bytes(self) -> int:
-        total = 0
-        for shape, dtype in self.specs:
-            n = torch.empty((), dtype=dtype).element_size()
-            for s in shape:
-                n *= s
-            total += n
-        return total
+        return parts_bytes(self.specs)
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of
