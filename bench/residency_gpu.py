@@ -63,13 +63,14 @@ def simulated_expert_s(trace_path: Path, ex, first_decode_step: int) -> tuple[fl
     trace = RoutingTrace.load(trace_path)
     policy = AdaptivePolicy(trace.moe_layers, trace.num_experts, ex.slots.num_slots)
     head = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
-    head.steps, head.predicted = trace.steps[:first_decode_step], trace.predicted
+    head.steps, head.predicted, head.decode = trace.steps[:first_decode_step], trace.predicted, trace.decode
     # the leads the run ended with (it measured them as it went: an EMA, seeded by its first gap)
     leads = {"lead_s": ex.lead(True), "prefill_lead_s": ex.lead(False)}
     simulate(head, policy, ex.cost, 0, prefetch=True, **leads)       # the warm-up steps, as in the run
     tail = RoutingTrace(trace.num_layers, trace.num_experts, trace.top_k, trace.source)
     # empty steps in front keep the step numbers absolute (the policy's recency and decay use them)
     tail.steps, tail.predicted = [{}] * first_decode_step + trace.steps[first_decode_step:], trace.predicted
+    tail.decode = trace.decode
     r = simulate(tail, policy, ex.cost, 0, prefetch=True, **leads)   # dense bytes 0: expert time only
     return r.decode_seconds, r.decode_tokens, r.prefetch_copies
 

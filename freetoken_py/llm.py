@@ -318,6 +318,10 @@ class LLM:
         ex = self.residency
         oom = ex.oom_errors if ex is not None else ()
         recorder = self.routing_recorder
+        decode = all(ch.num_new == 1 for ch in chunks)   # one token per request: a decode step (lone or batched)
+        for tiers in (ex, recorder):
+            if tiers is not None:
+                tiers.decode_step = decode
         while True:
             recorded = len(recorder.trace.steps) if recorder is not None else 0
             mark = ex.checkpoint() if ex is not None else None

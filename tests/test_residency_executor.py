@@ -990,6 +990,42 @@ def test_the_simulator_replays_the_executors_decisions_exactly(checkpoint_factor
         assert r.prefetch_stops > 0
 
 
+def test_requests_decoding_together_are_decode_steps_in_the_run_the_trace_and_the_replay(checkpoint_factory,
+                                                                                         tmp_path):
+    """Two requests decoding in one pass (a batch of two one-token rows) make a decode step: the
+    executor scores its look-ahead there and gives it the decode lead, the trace file says so,
+    and the simulator's replay of that file counts both tokens as decode tokens and makes the
+    same copies ahead (decode lead long, prefill lead zero: the kind of step decides them)."""
+    from freetoken_py.residency.attach import make_policy
+    from freetoken_py.residency.simulate import simulate
+
+    path = checkpoint_factory("qwen3_moe")
+    out = tmp_path / "t.jsonl"
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4090",
+              record_routing=str(out))
+    ex = llm.residency
+    ex.fix_lead(1.0, 0.0)
+    llm.generate([PROMPT, random_prompt(11, seed=9)], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    llm.save_routing()
+    trace = RoutingTrace.load(out)
+    kinds = [(trace.tokens(s), trace.is_decode(s)) for s in range(len(trace.steps))]
+    assert (2, True) in kinds and all(d == (n == 2) for n, d in kinds if n > 1)   # prefill passes: 30 rows
+    predicted = correct = 0
+    for s, step in enumerate(trace.steps):
+        for layer, ids in step.items():
+            guess = trace.prediction(s, layer)
+            if guess is not None and trace.is_decode(s):
+                predicted += len(guess)
+                correct += len(set(guess) & set(ids.ravel().tolist()))
+    t = ex.telemetry.totals()
+    assert (t.prefetch_predicted, t.prefetch_correct) == (predicted, correct) and predicted > 0
+    policy = make_policy("ours", trace.moe_layers, trace.num_experts, ex.slots.num_slots, ex.cost.profile)
+    r = simulate(trace, policy, ex.cost, 0, prefetch=True, lead_s=1.0, prefill_lead_s=0.0)
+    assert r.decode_tokens == sum(n for n, d in kinds if d) == 2 * 5       # the first token came with the prefill
+    assert (r.prefetch_predicted, r.prefetch_correct, r.prefetch_copies, r.hit_pairs) == \
+        (t.prefetch_predicted, t.prefetch_correct, t.prefetch_copies, t.hit_pairs) and t.prefetch_copies > 0
+
+
 def test_the_trace_holds_only_the_predictions_the_executor_made(checkpoint_factory, tmp_path):
     """With no slots the executor predicts nothing (nothing to copy into): the recorded trace
     then carries no predictions for the simulator to replay."""

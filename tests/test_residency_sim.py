@@ -397,6 +397,35 @@ def test_trace_predictions_round_trip_and_old_files_still_load(tmp_path):
     assert not plain.has_predictions and plain.prediction(3, 2) is None
 
 
+def test_step_kinds_round_trip_and_steer_the_replay(tmp_path):
+    """A trace's step kinds: a file says so only where T == 1 would not (a batch of requests
+    decoding together, a one-token pass of a prompt), loads back the same, and a file without
+    them reads T == 1 as decode. The replay counts a decode batch's tokens as decode tokens, its
+    time as decode time, and the upper bound counts them too."""
+    from freetoken_py.residency.simulate import upper_bound_tok_s
+
+    trace = RoutingTrace(2, 16, 2)
+    rows = {1: [[0, 1]], 2: [[0, 1], [2, 3]], 4: [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    for n, decode in ((4, False), (1, None), (2, True), (2, True), (1, False), (1, None)):
+        trace.add_step({0: rows[n], 1: rows[n]}, decode=decode)
+    trace.save(tmp_path / "k.jsonl")
+    lines = (tmp_path / "k.jsonl").read_text().splitlines()[1:]
+    assert ['"decode"' in ln for ln in lines] == [False, False, True, True, True, False]
+    back = RoutingTrace.load(tmp_path / "k.jsonl")
+    kinds = [back.is_decode(s) for s in range(6)]
+    assert kinds == [False, True, True, True, False, True] == [trace.is_decode(s) for s in range(6)]
+    old = RoutingTrace(2, 16, 2)
+    old.steps = back.steps                          # no kinds: T == 1 is decode
+    assert [old.is_decode(s) for s in range(6)] == [False, True, False, False, True, True]
+    cost = CostModel(PROFILES["rtx4090"], 10**6, 1.0)
+    r, r_old = (simulate(t, LruPolicy(4, 0.5), cost, 0) for t in (back, old))
+    assert (r.decode_tokens, r.prefill_tokens) == (1 + 2 + 2 + 1, 4 + 1)
+    assert (r_old.decode_tokens, r_old.prefill_tokens) == (1 + 1 + 1, 4 + 2 + 2)
+    assert r.decode_seconds + r.prefill_seconds == pytest.approx(r.seconds)
+    # every expert fits: the bound is the dense read per step, 6 tokens in 4 decode steps against 3 in 3
+    assert upper_bound_tok_s(back, cost, 10**6, 32) == pytest.approx(1.5 * upper_bound_tok_s(old, cost, 10**6, 32))
+
+
 def test_prefetch_allowance_counts_the_copies_that_fit_the_copy_engines_idle_time():
     from freetoken_py.residency.planner import Plan, copies_s, prefetch_allowance
     from freetoken_py.residency.profiles import TierProfile

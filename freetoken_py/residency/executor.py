@@ -96,6 +96,10 @@ class ResidencyExecutor:
         self._lead_pending: list = []  # CUDA: (previous call's end event, this call's start event, decode)
         self._prev_end = None          # the previous call of this step: its end (event or perf_counter)
         self.prediction_made: Optional[tuple[int, list[int]]] = None   # this call's look-ahead, for a recorder
+        # set by the engine before each forward pass: True when every request of the pass brings
+        # one token (a decode step, alone or batched), False otherwise; None (a caller that does
+        # not say): a pass of one token is a decode step. It picks the lead and scores prefetch%
+        self.decode_step: Optional[bool] = None
         self._timing: list = []     # (step, layer, start, end) CUDA events of calls with x on the GPU, unread
         # feed the measured CPU-tier speed and copy rate into the cost model: right when the profile
         # describes this machine (cuda), wrong under emulation (the profile is another machine), so opt-in
@@ -129,7 +133,7 @@ class ResidencyExecutor:
             if x.device.type == "cuda":            # the experts' time on the GPU's clock, from here
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record()
-        decode = ids.shape[0] == 1
+        decode = ids.shape[0] == 1 if self.decode_step is None else self.decode_step
         self._measure_lead(decode, timing[0] if timing is not None else None)
         self.streamer.new_call(synced)       # after it no earlier compute reads a slot any more
         one = ids.tolist()[0] if ids.shape[0] == 1 else None

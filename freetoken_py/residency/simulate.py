@@ -49,7 +49,7 @@ class SimResult:
     tokens: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
-    prefill_tokens: int = 0          # steps of more than one token (a prompt, or a chunk of one)
+    prefill_tokens: int = 0          # the other steps' tokens (a prompt, or a chunk of one)
     prefill_seconds: float = 0.0
     seconds: float = 0.0
     pcie_bytes: int = 0
@@ -79,11 +79,13 @@ class SimResult:
     def prefill_tok_s(self) -> float:
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
-    def _end_step(self, tokens: int, seconds: float) -> None:
+    def _end_step(self, tokens: int, seconds: float, decode: bool) -> None:
+        """A step's time: a decode step (one token per request: a lone one or a batch) counts its
+        tokens as decode tokens, any other as prefill."""
         self.seconds += seconds
-        if tokens == 1:
-            self.decode_tokens, self.decode_seconds = self.decode_tokens + 1, self.decode_seconds + seconds
-        elif tokens > 1:
+        if decode:
+            self.decode_tokens, self.decode_seconds = self.decode_tokens + tokens, self.decode_seconds + seconds
+        elif tokens > 0:
             self.prefill_tokens, self.prefill_seconds = self.prefill_tokens + tokens, self.prefill_seconds + seconds
 
     def to_dict(self) -> dict:
@@ -99,7 +101,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     replay the trace's look-ahead predictions (module docstring); no effect on a trace without.
     `lead_s`: the time from one layer's expert work to the next layer's routing, which the
     look-ahead copies may use (None: a layer-step's dense read and host work; a run's measured
-    lead to replay that run); `prefill_lead_s` the same for steps of more than one token (None:
+    lead to replay that run); `prefill_lead_s` the same for the other steps (None:
     `lead_s`). `prefetch_limit` False drops the allowance (the stop still applies): what the
     allowance saves."""
     profile = cost.profile
@@ -112,13 +114,13 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     lead_decode = fixed_layer_s if lead_s is None else lead_s
     lead_prefill = lead_decode if prefill_lead_s is None else prefill_lead_s
     r = SimResult()
-    step_s, step_tokens, cur = 0.0, 0, -1
+    step_s, step_tokens, step_decode, cur = 0.0, 0, False, -1
     # copy-engine seconds left at a layer's start; per layer, the experts predicted for it and those copied
     backlog, guessed, in_flight = 0.0, {}, {}
     for step, layer, ids in iter_layer_steps(trace):
         if step != cur:
-            r._end_step(step_tokens, step_s)
-            step_s, step_tokens, cur = 0.0, ids.shape[0], step
+            r._end_step(step_tokens, step_s, step_decode)
+            step_s, step_tokens, step_decode, cur = 0.0, ids.shape[0], trace.is_decode(step), step
             guessed.clear()             # as the executor's _new_step: a prediction lives within its step
             in_flight.clear()
             r.tokens += step_tokens
@@ -140,10 +142,10 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
             step_s += fixed_layer_s + p.seconds
             continue
         predicted, copied = guessed.pop(layer, ()), in_flight.pop(layer, set())
-        if ids.shape[0] == 1:           # scored on decode steps, as the executor's prefetch%
+        if step_decode:                 # scored on decode steps, as the executor's prefetch%
             r.prefetch_predicted += len(predicted)
             r.prefetch_correct += sum(e in tokens for e in predicted)
-        lead = lead_decode if ids.shape[0] == 1 else lead_prefill
+        lead = lead_decode if step_decode else lead_prefill
         moe_s, gpu_end, own_copies_s = _with_backlog(p, tokens, cost, backlog, copied & set(p.hits))
         # ahead copies start once the layer's accelerator work is done (and its own copies)
         queued = max(gpu_end, backlog + own_copies_s)
@@ -160,7 +162,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
         # the queue keeps working through the rest of this layer and up to the next one's routing
         backlog = max(0.0, queued - moe_s - lead)
         step_s += fixed_layer_s + moe_s
-    r._end_step(step_tokens, step_s)
+    r._end_step(step_tokens, step_s, step_decode)
     return r
 
 
@@ -302,7 +304,7 @@ def upper_bound_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, ca
     profile = cost.profile
     layers = trace.moe_layers
     dense_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB)
-    decode = [s for s, step in enumerate(trace.steps) if step and next(iter(step.values())).shape[0] == 1]
+    decode = [s for s, step in enumerate(trace.steps) if step and trace.is_decode(s)]
     if not decode:
         return 0.0
     # MIN over each run of consecutive decode steps on its own, each with a free preload: a
@@ -320,7 +322,7 @@ def upper_bound_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, ca
     dense_s = layer_steps * dense_layer_s
     miss_s = missed * cost.expert_bytes / ((cost.pcie_gbps + cost.cpu_expert_gbps) * GB)
     # the fixed host work of each layer-step runs on its own (0 in the hand-built profiles)
-    return len(decode) / (max(dense_s, miss_s) + layer_steps * profile.host_layer_s)
+    return sum(trace.tokens(s) for s in decode) / (max(dense_s, miss_s) + layer_steps * profile.host_layer_s)
 
 
 def layer_floor_s(hits: int, misses: int, cost: CostModel) -> float:

@@ -8,7 +8,10 @@ Trace file (JSON lines, written by `freetoken run --record-routing FILE`):
      "predicted": {"1": [e, ...], ...}}                               <- optional
 
 `layers[l]` holds the routed expert ids [T][k] of MoE layer l; dense layers are absent. A step is
-one forward pass (a prefill chunk or a decode batch), so T > 1 marks prefill. `predicted[l]`, when
+one forward pass (a prefill chunk or a decode batch). A decode step is a pass in which every
+request brings one token: a lone token, or a batch of T requests decoding together. Where that
+differs from T == 1 the line says so (`"decode": true` for a decode batch, `false` for a one-token
+pass of a prompt); files without it read T == 1 as decode. `predicted[l]`, when
 present, is the look-ahead prediction for MoE layer l made at the MoE layer before it
 (`predict_experts`: that layer's input through layer l's router), as the executor's prefetch
 makes it; the simulator replays it (`simulate(..., prefetch=True)`). Files without it are read
@@ -36,12 +39,30 @@ class RoutingTrace:
     steps: list[dict[int, np.ndarray]] = field(default_factory=list)   # step -> layer -> ids [T, k]
     # step -> predicted layer -> the experts predicted for it, best first (may be shorter than steps)
     predicted: list[dict[int, list[int]]] = field(default_factory=list)
+    # step -> whether it was a decode step, where recorded (None or past the end: T == 1)
+    decode: list[bool | None] = field(default_factory=list)
 
-    def add_step(self, layers: dict[int, np.ndarray], predicted: dict[int, list[int]] | None = None) -> None:
+    def add_step(self, layers: dict[int, np.ndarray], predicted: dict[int, list[int]] | None = None,
+                 decode: bool | None = None) -> None:
         self.steps.append({int(l): np.asarray(ids, dtype=np.int64) for l, ids in layers.items()})
         if predicted:
             self.predicted += [{}] * (len(self.steps) - 1 - len(self.predicted))
             self.predicted.append({int(l): [int(e) for e in v] for l, v in predicted.items()})
+        if decode is not None:
+            self.set_decode(len(self.steps) - 1, decode)
+
+    def set_decode(self, step: int, decode: bool) -> None:
+        self.decode += [None] * (step + 1 - len(self.decode))
+        self.decode[step] = bool(decode)
+
+    def tokens(self, step: int) -> int:
+        """The tokens of a step (its rows: one per request of a decode batch)."""
+        return next(iter(self.steps[step].values())).shape[0] if self.steps[step] else 0
+
+    def is_decode(self, step: int) -> bool:
+        """Whether `step` was a decode step: as recorded, else a step of one token."""
+        kind = self.decode[step] if step < len(self.decode) else None
+        return self.tokens(step) == 1 if kind is None else kind
 
     def prediction(self, step: int, layer: int) -> list[int] | None:
         """The experts predicted for `layer` at `step` (None: no prediction recorded)."""
@@ -64,8 +85,10 @@ class RoutingTrace:
                       "num_experts": self.num_experts, "top_k": self.top_k, "source": self.source}
             f.write(json.dumps(header) + "\n")
             for i, step in enumerate(self.steps):
-                tokens = next(iter(step.values())).shape[0] if step else 0
+                tokens = self.tokens(i)
                 rec = {"step": i, "tokens": tokens, "layers": {str(l): ids.tolist() for l, ids in sorted(step.items())}}
+                if self.is_decode(i) != (tokens == 1):        # only where T == 1 would say otherwise
+                    rec["decode"] = self.is_decode(i)
                 if i < len(self.predicted) and self.predicted[i]:
                     rec["predicted"] = {str(l): v for l, v in sorted(self.predicted[i].items())}
                 f.write(json.dumps(rec) + "\n")
@@ -82,7 +105,7 @@ class RoutingTrace:
                 if line.strip():
                     rec = json.loads(line)
                     trace.add_step({int(l): np.array(v, dtype=np.int64).reshape(-1, trace.top_k)
-                                    for l, v in rec["layers"].items()}, rec.get("predicted"))
+                                    for l, v in rec["layers"].items()}, rec.get("predicted"), rec.get("decode"))
         return trace
 
 
@@ -170,10 +193,13 @@ class RoutingRecorder:
         self.trace = RoutingTrace(num_layers, num_experts, top_k, source)
         self.routers = routers
         self._last_layer = None
+        self.decode_step: bool | None = None   # set by the engine before each pass (None: T == 1)
 
     def __call__(self, layer, x, ids, weights):
         if self._last_layer is None or layer <= self._last_layer:
             self.trace.steps.append({})
+            if self.decode_step is not None:
+                self.trace.set_decode(len(self.trace.steps) - 1, self.decode_step)
             if self.routers is not None:
                 self.trace.predicted += [{}] * (len(self.trace.steps) - len(self.trace.predicted))
         self.trace.steps[-1][int(layer)] = ids.detach().cpu().numpy().astype(np.int64)
@@ -194,6 +220,7 @@ class RoutingRecorder:
         run again); the next call starts a new step."""
         del self.trace.steps[num_steps:]
         del self.trace.predicted[num_steps:]
+        del self.trace.decode[num_steps:]
         self._last_layer = None
 
     def __getattr__(self, name):   # telemetry etc. of the wrapped executor stay reachable
