@@ -110,12 +110,15 @@ class LLM:
         """The residency tiers with `--expert-dtype`: dense weights through the torch loader, the
         experts from the expert store (built from the checkpoint in that format, or mapped from
         its cache file), never stacked in torch; `_attach_residency` hands its banks to the tiers."""
-        from freetoken_py.engine.expert_store import open_expert_store
+        from freetoken_py.engine.expert_store import open_expert_store, pin_banks
 
         c = self.config
         model = load_model(model_dir, c.dtype, c.show_progress, experts="skip")
-        model.expert_store = open_expert_store(model_dir, model.args, model.dtype, c.expert_dtype,
-                                               c.expert_group_size, c.expert_cache, c.show_progress)
+        store = open_expert_store(model_dir, model.args, model.dtype, c.expert_dtype, c.expert_group_size,
+                                  c.expert_cache, c.show_progress)
+        if c.residency == "cuda":      # page-locked where they lie: the streamer's copies are asynchronous
+            pin_banks(store.banks, file_backed=store.path is not None)
+        model.expert_store = store
         return model
 
     def _attach_residency(self):

@@ -240,3 +240,69 @@ def test_peak_memory_has_no_second_copy_of_the_experts(tmp_path):
           f"bound {bound / 2**20:.0f} MiB (experts {expert_bytes / 2**20:.0f} MiB)")
     assert ours < bound
     assert old > bound
+
+
+class StandInCudart:
+    """Stands in for the CUDA runtime (torch.cuda.cudart(): not in a CPU build), as a discrete
+    GPU without cudaDevAttrHostRegisterReadOnlySupported answers: the read-only flag is refused
+    (cudaErrorNotSupported, 801), a plain registration works, or every call fails (`broken`)."""
+
+    def __init__(self, broken: bool = False):
+        self.broken, self.calls, self.unregistered = broken, [], []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append((ptr, nbytes, flags))
+        return 801 if self.broken or flags & 8 else 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+    def cudaGetErrorString(self, err):
+        return "operation not supported"
+
+
+def test_pinning_falls_back_from_read_only_and_unregisters_on_collection(monkeypatch):
+    """utils.host_memory.register against a stand-in CUDA runtime: a copy-on-write mapping is
+    registered read-only where the GPU allows it, else plainly; the runtime's error is cleared
+    after each refusal; the memory is unregistered when its owner is collected, not before.
+    pin_banks warns once for the arrays that failed and keeps going."""
+    import gc
+
+    from freetoken_py.utils import host_memory
+
+    rt, cleared = StandInCudart(), []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(host_memory, "clear_cuda_error", lambda: cleared.append(1))
+    owner = np.zeros(4096, np.uint8)
+    ptr = owner.ctypes.data
+    assert host_memory.register(ptr, owner.nbytes, owner, read_only=True) is None
+    assert [c[2] for c in rt.calls] == [1 | 8, 1] and len(cleared) == 1 and rt.unregistered == []
+    assert host_memory.register(ptr, 0, owner) is None and len(rt.calls) == 2     # nothing to pin
+    del owner
+    gc.collect()
+    assert rt.unregistered == [ptr]
+
+    rt = StandInCudart(broken=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    bank = ExpertBank.empty("int8", 2, 64, 32, 32)
+    assert "operation not supported" in host_memory.register(bank.w13.ctypes.data, bank.w13.nbytes, bank.w13)
+    with pytest.warns(es.ExpertCacheWarning, match=r"failed for 4 arrays \(operation not supported"):
+        assert es.pin_banks([None, bank], file_backed=True) == 0
+    assert rt.unregistered == [] and len(rt.calls) == 1 + 4 * 2      # each array: read-only, then plain
+
+
+def test_opening_the_store_pins_nothing(checkpoint_factory, tmp_path, monkeypatch):
+    """Page-locking is the residency tiers' business on a GPU (llm pins their banks): the CPU
+    backend's store, built or mapped, never registers a page, even with CUDA present."""
+    from freetoken_py.utils import host_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_memory, "register", lambda *a, **k: calls.append(a))
+    path = private_copy(checkpoint_factory("qwen3_moe"), tmp_path)
+    model = load_model(path, "float32", show_progress=False, experts="skip")
+    for cache in ("off", "auto", "auto"):           # in memory, built to the file, mapped from it
+        es.open_expert_store(path, model.args, model.dtype, "int8", 32, cache=cache, show_progress=False)
+    assert calls == []

@@ -432,6 +432,36 @@ def test_dense_weights_move_to_the_accelerator_and_experts_stay(checkpoint_facto
     assert KVCache(a.num_layers, 2, 16, a.num_kv_heads, a.head_dim, torch.float32, model.device).k.device.type == "meta"
 
 
+def test_float_expert_stacks_are_page_locked_where_they_lie(checkpoint_factory, monkeypatch):
+    """--gpu-experts on a float checkpoint page-locks the model's own expert stacks (no pinned
+    copy, which PyTorch would round up to a power of two): each stack registered once, the host
+    banks the streamer copies from are those very tensors, unregistered when they go. The CUDA
+    runtime is a stand-in (a CPU build has none), as in test_expert_store."""
+    import gc
+
+    from test_expert_store import StandInCudart
+
+    from freetoken_py.models.loader import load_model
+    from freetoken_py.residency.attach import _pin_in_place
+
+    rt = StandInCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    model = load_model(checkpoint_factory("qwen3_moe"), "float32", show_progress=False)
+    layers = model.weights.layers
+    moe = [i for i, lw in enumerate(layers) if lw.w13 is not None]
+    before = {i: (layers[i].w13.data_ptr(), layers[i].w2.data_ptr()) for i in moe}
+    host = [None] * len(layers)
+    _pin_in_place(model, moe, host)
+    assert all(host[i] == (layers[i].w13, layers[i].w2) for i in moe) and model.experts is None
+    assert {i: (layers[i].w13.data_ptr(), layers[i].w2.data_ptr()) for i in moe} == before
+    want = [(p, layers[i].w13.nbytes if p == before[i][0] else layers[i].w2.nbytes, 1)
+            for i in moe for p in before[i]]
+    assert rt.calls == want and rt.unregistered == []
+    del model, layers, host
+    gc.collect()
+    assert sorted(rt.unregistered) == sorted(p for ptrs in before.values() for p in ptrs)
+
+
 def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint_factory, tmp_path):
     """An allocation failure in the middle of a forward (here raised once by a router, standing
     in for a prefill's activations on a GPU another process filled) gives back half the expert

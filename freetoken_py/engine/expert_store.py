@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +106,6 @@ def _candidate_paths(model_dir: Path, name: str) -> list[Path]:
 def _mapped_banks(path: Path, job: "_Job") -> list[ExpertBank | None]:
     banks = [None if a is None else ExpertBank(job.fmt, job.group_size, a["w13"], a["s13"], a["w2"], a["s2"])
              for a in fc.map_arrays(path, job.header)]
-    pin_banks(banks, file_backed=True)
     return banks
 
 
@@ -165,7 +163,6 @@ class _Job:
         banks: list[ExpertBank | None] = [None] * self.args.num_layers
         for i, bank in self.layers():
             banks[i] = bank
-        pin_banks(banks)
         return banks
 
     def build_to_file(self, path: Path) -> None:
@@ -196,31 +193,29 @@ def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:
                                  f"({args.moe_intermediate_size}) divisible by the group size {group_size}")
 
 
-_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (as torch.cuda._pin_memory_utils does)
-_CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA >= 11.1): the device only reads
-
-
 def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False) -> int:
-    """Page-lock the banks' memory when CUDA is present, so host->device expert copies can be
-    asynchronous. Returns the bytes registered. UNTESTED: no GPU on the development machine; a
-    failure only warns (the banks still work for the CPU kernels). Each array is unregistered
-    when it is garbage-collected, before its memory can go back (it holds the mapping or buffer
-    it views): a later bank mapped at the same address registers afresh, and the device never
-    reads pages that are no longer the array's. `file_backed` banks map the
-    cache file copy-on-write: they are registered read-only, since pinning them for writing would
-    break copy-on-write and copy every page."""
+    """Page-lock the banks' memory where it lies, so host->device expert copies are asynchronous
+    (the residency tiers on a CUDA GPU call this; nothing else needs it). Returns the bytes
+    registered. UNTESTED: no GPU on the development machine; an array that fails stays pageable
+    (its copies are synchronous; the banks still work), one warning says how many. Each array
+    is unregistered when it is garbage-collected, before its memory can go back (it holds the
+    mapping or buffer it views): a later bank mapped at the same address registers afresh, and
+    the device never reads pages that are no longer the array's. `file_backed` banks map the
+    cache file copy-on-write: registered read-only where the GPU allows it (the pages stay
+    shared), else plainly (`utils.host_memory.register`)."""
     if not torch.cuda.is_available():
         return 0
-    cudart, done = torch.cuda.cudart(), 0
+    from freetoken_py.utils.host_memory import register
+
+    done, failed, error = 0, 0, None
     for bank in banks:
         for a in () if bank is None else (bank.w13, bank.s13, bank.w2, bank.s2):
-            if a.nbytes == 0:
-                continue
-            flags = _CUDA_HOST_REGISTER_PORTABLE | (_CUDA_HOST_REGISTER_READ_ONLY if file_backed else 0)
-            err = cudart.cudaHostRegister(a.ctypes.data, a.nbytes, flags)
-            if int(err) != 0:
-                _warn(f"expert store: cudaHostRegister failed ({err}); expert copies to the GPU will not be async")
-                return done
-            weakref.finalize(a, cudart.cudaHostUnregister, a.ctypes.data)
-            done += a.nbytes
+            err = register(a.ctypes.data, a.nbytes, a, read_only=file_backed)
+            if err is None:
+                done += a.nbytes
+            else:
+                failed, error = failed + 1, err
+    if failed:
+        _warn(f"expert store: cudaHostRegister failed for {failed} arrays ({error}); their copies to the GPU "
+              "will not be asynchronous")
     return done

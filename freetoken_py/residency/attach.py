@@ -69,11 +69,8 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
         profile = with_host_costs(profile, num_experts, fmt, model.args.top_k, kernels)
     profile = emulated(profile) if mode == "emulate" else profile
     if mode == "cuda" and banks is None:   # pinned banks make the host -> device copies asynchronous DMA
-        model.experts = None   # the torch executor's references to the unpinned weights go first
-        for i in moe:    # layer by layer, replacing the model's own reference: one host copy, not two
-            layers[i].w13, layers[i].w2 = layers[i].w13.pin_memory(), layers[i].w2.pin_memory()
-            host[i] = (layers[i].w13, layers[i].w2)
-    # (the expert store's banks are page-locked in place when it opens them: engine.expert_store.pin_banks)
+        _pin_in_place(model, moe, host)
+    # (the expert store's banks are page-locked where they lie by the engine: engine.expert_store.pin_banks)
     # room for activations on a GPU: a tenth of the card, at least CUDA_RESERVE_BYTES
     reserve = max(CUDA_RESERVE_BYTES, torch.cuda.mem_get_info()[1] // 10) if mode == "cuda" else 0
     if vram_budget_bytes:
@@ -108,6 +105,24 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
                                  cpu_banks=cpu_banks, dense_layer_bytes=dense_layer)
     model.experts = executor
     return executor
+
+
+def _pin_in_place(model, moe: list[int], host: list) -> None:
+    """Page-lock the torch expert stacks where they lie (`utils.host_memory.register`: no second
+    copy, no rounding up to a power of two). A stack the driver will not register is copied into
+    PyTorch's pinned memory instead, layer by layer, replacing the model's own reference (one
+    host copy, not two). UNTESTED without a GPU."""
+    from freetoken_py.utils.host_memory import register
+
+    layers = model.weights.layers
+    model.experts = None   # the torch executor's references to the weights go first (they may be replaced)
+    for i in moe:
+        pair = []
+        for t in (layers[i].w13, layers[i].w2):
+            t = t.contiguous()
+            pair.append(t if register(t.data_ptr(), t.nbytes, t) is None else t.pin_memory())
+        layers[i].w13, layers[i].w2 = pair
+        host[i] = tuple(pair)
 
 
 def dense_weight_bytes(model) -> int:

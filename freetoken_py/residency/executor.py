@@ -61,6 +61,15 @@ def _fused_ok(device: torch.device, fmt: ExpertFormat) -> bool:
     return problem is None
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (on the host) on `device`; to a GPU through pinned memory without waiting: a plain
+    copy from pageable memory would wait for everything queued on the GPU first (the caller
+    adds it there, on the same stream)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ResidencyExecutor:
     oom_errors = OOM_ERRORS      # what an allocation failure raises (the engine shrinks the slots on it)
 
@@ -169,9 +178,9 @@ class ResidencyExecutor:
         if ready is not None:
             ready.synchronize()           # the accelerator's part has reached the host
         if out is None:                   # nothing ran on the accelerator
-            out = cpu_part.to(x.device) if cpu_part is not None else torch.zeros_like(x)
+            out = _to(cpu_part, x.device) if cpu_part is not None else torch.zeros_like(x)
         elif cpu_part is not None:
-            out = out + cpu_part.to(out.device)   # x on the GPU: the CPU's part goes there
+            out = out + _to(cpu_part, out.device)   # x on the GPU: the CPU's part goes there
         self._count(layer, plan, tokens, cuts)
         c = self.telemetry.layers[layer]
         c.predicted_s += plan.seconds + self.cost.profile.host_layer_s   # (the simulator's layer-step)
@@ -260,7 +269,8 @@ class ResidencyExecutor:
     def rewind_pass(self, mark: tuple) -> None:
         """The forward pass begun after `checkpoint` failed and will run again: its counters, its
         calls' GPU-clock timings and its audit entries are forgotten, so the step is counted once.
-        Not rewound: the step number (the retry is the next one), and the policy, which keeps
+        Not rewound: the step number (the retry is the next one), the look-ahead's lead (the failed
+        pass's gaps were real, on the host and on the GPU's clock alike), and the policy, which keeps
         what it saw (the experts it admitted are in their slots, and the retry counts them as
         hits)."""
         counters, timing, audited = mark
@@ -608,7 +618,10 @@ class ResidencyExecutor:
             num_slots = self.slots.held_after_shrink(num_slots)   # evict no more than is freed
             for key in self.policy.resize(num_slots):
                 self.slots.evict(key)
+        shrink = num_slots < self.slots.num_slots
         reached = self.slots.resize(num_slots)
+        if shrink and self.slots.device.type == "cuda":
+            torch.cuda.empty_cache()    # the freed chunks go back to the driver: the process that took memory gets them
         if reached < num_slots:
             self.telemetry.oom_retries += 1     # the grow stopped at an allocation failure
         self.policy.resize(reached)
