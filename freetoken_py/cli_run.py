@@ -35,7 +35,7 @@ class RunOptions:
 
 def run_main(opts: RunOptions) -> None:
     from freetoken_py.kernels import configure_threads
-    from freetoken_py.llm import LLM
+    from freetoken_py.llm import GPU_HINT, LLM
 
     configure_threads(opts.threads or None)
     llm = LLM(opts.model_dir, dtype=opts.dtype, max_model_len=opts.max_model_len, backend=opts.backend,
@@ -43,6 +43,8 @@ def run_main(opts: RunOptions) -> None:
               kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
               show_progress=not opts.as_json, kv_dtype=opts.kv_dtype, enable_prefix_cache=opts.prefix_cache,
               **opts.residency)
+    if llm.unused_gpu:
+        print(GPU_HINT, file=sys.stderr)
     try:
         _run(llm, opts)
     finally:

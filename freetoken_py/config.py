@@ -15,7 +15,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
-    backend: str = "auto"  # auto | torch | cpu (numba kernels); auto = cpu kernels on a CPU-only machine
+    backend: str = "auto"  # auto | torch | cpu (numba kernels); auto = cpu kernels (torch with the residency tiers)
     expert_dtype: str = "auto"  # cpu backend and residency tiers: auto (as loaded) | bf16 | fp32 | int8 | int4
     dense_dtype: str = "auto"  # cpu backend: attention/router/lm_head weights: auto (as loaded) | bf16 | fp32 | int8 | int4 (router and lm_head int8)
     expert_group_size: int = 32  # int4 quantisation group (elements sharing one scale)

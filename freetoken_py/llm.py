@@ -41,6 +41,10 @@ class _Stream:
     new_token_ids: list[int] = field(default_factory=list)
 
 
+GPU_HINT = ("freetoken: a CUDA GPU is visible but unused (the model runs on the CPU kernels); "
+            "--gpu-experts puts the dense weights, the KV cache and the expert tiers on it")
+
+
 class LLM:
     def __init__(self, model: str | Path, **overrides):
         self.config = EngineConfig(model=str(model), **overrides)
@@ -104,7 +108,14 @@ class LLM:
             return "torch"  # the residency tiers run the dense weights in torch (experts: theirs or the store's)
         if c.expert_dtype != "auto" or c.dense_dtype != "auto":
             return "cpu"    # only the numba kernels quantise (the torch backend runs weights as stored)
-        return "torch" if torch.cuda.is_available() else "cpu"  # the GPU tiers are the residency issue
+        # the numba kernels, with or without a GPU: the torch backend keeps everything on the host
+        # too (only the residency tiers, --gpu-experts, put weights in VRAM) and is the reference path
+        return "cpu"
+
+    @property
+    def unused_gpu(self) -> bool:
+        """A CUDA GPU is visible but this engine runs without it (the residency tiers are off)."""
+        return self.config.residency == "off" and torch.cuda.is_available()
 
     def _load_tier_experts(self, model_dir: Path):
         """The residency tiers with `--expert-dtype`: dense weights through the torch loader, the

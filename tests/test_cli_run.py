@@ -125,3 +125,27 @@ def test_quantized_experts_from_the_cli_stay_close_to_bf16(demo):
     assert got[:4] == ref[:4]
     bad = freetoken("run", "x", "--expert-dtype", "int3")
     assert bad.returncode == 2 and "expert dtype must be" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_visible_gpu_without_the_tiers_runs_the_cpu_kernels_and_says_so(monkeypatch, capsys):
+    """`--backend auto` on a machine whose CUDA GPU is visible (stood in: torch.cuda.is_available)
+    picks the numba CPU kernels (the torch backend would keep everything on the host as well, on
+    the reference path), and `freetoken run` says in one line how to use the GPU; the tokens are
+    the torch reference's. With the tiers on (emulated here) there is no such line."""
+    from freetoken_py.cli_run import RunOptions, run_main
+    from freetoken_py.llm import GPU_HINT
+
+    params = dict(max_tokens=6, temperature=0.0)
+    ref = LLM(DEMO_MODEL, show_progress=False, backend="torch").generate(
+        ["import os\n"], SamplingParams(max_tokens=6, temperature=0))[0].token_ids
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    llm = LLM(DEMO_MODEL, show_progress=False)
+    assert llm.backend == "cpu" and llm.unused_gpu
+    assert llm.generate(["import os\n"], SamplingParams(max_tokens=6, temperature=0))[0].token_ids == ref
+    opts = dict(model_dir=DEMO_MODEL, prompt="import os\n", chat=False, system=None, as_json=True, dtype="auto",
+                max_model_len=0, kv_cache_bytes=0, sampling=params)
+    run_main(RunOptions(**opts))
+    out = capsys.readouterr()
+    assert out.err.strip().splitlines()[0] == GPU_HINT and json.loads(out.out)["token_ids"] == ref
+    run_main(RunOptions(**opts, residency=dict(residency="emulate", residency_profile="rtx4090")))
+    assert GPU_HINT not in capsys.readouterr().err

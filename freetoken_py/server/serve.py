@@ -47,9 +47,12 @@ def build_app(opts: ServeOptions):
     from freetoken_py.server.app import ServerState, create_app
 
     def load():
-        from freetoken_py.llm import LLM
+        from freetoken_py.llm import GPU_HINT, LLM
 
-        return LLM(opts.model_dir, show_progress=False, **opts.engine)
+        llm = LLM(opts.model_dir, show_progress=False, **opts.engine)
+        if llm.unused_gpu:
+            print(GPU_HINT, file=sys.stderr, flush=True)
+        return llm
 
     state = ServerState(limits=opts.limits, model_name=opts.model_name or opts.model_dir.name,
                         api_key=opts.api_key, max_queue=opts.max_queue)
