@@ -77,6 +77,8 @@ def run_case(profile: TierProfile, spec: ModelSpec, trace_name: str, trace: Rout
                "predicted_decode_tok_s": round(r.decode_tok_s, 3),
                "predicted_prefill_tok_s": round(r.prefill_tok_s, 3) if r.prefill_tokens else None,
                "fits_in_vram": spec.fits_in_vram(profile),
+               # no: its experts would be read from disk, which the simulator does not model
+               "fits_in_host_ram": spec.fits_in_host_ram(profile),
                "expert_slots": capacity, "bytes_model": spec.name,
                "upper_bound_tok_s": round(bound, 3),
                "online_ceiling_tok_s": None if online is None else round(online, 3),
@@ -140,7 +142,8 @@ def check_targets(rows: list[dict], locality_ceiling=None) -> list[str]:
                    f"({ours / static if static else float('inf'):5.2f}x)  best(lru,pin) {best:8.2f} "
                    f"({ours / best if best else float('inf'):5.2f}x)  ceiling {bound:8.2f} "
                    f"(1.5x static = {1.5 * static / bound if bound else float('inf'):4.2f} of it, ours "
-                   f"{ours / bound if bound else 0:4.2f}){which}")
+                   f"{ours / bound if bound else 0:4.2f}){which}"
+                   f"{'' if by['ours'].get('fits_in_host_ram') is not False else '  [exceeds the host RAM assumed]'}")
     return out
 
 

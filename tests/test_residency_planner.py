@@ -131,6 +131,7 @@ def test_measured_hardware_profile_converts_with_concurrent_figures_first():
     tp = from_hardware_profile(dataclasses.replace(hw, figures=figures), name="this box")
     assert (tp.name, tp.vram_bytes, tp.vram_gbps, tp.pcie_gbps, tp.cpu_expert_gbps) == \
         ("this box", 32 * 2**30, 1500.0, 41.0, 22.0)
+    assert tp.host_ram_bytes == hw.memory.total_bytes > 0                 # the machine's, not an assumption
     no_gpu = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, gpus=()), figures=figures)
     assert from_hardware_profile(no_gpu) is None
     # the measured batch-1 expert kernel (launches included) is the accelerator's rate when present

@@ -124,12 +124,25 @@ def test_bench_prints_one_line_per_profile_trace_policy(tmp_path):
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(rows) == 2 * 4 * 4                  # (1 synthetic + 1 recorded) x 4 profiles x 4 policies
     fields = {"profile", "trace", "policy", "hit_rate", "pcie_bytes_per_token", "cpu_share",
-              "predicted_decode_tok_s", "fits_in_vram"}
+              "predicted_decode_tok_s", "fits_in_vram", "fits_in_host_ram"}
     assert all(fields <= set(r) for r in rows)
     assert {r["policy"] for r in rows} == {"static", "pin", "lru", "ours"}
     assert {r["trace"] for r in rows} == {"flat@qwen3-30b-a3b", "rec@qwen3-235b-a22b-bytes"}
     assert all(0 <= r["hit_rate"] <= 1 and 0 <= r["cpu_share"] <= 1 for r in rows)
     assert "static" in proc.stderr and ("PASS" in proc.stderr or "FAIL" in proc.stderr or "n/a" in proc.stderr)
+
+
+def test_host_ram_fit_counts_every_experts_host_copy():
+    """`fits_in_host_ram`: every routed expert's host copy (4.5 bits a weight) and 8 GiB for the
+    rest, against each profile's assumed host memory; unknown memory says None."""
+    spec = FRONTIER_MODELS["qwen3-235b-a22b"]
+    need = 94 * 128 * int(3 * 4096 * 1536 * 4.5 / 8) + 8 * 2**30
+    assert spec.expert_host_bytes + 8 * 2**30 == need
+    for prof in PROFILES.values():
+        assert prof.host_ram_bytes > 0 and spec.fits_in_host_ram(prof) == (need <= prof.host_ram_bytes)
+    assert [spec.fits_in_host_ram(PROFILES[p]) for p in ("rtx4060-laptop-8g", "rtx-pro-6000")] == [False, True]
+    assert spec.fits_in_host_ram(replace(PROFILES["rtx4090"], host_ram_bytes=0)) is None
+    assert FRONTIER_MODELS["qwen3-30b-a3b"].fits_in_host_ram(PROFILES["rtx4060-laptop-8g"])
 
 
 def _fewest_misses_exhaustive(trace: RoutingTrace, capacity: int) -> int:

@@ -34,6 +34,11 @@ class TierProfile:
     # the accelerator's expert kernels' rate when it is not `vram_gbps` (a measured profile for
     # int4 experts: their own kernels'); 0: `vram_gbps`. Dense weights are read at `vram_gbps`
     accel_expert_gbps: float = 0.0
+    # host memory, which holds every routed expert's host copy (the banks the streamer copies from
+    # and the CPU tier reads): an assumption in the hand-built profiles, the machine's total in a
+    # measured one; 0: not known. The simulator does not model a model larger than it (its
+    # experts would be read from disk): the bench flags such cases (`fits_in_host_ram`)
+    host_ram_bytes: int = 0
 
     @property
     def expert_gbps(self) -> float:
@@ -44,7 +49,7 @@ class TierProfile:
         for f in ("vram_gbps", "pcie_gbps", "cpu_expert_gbps", "cpu_tflops", "gpu_tflops"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"profile {self.name}: {f} must be positive")
-        for f in ("cpu_call_s", "copy_call_s", "host_layer_s", "accel_expert_gbps"):
+        for f in ("cpu_call_s", "copy_call_s", "host_layer_s", "accel_expert_gbps", "host_ram_bytes"):
             if getattr(self, f) < 0:
                 raise ValueError(f"profile {self.name}: {f} must not be negative")
 
@@ -52,17 +57,21 @@ class TierProfile:
 # Vendor specs + assumed achievable fractions; every figure is cited in docs/residency.md.
 PROFILES: dict[str, TierProfile] = {p.name: p for p in (
     # GDDR6 128-bit 16 Gbps = 256 GB/s; PCIe 4.0 x8 = 15.8 GB/s raw, ~12.5 pinned; DDR5-5600 2ch
-    # = 89.6 GB/s raw, ~60 read, CPU expert kernel ~35 while DMA also reads DRAM.
-    TierProfile("rtx4060-laptop-8g", 8 * 2**30, 256, 12.5, 35, 0.6, 30),
+    # = 89.6 GB/s raw, ~60 read, CPU expert kernel ~35 while DMA also reads DRAM. 64 GB: two 32 GB
+    # SO-DIMMs, the most such laptops take.
+    TierProfile("rtx4060-laptop-8g", 8 * 2**30, 256, 12.5, 35, 0.6, 30, host_ram_bytes=64 * 2**30),
     # GDDR6X 384-bit 21 Gbps = 1008 GB/s; PCIe 4.0 x16 = 31.5 raw, ~25 pinned; DDR5-6000 2ch
-    # = 96 raw, ~70 read, CPU kernel ~40 concurrent (16 cores).
-    TierProfile("rtx4090", 24 * 2**30, 1008, 25, 40, 1.5, 150),
+    # = 96 raw, ~70 read, CPU kernel ~40 concurrent (16 cores). 96 GB: two 48 GB DIMMs (four would
+    # not run at 6000).
+    TierProfile("rtx4090", 24 * 2**30, 1008, 25, 40, 1.5, 150, host_ram_bytes=96 * 2**30),
     # GDDR7 512-bit 28 Gbps = 1792 GB/s; PCIe 5.0 x16 = 63 raw, ~50 pinned; same desktop DRAM,
-    # but a 50 GB/s DMA leaves the CPU kernel ~30 of the ~75 GB/s the DRAM delivers.
-    TierProfile("rtx5090", 32 * 2**30, 1792, 50, 30, 1.5, 200),
+    # but a 50 GB/s DMA leaves the CPU kernel ~30 of the ~75 GB/s the DRAM delivers. 128 GB: two
+    # 64 GB DIMMs.
+    TierProfile("rtx5090", 32 * 2**30, 1792, 50, 30, 1.5, 200, host_ram_bytes=128 * 2**30),
     # RTX PRO 6000 Blackwell: 96 GB GDDR7, 1792 GB/s, PCIe 5.0 x16 ~52 pinned; Threadripper PRO
-    # 8ch DDR5-5200 = 333 raw, ~220 read, CPU kernel ~110 concurrent (32 cores, AVX-512).
-    TierProfile("rtx-pro-6000", 96 * 2**30, 1792, 52, 110, 3.0, 250),
+    # 8ch DDR5-5200 = 333 raw, ~220 read, CPU kernel ~110 concurrent (32 cores, AVX-512). 512 GB:
+    # eight 64 GB RDIMMs.
+    TierProfile("rtx-pro-6000", 96 * 2**30, 1792, 52, 110, 3.0, 250, host_ram_bytes=512 * 2**30),
 )}
 
 
@@ -99,7 +108,8 @@ def from_hardware_profile(hw, name: str = "measured", expert_format: str = "bf16
         return None
     # compute ceilings are not probed yet: rough per-core / per-GPU class guesses
     return TierProfile(name, gpus[0].vram_total_bytes, vram, pcie, cpu,
-                       cpu_tflops=0.1 * max(1, hw.cpu.physical_cores), gpu_tflops=100, accel_expert_gbps=accel)
+                       cpu_tflops=0.1 * max(1, hw.cpu.physical_cores), gpu_tflops=100, accel_expert_gbps=accel,
+                       host_ram_bytes=hw.memory.total_bytes or 0)
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,18 @@ class ModelSpec:
 
     def fits_in_vram(self, profile: TierProfile, kv_bytes: int = 2**30) -> bool:
         return self.total_bytes + kv_bytes + profile.vram_reserve_bytes <= profile.vram_bytes
+
+    @property
+    def expert_host_bytes(self) -> int:
+        """Every routed expert's host copy (what the host banks hold)."""
+        return self.num_layers * self.num_experts * self.expert_bytes
+
+    def fits_in_host_ram(self, profile: TierProfile, os_bytes: int = 8 * 2**30) -> Optional[bool]:
+        """Whether the routed experts' host copies and `os_bytes` (the OS, the engine, the page
+        cache it needs) fit in the profile's host memory; None where that is not known."""
+        if not profile.host_ram_bytes:
+            return None
+        return self.expert_host_bytes + os_bytes <= profile.host_ram_bytes
 
     def expert_slots(self, profile: TierProfile, kv_bytes: int = 2**30) -> int:
         """Expert slots left once dense weights, KV and the reserve are in VRAM (>= 0)."""
