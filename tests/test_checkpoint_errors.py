@@ -142,3 +142,34 @@ def test_cli_missing_model_dir(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "freetoken_py", "run", "hi", "--model", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_weights_larger_than_ram_and_swap_fail_before_loading_with_the_fix(checkpoint_factory, monkeypatch):
+    """The host memory a load needs is every tensor config.json implies at the load dtype (equal
+    to what the loaded model holds); a machine with less RAM and swap than that gets a one-line
+    error with the fix before any weight is read, one with exactly that much loads."""
+    from freetoken_py.models import loader
+
+    path = checkpoint_factory("qwen3_moe")
+    model = loader.load_model(path, "float32", show_progress=False)
+    w = model.weights
+    held = w.embed.nbytes + w.final_norm.nbytes + (0 if model.args.tie_word_embeddings else w.lm_head.weight.nbytes)
+    for lw in w.layers:
+        held += sum(t.nbytes for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, lw.w13, lw.w2)
+                    if t is not None)
+        held += sum(lin.weight.nbytes + (lin.bias.nbytes if lin.bias is not None else 0)
+                    for lin in (lw.qkv, lw.o, lw.router, lw.mlp13, lw.mlp2) if lin is not None)
+    args, scheme = model.args, loader.model_module(model.args.model_type).SCHEME
+    need = loader.host_bytes_needed(args, scheme, torch.float32)
+    assert need == held
+    experts = sum(lw.w13.nbytes + lw.w2.nbytes for lw in w.layers if lw.w13 is not None)
+    assert loader.host_bytes_needed(args, scheme, torch.float32, skip_experts=True) == need - experts
+    assert loader.host_bytes_needed(args, scheme, torch.bfloat16) * 2 == need
+    monkeypatch.setattr(loader, "_host_memory_bytes", lambda: need - 1)
+    with pytest.raises(ModelLoadError) as err:
+        loader.load_model(path, "float32", show_progress=False)
+    msg = str(err.value)
+    assert "\n" not in msg and "--expert-dtype int4" in msg and "--dtype bfloat16" in msg and "float32" in msg
+    loader.load_model(path, "float32", show_progress=False, experts="skip")      # the dense part fits
+    monkeypatch.setattr(loader, "_host_memory_bytes", lambda: need)
+    loader.load_model(path, "float32", show_progress=False)
