@@ -58,11 +58,13 @@ step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log it
 # the limits and their 10 s kill grace stay under the 590 s the device call is given, with 10 s
 # left for the environment check
 step probe 100 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
-# the float and the quantised (int8 / int4 experts) placement tests' cuda variants
+# the float and the quantised (int8 / int4 experts) placement tests' cuda variants, and the
+# page-locking of host memory in place (utils/host_memory) on the real driver
 step "placement test (cuda)" 100 "$OUT/placement.txt" \
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_residency_executor.py -k "placement and cuda"
-if ! grep -q "5 passed" "$OUT/placement.txt"; then    # every cuda variant ran (not skipped)
-    log "placement test: the five cuda variants did not all pass"
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_residency_executor.py tests/test_expert_store.py \
+    -k "(placement and cuda) or cuda_registration"
+if ! grep -q "6 passed" "$OUT/placement.txt"; then    # every cuda test ran (not skipped)
+    log "placement test: the six cuda tests did not all pass"
     fail=1
 fi
 # the accelerator's Triton experts against torch on the GPU (skipped, and said so, without Triton)

@@ -41,7 +41,7 @@ class _Stream:
     new_token_ids: list[int] = field(default_factory=list)
 
 
-GPU_HINT = ("freetoken: a CUDA GPU is visible but unused (the model runs on the CPU kernels); "
+GPU_HINT = ("freetoken: a CUDA GPU is visible but unused (the model runs on the host); "
             "--gpu-experts puts the dense weights, the KV cache and the expert tiers on it")
 
 
@@ -332,7 +332,9 @@ class LLM:
         ex = self.residency
         oom = ex.oom_errors if ex is not None else ()
         recorder = self.routing_recorder
-        decode = all(ch.num_new == 1 for ch in chunks)   # one token per request: a decode step (lone or batched)
+        # a decode step (lone or batched): every request brings one token it generated (not a
+        # prompt's last token computed alone, after a prefix-cache hit or a chunked prefill)
+        decode = all(ch.num_new == 1 and ch.req.num_computed >= len(ch.req.prompt_token_ids) for ch in chunks)
         for tiers in (ex, recorder):
             if tiers is not None:
                 tiers.decode_step = decode

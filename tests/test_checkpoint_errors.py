@@ -144,32 +144,58 @@ def test_cli_missing_model_dir(tmp_path):
     assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_weights_larger_than_ram_and_swap_fail_before_loading_with_the_fix(checkpoint_factory, monkeypatch):
-    """The host memory a load needs is every tensor config.json implies at the load dtype (equal
-    to what the loaded model holds); a machine with less RAM and swap than that gets a one-line
-    error with the fix before any weight is read, one with exactly that much loads."""
-    from freetoken_py.models import loader
+def _file_backed(ptr: int, files: set[str]) -> bool:
+    """Whether address `ptr` lies in a mapping of one of `files` (Linux /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() in files:
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                if start <= ptr < end:
+                    return True
+    return False
 
-    path = checkpoint_factory("qwen3_moe")
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_weights_larger_than_memory_fail_before_loading_with_the_fix(checkpoint_factory, monkeypatch, arch, stored):
+    """The memory a float32 load holds (`weights.held_bytes`) is what the loaded model's tensors
+    take outside the checkpoint's file mappings (read off /proc/self/maps: a tensor stored as
+    float32 and used as is stays a view of the file, a cast or concatenated one is a copy); a
+    machine that cannot hold that plus the stacking moment gets a one-line error with the fix
+    before any weight is read, one that can loads."""
+    import os
+
+    from freetoken_py.models import loader
+    from freetoken_py.models.weights import held_bytes
+
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs Linux's /proc/self/maps")
+    path = checkpoint_factory(arch, dtype=stored)
+    files = {str(f.resolve()) for f in path.glob("*.safetensors")}
     model = loader.load_model(path, "float32", show_progress=False)
     w = model.weights
-    held = w.embed.nbytes + w.final_norm.nbytes + (0 if model.args.tie_word_embeddings else w.lm_head.weight.nbytes)
+    tensors = [w.embed, w.final_norm, w.lm_head.weight]
     for lw in w.layers:
-        held += sum(t.nbytes for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, lw.w13, lw.w2)
-                    if t is not None)
-        held += sum(lin.weight.nbytes + (lin.bias.nbytes if lin.bias is not None else 0)
-                    for lin in (lw.qkv, lw.o, lw.router, lw.mlp13, lw.mlp2) if lin is not None)
+        tensors += [t for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, lw.w13, lw.w2) if t is not None]
+        for lin in (lw.qkv, lw.o, lw.router, lw.mlp13, lw.mlp2):
+            if lin is not None:
+                tensors += [t for t in (lin.weight, lin.bias) if t is not None]
+    unique = {t.data_ptr(): t for t in tensors}
+    copies = sum(t.nbytes for p, t in unique.items() if not _file_backed(p, files))
+    views = sum(t.nbytes for p, t in unique.items() if _file_backed(p, files))
     args, scheme = model.args, loader.model_module(model.args.model_type).SCHEME
-    need = loader.host_bytes_needed(args, scheme, torch.float32)
-    assert need == held
+    tensor_infos = loader.list_checkpoint_tensors(path)
+    held, moment = held_bytes(args, scheme, tensor_infos, torch.float32)
+    assert held == copies and (views > 0) == (stored == torch.float32)
     experts = sum(lw.w13.nbytes + lw.w2.nbytes for lw in w.layers if lw.w13 is not None)
-    assert loader.host_bytes_needed(args, scheme, torch.float32, skip_experts=True) == need - experts
-    assert loader.host_bytes_needed(args, scheme, torch.bfloat16) * 2 == need
-    monkeypatch.setattr(loader, "_host_memory_bytes", lambda: need - 1)
+    assert 0 < moment < experts and held_bytes(args, scheme, tensor_infos, torch.float32, True) == (held - experts, 0)
+    del model, w, tensors, unique
+    monkeypatch.setattr(loader, "host_memory_bytes", lambda: held + moment - 1)
     with pytest.raises(ModelLoadError) as err:
         loader.load_model(path, "float32", show_progress=False)
     msg = str(err.value)
     assert "\n" not in msg and "--expert-dtype int4" in msg and "--dtype bfloat16" in msg and "float32" in msg
     loader.load_model(path, "float32", show_progress=False, experts="skip")      # the dense part fits
-    monkeypatch.setattr(loader, "_host_memory_bytes", lambda: need)
+    monkeypatch.setattr(loader, "host_memory_bytes", lambda: held + moment)
     loader.load_model(path, "float32", show_progress=False)

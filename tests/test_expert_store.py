@@ -276,9 +276,9 @@ def test_pinning_falls_back_from_read_only_and_unregisters_on_collection(monkeyp
     monkeypatch.setattr(host_memory, "clear_cuda_error", lambda: cleared.append(1))
     owner = np.zeros(4096, np.uint8)
     ptr = owner.ctypes.data
-    assert host_memory.register(ptr, owner.nbytes, owner, read_only=True) is None
+    assert host_memory.register(ptr, owner.nbytes, owner, read_only=True) == (True, False, None)
     assert [c[2] for c in rt.calls] == [1 | 8, 1] and len(cleared) == 1 and rt.unregistered == []
-    assert host_memory.register(ptr, 0, owner) is None and len(rt.calls) == 2     # nothing to pin
+    assert host_memory.register(ptr, 0, owner).ok and len(rt.calls) == 2     # nothing to pin
     del owner
     gc.collect()
     assert rt.unregistered == [ptr]
@@ -287,10 +287,17 @@ def test_pinning_falls_back_from_read_only_and_unregisters_on_collection(monkeyp
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     bank = ExpertBank.empty("int8", 2, 64, 32, 32)
-    assert "operation not supported" in host_memory.register(bank.w13.ctypes.data, bank.w13.nbytes, bank.w13)
+    r = host_memory.register(bank.w13.ctypes.data, bank.w13.nbytes, bank.w13)
+    assert not r.ok and "operation not supported" in r.error
     with pytest.warns(es.ExpertCacheWarning, match=r"failed for 4 arrays \(operation not supported"):
         assert es.pin_banks([None, bank], file_backed=True) == 0
     assert rt.unregistered == [] and len(rt.calls) == 1 + 4 * 2      # each array: read-only, then plain
+    rt = StandInCudart()                     # read-only refused, plain accepted: said once, with the size
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    total = sum(a.nbytes for a in (bank.w13, bank.s13, bank.w2, bank.s2))
+    with pytest.warns(es.ExpertCacheWarning, match="became private locked memory") as seen:
+        assert es.pin_banks([bank], file_backed=True) == total
+    assert len(seen) == 1 and len(rt.calls) == 4 * 2
 
 
 def test_opening_the_store_pins_nothing(checkpoint_factory, tmp_path, monkeypatch):
@@ -306,3 +313,46 @@ def test_opening_the_store_pins_nothing(checkpoint_factory, tmp_path, monkeypatc
     for cache in ("off", "auto", "auto"):           # in memory, built to the file, mapped from it
         es.open_expert_store(path, model.args, model.dtype, "int8", 32, cache=cache, show_progress=False)
     assert calls == []
+
+
+def test_experts_packed_in_memory_must_fit_beside_what_the_process_holds(checkpoint_factory, monkeypatch):
+    """--expert-cache off keeps the packed experts in memory: more than this process can hold
+    beside what it already holds is a one-line error with the fix before packing starts; with
+    room, the same call builds the banks."""
+    import psutil
+
+    from freetoken_py.models import loader
+
+    path = checkpoint_factory("qwen3_moe")
+    model = load_model(path, "float32", show_progress=False, experts="skip")
+    ref, _ = reference_banks(path, "int8", 32)
+    packed = sum(a.nbytes for b in ref if b is not None for a in (b.w13, b.s13, b.w2, b.s2))
+    count = es.LAYER_BUILDS
+    monkeypatch.setattr(loader, "host_memory_bytes", lambda: psutil.Process().memory_info().rss + packed // 2)
+    with pytest.raises(FreetokenError) as err:
+        es.open_expert_store(path, model.args, model.dtype, "int8", 32, cache="off", show_progress=False)
+    assert "\n" not in str(err.value) and "--expert-cache auto" in str(err.value) and es.LAYER_BUILDS == count
+    monkeypatch.setattr(loader, "host_memory_bytes", lambda: psutil.Process().memory_info().rss + 64 * packed)
+    store = es.open_expert_store(path, model.args, model.dtype, "int8", 32, cache="off", show_progress=False)
+    assert_same_banks(store.banks, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
+def test_cuda_registration_pins_in_place_and_a_refusal_leaves_no_error_behind():
+    """On a real GPU (bench/gpu_session.sh runs it): an array is page-locked where it lies and
+    copies from it arrive intact; registering it again is refused (already registered), and the
+    next kernel launch does not see that refusal (host_memory.clear_cuda_error); the read-only
+    registration, or its plain fallback, is accepted."""
+    from freetoken_py.utils import host_memory
+
+    a = np.arange(1 << 20, dtype=np.float32)
+    assert host_memory.register(a.ctypes.data, a.nbytes, a).ok
+    again = host_memory.register(a.ctypes.data, a.nbytes, a)
+    assert not again.ok and again.error
+    y = torch.zeros(4, device="cuda").add_(1)            # a kernel launch: its check reads the last error
+    x = torch.from_numpy(a).to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(x.cpu(), torch.from_numpy(a)) and y.sum().item() == 4
+    b = np.ones(1 << 20, np.float32)
+    assert host_memory.register(b.ctypes.data, b.nbytes, b, read_only=True).ok
+    assert torch.from_numpy(b).to("cuda", non_blocking=True).sum().item() == b.size

@@ -720,8 +720,8 @@ def test_gpu_session_script_stops_at_once_without_a_gpu(tmp_path):
     assert proc.returncode != 0 and "OUT" in proc.stderr
 
 
-@pytest.mark.parametrize("step_status,pytest_says,want", [(0, "5 passed", 0), (0, "5 skipped", 1),
-                                                            (0, "2 passed, 3 skipped", 1), (1, "", 1)])
+@pytest.mark.parametrize("step_status,pytest_says,want", [(0, "6 passed", 0), (0, "6 skipped", 1),
+                                                            (0, "5 passed, 1 skipped", 1), (1, "", 1)])
 def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, step_status, pytest_says, want):
     """bench/gpu_session.sh runs every step under its limit and logs each status; its own exit
     status is 1 when any step failed or the cuda placement variants were skipped, 0 when all
@@ -741,7 +741,7 @@ def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, st
     for name in ("probe", "placement test (cuda)", "triton experts test", "triton experts bench", "residency_gpu",
                  "residency_gpu (torch experts)", "residency_gpu (int4 experts)"):
         assert f"{name} rc={step_status}" in steps
-    assert "-k placement and cuda" in (out / "placement.txt").read_text()
+    assert "-k (placement and cuda) or cuda_registration" in (out / "placement.txt").read_text()
 
 
 def test_an_error_between_a_layers_copies_leaves_the_slots_and_the_policy_in_step(checkpoint_factory):
@@ -1054,6 +1054,23 @@ def test_requests_decoding_together_are_decode_steps_in_the_run_the_trace_and_th
     assert r.decode_tokens == sum(n for n, d in kinds if d) == 2 * 5       # the first token came with the prefill
     assert (r.prefetch_predicted, r.prefetch_correct, r.prefetch_copies, r.hit_pairs) == \
         (t.prefetch_predicted, t.prefetch_correct, t.prefetch_copies, t.hit_pairs) and t.prefetch_copies > 0
+
+
+def test_a_prompts_last_token_computed_alone_is_not_a_decode_step(checkpoint_factory, tmp_path):
+    """A prompt whose other tokens come from the prefix cache computes its last token alone: a
+    pass of one token that generates nothing yet, so not a decode step (the trace says
+    `"decode": false`); the decode steps around it stay decode steps."""
+    path = checkpoint_factory("qwen3_moe")
+    out = tmp_path / "t.jsonl"
+    llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", record_routing=str(out))
+    prompt, params = random_prompt(17, seed=3), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate([prompt], params)
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 16        # one full page reused
+    llm.save_routing()
+    trace = RoutingTrace.load(out)
+    assert [(trace.tokens(s), trace.is_decode(s)) for s in range(len(trace.steps))] == \
+        [(17, False), (1, True), (1, False), (1, True)]
+    assert out.read_text().count('"decode": false') == 1
 
 
 def test_the_trace_holds_only_the_predictions_the_executor_made(checkpoint_factory, tmp_path):

@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from freetoken_py import envs
@@ -26,7 +27,7 @@ from freetoken_py.engine import expert_cache as fc
 from freetoken_py.errors import FreetokenError
 from freetoken_py.kernels._buffers import row_layout, scale_dtype
 from freetoken_py.kernels.cpu_moe import ExpertBank
-from freetoken_py.models import model_module
+from freetoken_py.models import loader, model_module
 from freetoken_py.models.args import ModelArgs
 from freetoken_py.models.checkpoint import TensorReader, list_checkpoint_tensors
 from freetoken_py.utils.progress import progress_bar
@@ -55,6 +56,7 @@ def open_expert_store(model_dir: Path | str, args: ModelArgs, dtype: torch.dtype
     model_dir = Path(model_dir)
     job = _Job(model_dir, args, dtype, fmt, group_size, show_progress)
     if cache == "off":
+        _check_in_memory(job, "--expert-cache off holds them in memory; use --expert-cache auto (a cache file, mapped)")
         return ExpertStore(job.build_in_memory(), "built", None)
     paths = _candidate_paths(model_dir, job.file_name)
     if cache == "auto":
@@ -69,8 +71,19 @@ def open_expert_store(model_dir: Path | str, args: ModelArgs, dtype: torch.dtype
             _warn(f"expert cache: cannot write {path} ({exc.strerror or exc}); trying the next location")
             continue
         return ExpertStore(_mapped_banks(path, job), "built", path)
+    _check_in_memory(job, "no cache location is writable; point FREETOKEN_CACHE_DIR at a writable directory "
+                          "with room for them")
     _warn("expert cache: no writable location; keeping the experts in memory (next start rebuilds)")
     return ExpertStore(job.build_in_memory(), "built", None)
+
+
+def _check_in_memory(job: "_Job", fix: str) -> None:
+    """Packed experts that would not fit beside what this process already holds fail now, in one
+    line with `fix`, not with the out-of-memory killer halfway through the packing."""
+    need, used, have = job.header["file_bytes"], psutil.Process().memory_info().rss, loader.host_memory_bytes()
+    if used + need > have:
+        raise FreetokenError(f"{job.model_dir}: the packed {job.fmt} experts take {need / 2**30:.1f} GiB and this "
+                             f"process, holding {used / 2**30:.1f} GiB already, can hold {have / 2**30:.1f} GiB; {fix}")
 
 
 def _warn(msg: str) -> None:
@@ -207,14 +220,18 @@ def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False) -> int:
         return 0
     from freetoken_py.utils.host_memory import register
 
-    done, failed, error = 0, 0, None
+    done, private, failed, error = 0, 0, 0, None
     for bank in banks:
         for a in () if bank is None else (bank.w13, bank.s13, bank.w2, bank.s2):
-            err = register(a.ctypes.data, a.nbytes, a, read_only=file_backed)
-            if err is None:
+            r = register(a.ctypes.data, a.nbytes, a, read_only=file_backed)
+            if r.ok:
                 done += a.nbytes
+                private += a.nbytes if file_backed and not r.read_only else 0
             else:
-                failed, error = failed + 1, err
+                failed, error = failed + 1, r.error
+    if private:
+        _warn(f"expert store: this GPU cannot page-lock the cache file read-only; {private / 2**30:.1f} GiB of it "
+              "became private locked memory (as much as experts built in memory)")
     if failed:
         _warn(f"expert store: cudaHostRegister failed for {failed} arrays ({error}); their copies to the GPU "
               "will not be asynchronous")

@@ -1,7 +1,6 @@
 """Load a checkpoint directory into a ready-to-run `MoeTransformer`."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from freetoken_py.models import model_module
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.checkpoint import TensorReader, list_checkpoint_tensors, read_json
 from freetoken_py.models.moe_transformer import MoeTransformer
-from freetoken_py.models.weights import expected_shapes, load_weights, validate
+from freetoken_py.models.weights import held_bytes, load_weights, validate
 from freetoken_py.utils.progress import progress_bar
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -37,36 +36,35 @@ def resolve_dtype(name: str, stored: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def host_bytes_needed(args: ModelArgs, scheme, dtype: torch.dtype, skip_experts: bool = False) -> int:
-    """Bytes the loaded weights take in host memory at `dtype` (the routed experts left out with
-    `skip_experts`): every tensor config.json implies, each held once."""
-    shapes = expected_shapes(args, scheme)
-    total = sum(math.prod(shape) for shape in shapes.values())
-    if skip_experts:
-        sparse = sum(1 for i in range(args.num_layers) if args.sparse_layers[i])
-        total -= sparse * args.num_experts * 3 * args.moe_intermediate_size * args.hidden_size
-    return total * dtype.itemsize
-
-
-def _host_memory_bytes() -> int:
-    """What this machine can hold at most: RAM plus swap."""
-    return psutil.virtual_memory().total + psutil.swap_memory().total
+def host_memory_bytes() -> int:
+    """What this process can hold at most: RAM plus swap, or its cgroup's memory limit if lower
+    (a container)."""
+    have = psutil.virtual_memory().total + psutil.swap_memory().total
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return have
+    return min(have, int(limit)) if limit.isdigit() else have
 
 
 def check_host_memory(model_dir: Path, need: int, dtype: torch.dtype, skip_experts: bool) -> None:
-    """A checkpoint whose weights cannot fit in RAM plus swap fails now, in one line with the
-    fix, not with the out-of-memory killer halfway through the load."""
-    have = _host_memory_bytes()
+    """Weights that cannot fit in what this process may hold (`host_memory_bytes`) fail now, in
+    one line with the fix, not with the out-of-memory killer halfway through the load. `need`:
+    `weights.held_bytes`, the copies and the largest moment (views of the checkpoint's mapping
+    are file pages, not counted)."""
+    have = host_memory_bytes()
     if need <= have:
         return
     what = "its dense weights" if skip_experts else "its weights"
     fixes = [] if skip_experts else ["load the experts through the expert store instead (--expert-dtype int4, int8 "
-                                     "or bf16: packed into a cache file and mapped, not held)"]
+                                     "or bf16, on the cpu backend or the residency tiers: packed into a cache file "
+                                     "and mapped, not held)"]
     if dtype.itemsize > 2:
         fixes.append("load in --dtype bfloat16 (half of float32)")
     fix = " or ".join(fixes) if fixes else "it needs a machine with more memory"
-    raise ModelLoadError(f"{model_dir}: {what} take {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} "
-                         f"but this machine holds {have / 2**30:.1f} GiB (RAM and swap); {fix}")
+    raise ModelLoadError(f"{model_dir}: {what} need {need / 2**30:.1f} GiB of memory in "
+                         f"{str(dtype).removeprefix('torch.')} but this process can hold {have / 2**30:.1f} GiB "
+                         f"(RAM and swap, or its memory limit); {fix}")
 
 
 def read_model_args(model_dir: Path) -> ModelArgs:
@@ -103,8 +101,8 @@ def load_model(model_dir: Path | str, dtype: str = "auto", show_progress: bool =
     validate(args, scheme, tensors, model_dir)
     stored = tensors["model.embed_tokens.weight"].dtype
     torch_dtype = resolve_dtype(dtype, stored)
-    check_host_memory(model_dir, host_bytes_needed(args, scheme, torch_dtype, experts == "skip"), torch_dtype,
-                      experts == "skip")
+    held, moment = held_bytes(args, scheme, tensors, torch_dtype, experts == "skip")
+    check_host_memory(model_dir, held + moment, torch_dtype, experts == "skip")
     reader = TensorReader(tensors)
     with progress_bar(f"Loading {model_dir.name}", total=args.num_layers, enabled=show_progress) as advance:
         weights = load_weights(args, scheme, reader, torch_dtype, progress=advance, skip_experts=experts == "skip")

@@ -6,6 +6,7 @@ and tensor), and loads tensors into `ModelWeights` with experts stacked as `[E, 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -116,6 +117,45 @@ def validate(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], mode
     for name, info in tensors.items():
         if name not in expected and not name.endswith(s.ignored_suffixes) and not tied_head:
             raise ModelLoadError(f"{info.file}: unexpected tensor '{name}' (does config.json match the weights?)")
+
+
+_STORED_AS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dtype: torch.dtype,
+               skip_experts: bool = False) -> tuple[int, int]:
+    """What `load_weights` holds in anonymous memory at `dtype`, and the most it holds on top of
+    that for a moment (bytes). A tensor stored at `dtype` and used as it is stays a view of the
+    checkpoint's mapping (file pages the kernel may drop and read again); a cast one, and one
+    concatenated or stacked (q/k/v into qkv, a dense MLP's gate and up, every expert), is a copy.
+    The moment: one MoE layer's experts cut into pieces before they are stacked."""
+    size = dtype.itemsize
+
+    def held(name: str, copied: bool) -> int:
+        info = tensors[name]
+        copied = copied or info.dtype != _STORED_AS[dtype]
+        return math.prod(info.shape) * size if copied else 0
+
+    total = held("model.embed_tokens.weight", False) + held("model.norm.weight", False)
+    if not a.tie_word_embeddings:
+        total += held("lm_head.weight", False)
+    peak = 0
+    for i in range(a.num_layers):
+        p = s.layer.format(i=i)
+        for name in _attention_shapes(a):
+            fused = name.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."))
+            total += held(p + name, fused)
+        if not a.sparse_layers[i]:
+            m = p + s.dense_mlp
+            total += held(m + "gate_proj.weight", True) + held(m + "up_proj.weight", True)
+            total += held(m + "down_proj.weight", False)
+            continue
+        total += held(p + s.router, False)
+        if not skip_experts:
+            experts = sum(held(p + s.expert.format(e=e) + f"{proj}.weight", True)
+                          for e in range(a.num_experts) for proj in s.expert_proj)
+            total, peak = total + experts, max(peak, experts)
+    return total, peak
 
 
 def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: torch.dtype,

@@ -120,7 +120,7 @@ def _pin_in_place(model, moe: list[int], host: list) -> None:
         pair = []
         for t in (layers[i].w13, layers[i].w2):
             t = t.contiguous()
-            pair.append(t if register(t.data_ptr(), t.nbytes, t) is None else t.pin_memory())
+            pair.append(t if register(t.data_ptr(), t.nbytes, t).ok else t.pin_memory())
         layers[i].w13, layers[i].w2 = pair
         host[i] = tuple(pair)
 

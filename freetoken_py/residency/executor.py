@@ -106,7 +106,7 @@ class ResidencyExecutor:
         self._prev_end = None          # the previous call of this step: its end (event or perf_counter)
         self.prediction_made: Optional[tuple[int, list[int]]] = None   # this call's look-ahead, for a recorder
         # set by the engine before each forward pass: True when every request of the pass brings
-        # one token (a decode step, alone or batched), False otherwise; None (a caller that does
+        # one generated token (a decode step, alone or batched), False otherwise; None (a caller that does
         # not say): a pass of one token is a decode step. It picks the lead and scores prefetch%
         self.decode_step: Optional[bool] = None
         self._timing: list = []     # (step, layer, start, end) CUDA events of calls with x on the GPU, unread

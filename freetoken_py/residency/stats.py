@@ -9,9 +9,9 @@ Trace file (JSON lines, written by `freetoken run --record-routing FILE`):
 
 `layers[l]` holds the routed expert ids [T][k] of MoE layer l; dense layers are absent. A step is
 one forward pass (a prefill chunk or a decode batch). A decode step is a pass in which every
-request brings one token: a lone token, or a batch of T requests decoding together. Where that
-differs from T == 1 the line says so (`"decode": true` for a decode batch, `false` for a one-token
-pass of a prompt); files without it read T == 1 as decode. `predicted[l]`, when
+request brings one token it generated: a lone token, or a batch of T requests decoding together.
+Where that differs from T == 1 the line says so (`"decode": true` for a decode batch, `false` for
+a prompt's last token computed alone); files without it read T == 1 as decode. `predicted[l]`, when
 present, is the look-ahead prediction for MoE layer l made at the MoE layer before it
 (`predict_experts`: that layer's input through layer l's router), as the executor's prefetch
 makes it; the simulator replays it (`simulate(..., prefetch=True)`). Files without it are read

@@ -9,6 +9,7 @@ still serves every copy, synchronously) and never leaves the CUDA runtime's erro
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -16,26 +17,32 @@ PORTABLE = 1     # cudaHostRegisterPortable: pinned for every CUDA context (as t
 READ_ONLY = 8    # cudaHostRegisterReadOnly (CUDA >= 11.1): the device only reads; not every GPU has it
 
 
-def register(ptr: int, nbytes: int, owner, read_only: bool = False) -> str | None:
+class Registered(NamedTuple):
+    ok: bool                  # page-locked (or nothing to lock)
+    read_only: bool           # with the device-read-only flag
+    error: Optional[str]      # the CUDA error's text when not ok
+
+
+def register(ptr: int, nbytes: int, owner, read_only: bool = False) -> Registered:
     """Page-lock [ptr, ptr + nbytes) until `owner` (the object whose lifetime holds that memory:
     an array or tensor viewing it) is collected, then unregister it, before the memory can go
     back. `read_only` (a copy-on-write file mapping): register it device-read-only first, so the
     pages stay shared with the page cache; where the GPU lacks that flag
     (`cudaDevAttrHostRegisterReadOnlySupported` is 0 on many discrete cards), register it plainly,
     which gives the mapping private copies of its pages (as much memory as a bank built in
-    memory). Returns None when registered, else the CUDA error's text."""
+    memory)."""
     if nbytes == 0:
-        return None
+        return Registered(True, read_only, None)
     cudart = torch.cuda.cudart()
     error = None
     for flags in ((PORTABLE | READ_ONLY, PORTABLE) if read_only else (PORTABLE,)):
         err = cudart.cudaHostRegister(ptr, nbytes, flags)
         if int(err) == 0:
             weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
-            return None
+            return Registered(True, bool(flags & READ_ONLY), None)
         error = _error_text(cudart, err)
         clear_cuda_error()
-    return error
+    return Registered(False, False, error)
 
 
 def clear_cuda_error() -> None:
