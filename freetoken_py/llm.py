@@ -332,9 +332,11 @@ class LLM:
         ex = self.residency
         oom = ex.oom_errors if ex is not None else ()
         recorder = self.routing_recorder
-        # a decode step (lone or batched): every request brings one token it generated (not a
-        # prompt's last token computed alone, after a prefix-cache hit or a chunked prefill)
-        decode = all(ch.num_new == 1 and ch.req.num_computed >= len(ch.req.prompt_token_ids) for ch in chunks)
+        # a decode step (lone or batched): every request brings one token it generated and samples
+        # the next (not a prompt's last token computed alone, after a prefix-cache hit or a chunked
+        # prefill, nor one token of a preempted request's recompute)
+        decode = all(ch.num_new == 1 and ch.samples and ch.req.num_computed >= len(ch.req.prompt_token_ids)
+                     for ch in chunks)
         for tiers in (ex, recorder):
             if tiers is not None:
                 tiers.decode_step = decode

@@ -199,3 +199,27 @@ def test_weights_larger_than_memory_fail_before_loading_with_the_fix(checkpoint_
     loader.load_model(path, "float32", show_progress=False, experts="skip")      # the dense part fits
     monkeypatch.setattr(loader, "host_memory_bytes", lambda: held + moment)
     loader.load_model(path, "float32", show_progress=False)
+
+
+def test_cgroup_memory_limit_is_the_lowest_on_the_process_path(tmp_path):
+    """cgroup_memory_limit on a hand-made cgroup tree: v2 takes the lowest `memory.max` on the
+    process's path and its ancestors ("max": none), v1 the memory controller's
+    `limit_in_bytes` (the kernel's huge "unlimited": none); no memory controller, or no
+    /proc/self/cgroup, gives None."""
+    from freetoken_py.models.loader import cgroup_memory_limit
+
+    def tree(proc_lines, files):
+        root, proc = tmp_path / f"fs{len(list(tmp_path.iterdir()))}", tmp_path / f"cgroup{len(list(tmp_path.iterdir()))}"
+        for rel, value in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(value + "\n")
+        proc.write_text("\n".join(proc_lines) + "\n")
+        return cgroup_memory_limit(root, proc)
+
+    assert tree(["0::/a/b"], {"a/b/memory.max": "max", "a/memory.max": str(1 << 30), "memory.max": "max"}) == 1 << 30
+    assert tree(["0::/a/b"], {"a/b/memory.max": str(1 << 29), "a/memory.max": str(1 << 30)}) == 1 << 29
+    assert tree(["5:memory:/x", "4:cpu,cpuacct:/x"], {"memory/x/memory.limit_in_bytes": "9223372036854771712",
+                                                      "memory/memory.limit_in_bytes": str(2 << 30)}) == 2 << 30
+    assert tree(["4:cpu:/x"], {}) is None
+    assert tree(["0::/"], {"memory.max": "max"}) is None
+    assert cgroup_memory_limit(tmp_path, tmp_path / "absent") is None

@@ -80,7 +80,9 @@ def open_expert_store(model_dir: Path | str, args: ModelArgs, dtype: torch.dtype
 def _check_in_memory(job: "_Job", fix: str) -> None:
     """Packed experts that would not fit beside what this process already holds fail now, in one
     line with `fix`, not with the out-of-memory killer halfway through the packing."""
-    need, used, have = job.header["file_bytes"], psutil.Process().memory_info().rss, loader.host_memory_bytes()
+    mem = psutil.Process().memory_info()
+    # what the process holds of its own: mapped file pages (the checkpoint's views) are not
+    need, used, have = job.header["file_bytes"], mem.rss - getattr(mem, "shared", 0), loader.host_memory_bytes()
     if used + need > have:
         raise FreetokenError(f"{job.model_dir}: the packed {job.fmt} experts take {need / 2**30:.1f} GiB and this "
                              f"process, holding {used / 2**30:.1f} GiB already, can hold {have / 2**30:.1f} GiB; {fix}")

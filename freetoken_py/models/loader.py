@@ -38,13 +38,37 @@ def resolve_dtype(name: str, stored: str) -> torch.dtype:
 
 def host_memory_bytes() -> int:
     """What this process can hold at most: RAM plus swap, or its cgroup's memory limit if lower
-    (a container)."""
+    (a container, a systemd MemoryMax=)."""
     have = psutil.virtual_memory().total + psutil.swap_memory().total
+    limit = cgroup_memory_limit()
+    return min(have, limit) if limit is not None else have
+
+
+def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The lowest memory limit on this process's cgroup and its ancestors (v2 `memory.max`, v1
+    `memory.limit_in_bytes`); None where there is none, or no cgroup file system."""
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        lines = proc.read_text().splitlines()
     except OSError:
-        return have
-    return min(have, int(limit)) if limit.isdigit() else have
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":                                   # v2: the unified hierarchy
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):                 # v1: the memory controller's
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        here = Path(path.strip() or "/")
+        for part in [here, *here.parents]:
+            try:
+                value = (base / str(part).lstrip("/") / name).read_text().strip()
+            except OSError:
+                continue
+            if value.isdigit() and int(value) < 1 << 62:        # "max" and v1's huge "unlimited": none
+                found.append(int(value))
+    return min(found) if found else None
 
 
 def check_host_memory(model_dir: Path, need: int, dtype: torch.dtype, skip_experts: bool) -> None:

@@ -128,7 +128,7 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
     that for a moment (bytes). A tensor stored at `dtype` and used as it is stays a view of the
     checkpoint's mapping (file pages the kernel may drop and read again); a cast one, and one
     concatenated or stacked (q/k/v into qkv, a dense MLP's gate and up, every expert), is a copy.
-    The moment: one MoE layer's experts cut into pieces before they are stacked."""
+    The moment: one MoE layer's gate and up rows, concatenated per expert before the stack."""
     size = dtype.itemsize
 
     def held(name: str, copied: bool) -> int:
@@ -152,9 +152,13 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
             continue
         total += held(p + s.router, False)
         if not skip_experts:
-            experts = sum(held(p + s.expert.format(e=e) + f"{proj}.weight", True)
-                          for e in range(a.num_experts) for proj in s.expert_proj)
-            total, peak = total + experts, max(peak, experts)
+            g, u, d = s.expert_proj
+            names = [p + s.expert.format(e=e) for e in range(a.num_experts)]
+            w13 = sum(held(f"{x}{g}.weight", True) + held(f"{x}{u}.weight", True) for x in names)
+            total += w13 + sum(held(f"{x}{d}.weight", True) for x in names)
+            # stacking: each expert's gate and up rows concatenated (w13's size) are held besides
+            # the stack; the down pieces are views unless cast (half of that at most)
+            peak = max(peak, w13)
     return total, peak
 
 

@@ -80,7 +80,7 @@ class SimResult:
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     def _end_step(self, tokens: int, seconds: float, decode: bool) -> None:
-        """A step's time: a decode step (one token per request: a lone one or a batch) counts its
+        """A step's time: a decode step (one generated token per request: a lone one or a batch) counts its
         tokens as decode tokens, any other as prefill."""
         self.seconds += seconds
         if decode:
