@@ -103,13 +103,11 @@ class LLM:
     def _resolve_backend(self) -> str:
         if self.config.backend != "auto":
             return self.config.backend
-        c = self.config
-        if c.residency != "off":
+        if self.config.residency != "off":
             return "torch"  # the residency tiers run the dense weights in torch (experts: theirs or the store's)
-        if c.expert_dtype != "auto" or c.dense_dtype != "auto":
-            return "cpu"    # only the numba kernels quantise (the torch backend runs weights as stored)
-        # the numba kernels, with or without a GPU: the torch backend keeps everything on the host
-        # too (only the residency tiers, --gpu-experts, put weights in VRAM) and is the reference path
+        # the numba kernels (the only ones that quantise), with or without a GPU: the torch backend
+        # keeps everything on the host too (only the residency tiers, --gpu-experts, put weights
+        # in VRAM) and is the reference path
         return "cpu"
 
     @property
@@ -349,10 +347,8 @@ class LLM:
                 if recorder is not None:     # the failed pass's routing is not a step of the trace
                     recorder.rewind(recorded)
                 ex.rewind_pass(mark)         # nor of the telemetry
-                if not ex.shrink_after_oom():
+                if not ex.shrink_after_oom():    # (resize gives the dropped chunks back to the driver)
                     raise                    # no slot left to give back: the step cannot fit
-                if self.model.device.type == "cuda":
-                    torch.cuda.empty_cache()   # the dropped chunks go back to the driver
 
     def _more_pages(self, need: int) -> int:
         """The KV/slot split, re-decided when it matters: the running requests need `need` more
@@ -381,9 +377,7 @@ class LLM:
             return 0
         held = ex.slots.num_slots
         ex.resize(target)
-        self._slots_taken += held - ex.slots.num_slots      # whole chunks: more than the pages need
-        if cuda:
-            torch.cuda.empty_cache()
+        self._slots_taken += held - ex.slots.num_slots      # whole chunks (resize gave them back to the driver)
         pages = self.allocator.num_pages + add
         try:
             self.runner.cache.grow(pages)
@@ -422,7 +416,6 @@ class LLM:
                 return 0
             if cuda:   # the smaller cache is allocated before the old one goes: make room for it
                 ex.resize(max(self._slot_floor, slots_before - -(-base * per_page // ex.slots.slot_bytes)))
-                torch.cuda.empty_cache()
             kv.shrink(base)
         except ex.oom_errors:
             if ex.slots.num_slots < slots_before:

@@ -99,3 +99,23 @@ def ref():
     from freetoken_py.llm import LLM
 
     return LLM(DEMO_MODEL, dtype="float32", show_progress=False, enable_prefix_cache=False)
+
+
+class StandInCudart:
+    """Stands in for the CUDA runtime (torch.cuda.cudart(): not in a CPU build), as a discrete
+    GPU without cudaDevAttrHostRegisterReadOnlySupported answers: the read-only flag is refused
+    (cudaErrorNotSupported, 801), a plain registration works, or every call fails (`broken`)."""
+
+    def __init__(self, broken: bool = False):
+        self.broken, self.calls, self.unregistered = broken, [], []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append((ptr, nbytes, flags))
+        return 801 if self.broken or flags & 8 else 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+    def cudaGetErrorString(self, err):
+        return "operation not supported"

@@ -25,7 +25,7 @@ from freetoken_py.errors import FreetokenError
 from freetoken_py.kernels import ExpertBank
 from freetoken_py.llm import LLM
 from freetoken_py.models.loader import load_model
-from conftest import random_prompt
+from conftest import StandInCudart, random_prompt
 
 ARRAYS = ("w13", "s13", "w2", "s2")
 
@@ -240,26 +240,6 @@ def test_peak_memory_has_no_second_copy_of_the_experts(tmp_path):
           f"bound {bound / 2**20:.0f} MiB (experts {expert_bytes / 2**20:.0f} MiB)")
     assert ours < bound
     assert old > bound
-
-
-class StandInCudart:
-    """Stands in for the CUDA runtime (torch.cuda.cudart(): not in a CPU build), as a discrete
-    GPU without cudaDevAttrHostRegisterReadOnlySupported answers: the read-only flag is refused
-    (cudaErrorNotSupported, 801), a plain registration works, or every call fails (`broken`)."""
-
-    def __init__(self, broken: bool = False):
-        self.broken, self.calls, self.unregistered = broken, [], []
-
-    def cudaHostRegister(self, ptr, nbytes, flags):
-        self.calls.append((ptr, nbytes, flags))
-        return 801 if self.broken or flags & 8 else 0
-
-    def cudaHostUnregister(self, ptr):
-        self.unregistered.append(ptr)
-        return 0
-
-    def cudaGetErrorString(self, err):
-        return "operation not supported"
 
 
 def test_pinning_falls_back_from_read_only_and_unregisters_on_collection(monkeypatch):

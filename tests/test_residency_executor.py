@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_prompt, reference_model
+from conftest import StandInCudart, random_prompt, reference_model
 from freetoken_py.cli import DEMO_MODEL
 from freetoken_py.config import EngineConfig
 from freetoken_py.core import SamplingParams
@@ -436,10 +436,8 @@ def test_float_expert_stacks_are_page_locked_where_they_lie(checkpoint_factory, 
     """--gpu-experts on a float checkpoint page-locks the model's own expert stacks (no pinned
     copy, which PyTorch would round up to a power of two): each stack registered once, the host
     banks the streamer copies from are those very tensors, unregistered when they go. The CUDA
-    runtime is a stand-in (a CPU build has none), as in test_expert_store."""
+    runtime is a stand-in (conftest.StandInCudart: a CPU build has none)."""
     import gc
-
-    from test_expert_store import StandInCudart
 
     from freetoken_py.models.loader import load_model
     from freetoken_py.residency.attach import _pin_in_place

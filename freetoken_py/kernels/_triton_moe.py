@@ -16,6 +16,16 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
+def _expert_at(base, offs, p, ALIGNED: tl.constexpr):
+    """Pair p's expert part: `base` plus its element offset; with ALIGNED the offset is known to
+    be a multiple of 16, so its rows can be read as aligned vectors."""
+    off = tl.load(offs + p)
+    if ALIGNED:
+        off = tl.multiple_of(off, 16)
+    return base + off
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, rows_ptr, w13_base, w13_offs, h_ptr, D, I, stride_x,
                    BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
     """h[p, i] = silu(gate_i . x_t) * (up_i . x_t) for pair p (token row t = rows[p]), fp32."""
@@ -23,10 +33,7 @@ def gate_up_kernel(x_ptr, rows_ptr, w13_base, w13_offs, h_ptr, D, I, stride_x,
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     im = i < I
     row = tl.load(rows_ptr + p)
-    off = tl.load(w13_offs + p)
-    if ALIGNED:
-        off = tl.multiple_of(off, 16)
-    w = w13_base + off                                    # [2I, D]: gate rows, then up rows
+    w = _expert_at(w13_base, w13_offs, p, ALIGNED)        # [2I, D]: gate rows, then up rows
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -49,10 +56,7 @@ def down_kernel(h_ptr, wts_ptr, w2_base, w2_offs, y_ptr, D, I,
     p = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     dm = d < D
-    off = tl.load(w2_offs + p)
-    if ALIGNED:
-        off = tl.multiple_of(off, 16)
-    w = w2_base + off                                     # [D, I]
+    w = _expert_at(w2_base, w2_offs, p, ALIGNED)          # [D, I]
     acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -98,11 +102,8 @@ def gate_up_q_kernel(x_ptr, rows_ptr, q_base, q_offs, s_base, s_offs, h_ptr, D, 
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     im = i < I
     row = tl.load(rows_ptr + p)
-    qo = tl.load(q_offs + p)
-    if ALIGNED:
-        qo = tl.multiple_of(qo, 16)
-    q = q_base + qo
-    s = s_base + tl.load(s_offs + p)
+    q = _expert_at(q_base, q_offs, p, ALIGNED)
+    s = _expert_at(s_base, s_offs, p, False)
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -134,11 +135,8 @@ def down_q_kernel(h_ptr, wts_ptr, q_base, q_offs, s_base, s_offs, y_ptr, D, I,
     p = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     dm = d < D
-    qo = tl.load(q_offs + p)
-    if ALIGNED:
-        qo = tl.multiple_of(qo, 16)
-    q = q_base + qo
-    s = s_base + tl.load(s_offs + p)
+    q = _expert_at(q_base, q_offs, p, ALIGNED)
+    s = _expert_at(s_base, s_offs, p, False)
     acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)

@@ -85,6 +85,26 @@ def _offsets(tensors: Sequence[torch.Tensor], base: torch.Tensor) -> list[int]:
     return [(t.data_ptr() - start) // size for t in tensors]
 
 
+def _staged(offsets: list[list[int]], dev: torch.device) -> torch.Tensor:
+    """The pairs' offsets, one row per part, as int64 on `dev`; rows padded to an even width so
+    every row starts 16-byte aligned (one compiled variant)."""
+    pairs = len(offsets[0])
+    offs = torch.zeros((len(offsets), pairs + pairs % 2), dtype=torch.int64)
+    offs[:, :pairs] = torch.tensor(offsets, dtype=torch.int64)
+    return offs.to(dev, non_blocking=True) if dev.type == "cuda" else offs
+
+
+def _add_pairs(out: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> None:
+    """out[rows[p]] += y[p] (fp32 [P, D]): a lone token's pairs summed in order, else fp32 sums
+    per token; one rounding into out's dtype."""
+    if out.shape[0] == 1:
+        out += y.sum(0, keepdim=True).to(out.dtype)
+    else:
+        summed = torch.zeros((out.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
+        summed.index_add_(0, rows, y)
+        out += summed.to(out.dtype)
+
+
 def moe_pairs(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
               w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor]) -> None:
     """out[rows[p]] += weights[p] * expert_p(x[rows[p]]) for every pair p, with expert_p the SwiGLU
@@ -117,10 +137,7 @@ columns are strided); rows
     # 16-element-aligned starts (slots in a chunk, chunks from the allocator) and row lengths:
     # the kernels may then load rows as aligned vectors
     aligned = hidden % 16 == 0 and inter % 16 == 0 and all(o % 16 == 0 for o in offs13 + offs2)
-    width = pairs + pairs % 2          # an even width keeps the second row's address 16-byte aligned too
-    offs = torch.zeros((2, width), dtype=torch.int64)
-    offs[0, :pairs], offs[1, :pairs] = torch.tensor(offs13), torch.tensor(offs2)
-    offs = offs.to(dev, non_blocking=True) if dev.type == "cuda" else offs
+    offs = _staged([offs13, offs2], dev)
     rows = rows.to(dev, torch.int64).contiguous()
     scale = weights.to(dev, torch.float32).contiguous()
     h = torch.empty((pairs, inter), dtype=torch.float32, device=dev)
@@ -129,12 +146,7 @@ columns are strided); rows
                                            BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D, ALIGNED=aligned)
     down[(pairs, -(-hidden // BLOCK_OUT))](h, scale, w2[0], offs[1], y, hidden, inter,
                                            BLOCK_OUT=BLOCK_OUT, BLOCK_K=BLOCK_K, ALIGNED=aligned)
-    if out.shape[0] == 1:             # decode: every pair is the one token's, summed in order
-        out += y.sum(0, keepdim=True).to(out.dtype)
-    else:                             # fp32 sums per token, then one rounding into out
-        summed = torch.zeros((out.shape[0], hidden), dtype=torch.float32, device=dev)
-        summed.index_add_(0, rows, y)
-        out += summed.to(out.dtype)
+    _add_pairs(out, y, rows)
 
 
 QUANT_FORMATS = ("int8", "int4")
@@ -174,10 +186,7 @@ def moe_pairs_quant(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weig
     # weight rows of 16-byte multiples starting at 16-byte-aligned offsets: vector loads
     aligned = all(shape[1] * experts[0][k].element_size() % 16 == 0 for k, shape in ((0, shapes[0]), (2, shapes[2]))) \
         and all(o * experts[0][k].element_size() % 16 == 0 for k in (0, 2) for o in parts_offs[k])
-    width = pairs + pairs % 2          # even: every row of the offsets 16-byte aligned (one compiled variant)
-    offs = torch.zeros((4, width), dtype=torch.int64)
-    offs[:, :pairs] = torch.tensor(parts_offs, dtype=torch.int64)
-    offs = offs.to(dev, non_blocking=True) if dev.type == "cuda" else offs
+    offs = _staged(parts_offs, dev)
     rows = rows.to(dev, torch.int64).contiguous()
     scale = weights.to(dev, torch.float32).contiguous()
     xs = seen_by_cpu_kernels(x.float()).contiguous()
@@ -191,12 +200,7 @@ def moe_pairs_quant(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weig
     down[(pairs, -(-hidden // BLOCK_OUT))](h, scale, q2, offs[2], s2, offs[3], y, hidden, inter,
                                            INT4=int4, G=group_size, NG=ng_k, BLOCK_OUT=BLOCK_OUT, BLOCK_K=BLOCK_K,
                                            ALIGNED=aligned)
-    if out.shape[0] == 1:
-        out += y.sum(0, keepdim=True).to(out.dtype)
-    else:
-        summed = torch.zeros((out.shape[0], hidden), dtype=torch.float32, device=dev)
-        summed.index_add_(0, rows, y)
-        out += summed.to(out.dtype)
+    _add_pairs(out, y, rows)
 
 
 def self_check_quant(device: torch.device | str, fmt: str, group_size: int = 32) -> str | None:

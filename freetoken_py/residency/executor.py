@@ -65,7 +65,7 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` (on the host) on `device`; to a GPU through pinned memory without waiting: a plain
     copy from pageable memory would wait for everything queued on the GPU first (the caller
     adds it there, on the same stream)."""
-    if torch.device(device).type != "cuda":
+    if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
