@@ -24,6 +24,33 @@ def softmax_topk_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> t
     return ids, weights.to(logits.dtype)
 
 
+def sigmoid_group_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int = 1,
+                        topk_group: int = 1, renormalize: bool = True,
+                        scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek "noaux_tc" (DeepSeek-V3, GLM-4.5) and, with n_group = 1 and scaling = 1, MiniMax-M2.
+
+    Sigmoid scores in fp32; `bias` (e_score_correction_bias, [E]) shifts the choice only; with
+    n_group > 1 the experts split into n_group contiguous groups, a group scores the sum of its
+    top-2 biased scores, and only the topk_group best groups may be picked; the weights are the
+    unbiased scores of the chosen experts, renormalised if asked, times `scaling`.
+    logits: [T, E]. Returns ids [T, k] int64 and weights [T, k] fp32.
+    """
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, n_group, E // n_group)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
+    ids = choice.topk(top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
 class ExpertExecutor(Protocol):
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; ids, weights: [T, k]. Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
