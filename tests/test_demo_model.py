@@ -206,3 +206,68 @@ def test_it_opens_a_tool_call_when_tools_are_offered_and_only_then(hf_model):
         prompt = template.render(messages=messages, tools=tools, add_generation_prompt=True)
         first = int(_logits(hf_model, tok, prompt)[0, -1].argmax())
         assert (tok.id_to_token(first) == "<tool_call>") is expect_call, tok.id_to_token(first)
+
+
+# -- the held-out evaluation and the corpus split (scripts/eval_demo_model.py, demo_corpus.py) --
+
+def _script(name):
+    import importlib.util
+    import sys
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(scripts))
+    return mod
+
+
+PROMPT = 'def area(r):\n    """Area of a circle."""\n'
+
+
+@pytest.mark.parametrize("continuation,parse,blank,repeated", [
+    ("    return 3.14159 * r * r\n\n\ndef per", True, False, False),   # cut before "def per"
+    ("    x = (r +\n", False, False, False),                           # open bracket at the cut
+    ("    return r\n  return", True, False, False),                    # bad last line cut off
+    ("                        ", True, True, False),                   # spaces only: nothing kept
+    ("    a = a\n    a = a\n    a = a\n", True, False, True),
+    ("    )\n    )\n    )\n", False, False, False),                     # punctuation lines do not count
+    ("    if r:\n        pass\n    else:\n        pass\n", True, False, False),
+])
+def test_eval_metrics_cut_parse_and_repetition(continuation, parse, blank, repeated):
+    ev = _script("eval_demo_model")
+    assert ev.parses(PROMPT, continuation) is parse
+    assert ev.is_blank(continuation) is blank
+    assert ev.is_repeated(continuation) is repeated
+    row = ev.score([PROMPT, PROMPT], [continuation, "    return r\n"])
+    assert row["parse"] == (parse + 1) / 2 and row["blank"] == blank / 2
+
+
+def _write(root, rel, text):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_corpus_split_holds_out_whole_packages_and_their_copies(tmp_path):
+    corpus = _script("demo_corpus")
+    names = [f"pkg{i}" for i in range(64)]
+    held = next(n for n in names if corpus.is_heldout_name(n))
+    kept = next(n for n in names if not corpus.is_heldout_name(n))
+    stdlib, site = tmp_path / "lib", tmp_path / "lib" / "site-packages"
+    doc = 'def f(x):\n    """Double x."""\n    return 2 * x\n'
+    _write(stdlib, "json/util.py", "import os\n" + doc)
+    _write(stdlib, "json/copy_of_held.py", doc)                 # same text as a held-out file
+    _write(site, f"{held}/core.py", doc)
+    _write(site, f"{held}/tests/test_core.py", "def test(): pass\n")  # tests are skipped
+    _write(site, f"{kept}/main.py", "class A:\n    '''An A.'''\n    x = 1\n")
+    _write(site, f"{kept}/_vendor/{held}/core.py", doc + "# vendored\n")
+    _write(site, f"{kept}/broken.py", "def (:\n")                # does not parse
+    train, heldout = corpus.collect(stdlib, site)
+    assert [r for r, _ in heldout] == [f"site/{held}/core.py"]
+    assert [r for r, _ in train] == ["stdlib/json/util.py", f"site/{kept}/main.py"]
+    prompts = corpus.heldout_prompts(heldout, 5)
+    assert prompts == [{"file": f"site/{held}/core.py", "prompt": 'def f(x):\n    """Double x."""\n'}]

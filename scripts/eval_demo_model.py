@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Held-out evaluation of the demo model: does its greedy output look like Python?
+
+    python scripts/eval_demo_model.py [--old DIR] [--new DIR] [--prompts 100]
+
+Prompts come from held-out site-packages files (scripts/demo_corpus.py: packages neither the old
+nor the new model trained on): a function signature or a class header with its docstring. Each
+gets a greedy 64-token continuation through freetoken's own engine (LLM.generate, the default
+backend, as `freetoken run` uses it). Reported per model, in one JSON line:
+
+- parse: share whose prompt + continuation, cut at the continuation's last complete line, parses
+  with `ast`; parse_nonblank: the same, with at least one non-blank line kept (a continuation of
+  nothing but blank lines parses trivially);
+- repeated: share that degenerate into a repeated line (a line with a letter or digit in it
+  appears 3+ times in the cut continuation); blank: share with no non-blank line;
+- ppl / bits_per_byte: held-out perplexity per token and, comparable across tokenizers, bits per
+  byte of the same text (the first 40 held-out files, first 6,000 characters each, windows of 512
+  tokens after an <|endoftext|>), scored by transformers (an independent forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import demo_corpus  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "freetoken_py" / "data" / "demo_model"
+MAX_TOKENS = 64
+PPL_FILES, PPL_CHARS, PPL_WINDOW = 40, 6000, 512
+
+
+def cut_at_last_line(continuation: str) -> str:
+    """The continuation up to and including its last newline ('' if it has none)."""
+    return continuation[:continuation.rfind("\n") + 1]
+
+
+def parses(prompt: str, continuation: str) -> bool:
+    try:
+        ast.parse(prompt + cut_at_last_line(continuation))
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def is_blank(continuation: str) -> bool:
+    return not cut_at_last_line(continuation).strip()
+
+
+def is_repeated(continuation: str, times: int = 3) -> bool:
+    """Some line with a letter or digit in it occurs `times`+ times (stripped) in the cut."""
+    lines = [l.strip() for l in cut_at_last_line(continuation).splitlines()]
+    counts = Counter(l for l in lines if any(c.isalnum() for c in l))
+    return bool(counts) and max(counts.values()) >= times
+
+
+def score(prompts: list[str], continuations: list[str]) -> dict:
+    n = len(prompts)
+    ok = [parses(p, c) for p, c in zip(prompts, continuations)]
+    blank = [is_blank(c) for c in continuations]
+    return {"parse": sum(ok) / n,
+            "parse_nonblank": sum(o and not b for o, b in zip(ok, blank)) / n,
+            "repeated": sum(map(is_repeated, continuations)) / n,
+            "blank": sum(blank) / n}
+
+
+def greedy_continuations(model_dir: Path, prompts: list[str]) -> tuple[list[str], float]:
+    from freetoken_py.core import SamplingParams
+    from freetoken_py.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, show_progress=False)
+    load_s = time.perf_counter() - t0
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [o.text for o in outs], load_s
+
+
+def heldout_nll(model_dir: Path, texts: list[str]) -> dict:
+    """Sum of next-token NLL over the texts (transformers, fp32), per token and per byte."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    nll, tokens = 0.0, 0
+    for text in texts:
+        ids = tok.encode(text).ids
+        for s in range(0, len(ids), PPL_WINDOW):
+            window = torch.tensor([[eot] + ids[s:s + PPL_WINDOW]])  # [1, 1 + w]
+            with torch.no_grad():
+                logits = model(input_ids=window[:, :-1]).logits[0]  # [w, vocab]
+            nll += float(torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum"))
+            tokens += window.shape[1] - 1
+    nbytes = sum(len(t.encode()) for t in texts)
+    return {"ppl": math.exp(nll / tokens), "bits_per_byte": nll / math.log(2) / nbytes,
+            "ppl_tokens": tokens}
+
+
+def evaluate(model_dir: Path, prompts: list[dict], ppl_texts: list[str], show: int) -> dict:
+    texts = [p["prompt"] for p in prompts]
+    conts, load_s = greedy_continuations(model_dir, texts)
+    row = {"dir": str(model_dir), **score(texts, conts), **heldout_nll(model_dir, ppl_texts),
+           "load_s": round(load_s, 2)}
+    for p, c in list(zip(texts, conts))[:show]:
+        print(f"--- {model_dir.name}\n{p}{c}", file=sys.stderr)
+    return row
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", type=Path, default=DEMO, help="the model to compare against")
+    ap.add_argument("--new", type=Path, default=None, help="the candidate (omit: old only)")
+    ap.add_argument("--prompts", type=int, default=100)
+    ap.add_argument("--show", type=int, default=0, help="print the first N samples to stderr")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    from freetoken_py.kernels import configure_threads
+
+    torch.set_num_threads(args.threads)
+    configure_threads(args.threads)
+    files = demo_corpus.heldout_files()
+    prompts = demo_corpus.heldout_prompts(files, args.prompts)
+    ordered = sorted(files, key=lambda f: demo_corpus.file_key(f[0]))
+    ppl_texts = [text[:PPL_CHARS] for _, text in ordered[:PPL_FILES]]
+    row = {"bench": "demo_model_eval", "prompts": len(prompts), "max_tokens": MAX_TOKENS,
+           "heldout_files": len(files), "ppl_bytes": sum(len(t.encode()) for t in ppl_texts)}
+    for name, d in (("old", args.old), ("new", args.new)):
+        if d is not None:
+            row[name] = evaluate(d, prompts, ppl_texts, args.show)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    main()
