@@ -10,6 +10,16 @@ from freetoken_py.errors import FreetokenError
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """A constraint on the generated text, as plain data (the server builds it, the engine
+    compiles it: engine/grammar.py). `lark` is llguidance's Lark dialect, where `%json {...}`
+    embeds a JSON schema and `<tok>` names a special token; `name` says what it came from
+    ("tools:auto", "json_schema", ...) for errors and stats."""
+    lark: str
+    name: str = "grammar"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0  # 0 = greedy
@@ -23,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # constrained decoding: only tokens the grammar allows are sampled
 
     def __post_init__(self) -> None:
         checks = [
@@ -35,6 +46,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (self.grammar is None or isinstance(self.grammar, Grammar), "grammar must be a core.Grammar"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -68,6 +80,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     max_len: int = 0  # prompt + output may not exceed this (context window); set by the scheduler
     generator: object | None = None  # torch.Generator when seeded
+    constraint: object | None = None  # engine/grammar.TokenConstraint when params.grammar is set
     # timings (perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -19,7 +19,7 @@ from freetoken_py.core import FinishReason, Request, RequestOutput, SamplingPara
 from freetoken_py.engine.runner import ModelRunner, ScheduledChunk
 from freetoken_py.engine.sampler import sample
 from freetoken_py.errors import ContextLengthError, FreetokenError
-from freetoken_py.kvcache import KVCache, PageAllocator
+from freetoken_py.kvcache import PageAllocator, page_bytes
 from freetoken_py.kvcache.pool import FP8
 from freetoken_py.kvcache.radix import RadixCache
 from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
@@ -29,6 +29,8 @@ from freetoken_py.tokenizer import IncrementalDetokenizer, Tokenizer
 from freetoken_py.utils.progress import progress_bar
 
 
+CORPUS_DIR = Path(__file__).parent / "data" / "corpus"   # shipped real text (its README: sources, licence)
+KV_CALIBRATION_TOKENS = 512   # FP8 KV scales: a prefill of this much shipped prose and code
 KV_RESPLIT_STEPS = 64   # steps of low use before the KV cache gives its growth back; and of
                         # back-off after a failed grow
 
@@ -70,8 +72,7 @@ class LLM:
         auto_kv = getattr(self.model, "kv_dtype", self.model.dtype)  # cpu backend: bf16 for bf16 checkpoints
         self.kv_dtype = {"auto": auto_kv, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]
         a = self.args
-        self._page_bytes = KVCache.bytes_per_page(a.num_layers, self.config.page_size, a.num_kv_heads, a.head_dim,
-                                                  self.kv_dtype)
+        self._page_bytes = page_bytes(self.model.state_spec(), a.num_layers, self.config.page_size, self.kv_dtype)
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype)
         self.residency = self._attach_residency()   # after the KV cache: on a GPU the slots take what is left
@@ -96,6 +97,7 @@ class LLM:
         self._slots_taken = 0        # slots the KV grows took (whole chunks), for _return_pages
         self._kv_idle_steps = 0
         self._streams: dict[int, _Stream] = {}
+        self._grammar_compiler = None   # engine/grammar.GrammarCompiler, on the first constrained request
         self._calibrate_kv()
         self._warm_kernels()
         self.routing_recorder = self._attach_recorder()
@@ -179,17 +181,60 @@ class LLM:
             self._namespace_base = (self._model_identity, scales)
         return (self._namespace_base, req.cache_salt)
 
-    def _calibrate_kv(self, num_tokens: int = 64) -> None:
-        """FP8 KV: fix the per-head scales once, from a prefill of a fixed pseudo-random token set,
-        before any request (so no page is ever rescaled and the cache namespace never changes)."""
-        if not self.runner.cache.quantized:
+    def _calibrate_kv(self) -> None:
+        """FP8 KV: fix the per-(layer, head) scales once, before any request (so no page is ever
+        rescaled and the cache namespace never changes): from the `--kv-scales` file when it
+        exists (made for this model and configuration), else from a prefill of the shipped
+        calibration text (`calibration_ids`), then written to that file when one is named."""
+        from freetoken_py import kv_scales
+
+        cache, path = self.runner.cache, self.config.kv_scales
+        self.kv_calibration: dict = {}    # where the scales came from (fp8 only)
+        if not cache.quantized:
             return
+        c = self.config
+        key = kv_scales.scales_key(Path(c.model), self.backend, str(self.model.dtype), c.expert_dtype,
+                                   c.dense_dtype, c.expert_group_size)
+        if path and Path(path).exists():
+            k, v, self.kv_calibration = kv_scales.load_scales(Path(path), key)
+            try:
+                cache.set_scales(k, v)
+            except ValueError as exc:
+                raise FreetokenError(f"--kv-scales {path}: {exc}") from None
+            return
+        ids, source = self.calibration_ids()
+        self.calibrate_kv(ids)
+        self.kv_calibration = {"source": source, "tokens": len(ids)}
+        if path:
+            kv_scales.save_scales(Path(path), key, cache.k_scale, cache.v_scale, self.kv_calibration)
+
+    def calibration_ids(self, num_tokens: int = KV_CALIBRATION_TOKENS) -> tuple[list[int], str]:
+        """Token ids the FP8 scales are calibrated on, and what they are: half prose, half code
+        from the shipped corpus (`data/corpus/calib_*.txt`, kept apart from the evaluation
+        text) in the model's own tokenizer; without a tokenizer, fixed pseudo-random ids."""
         n = min(num_tokens, self.kv_capacity_tokens - 1)
-        g = torch.Generator().manual_seed(0)
-        req = Request(torch.randint(0, self.args.vocab_size, (n,), generator=g).tolist(), SamplingParams())
+        if self.tokenizer is None:
+            g = torch.Generator().manual_seed(0)
+            return torch.randint(0, self.args.vocab_size, (n,), generator=g).tolist(), "random ids (no tokenizer)"
+        parts = [self.tokenizer.encode((CORPUS_DIR / f"calib_{kind}.txt").read_text(), add_special_tokens=False)
+                 for kind in ("prose", "code")]
+        ids = parts[0][:n // 2] + parts[1][:n - n // 2]
+        return ids, "corpus calib_prose.txt + calib_code.txt"
+
+    def calibrate_kv(self, token_ids: list[int]) -> None:
+        """Calibrate the FP8 scales again from a prefill of `token_ids` (each layer's first write
+        fixes its per-head absmax x margin; nothing is published to the prefix cache). Only
+        while no request holds pages."""
+        cache, n = self.runner.cache, len(token_ids)
+        cache.recalibrate()
+        self._namespace_base = None
+        req = Request(list(token_ids), SamplingParams())
         req.page_table = self.allocator.allocate(-(-n // self.config.page_size))
-        self.runner.forward_batch([ScheduledChunk(req, n)])
-        self.allocator.release(req.page_table)
+        try:
+            self.runner.forward_batch([ScheduledChunk(req, n)])
+        finally:
+            self.allocator.release(req.page_table)
+        cache.clipped_per_layer.zero_()     # (the calibration's own write cannot clip; counted from here)
 
     def _warm_kernels(self) -> None:
         """cpu backend: a 3-token prefill and one decode step of a throwaway request, so numba
@@ -265,10 +310,22 @@ class LLM:
         req.max_len = min(limit, len(ids) + params.max_tokens)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
+        if params.grammar is not None:
+            req.constraint = self.grammar_compiler.matcher(params.grammar)
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
         self._streams[req.request_id] = _Stream(detok)
         self.scheduler.add(req)
         return req
+
+    @property
+    def grammar_compiler(self):
+        """The tokenizer as the grammar library sees it, built on the first constrained request."""
+        if self._grammar_compiler is None:
+            from freetoken_py.engine.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler.from_model_dir(
+                Path(self.config.model), self.args.vocab_size, list(self.generation.eos_token_ids))
+        return self._grammar_compiler
 
     def abort(self, req: Request) -> None:
         self._streams.pop(req.request_id, None)

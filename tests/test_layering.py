@@ -24,7 +24,7 @@ FORBIDDEN = {
     **{f"freetoken_py.server.{m}": ["freetoken_py.kvcache", "freetoken_py.residency", "freetoken_py.engine",
                                     "freetoken_py.scheduler", "freetoken_py.llm"]
        for m in ("app", "serve", "async_engine", "openai_api", "anthropic_api", "chat", "protocol", "sse",
-                 "generation")},
+                 "generation", "constraints")},
 }
 
 _BLOCKER = """
