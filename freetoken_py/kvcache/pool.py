@@ -1,8 +1,9 @@
 """Fixed-size KV pages and who owns them.
 
-Layout of one layer's cache (K and V alike)::
+Layout of one layer's cache (two rows per slot, shaped by the layer's state spec, spec.py)::
 
-    k[layer] : [num_pages, page_size, num_kv_heads, head_dim]
+    k[layer] : [num_pages * page_size, *spec.rows[0]]   (paged K/V: [Hkv, hd]; MLA latent: [1, latent])
+    v[layer] : [num_pages * page_size, *spec.rows[1]]   (paged K/V: [Hkv, hd]; MLA rope key: [1, rope])
     slot      = page_id * page_size + offset          (flat index into the view [P*S, H, D])
     token pos -> page_table[pos // page_size], offset pos % page_size
 
@@ -12,7 +13,7 @@ carries a generation tag, bumped whenever the page is handed out or returned to 
 a holder can prove the page is still the one it was given (see tags.py).
 
 FP8 storage (`kv_dtype=torch.float8_e4m3fn`): values are stored as e4m3 bit patterns in uint8
-tensors (CPU index_copy_ has no float8 kernel) with one fp32 scale per (layer, kv head), calibrated
+tensors (CPU index_copy_ has no float8 kernel) with one fp32 scale per (layer, row head), calibrated
 from the first write to each layer and fixed afterwards, so a page never needs rescaling.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ import heapq
 
 import numpy as np
 import torch
+
+from freetoken_py.kvcache.spec import PagedKV, StateSpec, page_bytes
 
 
 class OutOfPagesError(RuntimeError):
@@ -122,32 +125,46 @@ FP8_MARGIN = 2.0  # scale = margin * first absmax / FP8_MAX: later tokens may ru
 
 
 class KVCache:
-    """The K and V tensors of every layer, addressed by flat slot index."""
+    """The two per-token rows of every layer (K and V, or an MLA latent and rope key), addressed by
+    flat slot index."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 spec: StateSpec | None = None):
+        self.spec = spec or PagedKV(num_kv_heads, head_dim)
+        (kh, kw), (vh, vw) = self.spec.rows
         self.quantized = dtype == FP8
         storage = torch.uint8 if self.quantized else dtype
         self.device = torch.device(device)
-        self.k = torch.zeros(shape, dtype=storage, device=self.device)
-        self.v = torch.zeros(shape, dtype=storage, device=self.device)
+        self.k = torch.zeros((num_layers, num_pages * page_size, kh, kw), dtype=storage, device=self.device)
+        self.v = torch.zeros((num_layers, num_pages * page_size, vh, vw), dtype=storage, device=self.device)
         self.dtype = dtype
         self.page_size = page_size
         self.num_pages = num_pages
-        # [L, Hkv] fp32 scales; 0 = layer not calibrated yet (fp8 only)
-        self.k_scale = torch.zeros(num_layers, num_kv_heads, device=self.device)
-        self.v_scale = torch.zeros(num_layers, num_kv_heads, device=self.device)
+        # [L, row heads] fp32 scales; 0 = layer not calibrated yet (fp8 only)
+        self.k_scale = torch.zeros(num_layers, kh, device=self.device)
+        self.v_scale = torch.zeros(num_layers, vh, device=self.device)
         self._layer_calibrated = [not self.quantized] * num_layers  # a Python flag: no tensor op per write
+
+    @classmethod
+    def for_spec(cls, spec: StateSpec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> "KVCache":
+        return cls(num_layers, num_pages, page_size, 0, 0, dtype, device, spec=spec)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's state takes across every layer, measured from the stored tensors."""
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.k, self.v))
 
     def grow(self, num_pages: int) -> None:
         """Reallocate K and V for `num_pages` pages, keeping every stored token (slot ids do not
         change). Needs the new size free for a moment, on top of the old."""
         if num_pages <= self.num_pages:
             return
-        shape = (self.k.shape[0], num_pages * self.page_size, *self.k.shape[2:])
-        k = torch.empty(shape, dtype=self.k.dtype, device=self.device)   # both first: a failure
-        v = torch.empty(shape, dtype=self.v.dtype, device=self.device)   # leaves the cache as it was
+        size = num_pages * self.page_size
+        k = torch.empty((self.k.shape[0], size, *self.k.shape[2:]), dtype=self.k.dtype, device=self.device)
+        v = torch.empty((self.v.shape[0], size, *self.v.shape[2:]), dtype=self.v.dtype, device=self.device)
+        # (both first: a failure leaves the cache as it was)
         old = self.k.shape[1]
         for new, cur in ((k, self.k), (v, self.v)):
             new[:, :old].copy_(cur)
@@ -178,8 +195,7 @@ class KVCache:
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
-        elem = torch.empty(0, dtype=dtype).element_size()  # 1 for fp8: twice the pages of bf16
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+        return page_bytes(PagedKV(num_kv_heads, head_dim), num_layers, page_size, dtype)  # fp8: 1 byte a value
 
     @property
     def calibrated(self) -> bool:
@@ -200,7 +216,7 @@ class KVCache:
         return pages * self.page_size + pos % self.page_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, Hkv, hd] in the compute dtype."""
+        """k, v: [T, *spec.rows] in the compute dtype (paged K/V: [T, Hkv, hd] each)."""
         if not self.quantized:
             self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
             self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
@@ -213,7 +229,7 @@ class KVCache:
         self.v[layer].index_copy_(0, slots, _quantize(v, self.v_scale[layer]))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of `slots`: [ctx, Hkv, hd]; fp8 is dequantised to fp32."""
+        """The two rows of `slots`: [ctx, *spec.rows]; fp8 is dequantised to fp32."""
         k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
         if not self.quantized:
             return k, v
