@@ -20,7 +20,7 @@ from server_util import ServerThread
 N = int(os.environ.get("FREETOKEN_FUZZ_EXAMPLES", 100))  # per structured test; ~2,300 requests in all
 SETTINGS = settings(max_examples=N, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                     database=None)
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens", "/v1/messages?beta=true")
 
 
@@ -91,6 +91,27 @@ ANTHROPIC_FIELDS = dict(COMMON, max_tokens=small_tokens,
                         tool_choice=json_any, stop_sequences=st.one_of(st.lists(st.text(max_size=5), max_size=6), json_any),
                         thinking=st.one_of(st.sampled_from([{"type": "adaptive"}, {"type": "enabled", "budget_tokens": 8}]), json_any),
                         context_management=json_any, output_config=json_any)
+item = st.one_of(message, st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference",
+                              "local_shell_call", 5, None])},
+    optional={"role": st.sampled_from(["user", "assistant", "developer", "system", "tool", 3]), "content": content,
+              "call_id": st.one_of(ascii_text, json_any), "name": st.one_of(ascii_text, json_any),
+              "arguments": st.one_of(st.sampled_from(['{"a": 1}', "{bad", "", "[]"]), json_any),
+              "output": st.one_of(st.text(max_size=20), content, json_any), "summary": json_any,
+              "encrypted_content": json_any, "id": json_any}))
+responses_tool = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["function", "namespace", "web_search",
+                                                                            "local_shell", "custom", 2])},
+                                                 optional={"name": st.one_of(ascii_text, json_any), "parameters": schema,
+                                                           "strict": json_any, "tools": json_any}), json_any)
+RESPONSES_FIELDS = dict(COMMON, max_output_tokens=small_tokens, instructions=st.one_of(st.text(max_size=20), content),
+                        input=st.one_of(st.text(max_size=30), st.lists(item, max_size=4), json_any),
+                        tools=st.one_of(st.lists(responses_tool, max_size=3), json_any),
+                        tool_choice=st.one_of(st.sampled_from(["auto", "none", "required"]), json_any),
+                        reasoning=st.one_of(st.fixed_dictionaries({}, optional={"effort": json_any, "summary": json_any}),
+                                            json_any),
+                        previous_response_id=st.one_of(st.none(), json_any), store=json_any, include=json_any,
+                        parallel_tool_calls=json_any, prompt_cache_key=json_any, text=json_any)
+RESPONSES_BASE = {"model": "demo", "input": "hi", "max_output_tokens": 2}
 OPENAI_BASE = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION_BASE = {"model": "demo", "prompt": "def f(x):", "max_tokens": 2}
 ANTHROPIC_BASE = {"model": "claude-x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -108,9 +129,9 @@ def mutated(draw, base: dict, fields: dict) -> dict:
             body[key] = draw(fields[key])
     # keep generations short (a full-context generation costs seconds on a busy 2-core box); the
     # invalid values of these fields are still sent as drawn
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if all(body.get(k) is None for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
         body["max_tokens"] = 3
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if type(body.get(key)) is int and body[key] > 4:
             body[key] = 4
     return body
@@ -143,6 +164,10 @@ def _check_stream(path: str, text: str) -> None:
         if events[-1] == "error":
             payload = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")][-1]
             assert _is_anthropic_error(payload), payload
+    elif path.startswith("/v1/responses"):
+        events = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+        assert events and events[0] == "response.created", text[-500:]
+        assert events[-1] in ("response.completed", "response.incomplete", "response.failed"), text[-500:]
     else:
         data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert data and data[-1] == "[DONE]", text[-500:]
@@ -185,6 +210,12 @@ def test_fuzz_completions(server, body, hdrs):
 
 
 @SETTINGS
+@given(body=mutated(RESPONSES_BASE, RESPONSES_FIELDS), hdrs=headers)
+def test_fuzz_responses(server, body, hdrs):
+    exchange(server, "POST", "/v1/responses", _encode(body), hdrs)
+
+
+@SETTINGS
 @given(body=mutated(ANTHROPIC_BASE, ANTHROPIC_FIELDS), hdrs=headers, path=st.sampled_from(ANTHROPIC_PATHS))
 def test_fuzz_messages(server, body, hdrs, path):
     exchange(server, "POST", path, _encode(body), hdrs)
@@ -195,7 +226,7 @@ raw_bodies = st.one_of(
     st.just(b'{"max_tokens": NaN, "messages": []}'), st.just(b'{"a": 1e999999}'), st.just(b"\xff\xfe{}"),
     st.integers(1, 200_000).map(lambda n: b"[" * n + b"]" * n),  # nesting far past Python's recursion limit
     st.integers(16_000, 40_000).map(lambda n: b'{"x": "' + b"a" * n + b'"}'),  # around the 16 KB body cap
-    st.sampled_from([json.dumps(OPENAI_BASE), json.dumps(ANTHROPIC_BASE)]).flatmap(
+    st.sampled_from([json.dumps(OPENAI_BASE), json.dumps(ANTHROPIC_BASE), json.dumps(RESPONSES_BASE)]).flatmap(
         lambda s: st.integers(0, len(s)).map(lambda i: s[:i].encode())))  # truncated valid requests
 
 
@@ -215,7 +246,7 @@ def test_chunked_upload_over_the_cap(server):
         for _ in range(40):
             yield b"a" * 1024
         yield b'"}], "max_tokens": 2}'
-    for path in ("/v1/chat/completions", "/v1/messages"):
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
         resp = server.client.post(path, content=chunks())
         assert resp.status_code == 413, resp.text
         assert (_is_anthropic_error if path == "/v1/messages" else _is_openai_error)(resp.json())
@@ -226,7 +257,8 @@ def test_extreme_sampling_values(server, sampling):
     """Found by the fuzzer: a positive temperature or top_p below fp32's smallest value used to
     make the sampler's distribution NaN / empty, kill the engine thread, and turn every later
     request into a 503. Tiny values must behave as their limit (greedy / the top token)."""
-    for path, base in (("/v1/chat/completions", OPENAI_BASE), ("/v1/messages", ANTHROPIC_BASE)):
+    for path, base in (("/v1/chat/completions", OPENAI_BASE), ("/v1/messages", ANTHROPIC_BASE),
+                       ("/v1/responses", RESPONSES_BASE)):
         resp = server.client.post(path, json=dict(base, **sampling))
         assert resp.status_code == 200, resp.text
     assert server.client.get("/ready").status_code == 200

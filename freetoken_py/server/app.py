@@ -189,9 +189,10 @@ def create_app(load: Callable[[], object], state: ServerState) -> FastAPI:
     app.state.freetoken = state
     _add_error_handlers(app)
     _add_service_routes(app, state)
-    from freetoken_py.server import anthropic_api, openai_api
+    from freetoken_py.server import anthropic_api, openai_api, responses_api
 
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.add_middleware(Guard, state=state)
     return app

@@ -13,6 +13,7 @@ import json
 from freetoken_py.server.protocol import ApiError, ServerLimits, bad
 
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request block; defeats prefix caching
+TEXT_PARTS = ("text", "input_text", "output_text")  # Chat / Anthropic blocks, Responses API parts
 
 
 def _text_of(content, where: str, keep_tool_results: bool = False) -> str:
@@ -29,7 +30,7 @@ def _text_of(content, where: str, keep_tool_results: bool = False) -> str:
     for block in content:
         if isinstance(block, str):
             parts.append(block)
-        elif isinstance(block, dict) and block.get("type") == "text":
+        elif isinstance(block, dict) and block.get("type") in TEXT_PARTS:
             text = block.get("text")
             if not isinstance(text, str):
                 raise bad(f"a text block in '{where}' needs a string 'text'", where)
@@ -125,6 +126,84 @@ def openai_tools(body: dict, limits: ServerLimits) -> list[dict] | None:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise bad(f"'tools[{i}].function.parameters' must be an object", f"tools[{i}]")
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+# ---- OpenAI Responses -------------------------------------------------------------------------
+def responses_messages(body: dict, limits: ServerLimits) -> list[dict]:
+    """`instructions` + `input` (a string, or items: messages, function_call, function_call_output,
+    reasoning) as template messages. Reasoning items are dropped (templates re-derive them); a
+    function_call joins the assistant message before it; unknown item types are ignored."""
+    raw = body.get("input")
+    if raw is None:
+        raise bad("'input' is required", "input")
+    if isinstance(raw, str):
+        raw = [{"type": "message", "role": "user", "content": raw}]
+    items = _check_list(raw, "input", limits.max_messages)
+    system = [_text_of(body.get("instructions"), "instructions")]
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad(f"'{where}' must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            _responses_message(item, where, system, out)
+        elif kind == "function_call":
+            _responses_call(item, where, out)
+        elif kind == "function_call_output":
+            output = _text_of(item.get("output"), f"{where}.output")
+            out.append({"role": "tool", "content": output, "tool_call_id": str(item.get("call_id") or "")})
+        elif kind == "item_reference":
+            raise bad(f"'{where}': item references need stored responses; this server keeps none "
+                      "(send the items themselves)", where)
+    if not out:
+        raise bad("'input' must contain at least one user, assistant or tool item", "input")
+    return _merge_system(system, out)
+
+
+def _responses_message(item: dict, where: str, system: list[str], out: list[dict]) -> None:
+    role = item.get("role")
+    content = _text_of(item.get("content"), f"{where}.content")
+    if role in ("system", "developer"):
+        system.append(content)
+    elif role in ("user", "assistant"):
+        out.append({"role": role, "content": content})
+    else:
+        raise bad(f"'{where}.role' must be developer, system, user or assistant (got {role!r})", f"{where}.role")
+
+
+def _responses_call(item: dict, where: str, out: list[dict]) -> None:
+    if not isinstance(item.get("name"), str) or not item["name"]:
+        raise bad(f"'{where}.name' is required", f"{where}.name")
+    call = {"id": str(item.get("call_id") or ""), "type": "function",
+            "function": {"name": item["name"], "arguments": _arguments(item.get("arguments"), f"{where}.arguments")}}
+    if not out or out[-1]["role"] != "assistant":
+        out.append({"role": "assistant", "content": ""})
+    out[-1].setdefault("tool_calls", []).append(call)
+
+
+def responses_tools(body: dict, limits: ServerLimits) -> list[dict] | None:
+    """Flat Responses function tools (`{"type": "function", "name", "parameters", ...}`) as
+    template tools; tools we cannot run (namespace, web_search, local_shell, custom, ...) are
+    skipped, not rejected. None when none are left or tool_choice is "none"."""
+    tools = body.get("tools")
+    if tools is None or body.get("tool_choice") == "none":
+        return None
+    out = []
+    for i, tool in enumerate(_check_list(tools, "tools", limits.max_tools)):
+        if not isinstance(tool, dict):
+            raise bad(f"'tools[{i}]' must be an object", f"tools[{i}]")
+        if tool.get("type") != "function":
+            continue
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad(f"'tools[{i}].name' is required", f"tools[{i}].name")
+        params = tool.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad(f"'tools[{i}].parameters' must be an object", f"tools[{i}].parameters")
+        fn = {"name": tool["name"], "description": str(tool.get("description") or ""),
+              "parameters": params or {"type": "object", "properties": {}}}
         out.append({"type": "function", "function": fn})
     return out or None
 
