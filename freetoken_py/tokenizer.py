@@ -68,12 +68,42 @@ class Tokenizer:
         if self._compiled is None:
             self._compiled = _sandbox().from_string(self.chat_template)
         try:
+            messages = [_with_json_arguments(m) for m in messages]
             return self._compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except FreetokenError:
             raise
         except Exception as exc:
             raise FreetokenError(f"chat template failed: {exc}") from None
+
+
+class TemplateArguments(dict):
+    """A tool call's arguments as templates see them: a dict (most templates iterate `.items()`)
+    that prints and concatenates as its JSON text (DeepSeek V3.1's writes `name + '<｜tool▁sep｜>'
+    + arguments`, as for the OpenAI convention's string arguments)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other):
+        return str(self) + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other):
+        return other + str(self) if isinstance(other, str) else NotImplemented
+
+
+def _with_json_arguments(message):
+    """The message with each tool call's dict arguments as TemplateArguments (copies, not in place)."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and type(fn.get("arguments")) is dict:
+            call = {**call, "function": {**fn, "arguments": TemplateArguments(fn["arguments"])}}
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 def _sandbox():
@@ -85,7 +115,8 @@ def _sandbox():
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # loopcontrols ({% break %}, {% continue %}) as transformers enables it: Kimi K2-Thinking's template uses it
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

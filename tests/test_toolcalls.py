@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from freetoken_py.server.toolcalls import (OutputParser, ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgs,
-                                           ToolCallEnd, ToolCallStart, UnsupportedToolFormat, detect_reasoning,
-                                           detect_tool_format, parse_output)
+from freetoken_py.server.toolcalls import (SUPPORTED, OutputParser, ParsedOutput, ReasoningDelta, TextDelta,
+                                           ToolCallArgs, ToolCallEnd, ToolCallStart, UnsupportedToolFormat,
+                                           detect_reasoning, detect_tool_format, parse_output)
 from freetoken_py.tokenizer import Tokenizer
 
 DEMO = Path(__file__).resolve().parents[1] / "freetoken_py" / "data" / "demo_model"
@@ -75,9 +75,9 @@ def _chunked(text: str, cuts: list[int], **kw) -> list:
 def test_detect_on_real_and_snippet_templates():
     assert detect_tool_format(Tokenizer(DEMO).chat_template) == "qwen3_json"
     assert detect_tool_format(QWEN3_CODER_SNIPPET) == "qwen3_coder_xml"
-    assert detect_tool_format(GLM45_SNIPPET) == "unsupported:glm45"  # has <tool_call> too; must not be taken as Qwen3
+    assert detect_tool_format(GLM45_SNIPPET) == "glm45"  # has <tool_call> too; must not be taken as Qwen3
     assert detect_tool_format(HARMONY_SNIPPET) == "unsupported:harmony"
-    assert detect_tool_format(DEEPSEEK_SNIPPET) == "unsupported:deepseek"
+    assert detect_tool_format(DEEPSEEK_SNIPPET) == "deepseek_v31"
     assert detect_tool_format(PLAIN_SNIPPET) == "none"
     assert detect_tool_format(None) == "none"
     assert detect_tool_format("{% if tools %}{{ tools | tojson }}{% endif %}") == "unsupported:unknown"
@@ -85,10 +85,11 @@ def test_detect_on_real_and_snippet_templates():
 
 
 def test_unsupported_format_refused_only_when_tools_requested():
-    with pytest.raises(UnsupportedToolFormat, match="glm45"):
-        OutputParser("unsupported:glm45", tools_enabled=True)
+    with pytest.raises(UnsupportedToolFormat, match="harmony"):
+        OutputParser("unsupported:harmony", tools_enabled=True)
     # without tools the text passes through untouched, markup and all
-    assert parse_output("<tool_call>x</tool_call>", "unsupported:glm45").content == "<tool_call>x</tool_call>"
+    assert parse_output("<tool_call>x</tool_call>", "unsupported:harmony").content == "<tool_call>x</tool_call>"
+    assert parse_output("<tool_call>x</tool_call>", "glm45").content == "<tool_call>x</tool_call>"
     with pytest.raises(ValueError):
         OutputParser("qwen4_magic")
 
@@ -199,12 +200,18 @@ def test_streaming_events_shape():
 
 _PIECES = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<", "</", "<tool", "<think", "</thi", "\n", " ",
            "hello", "ü€", '{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"name": "f"}', "{bad",
-           "<function=f>", "<parameter=a>\n1\n</parameter>", "</function>", "<tool_call>\n<function=g>\n"]
+           "<function=f>", "<parameter=a>\n1\n</parameter>", "</function>", "<tool_call>\n<function=g>\n",
+           # the other families' markup (GLM, DeepSeek, Kimi, MiniMax), whole and cut
+           "f\n<arg_key>a</arg_key>", "<arg_value>[1]</arg_value>", "<arg_", "<｜tool▁calls▁begin｜>",
+           "<｜tool▁call▁begin｜>", "f<｜tool▁sep｜>{}", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<｜tool",
+           "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "functions.f:0<|tool_call_argument_begin|>{}",
+           "<|tool_call_end|>", "<|tool_calls_section_end|>", "<|tool_", "<minimax:tool_call>", "<invoke",
+           ' name="f">', '<parameter name="a">1</parameter>', "</invoke>", "</minimax:tool_call>", "<minimax:"]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(pieces=st.lists(st.sampled_from(_PIECES), max_size=14), cuts=st.lists(st.integers(0, 400), max_size=12),
-       fmt=st.sampled_from(["qwen3_json", "qwen3_coder_xml", "none"]), reasoning=st.sampled_from([False, True, "open"]),
+       fmt=st.sampled_from(SUPPORTED), reasoning=st.sampled_from([False, True, "open"]),
        tools=st.booleans())
 def test_any_split_gives_the_same_events(pieces, cuts, fmt, reasoning, tools):
     text = "".join(pieces)

@@ -108,6 +108,21 @@ def _chat_body(got, prep: Prepared, meta: dict) -> dict:
             "usage": _usage(len(prep.prompt_ids), final, len(final.output.token_ids))}
 
 
+def chat_delta(ev) -> dict | None:
+    """A parser event as a chat.completion.chunk delta (None: an event this wire format does not
+    carry, e.g. a tool call's end). Tool calls: id and name first, then the arguments."""
+    if isinstance(ev, TextDelta):
+        return {"content": ev.text}
+    if isinstance(ev, ReasoningDelta):
+        return {"reasoning_content": ev.text}
+    if isinstance(ev, ToolCallStart):
+        return {"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                "function": {"name": ev.name, "arguments": ""}}]}
+    if isinstance(ev, ToolCallArgs):
+        return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
+    return None
+
+
 async def _chat_chunks(st, stream, parser, prep: Prepared, meta: dict, include_usage: bool):
     def chunk(delta: dict, finish: str | None = None) -> str:
         body = {**meta, "object": "chat.completion.chunk", "system_fingerprint": None,
@@ -121,16 +136,9 @@ async def _chat_chunks(st, stream, parser, prep: Prepared, meta: dict, include_u
     async for ev in engine_events(st.engine, stream, parser, st.limits.ping_interval_s):
         if ev is None:
             yield KEEPALIVE_COMMENT
-        elif isinstance(ev, TextDelta):
-            yield chunk({"content": ev.text})
-        elif isinstance(ev, ReasoningDelta):
-            yield chunk({"reasoning_content": ev.text})
-        elif isinstance(ev, ToolCallStart):
-            has_tools = True
-            yield chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                         "function": {"name": ev.name, "arguments": ""}}]})
-        elif isinstance(ev, ToolCallArgs):
-            yield chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
+        elif (delta := chat_delta(ev)) is not None:
+            has_tools = has_tools or isinstance(ev, ToolCallStart)
+            yield chunk(delta)
         elif isinstance(ev, Final):
             if ev.error:
                 yield data_line(openai_error_body(stream_error(ev)))

@@ -1,0 +1,48 @@
+"""Tool calls and reasoning parsed out of a model's generated text, one-shot or streaming.
+
+The format is taken from the chat template (`detect_tool_format`, falling back on the config's
+model_type): Qwen3 / Hermes JSON in `<tool_call>`, Qwen3-Coder / Qwen3.5 XML
+(`<function=NAME><parameter=K>V</parameter>`, also inside reasoning), GLM-4.5+
+(`<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>`), DeepSeek V3.x
+(`<｜tool▁calls▁begin｜>` sections), Kimi K2 (`<|tool_calls_section_begin|>` with
+`functions.NAME:IDX` ids) and MiniMax-M2 (`<minimax:tool_call><invoke name=...>`). Other families
+are recognised and refused with `UnsupportedToolFormat` when tools are requested, instead of
+leaking raw markup to the client as text.
+
+Pure Python, no model or tokenizer: the server owns when to feed and what to send.
+"""
+from __future__ import annotations
+
+from freetoken_py.server.toolcalls.events import (
+    ParsedOutput,
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+    collect,
+    new_call_id,
+)
+from freetoken_py.server.toolcalls.formats import (
+    FORMATS,
+    SUPPORTED,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ToolFormat,
+    detect_reasoning,
+    detect_tool_format,
+)
+from freetoken_py.server.toolcalls.parser import OutputParser, UnsupportedToolFormat
+
+__all__ = ["FORMATS", "SUPPORTED", "THINK_CLOSE", "THINK_OPEN", "OutputParser", "ParsedOutput", "ReasoningDelta",
+           "TextDelta", "ToolCall", "ToolCallArgs", "ToolCallEnd", "ToolCallStart", "ToolFormat",
+           "UnsupportedToolFormat", "collect", "detect_reasoning", "detect_tool_format", "new_call_id",
+           "parse_output"]
+
+
+def parse_output(text: str, tool_format: str = "none", reasoning: bool | str = False,
+                 tools_enabled: bool = False, tools: list[dict] | None = None) -> ParsedOutput:
+    """One-shot parse of a whole generation (the same parser as streaming, fed once)."""
+    parser = OutputParser(tool_format, reasoning, tools_enabled, tools=tools)
+    return collect(parser.feed(text) + parser.finish())
