@@ -198,6 +198,49 @@ def probe(
     run_probe(model_dir=model, as_json=as_json, reprofile=reprofile)
 
 
+# `freetoken eval ...`: one command per measurement (evals/); each imports its implementation lazily.
+eval_app = typer.Typer(no_args_is_help=True, help="Measure what a fast configuration changes, against a reference.")
+app.add_typer(eval_app, name="eval")
+
+
+@eval_app.command("kld")
+def eval_kld(
+    files: Optional[list[Path]] = typer.Argument(None, help="Text files (default: the shipped corpus, "
+                                                 "freetoken_py/data/corpus: prose and Python source)."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the demo model)."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Reference checkpoint (default: --model at its "
+                                           "own precision). Must have the same vocabulary."),
+    expert_dtype: str = typer.Option("auto", "--expert-dtype", help="Fast configuration: experts as auto, bf16, "
+                                     "fp32, int8, int4."),
+    dense_dtype: str = typer.Option("auto", "--dense-dtype", help="Fast configuration: attention/router/lm_head "
+                                    "weights as auto, bf16, fp32, int8, int4."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Fast configuration: KV cache as auto, fp32, bf16, fp8."),
+    kv_scales: Optional[Path] = typer.Option(None, "--kv-scales", help="fp8: JSON cache of the calibrated scales."),
+    backend: str = typer.Option("auto", "--backend", help="Both engines: auto, cpu or torch."),
+    dtype: str = typer.Option("auto", "--dtype", help="Both engines' compute dtype."),
+    window: int = typer.Option(256, "--window", min=2, help="Tokens per window (each starts a fresh context)."),
+    windows: int = typer.Option(16, "--windows", min=1, help="Windows at most, evenly spread over the text."),
+    chunk: int = typer.Option(1, "--chunk", min=1, help="Tokens per forward pass (1: every position is a decode "
+                              "step reading its history from the KV cache)."),
+    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0 = all cores)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON line."),
+) -> None:
+    """KL divergence of next-token distributions, teacher-forced over real text: mean / p99 / max,
+    same top-1 %, perplexity of both."""
+    from freetoken_py.evals.kld import KldOptions, kld_main
+    from freetoken_py.kernels import configure_threads
+
+    if against is not None and not against.is_dir():
+        raise FreetokenError(f"--against {against}: no such directory (expected a Hugging Face checkpoint folder)")
+    configure_threads(threads or None)
+    fast = {k: v for k, v in dict(expert_dtype=expert_dtype, dense_dtype=dense_dtype, kv_dtype=kv_dtype).items()
+            if v != "auto"}
+    both = {k: v for k, v in dict(backend=backend, dtype=dtype).items() if v != "auto"}
+    kld_main(KldOptions(_resolve_model(model), against, tuple(files or ()), window, windows, chunk,
+                        fast={**both, **fast, **({"kv_scales": str(kv_scales)} if kv_scales else {})},
+                        reference=both, as_json=as_json, show_progress=not as_json))
+
+
 def main() -> None:
     try:
         app()

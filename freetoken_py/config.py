@@ -22,6 +22,7 @@ class EngineConfig:
     expert_cache: str = "auto"  # expert store (cpu backend, tiers with expert_dtype): auto (map the expert-bank cache file, else build + write it) | off | rebuild
     show_progress: bool = True
     kv_dtype: str = "auto"  # auto (the checkpoint dtype on the cpu backend, else the compute dtype) | fp32 | bf16 | fp8 (e4m3, per-head scales fixed at warm-up)
+    kv_scales: str = ""  # fp8 KV: JSON cache of the calibrated scales (read if it exists, else written)
     enable_prefix_cache: bool = True  # share full KV pages of common prefixes across requests and turns
     kv_integrity_check: bool = True  # page generation tags checked before every step (see kvcache/tags.py)
     residency: str = "off"  # off | emulate (accelerator tier on CPU tensors, times from a profile) | cuda

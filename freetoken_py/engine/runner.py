@@ -44,11 +44,12 @@ class ModelRunner:
             self._max_threads = configured_threads()
             self.governor = ThreadGovernor(self._max_threads) if adaptive_threads() else None
 
-    def forward_batch(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Runs every chunk in one forward; returns fp32 logits [num_sampling_chunks, V] in chunk order."""
+    def forward_batch(self, chunks: list[ScheduledChunk], all_rows: bool = False) -> torch.Tensor:
+        """Runs every chunk in one forward; returns fp32 logits [num_sampling_chunks, V] in chunk order
+        (all_rows: of every token computed, [sum num_new, V], for teacher-forced evaluation)."""
         if self.fused is not None:
             if all(ch.num_new == 1 for ch in chunks):
-                return self._forward_decode(chunks)
+                return self._forward_decode(chunks, all_rows)
             set_kernel_threads(self._max_threads)  # prefill: long regions, every core
         ids, positions, seqs, sample_rows = [], [], [], []
         row = 0
@@ -65,12 +66,12 @@ class ModelRunner:
         new_slots = torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])  # new tokens end each context
         meta = AttentionMetadata(new_slots, seqs)
         hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.cache)  # [T, D]
-        logits = self.model.logits(hidden[sample_rows])  # [S, V]
+        logits = self.model.logits(hidden if all_rows else hidden[sample_rows])  # [S, V]
         for ch in chunks:   # only once the whole pass is done: a failed pass can be run again as is
             ch.req.num_computed += ch.num_new
         return logits
 
-    def _forward_decode(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _forward_decode(self, chunks: list[ScheduledChunk], all_rows: bool = False) -> torch.Tensor:
         """One token per chunk through the fused numba step (same results as forward_batch's path)."""
         window, ctx, sample_rows = self.model.args.sliding_window, [], []
         for i, ch in enumerate(chunks):
@@ -89,7 +90,7 @@ class ModelRunner:
                                     [ch.req.num_computed for ch in chunks], flat, ctx_off, new_slots)
         for ch in chunks:
             ch.req.num_computed += 1
-        logits = self.model.logits(hidden[sample_rows])
+        logits = self.model.logits(hidden if all_rows else hidden[sample_rows])
         if gov is not None:
             gov.record(rows, threads, time.perf_counter() - t0, context)
         return logits

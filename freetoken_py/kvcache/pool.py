@@ -14,7 +14,9 @@ a holder can prove the page is still the one it was given (see tags.py).
 
 FP8 storage (`kv_dtype=torch.float8_e4m3fn`): values are stored as e4m3 bit patterns in uint8
 tensors (CPU index_copy_ has no float8 kernel) with one fp32 scale per (layer, row head), calibrated
-from the first write to each layer and fixed afterwards, so a page never needs rescaling.
+from the first write to each layer (LLM makes that a prefill of real text) or set from a file
+(`set_scales`), and fixed afterwards, so a page never needs rescaling; values beyond the range
+saturate and are counted (`clipped_per_layer`).
 """
 from __future__ import annotations
 
@@ -145,6 +147,9 @@ class KVCache:
         self.k_scale = torch.zeros(num_layers, kh, device=self.device)
         self.v_scale = torch.zeros(num_layers, vh, device=self.device)
         self._layer_calibrated = [not self.quantized] * num_layers  # a Python flag: no tensor op per write
+        # [L] int64 FP8 elements written beyond +-448 x scale (saturated: outliers the calibration
+        # did not see); a device tensor, so counting never waits for the device
+        self.clipped_per_layer = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
 
     @classmethod
     def for_spec(cls, spec: StateSpec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
@@ -201,6 +206,33 @@ class KVCache:
     def calibrated(self) -> bool:
         return all(self._layer_calibrated)
 
+    @property
+    def clipped(self) -> int:
+        """FP8 elements (K and V) clipped to +-448 x scale since start-up (0 unless quantized)."""
+        return int(self.clipped_per_layer.sum())
+
+    def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Fix the FP8 scales ([L, row heads] each, > 0) before any write, e.g. from a --kv-scales
+        file. In place: the fused decoder holds views of these tensors."""
+        if not self.quantized:
+            raise ValueError("scales are for an FP8 cache")
+        for name, new, cur in (("k_scale", k_scale, self.k_scale), ("v_scale", v_scale, self.v_scale)):
+            if tuple(new.shape) != tuple(cur.shape):
+                raise ValueError(f"{name}: shape {tuple(new.shape)}, the cache has {tuple(cur.shape)} (layers, heads)")
+            if not bool((new > 0).all()) or not bool(torch.isfinite(new).all()):
+                raise ValueError(f"{name}: every scale must be a finite number > 0")
+            cur.copy_(new)
+        self._layer_calibrated = [True] * len(self._layer_calibrated)
+
+    def recalibrate(self) -> None:
+        """Forget the FP8 scales and clip counts: the next write to each layer calibrates it again.
+        Only while no page holds FP8 values written with the old scales."""
+        if self.quantized:
+            self.k_scale.zero_()
+            self.v_scale.zero_()
+            self.clipped_per_layer.zero_()
+            self._layer_calibrated = [False] * len(self._layer_calibrated)
+
     def scales_fingerprint(self) -> tuple | None:
         """What the stored bytes mean: part of the prefix cache's namespace. None until calibrated."""
         if not self.quantized:
@@ -225,8 +257,10 @@ class KVCache:
             self.k_scale[layer] = _calibrate(k)
             self.v_scale[layer] = _calibrate(v)
             self._layer_calibrated[layer] = True
-        self.k[layer].index_copy_(0, slots, _quantize(k, self.k_scale[layer]))
-        self.v[layer].index_copy_(0, slots, _quantize(v, self.v_scale[layer]))
+        for dst, x, scale in ((self.k, k, self.k_scale[layer]), (self.v, v, self.v_scale[layer])):
+            q, clipped = _quantize(x, scale)
+            dst[layer].index_copy_(0, slots, q)
+            self.clipped_per_layer[layer] += clipped
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The two rows of `slots`: [ctx, *spec.rows]; fp8 is dequantised to fp32."""
@@ -242,10 +276,11 @@ def _calibrate(x: torch.Tensor) -> torch.Tensor:
     return (absmax * FP8_MARGIN / FP8_MAX).clamp_min(1e-6)
 
 
-def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [T, Hkv, hd]; scale: [Hkv] -> uint8 e4m3 bit patterns (saturating)."""
-    y = (x.float() / scale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    return y.to(FP8).view(torch.uint8)
+def _quantize(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, Hkv, hd]; scale: [Hkv] -> uint8 e4m3 bit patterns (saturating), elements saturated."""
+    y = x.float() / scale[None, :, None]
+    clipped = (y.abs() > FP8_MAX).sum()      # 0-d int64 on x's device: the saturated elements
+    return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8), clipped
 
 
 def _dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
