@@ -41,6 +41,15 @@ class Tokenizer:
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token is not None
         self._compiled = None
+        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self._keep: frozenset[int] = frozenset()
+
+    def keep_in_text(self, markup) -> None:
+        """Special tokens that `decode` keeps even when it skips special tokens: the tool-call and
+        reasoning tags of the model's chat format, which the output parser must see (GLM's
+        <tool_call> and Kimi's <|tool_call_begin|> are special tokens). Strings that are not
+        special tokens of this vocabulary are ignored."""
+        self._keep = frozenset(i for i in map(self.token_to_id, markup) if i in self._special_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -58,6 +67,9 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._keep:
+            ids = [i for i in ids if i in self._keep or i not in self._special_ids]
+            skip_special_tokens = False
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,

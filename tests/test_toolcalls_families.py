@@ -322,3 +322,34 @@ def test_untyped_values_and_kimi_names():
     (call,) = parse_output(kimi, "kimi_k2", tools_enabled=True).tool_calls
     assert (call.id, call.name, json.loads(call.arguments)) == ("functions.mcp__w__get_weather:7",
                                                                "mcp__w__get_weather", {"city": "Rome"})
+
+
+def test_special_markup_tokens_reach_the_parser(tmp_path, tokenizers):
+    """Where a vocabulary holds the tags as special tokens (GLM's <tool_call>, Kimi's section tokens),
+    skipping special tokens while detokenizing would hide the calls: the format's tags are kept,
+    other special tokens still dropped."""
+    from freetoken_py.server.toolcalls import markup_tokens
+    from freetoken_py.tokenizer import IncrementalDetokenizer
+    spec = json.loads((DEMO / "tokenizer.json").read_text(encoding="utf-8"))
+    for tok in spec["added_tokens"]:
+        tok["special"] = tok["special"] or tok["content"] in ("<tool_call>", "</tool_call>", "<think>", "</think>")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    shutil.copy(TEMPLATES / "glm-4.6.jinja", tmp_path / "chat_template.jinja")
+    tok = Tokenizer(tmp_path)
+    fam = FAMILIES[3]
+    messages = openai_messages(_openai_history(fam), LIMITS)
+    prompt = tok.apply_chat_template(messages, tools=TOOLS)
+    text = _generated(tok, fam, messages, prompt)
+    ids = tok.encode(text + "<|im_end|>")
+    assert tok.token_to_id("<tool_call>") in ids
+
+    def detokenized() -> str:
+        detok = IncrementalDetokenizer(tok, tok.encode(prompt))
+        return "".join(detok.push(i) for i in ids)
+
+    assert "<tool_call>" not in detokenized()  # what the engine's stream carried before
+    tok.keep_in_text(markup_tokens("glm45"))
+    assert detokenized() == text  # <|im_end|> (special, not markup) is still dropped
+    out = parse_output(detokenized(), "glm45", reasoning=True, tools_enabled=True, tools=TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == NEW_CALLS
+    assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_end|>")

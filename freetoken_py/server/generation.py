@@ -16,6 +16,7 @@ from freetoken_py.server.toolcalls import (
     ParsedOutput,
     detect_reasoning,
     detect_tool_format,
+    markup_tokens,
 )
 from freetoken_py.server.toolcalls import collect as collect_events
 
@@ -50,7 +51,8 @@ async def prepare_chat(llm, engine: AsyncEngine, messages: list[dict], tools: li
     # template rendering + tokenizing a long conversation takes milliseconds: off the event loop
     ids, reasoning = await asyncio.to_thread(render_chat, llm, messages, tools)
     engine.check_prompt(len(ids))
-    tool_format = detect_tool_format(llm.tokenizer.chat_template)
+    tool_format = detect_tool_format(llm.tokenizer.chat_template, llm.args.model_type)
+    llm.tokenizer.keep_in_text(markup_tokens(tool_format))  # the parser's tags survive detokenizing
     prep = Prepared(ids, make_params(llm, engine, sampling, max_tokens, stop, len(ids)), tool_format, reasoning, tools)
     prep.parser()  # fail now (400) rather than after the headers went out
     return prep

@@ -32,12 +32,13 @@ from freetoken_py.server.toolcalls.formats import (
     ToolFormat,
     detect_reasoning,
     detect_tool_format,
+    markup_tokens,
 )
 from freetoken_py.server.toolcalls.parser import OutputParser, UnsupportedToolFormat
 
 __all__ = ["FORMATS", "SUPPORTED", "THINK_CLOSE", "THINK_OPEN", "OutputParser", "ParsedOutput", "ReasoningDelta",
            "TextDelta", "ToolCall", "ToolCallArgs", "ToolCallEnd", "ToolCallStart", "ToolFormat",
-           "UnsupportedToolFormat", "collect", "detect_reasoning", "detect_tool_format", "new_call_id",
+           "UnsupportedToolFormat", "collect", "detect_reasoning", "detect_tool_format", "markup_tokens", "new_call_id",
            "parse_output"]
 
 

@@ -24,16 +24,22 @@ class ToolFormat:
     call_open: str | None = None
     call_close: str | None = None
     in_reasoning: bool = False
+    inner: tuple[str, ...] = ()  # tags inside a call body that a vocabulary may hold as single tokens
+
+    @property
+    def markup(self) -> tuple[str, ...]:
+        return tuple(t for t in (self.open, self.close, self.call_open, self.call_close, *self.inner) if t)
 
 
 FORMATS = {f.name: f for f in (
     ToolFormat("qwen3_json", "<tool_call>", "</tool_call>", bodies.qwen3_json),
     ToolFormat("qwen3_coder_xml", "<tool_call>", "</tool_call>", bodies.qwen3_coder_xml, in_reasoning=True),
-    ToolFormat("glm45", "<tool_call>", "</tool_call>", bodies.glm45),
+    ToolFormat("glm45", "<tool_call>", "</tool_call>", bodies.glm45,
+               inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
     ToolFormat("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", bodies.deepseek,
-               "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"),
+               "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", inner=(bodies.DEEPSEEK_SEP,)),
     ToolFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", bodies.kimi_k2,
-               "<|tool_call_begin|>", "<|tool_call_end|>"),
+               "<|tool_call_begin|>", "<|tool_call_end|>", inner=(bodies.KIMI_ARGS,)),
     ToolFormat("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", bodies.minimax_m2,
                "<invoke", "</invoke>"),
 )}
@@ -75,6 +81,13 @@ def detect_tool_format(chat_template: str | None, model_type: str | None = None)
     if not re.search(r"\btools\b", chat_template):
         return "none"
     return _MODEL_TYPES.get(model_type or "", "unsupported:unknown")  # refuse rather than guess
+
+
+def markup_tokens(tool_format: str) -> tuple[str, ...]:
+    """The tags the parser reads for a format, <think> and </think> included: what the
+    detokenizer must not drop as special tokens (Tokenizer.keep_in_text)."""
+    fmt = FORMATS.get(tool_format)
+    return (THINK_OPEN, THINK_CLOSE) + (fmt.markup if fmt else ())
 
 
 def detect_reasoning(chat_template: str | None) -> bool:
