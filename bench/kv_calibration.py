@@ -1,0 +1,56 @@
+"""FP8 KV scales calibrated on the shipped real text (the start-up default) against the old
+calibration on 64 pseudo-random token ids: mean / p99 / max KL(bf16-KV || fp8-KV) and clipped
+values, teacher-forced over the shipped corpus (freetoken eval kld's windows, decode steps).
+
+    python bench/kv_calibration.py [--model demo|bench|DIR] [--window 256] [--windows 16] [--threads 2]
+
+`bench` is the ~0.49B real-geometry qwen3_moe of bench/common.py (random weights, the demo
+tokenizer). The reference is the same checkpoint with a bf16 KV cache. Prints one JSON line.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def old_calibration_ids(llm, n: int = 64) -> list[int]:
+    """What _calibrate_kv prefilled before: 64 ids from torch's generator seeded 0."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, llm.args.vocab_size, (n,), generator=g).tolist()
+
+
+def main() -> None:
+    ap = common.bench_args(__doc__)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--windows", type=int, default=16)
+    args = ap.parse_args()
+    from freetoken_py.evals.kld import DEFAULT_TEXTS, compare, read_windows
+    from freetoken_py.kernels import configure_threads
+    from freetoken_py.llm import LLM
+
+    configure_threads(args.threads)
+    model = {"demo": common.DEMO, "bench": None}.get(args.model, Path(args.model))
+    model = model or common.build_qwen3_moe(common.WORK / "qwen3moe-0.5b-bf16")
+    kw = dict(max_num_seqs=1, enable_prefix_cache=False, show_progress=False)
+    ref = LLM(model, kv_dtype="bf16", **kw)
+    fp8 = LLM(model, kv_dtype="fp8", **kw)
+    windows = read_windows(ref.tokenizer, DEFAULT_TEXTS, args.window, args.windows)
+    out = {"bench": "kv_calibration", "model": str(model), "window": args.window, "windows": len(windows),
+           "threads": args.threads}
+    for name, ids in (("corpus", fp8.calibration_ids()[0]), ("random_ids", old_calibration_ids(fp8))):
+        fp8.calibrate_kv(ids)
+        res = compare(fp8, ref, windows, chunk=1)
+        out[name] = {**{k: round(v, 7) if isinstance(v, float) else v for k, v in res.as_dict().items()},
+                     "calibration_tokens": len(ids), "clipped": fp8.runner.cache.clipped}
+        common.log(f"{name}: mean KLD {res.mean_kld:.6f}, clipped {fp8.runner.cache.clipped}")
+    common.emit(out)
+
+
+if __name__ == "__main__":
+    main()

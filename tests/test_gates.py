@@ -1,0 +1,61 @@
+"""The CI regression gates (bench/gates.py) fail on a planted slowdown and a planted accuracy bug
+and pass on main; their thresholds come from bench/gates.json."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import gates  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    return json.loads(gates.GATES.read_text())
+
+
+def test_thresholds_file_names_its_date_command_and_every_gate(recorded):
+    assert recorded["set"]["command"] == "python bench/gates.py --record" and recorded["set"]["date"] != "unset"
+    assert 0 < recorded["decode"]["min_fraction"] < recorded["decode"]["recorded_fraction"]
+    assert set(recorded["kld"]["budgets"]) == set(recorded["kld"]["configs"]) == {"int8", "int4", "fp8_kv"}
+    assert recorded["kld"]["budgets"]["fp8_kv"] <= 0.005
+
+
+def test_record_derives_the_thresholds_from_the_figures(recorded):
+    res = {"decode": {"fraction": 0.5}, "kld": {"configs": {"int8": {"mean_kld": 1e-5}, "fp8_kv": {"mean_kld": 0.002}}}}
+    new = gates.record(recorded, res, "cmd")
+    assert new["decode"]["min_fraction"] == 0.3 and new["kld"]["budgets"] == {"int8": 4e-5, "fp8_kv": 0.005}
+    assert new["set"]["command"] == "cmd" and recorded["kld"]["budgets"] != new["kld"]["budgets"]
+
+
+def test_kld_gate_passes_on_main_and_fails_on_a_wrong_fp8_scale(recorded):
+    ok = gates.kld_gate(recorded["kld"], only=("fp8_kv",))
+    assert ok["passed"], ok
+
+    def wrong_scale(name, llm):        # the planted bug: K scales 50x too small, most values clip
+        llm.runner.cache.k_scale.mul_(0.02)
+
+    bad = gates.kld_gate(recorded["kld"], only=("fp8_kv",), tamper=wrong_scale)
+    assert not bad["passed"] and bad["configs"]["fp8_kv"]["mean_kld"] > recorded["kld"]["budgets"]["fp8_kv"]
+
+
+def test_decode_gate_fails_on_a_planted_slowdown(recorded):
+    """On the demo model (the bench model is CI's): a 0.2 s sleep per decode step, against the
+    same gate's fraction without it as the threshold's base (steps here take milliseconds)."""
+    cfg = dict(recorded["decode"], decode_tokens=6, rounds=2, min_fraction=None)
+    clean = gates.decode_gate(cfg, model_dir=gates.common.DEMO)
+    assert clean["passed"] and clean["fraction"] > 0
+    slow = gates.decode_gate(dict(cfg, min_fraction=clean["fraction"] / 2), model_dir=gates.common.DEMO,
+                             after_step=lambda: time.sleep(0.2))
+    assert not slow["passed"], (clean, slow)
+
+
+def test_ci_runs_the_gates_after_the_readme_tests():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    tests = next(i for i, line in enumerate(ci) if "python -m pytest -q" in line)
+    assert "python bench/gates.py" in ci[tests + 1:]
