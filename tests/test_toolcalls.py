@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -213,6 +213,8 @@ _PIECES = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<", "</", "<to
 @given(pieces=st.lists(st.sampled_from(_PIECES), max_size=14), cuts=st.lists(st.integers(0, 400), max_size=12),
        fmt=st.sampled_from(SUPPORTED), reasoning=st.sampled_from([False, True, "open"]),
        tools=st.booleans())
+@example(pieces=["<|tool_calls_section_begin|>", "<tool_call>", "\n"], cuts=[], fmt="kimi_k2", reasoning=False,
+         tools=True)  # text inside a section, then whitespace: once lost when the whitespace came alone
 def test_any_split_gives_the_same_events(pieces, cuts, fmt, reasoning, tools):
     text = "".join(pieces)
     kw = dict(tool_format=fmt, reasoning=reasoning, tools_enabled=tools)

@@ -164,10 +164,11 @@ class OutputParser:
 
     def _step_section(self, events: list, final: bool) -> bool:
         fmt = self._fmt
-        self._buf = self._buf.lstrip()  # whitespace between a section's calls means nothing
-        for tag in (fmt.call_open, fmt.close):
-            if self._buf.startswith(tag):
-                self._buf = self._buf[len(tag):]
+        tags = [fmt.call_open, fmt.close]
+        rest = self._buf.lstrip()  # whitespace between a section's calls means nothing
+        for tag in tags:
+            if rest.startswith(tag):
+                self._buf = rest[len(tag):]
                 if tag == fmt.close:
                     if self._shown:
                         self._emit(events, tag)
@@ -175,15 +176,22 @@ class OutputParser:
                 else:
                     self._state = "call"
                 return True
-        if not final and any(tag.startswith(self._buf) for tag in (fmt.call_open, fmt.close)):
-            return False  # empty, or still could become one of them
-        # anything else inside a section is the model's own text, shown as it wrote it
-        junk: list = []
-        self._scan(junk, final, [fmt.call_open, fmt.close], TextDelta)
-        self._emit(events, junk[0].text)
-        if final and not self._buf:
-            self._leave(strip=False)
-        return bool(self._buf)
+        if not rest:
+            if final:  # never closed, nothing but whitespace after its last call
+                self._buf = ""
+                self._leave(strip=False)
+            return False
+        if not final and any(tag.startswith(rest) for tag in tags):
+            return False  # still could become one of them
+        # anything else inside a section is the model's own text, shown as it wrote it; whitespace
+        # at its end waits for what follows (dropped before a tag or at the end, as between calls)
+        pos, tag = _first(self._buf, tags)
+        if tag is None:
+            pos = len(self._buf) - (0 if final else max(_partial_suffix(self._buf, t) for t in tags))
+        pos = len(self._buf[:pos].rstrip())
+        self._emit(events, self._buf[:pos])
+        self._buf = self._buf[pos:]
+        return True
 
     def _step_call(self, events: list, final: bool) -> bool:
         fmt = self._fmt
