@@ -209,7 +209,7 @@ _PIECES = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<", "</", "<to
            ' name="f">', '<parameter name="a">1</parameter>', "</invoke>", "</minimax:tool_call>", "<minimax:"]
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(pieces=st.lists(st.sampled_from(_PIECES), max_size=14), cuts=st.lists(st.integers(0, 400), max_size=12),
        fmt=st.sampled_from(SUPPORTED), reasoning=st.sampled_from([False, True, "open"]),
        tools=st.booleans())
