@@ -209,7 +209,10 @@ def test_family_round_trip_over_both_apis(fam, tokenizers):
     assert [(c.name, json.loads(c.arguments)) for c in history.tool_calls] == [("get_weather", {"city": "Paris",
                                                                                                 "days": 1})]
 
+    before = json.dumps(messages)
     text = _generated(tok, fam, messages, prompt)
+    assert json.dumps(messages) == before  # rendering does not touch the request's messages
+    assert all(type(c["function"]["arguments"]) is dict for m in messages for c in m.get("tool_calls", []))
     events = _check_every_split(text, tool_format=fam.fmt, reasoning=reasoning, tools_enabled=True, tools=tools)
     out = collect(events)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == NEW_CALLS
