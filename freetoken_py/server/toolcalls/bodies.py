@@ -38,7 +38,9 @@ def qwen3_json(body: str, schemas: dict) -> Parsed | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return _named(obj["name"], _json_object(args) if isinstance(args, str) else args if isinstance(args, dict) else None)
+    if isinstance(args, str):  # some models double-encode the arguments
+        args = _json_object(args)
+    return _named(obj["name"], args if isinstance(args, dict) else None)
 
 
 _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.DOTALL)
