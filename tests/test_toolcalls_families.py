@@ -325,6 +325,10 @@ def test_untyped_values_and_kimi_names():
     (call,) = parse_output(kimi, "kimi_k2", tools_enabled=True).tool_calls
     assert (call.id, call.name, json.loads(call.arguments)) == ("functions.mcp__w__get_weather:7",
                                                                "mcp__w__get_weather", {"city": "Rome"})
+    # ids that came back through the Anthropic API carry its toolu_ prefix into the history; a model
+    # that copies the style still names the tool
+    (call,) = parse_output(kimi.replace("functions.", "toolu_functions."), "kimi_k2", tools_enabled=True).tool_calls
+    assert (call.id, call.name) == ("toolu_functions.mcp__w__get_weather:7", "mcp__w__get_weather")
 
 
 def test_special_markup_tokens_reach_the_parser(tmp_path, tokenizers):

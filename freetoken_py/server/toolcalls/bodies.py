@@ -95,7 +95,7 @@ def deepseek(body: str, schemas: dict) -> Parsed | None:
 
 
 KIMI_ARGS = "<|tool_call_argument_begin|>"
-_KIMI_ID = re.compile(r"(?:functions\.)?(.+?)(?::\d+)?")
+_KIMI_ID = re.compile(r"(?:.*?functions\.)?(.+?)(?::\d+)?")  # a prefix before functions. (toolu_) is not the name
 
 
 def kimi_k2(body: str, schemas: dict) -> Parsed | None:
