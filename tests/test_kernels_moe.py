@@ -198,7 +198,7 @@ def test_bank_layout_and_contents():
 def test_bad_inputs_raise_clear_errors():
     gate, up, down = random_experts(2, 48, 64, seed=0)
     with pytest.raises(ValueError, match="format"):
-        ExpertBank.from_weights(gate, up, down, fmt="fp8")
+        ExpertBank.from_weights(gate, up, down, fmt="fp6")
     with pytest.raises(ValueError, match="divisible"):
         ExpertBank.from_weights(gate, up, down, fmt="int4", group_size=32)     # I = 48
     with pytest.raises(ValueError, match="gate/up"):

@@ -15,6 +15,9 @@ FORBIDDEN = {
     "freetoken_py.scheduler.scheduler": ["freetoken_py.server", "freetoken_py.llm"],
     "freetoken_py.kernels": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
                              "freetoken_py.llm", "freetoken_py.models"],
+    # format decoders sit between stored and logical tensors: below models, kernels and engine
+    "freetoken_py.formats": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm",
+                             "freetoken_py.models", "freetoken_py.kernels", "freetoken_py.residency"],
     "freetoken_py.hw": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
     # simulate + attach import every residency module; models stay out too (attach.py is
     # duck-typed on the loaded model)

@@ -13,10 +13,21 @@ import torch
 
 from freetoken_py.errors import FreetokenError
 from freetoken_py.layers.linear import KernelLinear, TorchLinear
-from freetoken_py.models.loader import load_model
+from freetoken_py.models.loader import load_model, open_checkpoint
 from freetoken_py.models.moe_transformer import MoeTransformer
 
-EXPERT_FORMATS = ("bf16", "fp32", "int8", "int4")
+EXPERT_FORMATS = ("bf16", "fp32", "int8", "int4", "fp8")
+
+
+class FormatConversion(UserWarning):
+    """A checkpoint's quantised weights converted to another format because it was asked for."""
+
+
+def note_conversion(msg: str) -> None:
+    import warnings
+
+    # one line on the CLI ("freetoken:0: FormatConversion: ..."), as the expert store's warnings
+    warnings.warn_explicit(msg, FormatConversion, "freetoken", 0, module=__name__)
 
 
 class KernelExpertExecutor:
@@ -38,8 +49,59 @@ def weight_format(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
-def _kernel(lin: TorchLinear, fmt: str, group_size: int = 32) -> KernelLinear:
+def _kernel(lin: TorchLinear, fmt: str, group_size: int = 32, packed=None) -> KernelLinear:
+    """packed: the checkpoint's own fp8 / int4 form of this weight (formats.Packed), run as it is."""
+    if packed is not None:
+        return KernelLinear.from_packed(packed, lin.bias)
     return KernelLinear(lin.weight, lin.bias, fmt, group_size)
+
+
+def packed_dense(ckpt, model: MoeTransformer) -> list[dict]:
+    """Per layer (and -1: the lm_head), the dense linears the checkpoint stores packed, by
+    LayerWeights field: {"qkv": Packed, "o": ..., "mlp13": ..., "mlp2": ..., "shared13": ...,
+    "shared2": ...}. A fused field is packed only when all its parts are (q, k and v; gate and
+    up); MLA projections stay at the load dtype (not yet packed)."""
+    from freetoken_py.formats import cat_rows
+
+    a, s = model.args, ckpt.scheme
+    reader = ckpt.reader()
+
+    def fused(names: list[str]):
+        parts = [reader.packed(n) for n in names]
+        return cat_rows(parts) if all(p is not None for p in parts) else None
+
+    def swiglu(prefix: str) -> dict:
+        return {"13": fused([prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
+                "2": fused([prefix + "down_proj.weight"])}
+
+    out = []
+    for i, lw in enumerate(model.weights.layers):
+        p = s.layer.format(i=i)
+        got = {}
+        if getattr(lw, "mla", None) is None:      # (getattr: families without the field)
+            got["qkv"] = fused([f"{p}self_attn.{x}_proj.weight" for x in "qkv"])
+        got["o"] = fused([p + "self_attn.o_proj.weight"])
+        if lw.mlp13 is not None:
+            m = swiglu(p + s.dense_mlp)
+            got["mlp13"], got["mlp2"] = m["13"], m["2"]
+        if getattr(lw, "shared13", None) is not None:
+            m = swiglu(p + s.shared_expert)
+            got["shared13"], got["shared2"] = m["13"], m["2"]
+        out.append({k: v for k, v in got.items() if v is not None})
+    head = None if a.tie_word_embeddings else fused(["lm_head.weight"])
+    out.append({"lm_head": head} if head is not None else {})
+    reader.close()
+    return out
+
+
+def _mla_kernels(w, fmt: str, group_size: int) -> None:
+    """An MLA layer's projections as KernelLinears, in place (layers/mla.py's MlaWeights)."""
+    if w.q_a is not None:
+        w.q_a, w.q_a_norm = _kernel(w.q_a, fmt, group_size), w.q_a_norm.float()
+    w.q_b, w.kv_a = _kernel(w.q_b, fmt, group_size), _kernel(w.kv_a, fmt, group_size)
+    w.kv_a_norm, w.kv_b = w.kv_a_norm.float(), w.kv_b.float()
+
+
 
 
 def _head_format(dense_fmt: str) -> str:
@@ -66,20 +128,29 @@ def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = N
     from freetoken_py.kernels.threads import tune_allocator
 
     tune_allocator()  # process-wide, idempotent: every cpu-backend LLM gets it, not only the CLI
-    model = load_model(model_dir, dtype, show_progress, experts="skip")
+    ckpt = open_checkpoint(model_dir)
+    model = load_model(ckpt, dtype, show_progress, experts="skip")
     if dense_format == "int4":  # before the expert store spends minutes building a cache file
         _check_int4_dense(model.args, group_size)
-    fmt = expert_format or dense_format or weight_format(model.dtype)
-    store = open_expert_store(model_dir, model.args, model.dtype, fmt, group_size, expert_cache, show_progress)
-    use_cpu_kernels(model, fmt, group_size, dense_format=dense_format, banks=store.banks)
+    native = ckpt.decoder.exec_format            # fp8 / int4 checkpoints run in their own format
+    fmt = expert_format or native or dense_format or weight_format(model.dtype)
+    expert_group = ckpt.decoder.group_size if fmt == native else group_size
+    if native is not None and fmt != native:
+        note_conversion(f"converting the checkpoint's {ckpt.decoder.describe()} experts to {fmt} (--expert-dtype)")
+    store = open_expert_store(model_dir, model.args, model.dtype, fmt, expert_group, expert_cache, show_progress)
+    packed = packed_dense(ckpt, model) if native is not None and dense_format is None else None
+    use_cpu_kernels(model, fmt, expert_group if dense_format is None else group_size, dense_format=dense_format,
+                    banks=store.banks, packed=packed)
     model.expert_store = store  # which file the banks map, for stats and tests
     return model
 
 
 def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, group_size: int = 32,
-                    progress=None, dense_format: str | None = None, banks: list | None = None) -> None:
+                    progress=None, dense_format: str | None = None, banks: list | None = None,
+                    packed: list[dict] | None = None) -> None:
     """banks: prebuilt per-layer ExpertBanks (from the expert store); else converted from the
-    model's torch expert stacks."""
+    model's torch expert stacks. packed: `packed_dense`'s per-layer checkpoint weights, run in
+    their own format instead of converting the loaded ones."""
     from freetoken_py.kernels import ExpertBank
 
     dense_fmt = dense_format or weight_format(model.dtype)
@@ -96,7 +167,9 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
     w = model.weights
     prebuilt, banks = banks, []
     for i, lw in enumerate(w.layers):
-        lw.qkv, lw.o = _kernel(lw.qkv, dense_fmt, group_size), _kernel(lw.o, dense_fmt, group_size)
+        pk = packed[i] if packed is not None else {}
+        lw.qkv = _kernel(lw.qkv, dense_fmt, group_size, pk.get("qkv")) if lw.qkv is not None else None
+        lw.o = _kernel(lw.o, dense_fmt, group_size, pk.get("o"))
         lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
         if lw.q_norm is not None:
             lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
@@ -112,11 +185,12 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
                                                      fmt=expert_format, group_size=group_size))
             lw.w13 = lw.w2 = None
         else:
-            lw.mlp13, lw.mlp2 = _kernel(lw.mlp13, dense_fmt, group_size), _kernel(lw.mlp2, dense_fmt, group_size)
+            lw.mlp13 = _kernel(lw.mlp13, dense_fmt, group_size, pk.get("mlp13"))
+            lw.mlp2 = _kernel(lw.mlp2, dense_fmt, group_size, pk.get("mlp2"))
             banks.append(None)
         if progress is not None:
             progress()
-    w.lm_head = _kernel(w.lm_head, head_fmt)
+    w.lm_head = _kernel(w.lm_head, head_fmt, packed=packed[-1].get("lm_head") if packed is not None else None)
     w.final_norm = w.final_norm.float()
     model.experts = KernelExpertExecutor(banks)
     # KV storage of `--kv-dtype auto`: the checkpoint's precision where the kernels read it in

@@ -27,9 +27,8 @@ from freetoken_py.engine import expert_cache as fc
 from freetoken_py.errors import FreetokenError
 from freetoken_py.kernels._buffers import row_layout, scale_dtype
 from freetoken_py.kernels.cpu_moe import ExpertBank
-from freetoken_py.models import loader, model_module
+from freetoken_py.models import loader
 from freetoken_py.models.args import ModelArgs
-from freetoken_py.models.checkpoint import TensorReader, list_checkpoint_tensors
 from freetoken_py.utils.progress import progress_bar
 
 CACHE_MODES = ("auto", "off", "rebuild")
@@ -132,12 +131,16 @@ class _Job:
         _check_format(args, fmt, group_size)
         self.model_dir, self.args, self.dtype, self.fmt, self.group_size = model_dir, args, dtype, fmt, group_size
         self.show_progress = show_progress
-        self.scheme = model_module(args.model_type).SCHEME
-        self.tensors = list_checkpoint_tensors(model_dir)
+        self.ckpt = loader.open_checkpoint(model_dir)
+        self.scheme = self.ckpt.scheme
+        self.tensors = self.ckpt.stored
+        dec = self.ckpt.decoder
+        # the checkpoint's own execution format: its codes and scales are copied, never re-encoded
+        self.copy_packed = dec.exec_format == fmt and dec.group_size == group_size
         src = str(dtype).removeprefix("torch.")
         self.file_name = f"freetoken-experts-{fmt}-g{group_size}-from-{src}.bin"
         files = sorted({t.file for t in self.tensors.values()})
-        identity = {"model_type": args.model_type, "load_dtype": src,
+        identity = {"model_type": args.model_type, "load_dtype": src, "format": dec.name,
                     "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
         specs = [self._spec() if sparse else None for sparse in args.sparse_layers]
         self.raw_header, self.header = fc.plan_layout(
@@ -155,7 +158,7 @@ class _Job:
     def layers(self):
         """Yields (layer index, ExpertBank) for each MoE layer, built from the checkpoint."""
         sparse = [i for i, s in enumerate(self.args.sparse_layers) if s]
-        reader = TensorReader(self.tensors)
+        reader = self.ckpt.reader()
         with progress_bar(f"Packing experts ({self.fmt})", total=len(sparse), enabled=self.show_progress) as advance:
             for i in sparse:
                 bank = self._build_layer(reader, i)
@@ -163,14 +166,18 @@ class _Job:
                 yield i, bank
                 advance()
 
-    def _build_layer(self, reader: TensorReader, i: int) -> ExpertBank:
+    def _build_layer(self, reader, i: int) -> ExpertBank:
         global LAYER_BUILDS
         a, s = self.args, self.scheme
         bank = ExpertBank.empty(self.fmt, a.num_experts, a.moe_intermediate_size, a.hidden_size, self.group_size)
         prefix = s.layer.format(i=i)
         for e in range(a.num_experts):
             names = [f"{prefix}{s.expert.format(e=e)}{proj}.weight" for proj in s.expert_proj]  # gate, up, down
-            bank.set_expert(e, *(reader.get(n).to(self.dtype) for n in names))
+            packed = [reader.packed(n) for n in names] if self.copy_packed else [None]
+            if all(p is not None for p in packed):
+                bank.set_expert_packed(e, *packed)
+            else:   # plain weights, or a conversion asked for: dequantised at the load dtype, then encoded
+                bank.set_expert(e, *(reader.get(n).to(self.dtype) for n in names))
         LAYER_BUILDS += 1
         return bank
 
@@ -198,8 +205,10 @@ class _Job:
 
 
 def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:
-    if fmt not in ("bf16", "fp32", "int8", "int4"):
-        raise FreetokenError(f"expert format must be bf16, fp32, int8 or int4 (got {fmt!r})")
+    if fmt not in ("bf16", "fp32", "int8", "int4", "fp8"):
+        raise FreetokenError(f"expert format must be bf16, fp32, int8, int4 or fp8 (got {fmt!r})")
+    if fmt == "fp8" and (group_size <= 0 or group_size % 2):
+        raise FreetokenError(f"fp8 experts need an even column block (got {group_size})")
     if fmt == "int4":
         if group_size not in (32, 64, 128):
             raise FreetokenError(f"int4 group size must be 32, 64 or 128 (got {group_size})")

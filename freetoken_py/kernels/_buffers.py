@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from freetoken_py.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from freetoken_py.quant.fp8 import dequantize_fp8, quantize_fp8_blocks
 from freetoken_py.quant.int4 import check_group
 
 PAGE_BYTES = 4096
@@ -27,12 +28,16 @@ def row_layout(fmt: str, k: int, group_size: int) -> tuple[np.dtype, int, int]:
         return np.dtype(np.uint16), k, 0
     if fmt == "int8":
         return np.dtype(np.int8), k, 1
+    if fmt == "fp8":     # e4m3 bytes, one float32 scale per row and block of group_size columns
+        if group_size <= 0:
+            raise ValueError(f"fp8 needs a positive column block, got {group_size}")
+        return np.dtype(np.uint8), k, -(-k // group_size)
     if fmt == "int4":
         check_group(k, group_size)
         if group_size != 32 and group_size % 64:   # the AVX2 dot walks pairs of 32-blocks within a group
             raise ValueError(f"int4 kernels need group_size 32 or a multiple of 64, got {group_size}")
         return np.dtype(np.uint8), k // 2, k // group_size
-    raise ValueError(f"unknown weight format {fmt!r}; expected one of fp32, bf16, int8, int4")
+    raise ValueError(f"unknown weight format {fmt!r}; expected one of fp32, bf16, int8, int4, fp8")
 
 
 def scale_dtype(fmt: str) -> np.dtype:
@@ -54,6 +59,10 @@ def encode_rows(w: torch.Tensor, fmt: str, group_size: int, w_out: np.ndarray, s
         w_out[...] = w.to(torch.float32).numpy()
     elif fmt == "bf16":
         w_out[...] = w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    elif fmt == "fp8":   # (a float source: blocks of 1 x group_size; fp8 checkpoints are copied as they are)
+        q, s = quantize_fp8_blocks(w, (1, group_size))
+        w_out[...] = q.view(torch.uint8).numpy()
+        s_out[...] = s.numpy()
     elif fmt == "int8":
         q, s = quantize_int8(w)
         w_out[...] = q.numpy()
@@ -70,6 +79,8 @@ def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) ->
         return torch.from_numpy(w.copy())
     if fmt == "bf16":
         return torch.from_numpy((w.astype(np.uint32) << 16).view(np.float32))
+    if fmt == "fp8":
+        return dequantize_fp8(torch.from_numpy(np.ascontiguousarray(w)), torch.from_numpy(scales), group_size)
     if fmt == "int8":
         return dequantize_int8(torch.from_numpy(w), torch.from_numpy(scales[..., 0]))
     return dequantize_int4(torch.from_numpy(w), torch.from_numpy(np.ascontiguousarray(scales).view(np.float16)),

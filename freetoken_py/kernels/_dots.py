@@ -30,10 +30,11 @@ from numba.extending import overload
 
 from freetoken_py.envs import int_act
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
+from freetoken_py.quant.fp8 import e4m3_table
 from freetoken_py.kernels._simd import (HAS_AVX2, i8q8_row_dot, i8q8_row_dot4, q4_row_dot, q4_row_dot4, q4q8_row_dot,
                                         q4q8_row_dot4)
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
 ACT_SILU, ACT_GPTOSS = 0, 1
 ACTIVATIONS = {"silu": ACT_SILU, "gptoss": ACT_GPTOSS}
 Q8_BLOCK = 32              # activation elements per int8 scale (quant.q8act.BLOCK)
@@ -80,6 +81,43 @@ def dot(w, x):
     return acc
 
 
+E4M3 = e4m3_table()       # fp8 weights: byte -> value (a compile-time constant of the kernels)
+
+
+@njit(fastmath=True, cache=True)
+def fp8_row_dot(w, s, x, bk):
+    """sum_b s[b] * sum_{j in block b} E4M3[w[j]] * x[j]: e4m3 bytes [K], one scale per bk columns
+    (a partial last block), fp32 activations as they are."""
+    k = x.shape[0]
+    acc = np.float32(0.0)
+    for b in range(s.shape[0]):
+        a = np.float32(0.0)
+        for j in range(b * bk, min(k, (b + 1) * bk)):
+            a += E4M3[w[j]] * x[j]
+        acc += s[b] * a
+    return acc
+
+
+@njit(fastmath=True, cache=True)
+def fp8_row_dot4(w, s, x0, x1, x2, x3, bk):
+    """fp8_row_dot with four activation rows: each byte decoded once."""
+    k = x0.shape[0]
+    r0 = r1 = r2 = r3 = np.float32(0.0)
+    for b in range(s.shape[0]):
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for j in range(b * bk, min(k, (b + 1) * bk)):
+            v = E4M3[w[j]]
+            a0 += v * x0[j]
+            a1 += v * x1[j]
+            a2 += v * x2[j]
+            a3 += v * x3[j]
+        r0 += s[b] * a0
+        r1 += s[b] * a1
+        r2 += s[b] * a2
+        r3 += s[b] * a3
+    return r0, r1, r2, r3
+
+
 @njit(fastmath=True, cache=True)
 def dot4(w, x0, x1, x2, x3):
     """dot of one row with four activation rows: each weight is loaded and widened once."""
@@ -107,6 +145,8 @@ def _row_dot_impl(w, s, xv, xg, hb):
     dtype = w.dtype
     if dtype in (types.uint16, types.float32):
         return lambda w, s, xv, xg, hb: dot(w, xv)
+    if dtype == types.uint8 and s.dtype == types.float32:     # fp8: e4m3 bytes, float32 block scales
+        return lambda w, s, xv, xg, hb: fp8_row_dot(w, s, xv, 2 * hb)
     if dtype == types.int8 and xv.dtype == types.int8:
         return lambda w, s, xv, xg, hb: s[0] * i8q8_row_dot(w, xv, xg)
     if dtype == types.int8:
@@ -128,6 +168,8 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     dtype = w.dtype
     if dtype in (types.uint16, types.float32):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
+    if dtype == types.uint8 and s.dtype == types.float32:
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8_row_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.int8 and x0.dtype == types.int8:
         def impl_q8(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
             a0, a1, a2, a3 = i8q8_row_dot4(w, x0, x1, x2, x3, g0, g1, g2, g3)
@@ -255,17 +297,19 @@ def prep_q8_rows(x, gs):
     return xq, xg
 
 
-def prepare(w, x, gs):
-    """(xv, xg): activation rows x [R, K] as row_dot wants them for weights like w (jitted only)."""
+def prepare(w, s, x, gs):
+    """(xv, xg): activation rows x [R, K] as row_dot wants them for weights like (w, s) (jitted only)."""
     raise NotImplementedError("prepare is only callable from numba-compiled code")
 
 
 @overload(prepare, jit_options={"fastmath": True})
-def _prepare_impl(w, x, gs):
+def _prepare_impl(w, s, x, gs):
+    if w.dtype == types.uint8 and s.dtype == types.float32:     # fp8 reads exact fp32 activations
+        return lambda w, s, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))
     if w.dtype == types.uint8 and INT_ACT == "int8":
-        return lambda w, x, gs: prep_q8_rows(x, gs)
+        return lambda w, s, x, gs: prep_q8_rows(x, gs)
     if w.dtype == types.int8 and INT_ACT == "int8":
-        return lambda w, x, gs: prep_q8n_rows(x)
+        return lambda w, s, x, gs: prep_q8n_rows(x)
     if w.dtype == types.uint8:
-        return lambda w, x, gs: prep_q4_rows(x, gs)
-    return lambda w, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))
+        return lambda w, s, x, gs: prep_q4_rows(x, gs)
+    return lambda w, s, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))

@@ -126,7 +126,7 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, out):
     k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1)          # pair p = t * k + j
     wts = topk_weights.reshape(-1)
-    xv, xg = prepare(w13, x, gs)
+    xv, xg = prepare(w13, s13, x, gs)
     inter = w13.shape[1] // 2
     hidden = w2.shape[1]
     order, eids, off = group_pairs(ids, w13.shape[0])
@@ -139,7 +139,7 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, out):
         e = eids[u]
         _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
                        min(inter, i0 + RB1), kind, gs // 2, h)
-    hv, hg = prepare(w2, h, gs)
+    hv, hg = prepare(w2, s2, h, gs)
     nb2 = (hidden + RB2 - 1) // RB2
     for task in prange(nb2):
         d0 = task * RB2

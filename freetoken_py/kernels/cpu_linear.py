@@ -59,6 +59,17 @@ class DenseWeight:
             encode_rows(w[r:r + chunk], fmt, group_size, wq[r:r + chunk], s[r:r + chunk])
         return cls(fmt, group_size, wq, s, k)
 
+    @classmethod
+    def from_arrays(cls, fmt: str, group_size: int, w: np.ndarray, s: np.ndarray, in_features: int) -> "DenseWeight":
+        """A weight already in execution format (a checkpoint's fp8 / int4 codes and scales, see
+        formats.Packed.arrays), copied into page-aligned storage as it is."""
+        wq, sq = empty_rows(fmt, (w.shape[0],), in_features, group_size)
+        if wq.shape != w.shape or sq.shape != s.shape or wq.dtype != w.dtype or sq.dtype != s.dtype:
+            raise ValueError(f"{fmt} g{group_size} [{w.shape[0]}, {in_features}] needs arrays {wq.shape} {wq.dtype} / "
+                             f"{sq.shape} {sq.dtype}, got {w.shape} {w.dtype} / {s.shape} {s.dtype}")
+        wq[...], sq[...] = w, s
+        return cls(fmt, group_size, wq, sq, in_features)
+
     def dequantized(self) -> torch.Tensor:
         """float32 [N, K] as the kernel sees it, for references."""
         return decode_rows(self.w, self.s, self.fmt, self.group_size)
@@ -85,7 +96,7 @@ def _gemv_block(w, s, xv, xg, hb, n0, n1, out):
 @njit(parallel=True, fastmath=True, cache=True)
 def dense_rows(w, s, x, gs, out):
     """out [T, N] = x [T, K] @ dequant(w).T, every weight row read once for all tokens."""
-    xv, xg = prepare(w, x, gs)
+    xv, xg = prepare(w, s, x, gs)
     n = w.shape[0]
     num_tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(num_tasks):

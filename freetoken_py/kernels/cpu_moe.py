@@ -91,6 +91,17 @@ class ExpertBank:
         encode_rows(_cpu(up), self.fmt, self.group_size, self.w13[e, inter:], self.s13[e, inter:])
         encode_rows(_cpu(down), self.fmt, self.group_size, self.w2[e], self.s2[e])
 
+    def set_expert_packed(self, e: int, gate, up, down) -> None:
+        """Copy one expert already in this bank's format (formats.Packed gate, up [I, D], down
+        [D, I]: a checkpoint's fp8 / int4 codes and scales) as it is, bit for bit."""
+        inter = self.inter
+        for p, w, s in ((gate, self.w13[e, :inter], self.s13[e, :inter]), (up, self.w13[e, inter:], self.s13[e, inter:]),
+                        (down, self.w2[e], self.s2[e])):
+            if (p.fmt, p.group_size) != (self.fmt, self.group_size):
+                raise ValueError(f"a {p.fmt} g{p.group_size} weight in a {self.fmt} g{self.group_size} bank")
+            codes, scales = p.arrays()
+            w[...], s[...] = codes, scales
+
     @classmethod
     def view_of(cls, w13: torch.Tensor, w2: torch.Tensor) -> "ExpertBank":
         """A bank over existing torch weights, without a copy: w13 [E, 2I, D] (gate rows then up

@@ -34,6 +34,17 @@ class KernelLinear:
         self._matmul = dense_linear  # bound once: this is called ~25x per decoded token
         self.bias = None if bias is None else bias.float()
 
+    @classmethod
+    def from_packed(cls, packed, bias: torch.Tensor | None) -> "KernelLinear":
+        """A checkpoint's packed weight (formats.Packed: fp8 / int4 codes and scales) as it is."""
+        from freetoken_py.kernels import DenseWeight, dense_linear
+
+        self = cls.__new__(cls)
+        self.dense = DenseWeight.from_arrays(packed.fmt, packed.group_size, *packed.arrays(), packed.shape[1])
+        self._matmul = dense_linear
+        self.bias = None if bias is None else bias.float()
+        return self
+
     @property
     def out_features(self) -> int:
         return self.dense.out_features

@@ -14,7 +14,7 @@ from freetoken_py.errors import ModelLoadError
 
 SUPPORTED_DTYPES = {"F32": 4, "BF16": 2, "F16": 2}
 _ALL_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                    "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+                    "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -135,3 +135,22 @@ class TensorReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+class LogicalReader:
+    """Reads a checkpoint's logical tensors (the model file's names) through its format decoder:
+    `get` gives the float tensor (dequantised where the checkpoint stores it packed), `packed` the
+    `formats.Packed` weight in its execution format (None where stored plain)."""
+
+    def __init__(self, stored: dict[str, TensorInfo], decoder):
+        self._raw = TensorReader(stored)
+        self.decoder = decoder
+
+    def get(self, name: str):
+        return self.decoder.get(self._raw, name)
+
+    def packed(self, name: str):
+        return self.decoder.packed(self._raw, name)
+
+    def close(self) -> None:
+        self._raw.close()

@@ -10,7 +10,7 @@ import torch
 from freetoken_py.errors import ModelLoadError
 from freetoken_py.models import model_module
 from freetoken_py.models.args import ConfigReader, ModelArgs
-from freetoken_py.models.checkpoint import TensorReader, list_checkpoint_tensors, read_json
+from freetoken_py.models.checkpoint import LogicalReader, TensorInfo, list_checkpoint_tensors, read_json
 from freetoken_py.models.moe_transformer import MoeTransformer
 from freetoken_py.models.weights import held_bytes, load_weights, validate
 from freetoken_py.utils.progress import progress_bar
@@ -91,6 +91,40 @@ def check_host_memory(model_dir: Path, need: int, dtype: torch.dtype, skip_exper
                          f"(RAM and swap, or its memory limit); {fix}")
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """Stage 1 of loading (docs/architecture.md, "Loading"): a checkpoint directory's config, its
+    model file's names and its format. `logical` maps the model file's tensor names to their
+    logical shapes, whatever format stores them; `reader()` reads them through the decoder."""
+    model_dir: Path
+    args: ModelArgs
+    scheme: object          # the model file's WeightScheme
+    stored: dict[str, TensorInfo]
+    decoder: object         # a formats decoder (PlainDecoder, Fp8BlockDecoder, CtInt4Decoder)
+
+    @property
+    def logical(self) -> dict[str, TensorInfo]:
+        return self.decoder.logical
+
+    def reader(self) -> LogicalReader:
+        return LogicalReader(self.stored, self.decoder)
+
+
+def open_checkpoint(model_dir: Path | str) -> Checkpoint:
+    """Config, names, format and headers; no tensor data is read. Bad input: one-line ModelLoadError."""
+    from freetoken_py.formats import decoder_for, find_quant_config
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory")
+    cfg = read_json(model_dir / "config.json")
+    extra = model_dir / "hf_quant_config.json"
+    qcfg, field = find_quant_config(cfg, read_json(extra) if extra.exists() else None)
+    args = read_model_args(model_dir)
+    stored = list_checkpoint_tensors(model_dir)
+    return Checkpoint(model_dir, args, model_module(args.model_type).SCHEME, stored, decoder_for(qcfg, stored, field))
+
+
 def read_model_args(model_dir: Path) -> ModelArgs:
     cfg = read_json(model_dir / "config.json")
     model_type = cfg.get("model_type")
@@ -109,25 +143,21 @@ def read_generation_defaults(model_dir: Path) -> GenerationDefaults:
     return GenerationDefaults(eos_ids, gen.get("bos_token_id", cfg.get("bos_token_id")), sampling)
 
 
-def load_model(model_dir: Path | str, dtype: str = "auto", show_progress: bool = True,
+def load_model(model_dir: "Path | str | Checkpoint", dtype: str = "auto", show_progress: bool = True,
                experts: str = "load") -> MoeTransformer:
     """experts="skip" loads everything but the routed experts (`w13`/`w2` stay None): for the cpu
     backend, whose expert store builds its banks from the checkpoint itself. Such a model runs only
     after an expert executor is attached (`engine.cpu_backend.load_cpu_model` does this)."""
     if experts not in ("load", "skip"):
         raise ValueError(f"experts must be 'load' or 'skip', got {experts!r}")
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir}: not a directory")
-    args = read_model_args(model_dir)
-    scheme = model_module(args.model_type).SCHEME
-    tensors = list_checkpoint_tensors(model_dir)
+    ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
+    model_dir, args, scheme, tensors = ckpt.model_dir, ckpt.args, ckpt.scheme, ckpt.logical
     validate(args, scheme, tensors, model_dir)
     stored = tensors["model.embed_tokens.weight"].dtype
     torch_dtype = resolve_dtype(dtype, stored)
     held, moment = held_bytes(args, scheme, tensors, torch_dtype, experts == "skip")
     check_host_memory(model_dir, held + moment, torch_dtype, experts == "skip")
-    reader = TensorReader(tensors)
+    reader = ckpt.reader()
     with progress_bar(f"Loading {model_dir.name}", total=args.num_layers, enabled=show_progress) as advance:
         weights = load_weights(args, scheme, reader, torch_dtype, progress=advance, skip_experts=experts == "skip")
     reader.close()

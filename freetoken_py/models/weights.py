@@ -15,6 +15,7 @@ import torch
 from freetoken_py.errors import ModelLoadError
 from freetoken_py.layers.linear import TorchLinear
 from freetoken_py.models.args import ModelArgs
+from freetoken_py.formats import LOGICAL_TAGS
 from freetoken_py.models.checkpoint import SUPPORTED_DTYPES, TensorInfo, TensorReader
 
 
@@ -110,9 +111,10 @@ def validate(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], mode
         if info.shape != shape:
             raise ModelLoadError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, "
                                  f"config.json implies {list(shape)}")
-        if info.dtype not in SUPPORTED_DTYPES:
+        if info.dtype not in SUPPORTED_DTYPES and info.dtype not in LOGICAL_TAGS:  # (tags: decoded by formats/)
             raise ModelLoadError(f"{info.file}: tensor '{name}' has dtype {info.dtype}; supported: "
-                                 f"{', '.join(SUPPORTED_DTYPES)} (quantized checkpoints are not supported yet)")
+                                 f"{', '.join(SUPPORTED_DTYPES)} unquantised (a quantised checkpoint says its format "
+                                 "in config.json's quantization_config; see docs/formats.md)")
     tied_head = a.tie_word_embeddings and "lm_head.weight" in tensors
     for name, info in tensors.items():
         if name not in expected and not name.endswith(s.ignored_suffixes) and not tied_head:

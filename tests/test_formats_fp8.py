@@ -1,0 +1,119 @@
+"""FP8 block-scaled checkpoints (quant_method fp8, weight_scale_inv) run in their own format.
+
+References: transformers' own FP8 dequantisation (on CPU it dequantises, with `accelerate`) where
+every dimension is a multiple of the block; elsewhere (edge blocks, which transformers mis-sizes,
+see FAMILIES.md F1) transformers on a plain checkpoint holding our torch dequantisation of the
+same tensors. The banks and dense weights the kernels read are compared element by element with
+the checkpoint's dequantised values."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import random_prompt, reference_model
+from formats_util import fp8_reference, quantisable, write_fp8
+from freetoken_py.core import SamplingParams
+from freetoken_py.llm import LLM
+
+pytest.importorskip("accelerate")
+
+
+def first_logits(path, backend: str, **kw) -> tuple[torch.Tensor, LLM]:
+    llm = LLM(path, dtype="float32", show_progress=False, backend=backend, enable_prefix_cache=False, **kw)
+    llm.add_request(random_prompt(12, 1), SamplingParams(max_tokens=1, temperature=0))
+    return llm.runner.forward_batch(llm.scheduler.schedule())[0], llm
+
+
+def reference_logits(path) -> torch.Tensor:
+    with torch.no_grad():
+        return reference_model(path)(torch.tensor([random_prompt(12, 1)])).logits[0, -1]
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(checkpoint_factory, tmp_path_factory):
+    return write_fp8(checkpoint_factory("qwen3_moe"), tmp_path_factory.mktemp("fp8") / "m", block=(16, 16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_fp8_logits_match_transformers_dequantised(fp8_ckpt, checkpoint_factory, backend):
+    ours, _ = first_logits(fp8_ckpt, backend, expert_cache="off")
+    theirs = reference_logits(fp8_ckpt)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    plain = reference_logits(checkpoint_factory("qwen3_moe"))
+    assert (theirs - plain).abs().max().item() > 1e-3   # the fp8 values are in effect, not the float ones
+
+
+def test_fp8_banks_and_dense_weights_equal_the_checkpoint_exactly(fp8_ckpt):
+    _, llm = first_logits(fp8_ckpt, "cpu", expert_cache="off")
+    a, store = llm.args, llm.model.expert_store
+    layer = next(i for i, s in enumerate(a.sparse_layers) if s)
+    bank = store.banks[layer]
+    assert bank.fmt == "fp8" and bank.w13.dtype.itemsize == 1
+    w13, w2 = bank.dequantized()
+    p = f"model.layers.{layer}."
+    for e in range(a.num_experts):
+        x = f"{p}mlp.experts.{e}."
+        want13 = torch.cat([fp8_reference(fp8_ckpt, x + "gate_proj.weight"), fp8_reference(fp8_ckpt, x + "up_proj.weight")])
+        assert torch.equal(w13[e], want13)
+        assert torch.equal(w2[e], fp8_reference(fp8_ckpt, x + "down_proj.weight"))
+    qkv = llm.model.weights.layers[layer].qkv.dense
+    assert qkv.fmt == "fp8"
+    want = torch.cat([fp8_reference(fp8_ckpt, f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
+    assert torch.equal(qkv.dequantized(), want)
+    assert llm.model.weights.layers[layer].o.dense.fmt == "fp32"   # o_proj is on the ignore list: stays float
+
+
+def _plain_copy(fp8_dir, dst):
+    """The same checkpoint with every fp8 weight replaced by our torch dequantisation (float32)."""
+    dst.mkdir()
+    t = load_file(fp8_dir / "model.safetensors")
+    out = {n: (fp8_reference(fp8_dir, n) if n + "_scale_inv" in t else v) for n, v in t.items()
+           if not n.endswith("_scale_inv")}
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("block,ue8m0", [((32, 32), False), ((128, 128), True), ((32, 64), False)])
+def test_fp8_edge_blocks_against_our_torch_dequantisation(checkpoint_factory, tmp_path, block, ue8m0):
+    # qwen3_moe's widths 48 / 96 / 16 / 32 are not multiples of 32 / 64, and every one is below 128
+    src = write_fp8(checkpoint_factory("qwen3_moe"), tmp_path / "fp8", block=block, ue8m0=ue8m0)
+    if ue8m0:
+        s = load_file(src / "model.safetensors")["model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"]
+        assert torch.equal(torch.log2(s), torch.log2(s).round())    # powers of two
+    theirs = reference_logits(_plain_copy(src, tmp_path / "plain"))
+    for backend in ("torch", "cpu"):
+        ours, _ = first_logits(src, backend, expert_cache="off")
+        assert (ours - theirs).abs().max().item() <= 1e-4, backend
+
+
+def test_fp8_expert_cache_is_mapped_on_the_next_start(fp8_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
+    first, llm = first_logits(fp8_ckpt, "cpu")
+    assert llm.model.expert_store.source == "built" and "fp8-g16" in llm.model.expert_store.path.name
+    again, llm2 = first_logits(fp8_ckpt, "cpu")
+    assert llm2.model.expert_store.source == "cache"
+    assert torch.equal(first, again)
+    llm.model.expert_store.path.unlink()
+
+
+def test_expert_dtype_converts_on_request_and_says_so(fp8_ckpt):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ours, llm = first_logits(fp8_ckpt, "cpu", expert_cache="off", expert_dtype="int8")
+    notes = [str(w.message) for w in seen if "converting" in str(w.message)]
+    assert len(notes) == 1 and "fp8" in notes[0] and "int8" in notes[0] and "\n" not in notes[0]
+    layer = next(i for i, s in enumerate(llm.args.sparse_layers) if s)
+    assert llm.model.expert_store.banks[layer].fmt == "int8"
+    assert (ours - reference_logits(fp8_ckpt)).abs().max().item() < 0.5   # int8 of the fp8 values: close, not equal
+
+
+def test_writer_marks_only_linears():
+    assert quantisable("model.layers.0.self_attn.q_proj.weight")
+    assert not quantisable("model.layers.0.mlp.gate.weight") and not quantisable("lm_head.weight")
