@@ -156,7 +156,7 @@ def _file_backed(ptr: int, files: set[str]) -> bool:
     return False
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2"])
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
 def test_weights_larger_than_memory_fail_before_loading_with_the_fix(checkpoint_factory, monkeypatch, arch, stored):
     """The memory a float32 load holds (`weights.held_bytes`) is what the loaded model's tensors
@@ -177,8 +177,9 @@ def test_weights_larger_than_memory_fail_before_loading_with_the_fix(checkpoint_
     w = model.weights
     tensors = [w.embed, w.final_norm, w.lm_head.weight]
     for lw in w.layers:
-        tensors += [t for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, lw.w13, lw.w2) if t is not None]
-        for lin in (lw.qkv, lw.o, lw.router, lw.mlp13, lw.mlp2):
+        tensors += [t for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, lw.router_bias, lw.w13, lw.w2)
+                    if t is not None]
+        for lin in (lw.qkv, lw.o, lw.router, lw.mlp13, lw.mlp2, lw.shared13, lw.shared2):
             if lin is not None:
                 tensors += [t for t in (lin.weight, lin.bias) if t is not None]
     unique = {t.data_ptr(): t for t in tensors}
@@ -223,3 +224,105 @@ def test_cgroup_memory_limit_is_the_lowest_on_the_process_path(tmp_path):
     assert tree(["4:cpu:/x"], {}) is None
     assert tree(["0::/"], {"memory.max": "max"}) is None
     assert cgroup_memory_limit(tmp_path, tmp_path / "absent") is None
+
+
+# ---- quantised checkpoints: one line naming the field or tensor and the formats that load ----
+def _set_quant(ckpt, qcfg):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("method,named", [("mxfp4", "MXFP4"), ("gptq", "GPTQ"), ("awq", "AWQ"), ("banana", "banana")])
+def test_unknown_or_later_quant_method_names_the_field_and_what_loads(ckpt, method, named):
+    _set_quant(ckpt, {"quant_method": method, "bits": 4})
+    msg = _load_error(ckpt)
+    assert "quantization_config.quant_method" in msg and named in msg
+    assert "fp8" in msg and "pack-quantized int4" in msg          # the formats that do load
+
+
+def test_nvfp4_compressed_tensors_is_named_as_not_loading_yet(ckpt):
+    from formats_util import ct_int4_config
+
+    _set_quant(ckpt, dict(ct_int4_config(), format="nvfp4-pack-quantized"))
+    msg = _load_error(ckpt)
+    assert "nvfp4-pack-quantized" in msg and "later" in msg and "config.json: quantization_config.format" in msg
+
+
+def _fp8_ckpt(ckpt, block=(16, 16)):
+    from formats_util import write_fp8
+
+    dst = ckpt.parent / "fp8"
+    write_fp8(ckpt, dst, block=block)
+    return dst
+
+
+def test_fp8_missing_scale_tensor_is_named(ckpt):
+    dst = _fp8_ckpt(ckpt)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
+    _rewrite(dst / "model.safetensors", lambda t: t.pop(name))
+    msg = _load_error(dst)
+    assert f"missing scale tensor '{name}'" in msg and "fp8" in msg
+
+
+def test_fp8_scale_grid_that_does_not_match_the_weight_is_named(ckpt):
+    dst = _fp8_ckpt(ckpt)
+    name = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    _rewrite(dst / "model.safetensors", lambda t: t.__setitem__(name, torch.ones(3, 4)))
+    msg = _load_error(dst)
+    assert name in msg and "[3, 4]" in msg and "[4, 4]" in msg    # q_proj [64, 64] in 16 x 16 blocks
+
+
+def test_fp8_per_tensor_or_bad_block_is_named(ckpt):
+    dst = _fp8_ckpt(ckpt)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"].pop("weight_block_size")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    msg = _load_error(dst)
+    assert "weight_block_size" in msg and "not supported" in msg
+
+
+def _ct_ckpt(checkpoint_factory, tmp_path, **kw):
+    from formats_util import write_ct_int4
+
+    return write_ct_int4(checkpoint_factory("qwen3_moe_step2"), tmp_path / "ct", **kw)
+
+
+def test_ct_int4_unsupported_group_size_is_named(checkpoint_factory, tmp_path):
+    dst = _ct_ckpt(checkpoint_factory, tmp_path)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16
+    (dst / "config.json").write_text(json.dumps(cfg))
+    msg = _load_error(dst)
+    assert "config_groups.group_0.weights.group_size" in msg and "16" in msg and "32" in msg
+
+
+def test_ct_int4_missing_scale_and_wrong_grid_are_named(checkpoint_factory, tmp_path):
+    dst = _ct_ckpt(checkpoint_factory, tmp_path)
+    name = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
+    _rewrite(dst / "model.safetensors", lambda t: t.__setitem__(name, t[name][:, :1].contiguous()))
+    msg = _load_error(dst)
+    assert name in msg and "[64, 1]" in msg and "[64, 2]" in msg
+    _rewrite(dst / "model.safetensors", lambda t: t.pop(name))
+    assert f"missing scale tensor '{name}'" in _load_error(dst)
+
+
+def test_ct_int4_asymmetric_is_named(checkpoint_factory, tmp_path):
+    dst = _ct_ckpt(checkpoint_factory, tmp_path)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (dst / "config.json").write_text(json.dumps(cfg))
+    msg = _load_error(dst)
+    assert "weights.symmetric" in msg and "pack-quantized int4" in msg
+
+
+def test_ct_int4_scale_fp16_cannot_hold_is_refused_not_rounded(checkpoint_factory, tmp_path):
+    dst = _ct_ckpt(checkpoint_factory, tmp_path)
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight_scale"
+    _rewrite(dst / "model.safetensors",
+             lambda t: t.__setitem__(name, torch.full_like(t[name], 3.0e-7, dtype=torch.bfloat16)))
+    with pytest.raises(ModelLoadError) as info:
+        from freetoken_py.llm import LLM
+        LLM(dst, dtype="float32", show_progress=False, backend="cpu", expert_cache="off")
+    msg = str(info.value)
+    assert "\n" not in msg and name in msg and "fp16" in msg
