@@ -1,31 +1,40 @@
 #!/usr/bin/env python3
 """Train the tiny qwen3_moe demo model bundled in freetoken_py/data/demo_model/.
 
-Everything it learns from exists on every machine: the Python standard library's own
-source, plus synthetic chat transcripts (with tool calls) rendered by the model's own
-chat template.  No download.  See docs/demo_model.md for the numbers of the shipped run.
+Everything it learns from exists on every machine: the running Python's standard library and
+site-packages (scripts/demo_corpus.py: deduplicated, held-out packages for the evaluation, a
+validation split), plus synthetic chat transcripts (with tool calls) rendered by the model's own
+chat template.  No download.  See docs/demo_model.md for the recipe and its measurements.
 
-    python scripts/train_demo_model.py --steps 600 --batch-size 4 --seq-len 512 \
-        --threads 1 --chat-frac 0.2 --out freetoken_py/data/demo_model
+    nice -n 19 python scripts/train_demo_model.py            # the defaults are the recipe
+    python scripts/train_demo_model.py --export-only --out DIR   # latest checkpoint -> DIR
 
-Stages: corpus -> byte-level BPE tokenizer -> Qwen3MoeForCausalLM (transformers) -> bf16
-save -> a few sampled generations.  Fixed seeds; the corpus depends only on the Python
-version whose stdlib is read (the shipped model used CPython 3.11.7).
+Stages: corpus -> byte-level BPE tokenizer -> token streams (cached in
+~/.cache/freetoken-demo-train/data-*) -> Qwen3MoeForCausalLM (transformers) trained with
+checkpoints in ~/.cache/freetoken-demo-train/RUN/ (rerunning the same command resumes) -> bf16
+export.  Fixed seeds; the corpus depends on the Python version and the installed packages.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
 import sys
-import sysconfig
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import demo_corpus  # noqa: E402
+import demo_train_state as ckpt  # noqa: E402
+
+WORK_DIR = Path.home() / ".cache" / "freetoken-demo-train"
+MAX_POSITIONS = 4096
 
 # ---------------------------------------------------------------------------------------
 # Special tokens and chat template
@@ -136,32 +145,6 @@ def compile_template(source: str = CHAT_TEMPLATE):
 # ---------------------------------------------------------------------------------------
 # Code corpus: the standard library's own .py files
 # ---------------------------------------------------------------------------------------
-
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
-             "encodings", "pydoc_data"}  # tests are huge; encodings/pydoc_data are tables
-
-
-def stdlib_files() -> list[tuple[str, str]]:
-    """(relative path, text) of the stdlib's .py files, in sorted (deterministic) order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in SKIP_DIRS and not d.startswith("config-"))
-        for name in sorted(filenames):
-            # _sysconfigdata_* is machine-specific build data, not code.
-            if not name.endswith(".py") or name.startswith("_sysconfigdata"):
-                continue
-            path = Path(dirpath) / name
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            if text.strip():
-                out.append((path.relative_to(root).as_posix(), text))
-    out.sort()
-    return out
-
 
 class CodeFacts:
     """Facts mined from the stdlib ASTs that the synthetic chats talk about."""
@@ -614,40 +597,110 @@ def tokenizer_config(tok, max_len: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# Training data sampler
+# Training data: cached token streams in the run's work dir
 # ---------------------------------------------------------------------------------------
+
+VAL_MOD = 50  # a training-corpus file is validation (never trained on) when sha1(path) % 50 == 0
+
+
+def is_val(rel: str) -> bool:
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % VAL_MOD == 0
+
+
+def data_dir(args) -> Path:
+    """Where the run's corpus, tokenizer and token streams are cached (shared by runs)."""
+    return args.work_dir / f"data-v{args.vocab}-s{args.seed}-c{args.num_chats}"
+
+
+def prepare_data(args, work: Path) -> dict:
+    """Corpus -> tokenizer -> token streams, cached in `work` (a resume reuses them)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+    meta_path = work / "data.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        tok = Tokenizer.from_file(str(work / "tokenizer.json"))
+        arrays = {k: np.load(work / f"{k}.npy", allow_pickle=False).astype(np.int64)
+                  for k in ("code", "val", "chats", "chat_offsets")}
+        return {"tok": tok, "meta": meta, **arrays}
+    t0 = time.time()
+    files, heldout = demo_corpus.collect()
+    train_files = [(r, t) for r, t in files if not is_val(r)]
+    val_files = [(r, t) for r, t in files if is_val(r)]
+    facts = CodeFacts([(r.removeprefix("stdlib/"), t) for r, t in files if r.startswith("stdlib/")])
+    chats = make_chats(facts, args.num_chats, args.seed)
+    code_bytes = sum(len(t.encode()) for _, t in train_files)
+    print(f"python {sys.version.split()[0]}: {len(train_files)} training files "
+          f"({code_bytes / 1e6:.1f} MB), {len(val_files)} validation, {len(heldout)} held out; "
+          f"{len(chats)} chats ({time.time() - t0:.0f}s)", flush=True)
+    # The tokenizer is fitted on every stdlib file, a fixed sample of the site-packages files
+    # (about as many bytes again) and chats adding a quarter of those bytes.
+    rng = random.Random(args.seed)
+    stdlib = [t for r, t in train_files if r.startswith("stdlib/")]
+    site = [t for r, t in train_files if r.startswith("site/")]
+    rng.shuffle(site)
+    fit = stdlib + site[:len(stdlib)]
+    fit_bytes = sum(len(t.encode()) for t in fit)
+    chat_bytes = sum(len(c.encode()) for c in chats)
+    fit += chats[:max(1, int(len(chats) * min(1.0, 0.25 * fit_bytes / chat_bytes)))]
+    tok = train_tokenizer(fit, args.vocab)
+    eot = tok.token_to_id("<|endoftext|>")
+
+    def stream(texts):
+        out = []
+        for enc in tok.encode_batch(texts):
+            out += enc.ids + [eot]
+        return np.asarray(out, dtype=np.uint16)
+
+    code, val = stream([t for _, t in train_files]), stream([t for _, t in val_files])
+    chat_lists = [enc.ids + [eot] for enc in tok.encode_batch(chats)]
+    chat_arr = np.asarray([i for c in chat_lists for i in c], dtype=np.uint16)
+    offsets = np.cumsum([0] + [len(c) for c in chat_lists]).astype(np.int64)
+    meta = {"python": sys.version.split()[0], "train_files": len(train_files),
+            "val_files": len(val_files), "heldout_files": len(heldout), "code_bytes": code_bytes,
+            "code_tokens": int(code.size), "val_tokens": int(val.size),
+            "chat_tokens": int(chat_arr.size), "chats": len(chats),
+            "bytes_per_token": code_bytes / code.size, "seconds": round(time.time() - t0)}
+    work.mkdir(parents=True, exist_ok=True)
+    tok.save(str(work / "tokenizer.json"))
+    for k, a in (("code", code), ("val", val), ("chats", chat_arr), ("chat_offsets", offsets)):
+        np.save(work / f"{k}.npy", a, allow_pickle=False)
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")  # last: marks the cache complete
+    print(f"data: {json.dumps(meta)}", flush=True)
+    return prepare_data(args, work)
+
 
 class Batches:
     """Rows of `seq_len` tokens: random windows of the code stream, or runs of whole chats
     (a chat row always starts at a chat boundary, so tool prompts are seen from the top)."""
 
-    def __init__(self, code_ids, chat_ids, eot, seq_len, batch_size, chat_frac, seed):
+    def __init__(self, data, seq_len, batch_size, chat_frac, seed):
         import torch
-        self.code = torch.tensor(code_ids, dtype=torch.long)
-        self.chats = chat_ids
-        self.eot, self.seq_len, self.batch_size = eot, seq_len, batch_size
-        self.chat_frac = chat_frac
+        self.code = torch.from_numpy(data["code"])
+        self.chats, self.offsets = torch.from_numpy(data["chats"]), data["chat_offsets"]
+        self.seq_len, self.batch_size, self.chat_frac = seq_len, batch_size, chat_frac
         self.gen = torch.Generator().manual_seed(seed)
 
-    def _chat_row(self):
+    def _chat_row(self, seq_len):
         import torch
-        i = int(torch.randint(len(self.chats), (1,), generator=self.gen))
-        row = []
-        while len(row) < self.seq_len:
-            row += self.chats[i % len(self.chats)] + [self.eot]
-            i += 1
-        return torch.tensor(row[:self.seq_len], dtype=torch.long)
+        n = len(self.offsets) - 1
+        i = int(torch.randint(n, (1,), generator=self.gen))
+        start = int(self.offsets[i])
+        row = self.chats[start:start + seq_len]
+        if len(row) < seq_len:  # wrap around to the first chats
+            row = torch.cat([row, self.chats[:seq_len - len(row)]])
+        return row
 
-    def next(self):
+    def next(self, seq_len=None, rows=None):
         import torch
-        rows = []
-        for _ in range(self.batch_size):
+        seq_len, out = seq_len or self.seq_len, []
+        for _ in range(rows or self.batch_size):
             if float(torch.rand((), generator=self.gen)) < self.chat_frac:
-                rows.append(self._chat_row())
+                out.append(self._chat_row(seq_len))
             else:
-                s = int(torch.randint(len(self.code) - self.seq_len, (1,), generator=self.gen))
-                rows.append(self.code[s:s + self.seq_len])
-        return torch.stack(rows)  # [batch, seq_len]
+                s = int(torch.randint(len(self.code) - seq_len, (1,), generator=self.gen))
+                out.append(self.code[s:s + seq_len])
+        return torch.stack(out)  # [rows, seq_len]
 
 
 # ---------------------------------------------------------------------------------------
@@ -658,10 +711,11 @@ def build_model(args, vocab_size, ids):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     cfg = Qwen3MoeConfig(
         vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.moe_intermediate, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=64, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=MAX_POSITIONS,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6, tie_word_embeddings=False, output_router_logits=True,
         router_aux_loss_coef=args.aux_coef, bos_token_id=ids["<|endoftext|>"],
@@ -670,40 +724,92 @@ def build_model(args, vocab_size, ids):
 
 
 def lr_at(step, args):
+    """Linear warmup, then a cosine from the peak down to min_lr_frac of it at `steps`."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    t = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    f = args.min_lr_frac
+    return args.lr * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(model, batches, args):
+def shape_at(step, args) -> tuple[int, int]:
+    """(row length, rows) of a step: short rows first (--short-seq-len, until --long-from of the
+    steps), then --seq-len rows; the same tokens per step throughout."""
+    if args.short_seq_len and step < args.long_from * args.steps:
+        return args.short_seq_len, args.batch_size * args.seq_len // args.short_seq_len
+    return args.seq_len, args.batch_size
+
+
+def make_optimizer(model, args):
     import torch
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def val_loss(model, val, seq_len, windows) -> float:
+    """Mean LM cross-entropy on `windows` evenly spaced windows of the validation stream."""
+    import torch
+    model.eval()
+    starts = [int(i * (len(val) - seq_len - 1) / max(1, windows - 1)) for i in range(windows)]
+    total = 0.0
+    with torch.no_grad():
+        for s in starts:
+            x = torch.from_numpy(val[s:s + seq_len + 1]).unsqueeze(0)  # [1, seq_len + 1]
+            logits = model(input_ids=x[:, :-1]).logits[0]              # [seq_len, vocab]
+            total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:]))
     model.train()
-    t0, ema, tokens = time.time(), None, 0
-    for step in range(args.steps):
+    return total / windows
+
+
+def log_metric(work: Path, row: dict) -> None:
+    print(json.dumps(row), flush=True)
+    with open(work / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def train(model, opt, batches, data, args, work, state):
+    """Steps from state["step"] to args.steps (or until --max-minutes), checkpointing."""
+    import torch
+    model.train()
+    t0, tokens0, step = time.time(), state["tokens"], state["step"]
+    last_ckpt = time.time()
+    while step < args.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
-        x = batches.next()
+        x = batches.next(*shape_at(step, args))  # [rows, row length]
         out = model(input_ids=x, labels=x)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        tokens += x.numel()
+        step += 1
+        state["tokens"] += x.numel()
         aux = float(out.aux_loss.detach())
         lm = float(out.loss.detach()) - args.aux_coef * aux
-        ema = lm if ema is None else 0.9 * ema + 0.1 * lm
-        if step % args.log_every == 0 or step == args.steps - 1:
-            el = time.time() - t0
-            print(f"step {step:5d}/{args.steps}  lm_loss {lm:.3f}  ema {ema:.3f}  "
-                  f"aux {aux:.3f}  lr {lr_at(step, args):.2e}  "
-                  f"{tokens / el:.0f} tok/s  {el:.0f}s", flush=True)
-    return ema, time.time() - t0, tokens
+        state["ema"] = lm if state["ema"] is None else 0.95 * state["ema"] + 0.05 * lm
+        el = time.time() - t0
+        if step % args.log_every == 0 or step == args.steps:
+            print(f"step {step:6d}/{args.steps}  lm_loss {lm:.3f}  ema {state['ema']:.3f}  "
+                  f"aux {aux:.3f}  lr {lr_at(step - 1, args):.2e}  "
+                  f"{(state['tokens'] - tokens0) / el:.0f} tok/s  {el:.0f}s", flush=True)
+        timed_out = args.max_minutes and el > 60 * args.max_minutes
+        if step % args.val_every == 0 or step == args.steps or timed_out:
+            state["val"] = val_loss(model, data["val"], args.seq_len, args.val_windows)
+            log_metric(work, {"step": step, "tokens": state["tokens"], "val_loss": state["val"],
+                              "train_ema": state["ema"], "lr": lr_at(step - 1, args),
+                              "train_s": round(state["train_s"] + el)})
+        if (time.time() - last_ckpt > 60 * args.ckpt_minutes or step == args.steps or timed_out):
+            state["step"] = step
+            ckpt.save(work, model, opt, batches.gen, dict(state, train_s=state["train_s"] + el))
+            last_ckpt = time.time()
+        if timed_out:
+            break
+    state["train_s"] += time.time() - t0
+    state["step"] = step
+    return state
 
 
 def save(model, tok, out_dir: Path, ids, max_len):
@@ -767,20 +873,57 @@ def sample(out_dir: Path, seed: int):
                   f"{prompt if name.startswith('code') else '[chat prompt]'}{text}\n", flush=True)
 
 
-def main(argv=None):
+def export(work: Path, out: Path, args) -> None:
+    """The latest checkpoint of the run in `work`, as the bf16 Hugging Face checkpoint at `out`."""
+    import torch
+    from tokenizers import Tokenizer
+    found = ckpt.latest(work)
+    if found is None:
+        raise SystemExit(f"no checkpoint in {work}")
+    state = json.loads((found / "state.json").read_text())
+    run = argparse.Namespace(**state["args"])
+    run.work_dir = args.work_dir
+    tok = Tokenizer.from_file(str(data_dir(run) / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKER_TOKENS}
+    torch.manual_seed(run.seed)
+    model = build_model(run, tok.get_vocab_size(), ids)
+    ckpt.load_model(found, model)
+    save(model, tok, out, ids, max_len=MAX_POSITIONS)
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(json.dumps({"exported": str(found), "step": state["step"], "of": run.steps,
+                      "tokens": state["tokens"], "val_loss": state.get("val"),
+                      "out": str(out), "mb": round(size / 1e6, 1)}), flush=True)
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("freetoken_py/data/demo_model"))
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--run", default="main", help="run name: its work dir is WORK_DIR/RUN")
+    ap.add_argument("--work-dir", type=Path, default=WORK_DIR,
+                    help="checkpoints and cached data (keep it outside the git tree)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="export the final checkpoint here (e.g. freetoken_py/data/demo_model)")
+    ap.add_argument("--export-only", action="store_true",
+                    help="no training: export the run's latest checkpoint to --out")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--max-minutes", type=float, default=0, help="stop (and checkpoint) after this")
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--short-seq-len", type=int, default=512,
+                    help="row length before --long-from (0: --seq-len from the start)")
+    ap.add_argument("--long-from", type=float, default=0.75,
+                    help="share of the steps after which rows are --seq-len long")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--moe-intermediate", type=int, default=256)
+    ap.add_argument("--moe-intermediate", type=int, default=192)
     ap.add_argument("--aux-coef", type=float, default=0.01)
     ap.add_argument("--num-chats", type=int, default=6000)
     ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
@@ -788,57 +931,52 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; on a busy shared 2-core box 1 beat 2 by 3-5x")
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--no-sample", action="store_true", help="skip the sample generations")
+    ap.add_argument("--val-every", type=int, default=50)
+    ap.add_argument("--val-windows", type=int, default=8)
+    ap.add_argument("--ckpt-minutes", type=float, default=5)
+    ap.add_argument("--sample", action="store_true", help="sample generations after --out")
     args = ap.parse_args(argv)
+    if args.short_seq_len and (args.seq_len % args.short_seq_len or args.short_seq_len > args.seq_len):
+        ap.error("--short-seq-len must divide --seq-len")
+    return args
 
+
+def main(argv=None):
+    args = parse_args(argv)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve when the box is shared
     import torch
     torch.set_num_threads(args.threads)
+    work = args.work_dir / args.run
+    if args.export_only:
+        if args.out is None:
+            raise SystemExit("--export-only needs --out")
+        return export(work, args.out, args)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    t_start = time.time()
-
-    files = stdlib_files()
-    facts = CodeFacts(files)
-    chats = make_chats(facts, args.num_chats, args.seed)
-    code_bytes = sum(len(t.encode()) for _, t in files)
-    chat_bytes = sum(len(c.encode()) for c in chats)
-    print(f"python {sys.version.split()[0]}: {len(files)} stdlib files, {code_bytes / 1e6:.2f} MB; "
-          f"{len(chats)} chats, {chat_bytes / 1e6:.2f} MB  ({time.time() - t_start:.0f}s)",
-          flush=True)
-
-    # The tokenizer sees all code plus about a fifth as many bytes of chats.
-    n_tok_chats = max(1, int(len(chats) * min(1.0, 0.25 * code_bytes / chat_bytes)))
-    tok = train_tokenizer([t for _, t in files] + chats[:n_tok_chats], args.vocab)
+    data = prepare_data(args, data_dir(args))
+    tok = data["tok"]
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKER_TOKENS}
-    eot = ids["<|endoftext|>"]
-    code_ids = []
-    for enc in tok.encode_batch([text for _, text in files]):
-        code_ids += enc.ids + [eot]
-    chat_ids = [enc.ids for enc in tok.encode_batch(chats)]
-    n_chat = sum(map(len, chat_ids))
-    lens = sorted(map(len, chat_ids))
-    print(f"tokenizer: vocab {tok.get_vocab_size()}, special ids {ids}; code {len(code_ids)} tokens "
-          f"({code_bytes / len(code_ids):.2f} bytes/token), chats {n_chat} tokens "
-          f"(median {lens[len(lens) // 2]}, p90 {lens[9 * len(lens) // 10]}, max {lens[-1]})  "
-          f"({time.time() - t_start:.0f}s)", flush=True)
-
-    batches = Batches(code_ids, chat_ids, eot, args.seq_len, args.batch_size, args.chat_frac,
-                      args.seed)
     model = build_model(args, tok.get_vocab_size(), ids)
+    opt = make_optimizer(model, args)
+    batches = Batches(data, args.seq_len, args.batch_size, args.chat_frac, args.seed)
+    state = {"step": 0, "tokens": 0, "ema": None, "train_s": 0.0, "val": None,
+             "args": {k: v for k, v in vars(args).items() if k in ckpt.RUN_KEYS}}
+    found = ckpt.latest(work)
+    if found is not None:
+        state = ckpt.resume(found, model, opt, batches.gen, args)
+        print(f"resumed from {found} at step {state['step']}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters; training {args.steps} steps x "
-          f"{args.batch_size} x {args.seq_len} tokens", flush=True)
-    loss, train_s, tokens = train(model, batches, args)
-    save(model, tok, args.out, ids, max_len=4096)
-    size = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"final loss (EMA of LM loss) {loss:.3f}; trained on {tokens} tokens in {train_s:.0f}s; "
-          f"saved {size / 1e6:.1f} MB to {args.out}; total wall time "
-          f"{time.time() - t_start:.0f}s", flush=True)
-    if not args.no_sample:
-        sample(args.out, args.seed)
+    print(f"model: {n_params / 1e6:.2f}M parameters; {args.steps} steps x {args.batch_size} x "
+          f"{args.seq_len} tokens; work dir {work}", flush=True)
+    state = train(model, opt, batches, data, args, work, state)
+    print(f"stopped at step {state['step']}/{args.steps}: {state['tokens']} tokens in "
+          f"{state['train_s']:.0f}s, val loss {state['val']:.3f}", flush=True)
+    if args.out is not None and state["step"] >= args.steps:
+        export(work, args.out, args)
+        if args.sample:
+            sample(args.out, args.seed)
 
 
 if __name__ == "__main__":

@@ -271,3 +271,58 @@ def test_corpus_split_holds_out_whole_packages_and_their_copies(tmp_path):
     assert [r for r, _ in train] == ["stdlib/json/util.py", f"site/{kept}/main.py"]
     prompts = corpus.heldout_prompts(heldout, 5)
     assert prompts == [{"file": f"site/{held}/core.py", "prompt": 'def f(x):\n    """Double x."""\n'}]
+
+
+def test_training_resumes_bit_for_bit_from_a_checkpoint(tmp_path):
+    """Two steps, checkpoint, two more == a fresh process resuming from that checkpoint for the
+    last two (parameters, AdamW moments and the batch sampler's RNG all come back)."""
+    import numpy as np
+    import torch
+
+    train = _script("train_demo_model")
+    args = train.parse_args(["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--hidden", "32",
+                             "--layers", "1", "--experts", "4", "--moe-intermediate", "16", "--vocab", "64",
+                             "--warmup", "1", "--val-every", "2", "--val-windows", "1", "--log-every", "1",
+                             "--ckpt-minutes", "0", "--work-dir", str(tmp_path),
+                             "--short-seq-len", "8", "--long-from", "0.5"])  # 4 x 8 tokens, then 2 x 16
+    rng = np.random.default_rng(0)
+    data = {"code": rng.integers(0, 64, 400).astype(np.int64), "val": rng.integers(0, 64, 100),
+            "chats": rng.integers(0, 64, 90).astype(np.int64), "chat_offsets": np.array([0, 30, 60, 90])}
+    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS + train.MARKER_TOKENS)}
+
+    def fresh():
+        torch.manual_seed(0)
+        model = train.build_model(args, 64, ids)
+        return model, train.make_optimizer(model, args), train.Batches(data, 16, 2, 0.3, 1)
+
+    def state():
+        return {"step": 0, "tokens": 0, "ema": None, "train_s": 0.0, "val": None,
+                "args": {k: v for k, v in vars(args).items() if k in train.ckpt.RUN_KEYS}}
+
+    model, opt, batches = fresh()
+    whole = train.train(model, opt, batches, data, args, tmp_path / "a", state())
+    (tmp_path / "b").mkdir()
+    m2, o2, b2 = fresh()
+    half = state()
+    for step in range(2):  # two steps by hand with the 4-step schedule, then a checkpoint
+        for g in o2.param_groups:
+            g["lr"] = train.lr_at(step, args)
+        x = b2.next(*train.shape_at(step, args))
+        assert x.shape == (4, 8)
+        m2(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(m2.parameters(), 1.0)
+        o2.step()
+        o2.zero_grad(set_to_none=True)
+    half.update(step=2, tokens=64)
+    train.ckpt.save(tmp_path / "b", m2, o2, b2.gen, half)
+    m3, o3, b3 = fresh()
+    resumed = train.ckpt.resume(train.ckpt.latest(tmp_path / "b"), m3, o3, b3.gen, args)
+    assert resumed["step"] == 2
+    train.train(m3, o3, b3, data, args, tmp_path / "b", resumed)
+    for (name, p), q in zip(model.named_parameters(), m3.parameters()):
+        assert torch.equal(p, q), name
+    assert resumed["step"] == whole["step"] == 4 and resumed["tokens"] == whole["tokens"] == 128
+    assert train.shape_at(2, args) == (16, 2)
+    with pytest.raises(SystemExit, match="different run"):
+        args.lr = 1.0
+        train.ckpt.resume(train.ckpt.latest(tmp_path / "b"), *fresh()[:2], b3.gen, args)
