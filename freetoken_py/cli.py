@@ -47,6 +47,8 @@ _VRAM_BUDGET = typer.Option(0.0, "--vram-budget", min=0.0,
                             "the dense weights and KV cache leave, less 1 GiB or a tenth of the card if "
                             "more; emulated, half the experts).")
 _RESIDENCY_POLICY = typer.Option("ours", "--residency-policy", help="ours, lru or static.")
+_KV_SCALES = typer.Option(None, "--kv-scales", help="--kv-dtype fp8: JSON cache of the calibrated per-head scales "
+                          "(read when it exists, else calibrated on the shipped text and written).")
 
 
 @app.command()
@@ -83,6 +85,7 @@ def run(
                                  "(e4m3: twice the tokens in the same memory)."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache",
                                          help="Do not reuse KV pages of earlier turns/requests."),
+    kv_scales: Optional[Path] = _KV_SCALES,
     emulate_gpu: Optional[str] = _EMULATE_GPU,
     gpu_experts: bool = _GPU_EXPERTS,
     vram_budget_gb: float = _VRAM_BUDGET,
@@ -99,7 +102,7 @@ def run(
         model_dir=_resolve_model(model), prompt=prompt, chat=chat, system=system, as_json=as_json, dtype=dtype,
         max_model_len=max_model_len, kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend,
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, expert_cache=expert_cache, threads=threads,
-        kv_dtype=kv_dtype, prefix_cache=not no_prefix_cache, stats=stats,
+        kv_dtype=kv_dtype, kv_scales=str(kv_scales or ""), prefix_cache=not no_prefix_cache, stats=stats,
         residency=dict(_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy),
                        record_routing=str(record_routing or "")),
         sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -149,6 +152,7 @@ def serve(
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
+    kv_scales: Optional[Path] = _KV_SCALES,
     emulate_gpu: Optional[str] = _EMULATE_GPU,
     gpu_experts: bool = _GPU_EXPERTS,
     vram_budget_gb: float = _VRAM_BUDGET,
@@ -160,7 +164,7 @@ def serve(
 
     engine = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend, expert_dtype=expert_dtype,
-                  dense_dtype=dense_dtype, expert_cache=expert_cache, kv_dtype=kv_dtype,
+                  dense_dtype=dense_dtype, expert_cache=expert_cache, kv_dtype=kv_dtype, kv_scales=str(kv_scales or ""),
                   enable_prefix_cache=not no_prefix_cache,
                   **_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy))
     serve_main(ServeOptions(model_dir=_resolve_model(model), host=host, port=port, api_key=api_key,
@@ -215,7 +219,7 @@ def eval_kld(
     dense_dtype: str = typer.Option("auto", "--dense-dtype", help="Fast configuration: attention/router/lm_head "
                                     "weights as auto, bf16, fp32, int8, int4."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Fast configuration: KV cache as auto, fp32, bf16, fp8."),
-    kv_scales: Optional[Path] = typer.Option(None, "--kv-scales", help="fp8: JSON cache of the calibrated scales."),
+    kv_scales: Optional[Path] = _KV_SCALES,
     backend: str = typer.Option("auto", "--backend", help="Both engines: auto, cpu or torch."),
     dtype: str = typer.Option("auto", "--dtype", help="Both engines' compute dtype."),
     window: int = typer.Option(256, "--window", min=2, help="Tokens per window (each starts a fresh context)."),

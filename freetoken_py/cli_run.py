@@ -27,6 +27,7 @@ class RunOptions:
     expert_cache: str = "auto"
     threads: int = 0
     kv_dtype: str = "auto"
+    kv_scales: str = ""            # --kv-scales FILE (fp8 KV scales cache)
     prefix_cache: bool = True
     stats: bool = False
     residency: dict = field(default_factory=dict)  # EngineConfig residency_* / record_routing overrides
@@ -41,7 +42,7 @@ def run_main(opts: RunOptions) -> None:
     llm = LLM(opts.model_dir, dtype=opts.dtype, max_model_len=opts.max_model_len, backend=opts.backend,
               expert_dtype=opts.expert_dtype, dense_dtype=opts.dense_dtype, expert_cache=opts.expert_cache,
               kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
-              show_progress=not opts.as_json, kv_dtype=opts.kv_dtype, enable_prefix_cache=opts.prefix_cache,
+              show_progress=not opts.as_json, kv_dtype=opts.kv_dtype, kv_scales=opts.kv_scales, enable_prefix_cache=opts.prefix_cache,
               **opts.residency)
     if llm.unused_gpu:
         print(GPU_HINT, file=sys.stderr)

@@ -212,7 +212,7 @@ class LLM:
         """Token ids the FP8 scales are calibrated on, and what they are: half prose, half code
         from the shipped corpus (`data/corpus/calib_*.txt`, kept apart from the evaluation
         text) in the model's own tokenizer; without a tokenizer, fixed pseudo-random ids."""
-        n = min(num_tokens, self.kv_capacity_tokens - 1)
+        n = min(num_tokens, self.kv_capacity_tokens - 1, self.max_model_len - 1)
         if self.tokenizer is None:
             g = torch.Generator().manual_seed(0)
             return torch.randint(0, self.args.vocab_size, (n,), generator=g).tolist(), "random ids (no tokenizer)"

@@ -23,6 +23,8 @@ FORBIDDEN = {
     # duck-typed on the loaded model)
     **{f"freetoken_py.residency.{m}": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
                                        "freetoken_py.llm", "freetoken_py.models"] for m in ("simulate", "attach")},
+    # the evaluations sit on the LLM facade; the KLD one needs nothing of the HTTP layer
+    "freetoken_py.evals.kld": ["freetoken_py.server"],
     # the HTTP layer reaches the engine only through LLM, and imports llm itself lazily (in the loader)
     **{f"freetoken_py.server.{m}": ["freetoken_py.kvcache", "freetoken_py.residency", "freetoken_py.engine",
                                     "freetoken_py.scheduler", "freetoken_py.llm"]
