@@ -839,6 +839,8 @@ def save(model, tok, out_dir: Path, ids, max_len):
     for p in out_dir.iterdir():
         if p.name not in keep:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+        else:
+            p.chmod(0o644)  # save_pretrained may write 0600 through a temp file
 
 
 def sample(out_dir: Path, seed: int):
