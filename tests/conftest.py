@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 
 
 def _configs():
-    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -35,6 +35,24 @@ def _configs():
                                             num_local_experts=6, sliding_window=12)),
         "olmoe": (OlmoeConfig, dict(common, num_hidden_layers=2, intermediate_size=48, num_experts=8,
                                     clip_qkv=0.5, norm_topk_prob=False, eos_token_id=None, pad_token_id=None)),
+        # GLM-4.5: layer 0 dense, q/k/v biases (no o bias), per-head qk-norm, RoPE on half the head,
+        # sigmoid router with 2 groups of 4 experts (1 kept), a shared expert, x2.5
+        "glm4_moe": (Glm4MoeConfig, dict(common, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32,
+                                         head_dim=16, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                                         n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True,
+                                         partial_rotary_factor=0.5, routed_scaling_factor=2.5,
+                                         eos_token_id=None, pad_token_id=None)),
+        # GLM-4.5-Air-like: no qk-norm, no groups, no renormalisation, 2 shared-expert widths
+        "glm4_moe_air": (Glm4MoeConfig, dict(common, num_hidden_layers=2, intermediate_size=96,
+                                             moe_intermediate_size=32, head_dim=16, n_routed_experts=8,
+                                             n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                             use_qk_norm=False, attention_bias=True, partial_rotary_factor=0.5,
+                                             norm_topk_prob=False, routed_scaling_factor=1.8,
+                                             eos_token_id=None, pad_token_id=None)),
+        # MiniMax-M2: full-width qk-norm, rotary_dim 8 of 16, sigmoid router with the bias on the block
+        "minimax_m2": (MiniMaxM2Config, dict(common, num_hidden_layers=2, intermediate_size=32, head_dim=16,
+                                             num_local_experts=8, rotary_dim=8, eos_token_id=None,
+                                             pad_token_id=None, bos_token_id=None)),
     }
 
 
@@ -53,8 +71,23 @@ def build_checkpoint(name: str, out: Path, dtype=torch.float32, seed: int = 0, *
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
+        randomise_constants(model)
     model.to(dtype).save_pretrained(out, **save_kwargs)
     return out
+
+
+def randomise_constants(model) -> None:
+    """transformers initialises the sigmoid routers' e_score_correction_bias to 0 and RMSNorm
+    weights to 1, which would leave the bias path and a norm-weight mix-up untested: randomise both
+    (only on models that have such a bias, so the older families' checkpoints stay as they were)."""
+    biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    if not biases:
+        return
+    for b in biases:
+        b.normal_(0, 0.05)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and "norm" in name:
+            p.uniform_(0.5, 1.5)
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def test_page_boundaries(arch, length, checkpoint_factory):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral_swa", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral_swa", "olmoe", "glm4_moe", "minimax_m2"])
 def test_batch_of_four_equals_each_alone(arch, backend, checkpoint_factory):
     path = checkpoint_factory(arch)
     prompts = [random_prompt(n, seed=n) for n in (3, 17, 30, 8)]
@@ -219,3 +219,39 @@ def test_cpu_backend_bf16_checkpoint_defaults_to_bf16_kv(checkpoint_factory):
     kl = torch.nn.functional.kl_div(torch.log_softmax(ours, -1), torch.log_softmax(ref_logits, -1),
                                     log_target=True, reduction="batchmean").item()
     assert kl <= 1e-4, kl
+
+
+def test_mtp_layers_beyond_num_hidden_layers_are_skipped(checkpoint_factory, tmp_path):
+    """GLM-4.5 / DeepSeek checkpoints carry their multi-token-prediction layer as
+    `model.layers.{num_hidden_layers}.*` (shapes of their own); it is neither an error nor read."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = checkpoint_factory("glm4_moe")
+    dst = tmp_path / "with_mtp"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("freetoken-experts-*"))  # not the expert cache
+    n = 3  # num_hidden_layers of the glm4_moe config
+    save_file({f"model.layers.{n}.eh_proj.weight": torch.zeros(64, 128),
+               f"model.layers.{n}.mlp.experts.0.gate_proj.weight": torch.zeros(7, 5),
+               f"model.layers.{n + 1}.enorm.weight": torch.zeros(3)}, dst / "model-mtp.safetensors")
+    prompt = random_prompt(12, seed=8)
+    for backend in ("torch", "cpu"):
+        _, with_mtp = drive_greedy(dst, prompt, num_decode=3, backend=backend)
+        _, without = drive_greedy(src, prompt, num_decode=3, backend=backend)
+        assert torch.equal(with_mtp, without)
+
+
+def test_sigmoid_router_runs_in_fp32_in_a_bf16_load(checkpoint_factory):
+    """The DeepSeek-style router's weight and correction bias stay fp32 in a bf16 load (as
+    transformers keeps them: `_keep_in_fp32_modules_strict`); the first greedy token equals fp32's."""
+    path = checkpoint_factory("glm4_moe", dtype=torch.bfloat16)
+    llm16 = LLM(path, dtype="auto", show_progress=False, backend="torch")
+    moe = llm16.model.weights.layers[1]
+    assert llm16.model.dtype == torch.bfloat16 and moe.qkv.weight.dtype == torch.bfloat16
+    assert moe.router.weight.dtype == torch.float32 and moe.router_bias.dtype == torch.float32
+    assert moe.shared13.weight.dtype == torch.bfloat16
+    prompt = random_prompt(16, seed=4)
+    one = SamplingParams(max_tokens=1, temperature=0)
+    llm32 = LLM(path, dtype="float32", show_progress=False, backend="torch")
+    assert llm16.generate([prompt], one)[0].token_ids == llm32.generate([prompt], one)[0].token_ids

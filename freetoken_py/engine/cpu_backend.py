@@ -102,8 +102,6 @@ def _mla_kernels(w, fmt: str, group_size: int) -> None:
     w.kv_a_norm, w.kv_b = w.kv_a_norm.float(), w.kv_b.float()
 
 
-
-
 def _head_format(dense_fmt: str) -> str:
     """Router and lm_head format: int4 dense keeps these two at int8 (llama.cpp's Q4_0 likewise
     keeps the output matrix at 6 bits and the router unquantised: both are small or sensitive)."""
@@ -114,6 +112,8 @@ def _check_int4_dense(a, group_size: int) -> None:
     ks = {"hidden size": a.hidden_size, "attention width (heads x head dim)": a.num_heads * a.head_dim}
     if a.intermediate_size and not all(a.sparse_layers):
         ks["dense MLP width"] = a.intermediate_size
+    if a.shared_intermediate_size:
+        ks["shared expert width"] = a.shared_intermediate_size
     bad = [f"{name} {k}" for name, k in ks.items() if k % group_size]
     if bad:
         raise FreetokenError(f"--dense-dtype int4 needs every input width divisible by the group size "
@@ -170,11 +170,16 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
         pk = packed[i] if packed is not None else {}
         lw.qkv = _kernel(lw.qkv, dense_fmt, group_size, pk.get("qkv")) if lw.qkv is not None else None
         lw.o = _kernel(lw.o, dense_fmt, group_size, pk.get("o"))
+        if lw.mla is not None:  # MLA: its projections on the kernels, kv_b (W_UK / W_UV) widened to fp32
+            _mla_kernels(lw.mla, dense_fmt, group_size)
         lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
         if lw.q_norm is not None:
             lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
         if lw.router is not None:
             lw.router = _kernel(lw.router, head_fmt)
+            if lw.shared13 is not None:  # the shared expert is dense work, in the dense format
+                lw.shared13 = _kernel(lw.shared13, dense_fmt, group_size, pk.get("shared13"))
+                lw.shared2 = _kernel(lw.shared2, dense_fmt, group_size, pk.get("shared2"))
             if prebuilt is not None:
                 banks.append(prebuilt[i])
             elif lw.w13 is None:

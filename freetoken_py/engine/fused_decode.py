@@ -45,6 +45,7 @@ class _Layer:
     ln2: np.ndarray
     q_norm: np.ndarray
     k_norm: np.ndarray
+    router_bias: np.ndarray  # [E] sigmoid routers' choice bias; empty otherwise
 
 
 class FusedDecoder:
@@ -53,6 +54,8 @@ class FusedDecoder:
         self.model, self.cache, self.args = model, cache, a
         self.qk_kind = {"none": kd.QK_NONE, "head": kd.QK_HEAD, "full": kd.QK_FULL}[a.qk_norm]
         self.clip = float(a.clip_qkv) if a.clip_qkv is not None else -1.0  # < 0: no clipping
+        self.route = ({"softmax": kd.ROUTE_SOFTMAX, "sigmoid": kd.ROUTE_SIGMOID}[a.router], a.n_group, a.topk_group,
+                      float(a.routed_scaling_factor))
         routers = [lw.router.dense for lw in model.weights.layers if lw.router is not None]
         self.layers = [self._layer(lw, routers[0] if routers else lw.o.dense) for lw in model.weights.layers]
         self.final_norm = _vec(model.weights.final_norm)
@@ -85,7 +88,7 @@ class FusedDecoder:
         return _Layer(w(lw.qkv), _vec(lw.qkv.bias), w(lw.o), _vec(lw.o.bias), router,
                       _vec(lw.input_norm), _vec(lw.post_norm),
                       _vec(lw.q_norm) if lw.q_norm is not None else _ONE,
-                      _vec(lw.k_norm) if lw.k_norm is not None else _ONE)
+                      _vec(lw.k_norm) if lw.k_norm is not None else _ONE, _vec(lw.router_bias))
 
     def forward(self, token_ids: list[int], positions: list[int], ctx: np.ndarray, ctx_off: np.ndarray,
                 new_slots: np.ndarray) -> torch.Tensor:
@@ -116,18 +119,27 @@ class FusedDecoder:
                                  kv[:, (nq + nkv) * hd:].view(T, nkv, hd))
             kd.decode_attn(qkv, nq, nkv, hd, not self.fp8, self.fp8, self.k[i], self.v[i], self.k_scale[i],
                            self.v_scale[i], self.lut, new_slots, ctx, ctx_off, m.scale, attn, *L.o, L.o_bias, h,
-                           o_tmp, L.ln2, eps, *L.router, x2, logits, k, a.norm_topk_prob, ids, wts)
+                           o_tmp, L.ln2, eps, *L.router, x2, logits, k, a.norm_topk_prob, ids, wts,
+                           self.route[0], L.router_bias, *self.route[1:])
             lw = m.weights.layers[i]
             if lw.router is None:  # dense MLP layer
-                gate, up = lw.mlp13(torch.from_numpy(x2)).chunk(2, dim=-1)
-                h += lw.mlp2(torch.nn.functional.silu(gate) * up).numpy()
-            elif banks is not None:
+                _add_swiglu(lw.mlp13, lw.mlp2, x2, h)
+                continue
+            if banks is not None:
                 add_moe_experts(banks[i], x2, ids, wts, h, act)
             else:
                 h += m.experts(i, torch.from_numpy(x2), torch.from_numpy(ids), torch.from_numpy(wts)).numpy()
+            if lw.shared13 is not None:  # the shared expert: dense work, not the executor's
+                _add_swiglu(lw.shared13, lw.shared2, x2, h)
         out = np.empty_like(h)
         kd.rms_rows(h, self.final_norm, eps, out)
         return torch.from_numpy(out)
+
+
+def _add_swiglu(w13, w2, x2: np.ndarray, h: np.ndarray) -> None:
+    """h += w2(silu(gate) * up) of x2 [T, D] (a dense MLP layer or a shared expert; KernelLinears)."""
+    gate, up = w13(torch.from_numpy(x2)).chunk(2, dim=-1)
+    h += w2(torch.nn.functional.silu(gate) * up).numpy()
 
 
 def decode_slots(cache: KVCache, page_table: list[int], start: int, window: int | None) -> np.ndarray:

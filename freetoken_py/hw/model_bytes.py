@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,7 +17,7 @@ from freetoken_py.models.checkpoint import TensorInfo as CheckpointTensor
 from freetoken_py.models.checkpoint import list_checkpoint_tensors, read_json
 
 CATEGORIES = ("embedding", "lm_head", "attention", "router", "dense_mlp", "shared_experts",
-              "routed_experts", "norm", "other")
+              "routed_experts", "norm", "other", "not_run")  # not_run: MTP layers (>= num_hidden_layers)
 _LAYER = re.compile(r"\.(?:layers|h|blocks|block)\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _EMBED = re.compile(r"(^|\.)(embed_tokens|wte|tok_embeddings|word_embeddings)\.")
@@ -101,7 +101,7 @@ def classify(name: str) -> str:
         return "shared_experts"
     if ".experts." in name:                  # per-expert and fused layouts, Mixtral included
         return "routed_experts"
-    if _ROUTER.search(name):
+    if _ROUTER.search(name) or name.endswith("e_score_correction_bias"):  # MiniMax-M2's sits on the block
         return "router"
     if "attn" in name or "attention" in name:
         return "attention"
@@ -116,6 +116,14 @@ def _tensor_info(t: CheckpointTensor) -> TensorInfo:
     layer, expert = _LAYER.search(t.name), _EXPERT.search(t.name)
     return TensorInfo(t.name, t.dtype, t.shape, t.nbytes, classify(t.name),
                       int(layer.group(1)) if layer else None, int(expert.group(1)) if expert else None)
+
+
+def _not_run(t: TensorInfo, num_layers: int | None) -> TensorInfo:
+    """A tensor of a layer the forward never runs (DeepSeek / GLM MTP layers: index >=
+    num_hidden_layers) counts in the file's bytes, not in any layer's or any token's."""
+    if num_layers is None or t.layer is None or t.layer < num_layers:
+        return t
+    return replace(t, category="not_run", layer=None, expert=None)
 
 
 def _layers(tensors: list[TensorInfo], num_experts_cfg: int) -> tuple[LayerBytes, ...]:
@@ -153,7 +161,7 @@ def per_token_bytes(by_category: dict[str, int], layers: tuple[LayerBytes, ...],
     """Bytes one decode token reads: all dense weights, top_k experts per MoE layer, one
     embedding row, and the whole lm_head (the embedding matrix again when tied)."""
     dense = sum(v for k, v in by_category.items()
-                if k not in ("embedding", "lm_head", "routed_experts"))
+                if k not in ("embedding", "lm_head", "routed_experts", "not_run"))
     emb = by_category.get("embedding", 0)
     lm_head = by_category.get("lm_head", 0) or (emb if tied else 0)
     experts = sum(min(top_k, layer.num_experts) * layer.bytes_per_expert for layer in layers)
@@ -171,7 +179,8 @@ def read_model_bytes(model_dir: Path) -> ModelBytes:
     except ModelLoadError as exc:
         raise ModelLoadError(f"--model {exc}") from None
     files = sorted({t.file for t in infos.values()})
-    tensors = [_tensor_info(t) for t in infos.values()]
+    num_layers = int(_first(cfg, "num_hidden_layers", "n_layer", default=0)) or None
+    tensors = [_not_run(_tensor_info(t), num_layers) for t in infos.values()]
     if not tensors:
         raise ModelLoadError(f"--model {model_dir}: the safetensors files hold no tensors")
     top_k = int(_first(cfg, "num_experts_per_tok", "num_experts_per_token", "moe_topk",
@@ -190,7 +199,7 @@ def read_model_bytes(model_dir: Path) -> ModelBytes:
     embed = [t for t in tensors if t.category == "embedding" and t.shape]
     vocab = int(_first(cfg, "vocab_size", default=embed[0].shape[0] if embed else 0))
     tied = bool(cfg.get("tie_word_embeddings", False)) and not by_category.get("lm_head")
-    num_layers = int(_first(cfg, "num_hidden_layers", "n_layer", default=len(layers)))
+    num_layers = num_layers or len(layers)
     return ModelBytes(
         model_dir=str(model_dir), model_type=str(cfg.get("model_type", "unknown")),
         files=tuple(f.name for f in files), dtypes=dict(dtypes),

@@ -31,6 +31,7 @@ from freetoken_py.kernels._simd import exp_shift_sum
 from freetoken_py.kernels.cpu_linear import dense_rows
 
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
+ROUTE_SOFTMAX, ROUTE_SIGMOID = 0, 1  # ModelArgs.router
 
 
 @njit(fastmath=True, cache=True)
@@ -75,12 +76,13 @@ def _qk_post(row, bias, qn, kn, qk_kind, clip, cos, sin, nq, nkv, hd, eps):
     if clip >= 0:
         for i in range(row.shape[0]):
             row[i] = min(max(row[i], -clip), clip)
-    tmp = np.empty(hd, np.float32)
+    rd = cos.shape[0]  # rotary dims: the first rd of each head (partial RoPE), the rest pass through
+    tmp = np.empty(rd, np.float32)
     for head in range(nq + nkv):
         x = row[head * hd:(head + 1) * hd]
         if qk_kind == QK_HEAD:
             rms_row(x, qn if head < nq else kn, eps, x)
-        _rotate(x, cos, sin, tmp)
+        _rotate(x[:rd], cos, sin, tmp)
 
 
 @njit(fastmath=True, cache=True)
@@ -259,16 +261,69 @@ def _route(logits, top_k, renorm, ids, wts):
             wts[j] /= tot
 
 
+@njit(fastmath=True, cache=True)
+def _group_mask(c, n_group, topk_group, allowed):
+    """allowed[e] = expert e's group is among the topk_group groups with the largest sum of their
+    top-2 choice scores c (ties: the lower group). No infinities: fastmath assumes none."""
+    per = c.shape[0] // n_group
+    gs = np.empty(n_group, np.float32)
+    for g in range(n_group):
+        b1, b2 = max(c[g * per], c[g * per + 1]), min(c[g * per], c[g * per + 1])
+        for e in range(g * per + 2, (g + 1) * per):
+            if c[e] > b1:
+                b1, b2 = c[e], b1
+            elif c[e] > b2:
+                b2 = c[e]
+        gs[g] = b1 + b2
+    keep = np.zeros(n_group, np.bool_)
+    for _ in range(topk_group):
+        best = -1
+        for g in range(n_group):
+            if not keep[g] and (best < 0 or gs[g] > gs[best]):
+                best = g
+        keep[best] = True
+    for e in range(c.shape[0]):
+        allowed[e] = keep[e // per]
+
+
+@njit(fastmath=True, cache=True)
+def _route_sigmoid(logits, bias, top_k, n_group, topk_group, renorm, scaling, ids, wts):
+    """DeepSeek noaux_tc (layers.moe.sigmoid_group_route): sigmoid scores, bias for the choice
+    only, group-limited top-k (ties: the lower id), unbiased weights, renormalised, x scaling."""
+    E = logits.shape[0]
+    s, c = np.empty(E, np.float32), np.empty(E, np.float32)
+    for e in range(E):
+        s[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits[e]))
+        c[e] = s[e] + bias[e]
+    allowed = np.ones(E, np.bool_)
+    if n_group > 1:
+        _group_mask(c, n_group, topk_group, allowed)
+    tot = np.float32(0.0)
+    for j in range(top_k):
+        best = -1
+        for e in range(E):
+            if allowed[e] and (best < 0 or c[e] > c[best]):
+                best = e
+        allowed[best] = False
+        ids[j] = best
+        wts[j] = s[best]
+        tot += s[best]
+    for j in range(top_k):
+        wts[j] = (wts[j] / (tot + np.float32(1e-20)) if renorm else wts[j]) * np.float32(scaling)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, lut, new_slots, ctx, ctx_off,
-                scale, attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids, wts):
+                scale, attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids, wts,
+                route_kind, rbias, n_group, topk_group, scaling):
     """Attention of the new tokens over their contexts, o projection added into h [T, D]; then,
     when wr has rows (router weights, group size gsr), post-norm into x2 and routing into ids / wts [T, k] (a dense-MLP layer
     passes a 0-row router and gets x2 only).
 
     ctx [sum n_t] / ctx_off [T + 1]: the slots each token attends to (its own slot last);
     kscale / vscale [nkv]: FP8 per-head scales (ones otherwise); attn [T, nq*hd], o_tmp [T, D],
-    logits [T, E]: scratch.
+    logits [T, E]: scratch. route_kind: ROUTE_SOFTMAX (top_k, renorm) or ROUTE_SIGMOID (also the
+    choice bias rbias [E], n_group / topk_group and the scaling factor).
     """
     if write_kv:
         _write_kv(qkv, nq, nkv, hd, new_slots, kc, vc)
@@ -302,7 +357,10 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
     if wr.shape[0]:
         dense_rows(wr, sr, x2, gsr, logits)
         for t in range(T):
-            _route(logits[t], top_k, renorm, ids[t], wts[t])
+            if route_kind == ROUTE_SIGMOID:
+                _route_sigmoid(logits[t], rbias, top_k, n_group, topk_group, renorm, scaling, ids[t], wts[t])
+            else:
+                _route(logits[t], top_k, renorm, ids[t], wts[t])
 
 
 def fp8_table() -> np.ndarray:

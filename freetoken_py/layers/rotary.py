@@ -38,3 +38,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first cos.shape[-1] dims of each head, the rest passed through
+    (GLM-4.5: half the head, MiniMax-M2: rotary_dim). x: [T, H, hd]; cos/sin: [T, rd], rd <= hd."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from freetoken_py.errors import ModelLoadError, UnsupportedModelError
+from freetoken_py.layers.mla import MlaConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,25 @@ class ModelArgs:
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
     hidden_act: str = "silu"
+    # router kind: "softmax" (Qwen3 / Mixtral / OLMoE) or "sigmoid" (DeepSeek noaux_tc, GLM-4.5,
+    # MiniMax-M2: sigmoid + e_score_correction_bias for the choice, n_group / topk_group groups,
+    # x routed_scaling_factor); see layers.moe.sigmoid_group_route
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0  # ungated shared expert on every MoE layer (0: none)
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
+    o_bias: bool | None = None  # o_proj bias; None: as attention_bias (GLM-4.5: q/k/v biases only)
+    mla: MlaConfig | None = None  # the attention kind: None = GQA (q/k/v projections), else MLA (layers/mla.py)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def has_o_bias(self) -> bool:
+        return self.attention_bias if self.o_bias is None else self.o_bias
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -45,6 +65,12 @@ class ModelArgs:
         if self.top_k > self.num_experts and any(self.sparse_layers):
             raise ModelLoadError(f"config.json: num_experts_per_tok ({self.top_k}) > number of experts "
                                  f"({self.num_experts})")
+        if self.router not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"config.json: router '{self.router}' is not supported "
+                                        "(supported: softmax, sigmoid)")
+        if not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise ModelLoadError(f"config.json: rotary dim {self.rope_dim} must be even and in "
+                                 f"(0, head_dim {self.head_dim}] (rotary_dim / partial_rotary_factor)")
         if self.hidden_act != "silu":
             raise UnsupportedModelError(f"config.json: hidden_act '{self.hidden_act}' is not supported "
                                         "(supported: silu)")
@@ -88,10 +114,45 @@ class ConfigReader:
         raise UnsupportedModelError(f"{self.path}: rope type '{rope_type}' is not supported yet "
                                     "(supported: default, linear)")
 
-    def common(self) -> dict:
+    def partial_rotary_dim(self, head_dim: int) -> int | None:
+        """`rotary_dim` (MiniMax-M2), else head_dim x `partial_rotary_factor` (top level or in
+        rope_parameters, as transformers 5 moves it); None when RoPE covers the whole head."""
+        if self.cfg.get("rotary_dim") is not None:
+            dim = self.get("rotary_dim")
+        else:
+            params = self.cfg.get("rope_parameters") or {}
+            factor = params.get("partial_rotary_factor", self.cfg.get("partial_rotary_factor", 1.0))
+            if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+                raise ModelLoadError(f"{self.path}: 'partial_rotary_factor' has a bad value {factor!r}")
+            dim = int(head_dim * factor)
+        return None if dim == head_dim else dim
+
+    def sigmoid_router(self, num_experts: int, top_k: int) -> dict:
+        """ModelArgs fields of the DeepSeek "noaux_tc" router (deepseek_v3, glm4_moe, ...), checked:
+        `scoring_func` sigmoid, `topk_method` noaux_tc where given; n_group groups of >= 2 experts
+        (a group scores its top-2), topk_group of them able to hold top_k experts."""
+        scoring = self.get("scoring_func", default="sigmoid", kind=str)
+        if scoring != "sigmoid":
+            raise UnsupportedModelError(f"{self.path}: scoring_func '{scoring}' is not supported (supported: sigmoid)")
+        method = self.get("topk_method", default="noaux_tc", kind=str)
+        if method != "noaux_tc":
+            raise UnsupportedModelError(f"{self.path}: topk_method '{method}' is not supported (supported: noaux_tc)")
+        n_group, topk_group = self.get("n_group", default=1), self.get("topk_group", default=1)
+        if n_group < 1 or num_experts % n_group or (n_group > 1 and num_experts // n_group < 2):
+            raise ModelLoadError(f"{self.path}: 'n_group' ({n_group}) must split the {num_experts} experts "
+                                 "into equal groups of at least 2")
+        if not 1 <= topk_group <= n_group or topk_group * (num_experts // n_group) < top_k:
+            raise ModelLoadError(f"{self.path}: 'topk_group' ({topk_group}) must be in [1, n_group {n_group}] "
+                                 f"and its groups must hold num_experts_per_tok ({top_k}) experts")
+        return dict(router="sigmoid", n_group=n_group, topk_group=topk_group,
+                    routed_scaling_factor=self.get("routed_scaling_factor", default=1.0, kind=float),
+                    norm_topk_prob=self.get("norm_topk_prob", default=True, kind=bool))
+
+    def common(self, rope: tuple[float, float] | None = None) -> dict:
+        """rope: (theta, linear factor) when the model file parses RoPE itself (MLA: YaRN)."""
         hidden = self.get("hidden_size")
         heads = self.get("num_attention_heads")
-        theta, factor = self.rope()
+        theta, factor = rope or self.rope()
         return dict(
             vocab_size=self.get("vocab_size"),
             hidden_size=hidden,

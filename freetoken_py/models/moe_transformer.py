@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken_py.kvcache import KVCache
+from freetoken_py.kvcache import KVCache, PagedKV, StateSpec
 from freetoken_py.layers.attention import AttentionMetadata, paged_attention
 from freetoken_py.layers.linear import TorchLinear
-from freetoken_py.layers.moe import ExpertExecutor, TorchExpertExecutor, softmax_topk_route
+from freetoken_py.layers.mla import MlaWeights, mla_attention
+from freetoken_py.layers.moe import ExpertExecutor, TorchExpertExecutor, sigmoid_group_route, softmax_topk_route
 from freetoken_py.layers.norm import rms_norm
-from freetoken_py.layers.rotary import RotaryEmbedding, apply_rotary
+from freetoken_py.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from freetoken_py.models.args import ModelArgs
 from freetoken_py.models.weights import LayerWeights, ModelWeights
 
@@ -25,8 +26,10 @@ class MoeTransformer:
         self.args = args
         self.weights = weights
         self.dtype = dtype
-        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling_factor)
+        self.rope = RotaryEmbedding(args.rope_dim, args.rope_theta, args.rope_scaling_factor)  # cos/sin [T, rope_dim]
         self.scale = args.head_dim ** -0.5
+        if args.mla is not None:  # MLA: RoPE (maybe YaRN) on the rope dims only, its own softmax scale
+            self.rope, self.scale = args.mla.rotary(), args.mla.softmax_scale
         self.experts = experts or TorchExpertExecutor([lw.w13 for lw in weights.layers],
                                                       [lw.w2 for lw in weights.layers])
         self.device = torch.device("cpu")   # where the dense weights, the activations and the KV live
@@ -42,7 +45,9 @@ class MoeTransformer:
         w.lm_head = _linear_to(w.lm_head, device)
         for lw in w.layers:
             for name, obj in lw.dense().items():
-                setattr(lw, name, obj.to(device) if isinstance(obj, torch.Tensor) else _linear_to(obj, device))
+                moved = (obj.to(device) if isinstance(obj, torch.Tensor) else obj.to(device, _linear_to)
+                         if isinstance(obj, MlaWeights) else _linear_to(obj, device))
+                setattr(lw, name, moved)
         self.device = device
 
     @torch.inference_mode()
@@ -57,8 +62,13 @@ class MoeTransformer:
             x = rms_norm(h, lw.input_norm, self.args.rms_norm_eps)
             h = h + self._attention(i, lw, x, cos, sin, meta, cache)
             x = rms_norm(h, lw.post_norm, self.args.rms_norm_eps)
-            h = h + (self._moe(i, lw, x) if lw.router is not None else self._mlp(lw, x))
+            h = h + (self._moe(i, lw, x) if lw.router is not None else _swiglu(lw.mlp13, lw.mlp2, x))
         return rms_norm(h, self.weights.final_norm, self.args.rms_norm_eps)
+
+    def state_spec(self) -> StateSpec:
+        """What each layer keeps per token in the KV pool (kvcache/spec.py)."""
+        a = self.args
+        return a.mla.state_spec if a.mla is not None else PagedKV(a.num_kv_heads, a.head_dim)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> fp32 logits [N, V] on the host (the sampler's side)."""
@@ -66,6 +76,8 @@ class MoeTransformer:
 
     def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, cos, sin, meta, cache) -> torch.Tensor:
         a = self.args
+        if a.mla is not None:  # the attention kind: MLA over the latent cache (layers/mla.py)
+            return lw.o(mla_attention(a.mla, lw.mla, cache, i, meta, x, cos, sin, a.rms_norm_eps))
         T = x.shape[0]
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         q, k, v = lw.qkv(x).split([q_out, kv_out, kv_out], dim=-1)
@@ -78,19 +90,32 @@ class MoeTransformer:
         v = v.view(T, a.num_kv_heads, a.head_dim)
         if a.qk_norm == "head":  # Qwen3: per-head norm
             q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         o = paged_attention(cache, i, meta, q, k, v, self.scale)  # [T, Hq*hd]
         return lw.o(o)
 
     def _moe(self, i: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        router_logits = lw.router(x)  # [T, E]
-        ids, weights = softmax_topk_route(router_logits, self.args.top_k, self.args.norm_topk_prob)
-        return self.experts(i, x, ids, weights)
+        """Routed experts (through the executor: only they are its business) plus the layer's
+        ungated shared expert, a dense MLP every token runs."""
+        ids, weights = self._route(lw, x)
+        out = self.experts(i, x, ids, weights.to(x.dtype))
+        if lw.shared13 is not None:
+            out = out + _swiglu(lw.shared13, lw.shared2, x)
+        return out
 
-    @staticmethod
-    def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = lw.mlp13(x).chunk(2, dim=-1)
-        return lw.mlp2(F.silu(gate) * up)
+    def _route(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, weights [T, k] from the router kind (ModelArgs.router)."""
+        a = self.args
+        if a.router == "sigmoid":  # fp32 router (weight and bias loaded fp32)
+            return sigmoid_group_route(lw.router(x.float()), lw.router_bias, a.top_k, a.n_group, a.topk_group,
+                                       a.norm_topk_prob, a.routed_scaling_factor)
+        return softmax_topk_route(lw.router(x), a.top_k, a.norm_topk_prob)
+
+
+def _swiglu(w13, w2, x: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU MLP (dense layers, shared experts): w2(silu(gate) * up), w13 = gate|up rows."""
+    gate, up = w13(x).chunk(2, dim=-1)
+    return w2(F.silu(gate) * up)
 
 
 def _linear_to(linear, device: torch.device):

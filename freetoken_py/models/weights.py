@@ -26,6 +26,8 @@ class WeightScheme:
     expert: str = "mlp.experts.{e}."
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     dense_mlp: str = "mlp."
+    router_bias: str = "mlp.gate.e_score_correction_bias"  # sigmoid routers' choice bias [E]
+    shared_expert: str = "mlp.shared_experts."  # ungated shared expert (gate/up/down_proj)
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
@@ -34,15 +36,19 @@ class LayerWeights:
     """One decoder layer. Linear layers are callables (TorchLinear or KernelLinear)."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: object  # fused q, k, v projections: [Hq*hd + 2*Hkv*hd, D]
+    qkv: object  # fused q, k, v projections: [Hq*hd + 2*Hkv*hd, D]; None for MLA (see `mla`)
     o: object  # [D, Hq*hd]
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     router: object | None = None  # [E, D]
+    router_bias: torch.Tensor | None = None  # [E] fp32, sigmoid routers: shifts the choice only
     w13: torch.Tensor | None = None  # [E, 2I, D] routed experts (gate rows then up rows)
     w2: torch.Tensor | None = None  # [E, D, I]
     mlp13: object | None = None  # dense layer: [2I, D] gate rows then up rows
     mlp2: object | None = None  # [D, I]
+    shared13: object | None = None  # MoE layer's shared expert: [2Is, D] gate rows then up rows
+    shared2: object | None = None  # [D, Is]
+    mla: object | None = None  # MLA attention's projections (layers.mla.MlaWeights); o_proj stays in `o`
 
     EXPERTS = ("w13", "w2")   # the routed experts; every other field is a dense weight
 
@@ -62,13 +68,18 @@ class ModelWeights:
 
 
 def _attention_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
+    if a.mla is not None:
+        return {**{f"self_attn.{k}": v for k, v in a.mla.tensor_shapes(a.hidden_size).items()},
+                "input_layernorm.weight": (a.hidden_size,), "post_attention_layernorm.weight": (a.hidden_size,)}
     q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     shapes = {"self_attn.q_proj.weight": (q_out, a.hidden_size), "self_attn.k_proj.weight": (kv_out, a.hidden_size),
               "self_attn.v_proj.weight": (kv_out, a.hidden_size), "self_attn.o_proj.weight": (a.hidden_size, q_out),
               "input_layernorm.weight": (a.hidden_size,), "post_attention_layernorm.weight": (a.hidden_size,)}
     if a.attention_bias:
         shapes.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
-                       "self_attn.v_proj.bias": (kv_out,), "self_attn.o_proj.bias": (a.hidden_size,)})
+                       "self_attn.v_proj.bias": (kv_out,)})
+    if a.has_o_bias:
+        shapes["self_attn.o_proj.bias"] = (a.hidden_size,)
     if a.qk_norm == "head":
         shapes.update({"self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)})
     elif a.qk_norm == "full":
@@ -76,14 +87,20 @@ def _attention_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _swiglu_shapes(prefix: str, i: int, d: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}gate_proj.weight": (i, d), f"{prefix}up_proj.weight": (i, d), f"{prefix}down_proj.weight": (d, i)}
+
+
 def _mlp_shapes(a: ModelArgs, s: WeightScheme, sparse: bool) -> dict[str, tuple[int, ...]]:
     g, u, d = s.expert_proj
     if not sparse:
-        i = a.intermediate_size
-        return {f"{s.dense_mlp}gate_proj.weight": (i, a.hidden_size), f"{s.dense_mlp}up_proj.weight": (i, a.hidden_size),
-                f"{s.dense_mlp}down_proj.weight": (a.hidden_size, i)}
+        return _swiglu_shapes(s.dense_mlp, a.intermediate_size, a.hidden_size)
     i = a.moe_intermediate_size
     shapes = {s.router: (a.num_experts, a.hidden_size)}
+    if a.router == "sigmoid":
+        shapes[s.router_bias] = (a.num_experts,)
+    if a.shared_intermediate_size:
+        shapes.update(_swiglu_shapes(s.shared_expert, a.shared_intermediate_size, a.hidden_size))
     for e in range(a.num_experts):
         p = s.expert.format(e=e)
         shapes.update({f"{p}{g}.weight": (i, a.hidden_size), f"{p}{u}.weight": (i, a.hidden_size),
@@ -117,8 +134,19 @@ def validate(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], mode
                                  "in config.json's quantization_config; see docs/formats.md)")
     tied_head = a.tie_word_embeddings and "lm_head.weight" in tensors
     for name, info in tensors.items():
+        if _beyond_layers(name, a, s):  # MTP layers (layer >= num_hidden_layers): not run, not read
+            continue
         if name not in expected and not name.endswith(s.ignored_suffixes) and not tied_head:
             raise ModelLoadError(f"{info.file}: unexpected tensor '{name}' (does config.json match the weights?)")
+
+
+def _beyond_layers(name: str, a: ModelArgs, s: WeightScheme) -> bool:
+    """A tensor of layer >= num_layers (DeepSeek / GLM multi-token-prediction layers)."""
+    head, _, tail = s.layer.partition("{i}")
+    if not name.startswith(head):
+        return False
+    index = name[len(head):].split(tail, 1)[0] if tail else ""
+    return index.isdigit() and int(index) >= a.num_layers
 
 
 _STORED_AS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -131,12 +159,10 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
     checkpoint's mapping (file pages the kernel may drop and read again); a cast one, and one
     concatenated or stacked (q/k/v into qkv, a dense MLP's gate and up, every expert), is a copy.
     The moment: one MoE layer's gate and up rows, concatenated per expert before the stack."""
-    size = dtype.itemsize
-
-    def held(name: str, copied: bool) -> int:
+    def held(name: str, copied: bool, at: torch.dtype = dtype) -> int:
         info = tensors[name]
-        copied = copied or info.dtype != _STORED_AS[dtype]
-        return math.prod(info.shape) * size if copied else 0
+        copied = copied or info.dtype != _STORED_AS[at]
+        return math.prod(info.shape) * at.itemsize if copied else 0
 
     total = held("model.embed_tokens.weight", False) + held("model.norm.weight", False)
     if not a.tie_word_embeddings:
@@ -145,14 +171,21 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
     for i in range(a.num_layers):
         p = s.layer.format(i=i)
         for name in _attention_shapes(a):
-            fused = name.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."))
+            fused = a.mla is None and name.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."))
             total += held(p + name, fused)
         if not a.sparse_layers[i]:
             m = p + s.dense_mlp
             total += held(m + "gate_proj.weight", True) + held(m + "up_proj.weight", True)
             total += held(m + "down_proj.weight", False)
             continue
-        total += held(p + s.router, False)
+        if a.router == "sigmoid":  # router weight and bias kept in fp32 (see _load_router)
+            total += held(p + s.router, False, torch.float32) + held(p + s.router_bias, False, torch.float32)
+        else:
+            total += held(p + s.router, False)
+        if a.shared_intermediate_size:
+            m = p + s.shared_expert
+            total += held(m + "gate_proj.weight", True) + held(m + "up_proj.weight", True)
+            total += held(m + "down_proj.weight", False)
         if not skip_experts:
             g, u, d = s.expert_proj
             names = [p + s.expert.format(e=e) for e in range(a.num_experts)]
@@ -168,8 +201,8 @@ def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: tor
                  progress=None, skip_experts: bool = False) -> ModelWeights:
     """skip_experts: leave `w13`/`w2` None on MoE layers (the cpu backend's expert store builds
     its banks straight from the checkpoint, so stacking them here would be a second full copy)."""
-    def get(name: str) -> torch.Tensor:
-        return reader.get(name).to(dtype).contiguous()
+    def get(name: str, at: torch.dtype | None = None) -> torch.Tensor:
+        return reader.get(name).to(at or dtype).contiguous()
 
     embed = get("model.embed_tokens.weight")
     weights = ModelWeights(embed=embed, final_norm=get("model.norm.weight"),
@@ -182,6 +215,24 @@ def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: tor
 
 
 def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get, skip_experts: bool = False) -> LayerWeights:
+    lw = _load_mla(a, s, i, get) if a.mla is not None else _load_gqa(a, s, i, get)
+    p = s.layer.format(i=i)
+    if a.sparse_layers[i]:
+        g, u, d = s.expert_proj
+        lw.router, lw.router_bias = _load_router(a, s, p, get)
+        if a.shared_intermediate_size:
+            lw.shared13, lw.shared2 = _swiglu(p + s.shared_expert, get)
+        if skip_experts:
+            return lw
+        experts = [p + s.expert.format(e=e) for e in range(a.num_experts)]
+        lw.w13 = torch.stack([torch.cat([get(f"{x}{g}.weight"), get(f"{x}{u}.weight")]) for x in experts])
+        lw.w2 = torch.stack([get(f"{x}{d}.weight") for x in experts])
+    else:
+        lw.mlp13, lw.mlp2 = _swiglu(p + s.dense_mlp, get)
+    return lw
+
+
+def _load_gqa(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
     p = s.layer.format(i=i) + "self_attn."
     qkv_w = torch.cat([get(f"{p}{x}_proj.weight") for x in "qkv"])
     qkv_b = torch.cat([get(f"{p}{x}_proj.bias") for x in "qkv"]) if a.attention_bias else None
@@ -189,20 +240,39 @@ def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get, skip_experts: bool =
         input_norm=get(s.layer.format(i=i) + "input_layernorm.weight"),
         post_norm=get(s.layer.format(i=i) + "post_attention_layernorm.weight"),
         qkv=TorchLinear(qkv_w, qkv_b),
-        o=TorchLinear(get(p + "o_proj.weight"), get(p + "o_proj.bias") if a.attention_bias else None))
+        o=TorchLinear(get(p + "o_proj.weight"), get(p + "o_proj.bias") if a.has_o_bias else None))
     if a.qk_norm != "none":
         lw.q_norm, lw.k_norm = get(p + "q_norm.weight"), get(p + "k_norm.weight")
-    p = s.layer.format(i=i)
-    if a.sparse_layers[i]:
-        g, u, d = s.expert_proj
-        lw.router = TorchLinear(get(p + s.router))
-        if skip_experts:
-            return lw
-        experts = [p + s.expert.format(e=e) for e in range(a.num_experts)]
-        lw.w13 = torch.stack([torch.cat([get(f"{x}{g}.weight"), get(f"{x}{u}.weight")]) for x in experts])
-        lw.w2 = torch.stack([get(f"{x}{d}.weight") for x in experts])
-    else:
-        m = p + s.dense_mlp
-        lw.mlp13 = TorchLinear(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
-        lw.mlp2 = TorchLinear(get(m + "down_proj.weight"))
     return lw
+
+
+def _load_mla(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
+    """MLA projections (layers/mla.py); kv_b stays one [H*(dn+dv), R] tensor, split into W_UK / W_UV by view."""
+    from freetoken_py.layers.mla import MlaWeights
+
+    p, m = s.layer.format(i=i) + "self_attn.", a.mla
+    bias = (lambda n: get(p + n + ".bias")) if m.bias else (lambda n: None)  # noqa: E731
+    lora = m.q_lora_rank is not None
+    mla = MlaWeights(
+        q_a=TorchLinear(get(p + "q_a_proj.weight"), bias("q_a_proj")) if lora else None,
+        q_a_norm=get(p + "q_a_layernorm.weight") if lora else None,
+        q_b=TorchLinear(get(p + ("q_b_proj.weight" if lora else "q_proj.weight"))),
+        kv_a=TorchLinear(get(p + "kv_a_proj_with_mqa.weight"), bias("kv_a_proj_with_mqa")),
+        kv_a_norm=get(p + "kv_a_layernorm.weight"), kv_b=get(p + "kv_b_proj.weight"))
+    return LayerWeights(input_norm=get(s.layer.format(i=i) + "input_layernorm.weight"),
+                        post_norm=get(s.layer.format(i=i) + "post_attention_layernorm.weight"),
+                        qkv=None, o=TorchLinear(get(p + "o_proj.weight"), bias("o_proj")), mla=mla)
+
+
+def _swiglu(prefix: str, get) -> tuple[TorchLinear, TorchLinear]:
+    """A dense SwiGLU MLP's (gate|up [2I, D], down [D, I]) from its {gate,up,down}_proj."""
+    w13 = torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")])
+    return TorchLinear(w13), TorchLinear(get(prefix + "down_proj.weight"))
+
+
+def _load_router(a: ModelArgs, s: WeightScheme, p: str, get):
+    """(router linear, choice bias or None). A sigmoid router runs in fp32 as transformers keeps it
+    (`_keep_in_fp32_modules_strict`): weight and bias are read at fp32 whatever the load dtype."""
+    if a.router != "sigmoid":
+        return TorchLinear(get(p + s.router)), None
+    return TorchLinear(get(p + s.router, torch.float32)), get(p + s.router_bias, torch.float32)
