@@ -14,6 +14,8 @@ _REGISTRY = {
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "olmoe": "olmoe",
+    "glm4_moe": "glm4_moe",
+    "minimax_m2": "minimax_m2",
 }
 
 
