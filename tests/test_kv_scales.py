@@ -88,3 +88,16 @@ def test_kv_scales_file_round_trip_and_refusals(tiny, tmp_path):
     path.write_text("{not json")
     with pytest.raises(FreetokenError, match="not a readable JSON file"):
         LLM(tiny, kv_dtype="fp8", kv_scales=str(path), **KW)
+
+
+def test_the_server_reports_the_clip_count():
+    import httpx
+
+    from server_util import ServerThread
+    from test_server_metrics import BODY, scrape
+
+    with ServerThread(kv_dtype="fp8") as srv:
+        r = httpx.post(srv.base_url + "/chat/completions", json=BODY, timeout=120)
+        assert r.status_code == 200, r.text
+        stats, m = srv.stats(), scrape(srv)
+    assert stats["kv_fp8_clipped"] == m[("freetoken_kv_fp8_clipped_total", frozenset())] == 0

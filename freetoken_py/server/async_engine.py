@@ -213,6 +213,7 @@ class AsyncEngine:
                 "cached_pages": len(cache.cached_pages()) if cache is not None else 0,
                 "page_size": llm.config.page_size, "running": len(llm.scheduler.running),
                 "waiting": len(llm.scheduler.waiting), "live_requests": len(self._live),
+                "kv_fp8_clipped": llm.runner.cache.clipped,    # FP8 KV values saturated (0 otherwise)
                 **self._residency_stats()}
 
     def _residency_stats(self) -> dict:

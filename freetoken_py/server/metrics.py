@@ -74,6 +74,8 @@ _ENGINE = (
     ("free_pages", "freetoken_kv_pages_free", "gauge", "KV cache pages free."),
     ("cached_pages", "freetoken_kv_pages_cached", "gauge", "KV cache pages held by the prefix cache."),
     ("page_size", "freetoken_kv_page_size_tokens", "gauge", "Tokens per KV page."),
+    ("kv_fp8_clipped", "freetoken_kv_fp8_clipped_total", "counter",
+     "FP8 KV values clipped to the e4m3 range since start-up (0 without --kv-dtype fp8)."),
     ("max_abort_lag_steps", "freetoken_abort_lag_steps_max", "gauge",
      "The most engine steps between a client leaving and its request being aborted."),
 )
