@@ -906,7 +906,7 @@ def parse_args(argv=None):
                     help="export the final checkpoint here (e.g. freetoken_py/data/demo_model)")
     ap.add_argument("--export-only", action="store_true",
                     help="no training: export the run's latest checkpoint to --out")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--max-minutes", type=float, default=0, help="stop (and checkpoint) after this")
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -970,8 +970,10 @@ def main(argv=None):
         state = ckpt.resume(found, model, opt, batches.gen, args)
         print(f"resumed from {found} at step {state['step']}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters; {args.steps} steps x {args.batch_size} x "
-          f"{args.seq_len} tokens; work dir {work}", flush=True)
+    rows = f"{shape_at(0, args)} then {shape_at(args.steps - 1, args)}"
+    print(f"model: {n_params / 1e6:.2f}M parameters; {args.steps} steps of "
+          f"{args.batch_size * args.seq_len} tokens, (row length, rows) {rows}; work dir {work}",
+          flush=True)
     state = train(model, opt, batches, data, args, work, state)
     print(f"stopped at step {state['step']}/{args.steps}: {state['tokens']} tokens in "
           f"{state['train_s']:.0f}s, val loss {state['val']:.3f}", flush=True)
