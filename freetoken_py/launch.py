@@ -1,4 +1,4 @@
-"""`freetoken launch claude|opencode`: start a coding agent pointed at a running `freetoken serve`.
+"""`freetoken launch claude|opencode|codex`: start a coding agent pointed at a running `freetoken serve`.
 
 The server is asked for its model id and context length (`GET /v1/models`), and the agent gets the
 settings it needs to use them well (docs/clients.md explains each one):
@@ -13,6 +13,11 @@ settings it needs to use them well (docs/clients.md explains each one):
   it never compacts), passed inline in OPENCODE_CONFIG_CONTENT: it is merged over the user's and
   the project's opencode.json with the highest precedence (OPENCODE_CONFIG would lose to any
   opencode.json in the working directory or its parents).
+- Codex CLI: a model provider speaking the Responses API (`wire_api="responses"`) at the server's
+  /v1, given as `-c` overrides (they win over ~/.codex/config.toml), the model id, its context
+  window, and auto-compaction where the server's output still fits (Codex sends no
+  max_output_tokens, so an answer may run to the end of the context). The key goes in its own
+  variable (FREETOKEN_API_KEY), so a user's OPENAI_API_KEY is neither sent nor overwritten.
 
 Standard library only: this runs before anything heavy is needed.
 """
@@ -30,9 +35,11 @@ from pathlib import Path
 from freetoken_py.errors import FreetokenError
 
 AGENTS = {"claude": ("claude", "npm install -g @anthropic-ai/claude-code"),
-          "opencode": ("opencode", "npm install -g opencode-ai")}
+          "opencode": ("opencode", "npm install -g opencode-ai"),
+          "codex": ("codex", "npm install -g @openai/codex")}
 DEFAULT_URL = "http://127.0.0.1:8000"
 LOCAL_KEY = "freetoken-local"  # clients refuse to start without a key; a keyless server ignores it
+CODEX_KEY_ENV = "FREETOKEN_API_KEY"  # the variable Codex's provider reads the key from
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,21 @@ def opencode_plan(exe: str, info: ServerInfo, api_key: str | None, max_output: i
     return LaunchPlan([exe] + list(extra), {"OPENCODE_CONFIG_CONTENT": content})
 
 
+def codex_overrides(info: ServerInfo, max_output: int) -> list[str]:
+    """Codex `-c key=value` settings (values are TOML; JSON strings are valid TOML strings)."""
+    provider = (f'{{name="freetoken (local)",base_url={json.dumps(info.url + "/v1")},wire_api="responses",'
+                f'env_key="{CODEX_KEY_ENV}"}}')
+    settings = {"model_provider": '"freetoken"', "model_providers.freetoken": provider,
+                "model": json.dumps(info.model_id), "model_context_window": str(info.context_len),
+                "model_auto_compact_token_limit": str(max(1, info.context_len - max_output))}
+    return [arg for k, v in settings.items() for arg in ("-c", f"{k}={v}")]
+
+
+def codex_plan(exe: str, info: ServerInfo, api_key: str | None, max_output: int, extra: list[str]) -> LaunchPlan:
+    # root-level -c overrides apply to every subcommand (`codex -c ... exec "..."`)
+    return LaunchPlan([exe, *codex_overrides(info, max_output), *extra], {CODEX_KEY_ENV: api_key or LOCAL_KEY})
+
+
 def run_plan(plan: LaunchPlan) -> int:
     """Start the agent in the foreground with the plan's environment; return its exit code."""
     env = {k: v for k, v in os.environ.items() if k not in plan.unset}
@@ -156,7 +178,7 @@ def launch_main(agent: str, url: str = DEFAULT_URL, api_key: str | None = None, 
         exe = agent_bin or AGENTS[agent][0]  # printing the settings needs no installed agent
     info = fetch_server_info(url, api_key)
     max_output = output_limit(info.context_len, max_output_tokens)
-    make = claude_plan if agent == "claude" else opencode_plan
+    make = {"claude": claude_plan, "opencode": opencode_plan, "codex": codex_plan}[agent]
     plan = make(exe, info, api_key, max_output, extra or [])
     if print_only:
         print(json.dumps({"argv": plan.argv, "env": plan.env, "unset": list(plan.unset)}, indent=2))

@@ -19,10 +19,18 @@ from server_util import REPO, ServerThread, free_port
 # Records argv/env/OpenCode config, then talks to the server the way the real agent would.
 AGENT = textwrap.dedent("""\
     #!{python}
-    import json, os, sys, urllib.request
+    import json, os, sys, tomllib, urllib.request
     rec = {{"argv": sys.argv[1:], "env": {{k: v for k, v in os.environ.items()
-            if k.startswith(("ANTHROPIC", "CLAUDE", "DISABLE", "OPENCODE"))}}}}
-    if "OPENCODE_CONFIG_CONTENT" in os.environ:
+            if k.startswith(("ANTHROPIC", "CLAUDE", "DISABLE", "OPENCODE", "FREETOKEN"))}}}}
+    args = sys.argv[1:]
+    overrides = [args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "-c"]  # Codex: -c key=TOML
+    if overrides:
+        cfg = rec["config"] = {{k: tomllib.loads("v = " + v)["v"] for k, v in overrides}}
+        prov = cfg["model_providers." + cfg["model_provider"]]
+        url = prov["base_url"] + "/responses"
+        body = {{"model": cfg["model"], "max_output_tokens": 2, "input": "hi"}}
+        headers = {{"Authorization": "Bearer " + os.environ[prov["env_key"]]}}
+    elif "OPENCODE_CONFIG_CONTENT" in os.environ:
         cfg = json.loads(os.environ["OPENCODE_CONFIG_CONTENT"])
         rec["config"] = cfg
         prov = cfg["provider"]["freetoken"]
@@ -94,6 +102,22 @@ def test_opencode_config_reaches_the_server(server, agent, tmp_path):
     assert rec["status"] == 200 and rec["reply"]["object"] == "chat.completion"
 
 
+def test_codex_settings_reach_the_server(server, agent, tmp_path):
+    record = tmp_path / "rec.json"
+    proc = _launch("codex", "--url", server.url, "--api-key", "sekrit", "--bin", str(agent), "exec", "hi",
+                   env={"AGENT_RECORD": str(record), "OPENAI_API_KEY": "users-openai-key"})
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(record.read_text())
+    cfg = rec["config"]
+    assert cfg["model_providers.freetoken"] == {"name": "freetoken (local)", "base_url": server.url + "/v1",
+                                                "wire_api": "responses", "env_key": "FREETOKEN_API_KEY"}
+    assert cfg["model_provider"] == "freetoken" and cfg["model"] == "demo_model"
+    assert cfg["model_context_window"] == 2048 and cfg["model_auto_compact_token_limit"] == 2048 - 256
+    assert rec["argv"][-2:] == ["exec", "hi"]  # the agent's own arguments after the overrides
+    assert rec["env"]["FREETOKEN_API_KEY"] == "sekrit"  # the user's OPENAI_API_KEY is left alone
+    assert rec["status"] == 200 and rec["reply"]["object"] == "response"
+
+
 def test_permission_mode_from_the_user_wins(server, agent):
     proc = _launch("claude", "--url", server.url, "--api-key", "sekrit", "--bin", str(agent), "--print-config",
                    "--", "--permission-mode", "plan")
@@ -106,7 +130,7 @@ def test_permission_mode_from_the_user_wins(server, agent):
     (["claude", "--url", "{server}"], "HTTP 401 to /v1/models (pass --api-key)"),
     (["opencode", "--url", "{server}", "--api-key", "sekrit", "--max-output-tokens", "5000"],
      "--max-output-tokens 5000: must be between 1 and the context length (2048)"),
-    (["codex"], "unknown agent 'codex'"),
+    (["aider"], "unknown agent 'aider'"),
 ])
 def test_one_line_errors(server, agent, args, message):
     args = [a.format(port=free_port(), server=server.url) for a in args]

@@ -19,10 +19,9 @@ from server_util import REPO, ServerThread
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather for a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CHAT_WEATHER = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
-# tools Codex sends that a local server cannot run: skipped, never rejected
-CODEX_EXTRAS = [{"type": "namespace", "name": "multi_agent_v1", "tools": [{"type": "function", "name": "spawn"}]},
-                {"type": "web_search", "external_web_access": False}, {"type": "local_shell"},
-                {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}}]
+# tools the server would have to run (hosted tools, free-form custom tools): skipped, never rejected
+CODEX_EXTRAS = [{"type": "web_search", "external_web_access": False}, {"type": "local_shell"},
+                {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}}, {"type": "file_search"}]
 ASK = "What is the weather in Paris?"
 THINKING_TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking-switch.jinja"
 
@@ -98,6 +97,19 @@ def test_function_call_streamed_and_not(client, ref):
     done = [e for e in events if e.type == "response.function_call_arguments.done"][0]
     assert json.loads(args) == json.loads(done.arguments) == body["arguments"]
     assert events[-1].response.output[0].call_id == added[0].call_id
+
+
+def test_namespaced_tools_are_offered_and_their_calls_name_the_namespace(client, ref):
+    """Codex puts each MCP server's tools in a `namespace` entry; the client runs them, so they
+    are offered under their own names and a call carries the namespace back."""
+    expected = _greedy(ref, ref.chat_prompt_ids([{"role": "user", "content": ASK}], tools=[CHAT_WEATHER]), 60)
+    namespaced = {"type": "namespace", "name": "mcp__w", "description": "Tools of w.", "tools": [WEATHER]}
+    full = client.responses.create(model="m", input=ASK, tools=[namespaced], max_output_tokens=60, temperature=0)
+    assert full.usage.input_tokens == len(expected.prompt_token_ids)
+    (call,) = full.output
+    assert call.name == "get_weather" and call.namespace == "mcp__w"
+    events = _stream(client, model="m", input=ASK, tools=[namespaced], max_output_tokens=60, temperature=0)
+    assert [e.item.namespace for e in events if e.type == "response.output_item.done"] == ["mcp__w"]
 
 
 def test_items_render_like_the_hand_converted_conversation(client, ref):

@@ -186,26 +186,40 @@ def _responses_call(item: dict, where: str, out: list[dict]) -> None:
 
 def responses_tools(body: dict, limits: ServerLimits) -> list[dict] | None:
     """Flat Responses function tools (`{"type": "function", "name", "parameters", ...}`) as
-    template tools; tools we cannot run (namespace, web_search, local_shell, custom, ...) are
-    skipped, not rejected. None when none are left or tool_choice is "none"."""
+    template tools, with the function tools inside a `namespace` entry (Codex puts each MCP
+    server's tools in one; the client runs them) offered under their own names; tools the server
+    would have to run (web_search, local_shell, file_search, custom, ...) are skipped, not
+    rejected. None when none are left or tool_choice is "none"."""
     tools = body.get("tools")
     if tools is None or body.get("tool_choice") == "none":
         return None
-    out = []
-    for i, tool in enumerate(_check_list(tools, "tools", limits.max_tools)):
-        if not isinstance(tool, dict):
-            raise bad(f"'tools[{i}]' must be an object", f"tools[{i}]")
-        if tool.get("type") != "function":
-            continue
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad(f"'tools[{i}].name' is required", f"tools[{i}].name")
-        params = tool.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad(f"'tools[{i}].parameters' must be an object", f"tools[{i}].parameters")
-        fn = {"name": tool["name"], "description": str(tool.get("description") or ""),
-              "parameters": params or {"type": "object", "properties": {}}}
-        out.append({"type": "function", "function": fn})
+    out = [tool for _, tool in responses_functions(_check_list(tools, "tools", limits.max_tools))]
     return out or None
+
+
+def responses_functions(tools: list, where: str = "tools") -> list[tuple[str | None, dict]]:
+    """(namespace or None, template tool) for every function tool, namespaces opened one level."""
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise bad(f"'{where}[{i}]' must be an object", f"{where}[{i}]")
+        if tool.get("type") == "namespace" and isinstance(tool.get("tools"), list) and where == "tools":
+            name = tool.get("name") if isinstance(tool.get("name"), str) else None
+            out += [(name, t) for _, t in responses_functions(tool["tools"], f"tools[{i}].tools")]
+        elif tool.get("type") == "function":
+            out.append((None, _responses_function(tool, f"{where}[{i}]")))
+    return out
+
+
+def _responses_function(tool: dict, where: str) -> dict:
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise bad(f"'{where}.name' is required", f"{where}.name")
+    params = tool.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise bad(f"'{where}.parameters' must be an object", f"{where}.parameters")
+    fn = {"name": tool["name"], "description": str(tool.get("description") or ""),
+          "parameters": params or {"type": "object", "properties": {}}}
+    return {"type": "function", "function": fn}
 
 
 # ---- Anthropic ------------------------------------------------------------------------------

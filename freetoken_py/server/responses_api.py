@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from freetoken_py.server.chat import responses_messages, responses_tools
+from freetoken_py.server.chat import responses_functions, responses_messages, responses_tools
 from freetoken_py.server.generation import Prepared, collect_or_disconnect, prepare_chat, stream_error
 from freetoken_py.server.protocol import bad, get, parse_json_object, sampling_fields
 from freetoken_py.server.sse import KEEPALIVE_COMMENT, Final, SSEResponse, engine_events, event_line
@@ -50,6 +50,7 @@ class _Meta:
     created_at: int
     model: str
     echo: dict
+    namespaces: dict  # tool name -> the namespace it was declared in (a function_call names it)
 
     def response(self, status: str, output: list, usage: dict | None = None, error: dict | None = None) -> dict:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -69,7 +70,8 @@ def _meta(st, body: dict) -> _Meta:
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {}}
     model = body.get("model") if isinstance(body.get("model"), str) else st.model_name
-    return _Meta(_new_id("resp_"), int(time.time()), model, echo)
+    namespaces = {t["function"]["name"]: ns for ns, t in responses_functions(echo["tools"]) if ns}
+    return _Meta(_new_id("resp_"), int(time.time()), model, echo, namespaces)
 
 
 def _usage(st, prep: Prepared, final: Final, reasoning: str) -> dict:
@@ -108,7 +110,7 @@ async def responses(request: Request):
     if got is None:
         return Response(status_code=499)
     usage = _usage(st, prep, got.final, got.parsed.reasoning)
-    return JSONResponse(meta.response(_status(got.final), _items(got.parsed), usage))
+    return JSONResponse(meta.response(_status(got.final), _items(got.parsed, meta.namespaces), usage))
 
 
 # ---- output items -----------------------------------------------------------------------------
@@ -122,17 +124,20 @@ def _reasoning(text: str, status: str = "completed") -> dict:
     return {"type": "reasoning", "id": _new_id("rs_"), "status": status, "summary": [], "content": content}
 
 
-def _call(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": _new_id("fc_"), "call_id": call_id, "name": name,
+def _call(call_id: str, name: str, arguments: str, namespaces: dict, status: str = "completed") -> dict:
+    item = {"type": "function_call", "id": _new_id("fc_"), "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
+    if name in namespaces:
+        item["namespace"] = namespaces[name]
+    return item
 
 
-def _items(parsed: ParsedOutput) -> list[dict]:
+def _items(parsed: ParsedOutput, namespaces: dict) -> list[dict]:
     """A whole generation's output items, in the order the model writes them."""
     items = [_reasoning(parsed.reasoning)] if parsed.reasoning else []
     if parsed.content or not (parsed.tool_calls or parsed.reasoning):
         items.append(_message(parsed.content))
-    return items + [_call(c.id, c.name, c.arguments) for c in parsed.tool_calls]
+    return items + [_call(c.id, c.name, c.arguments, namespaces) for c in parsed.tool_calls]
 
 
 class _Stream:
@@ -140,7 +145,8 @@ class _Stream:
 
     PART = {"message": "output_text", "reasoning": "reasoning_text"}
 
-    def __init__(self):
+    def __init__(self, namespaces: dict):
+        self.namespaces = namespaces
         self.seq = -1
         self.items: list[dict] = []  # finished
         self.item: dict | None = None  # the open one
@@ -199,7 +205,7 @@ class _Stream:
             head = [] if kind == want else self.open((_message if want == "message" else _reasoning)("", "in_progress"))
             return head + [self.delta(ev.text)]
         if isinstance(ev, ToolCallStart):
-            return self.open(_call(ev.id, ev.name, "", "in_progress"))
+            return self.open(_call(ev.id, ev.name, "", self.namespaces, "in_progress"))
         if isinstance(ev, ToolCallArgs):
             return [self.delta(ev.text)]
         if isinstance(ev, ToolCallEnd):
@@ -208,7 +214,7 @@ class _Stream:
 
 
 async def _events(st, stream, parser, prep: Prepared, meta: _Meta):
-    out = _Stream()
+    out = _Stream(meta.namespaces)
     yield out.line("response.created", response=meta.response("in_progress", []))  # at once, before prefill
     yield out.line("response.in_progress", response=meta.response("in_progress", []))
     reasoning = ""
