@@ -80,7 +80,7 @@ def _run(llm, opts: RunOptions) -> None:
         print(json.dumps(_json_result(final, t0)))
     else:
         print(file=sys.stdout, flush=True)
-        _print_stats(final)
+        _print_stats(final, llm.kv_bytes_per_token)
 
 
 def _generate(llm, prompt_ids: list[int], params, echo: bool) -> RequestOutput:
@@ -111,11 +111,13 @@ def _json_result(out: RequestOutput, t0: float) -> dict:
     }
 
 
-def _print_stats(out: RequestOutput) -> None:
+def _print_stats(out: RequestOutput, kv_bytes_per_token: int) -> None:
+    """kv_bytes_per_token: measured from the KV pool (an MLA model's latent + rope key)."""
     rate = _decode_rate(out)
     rate_s = f"{rate:.1f} tok/s" if rate else "n/a"
     print(f"[prompt {len(out.prompt_token_ids)} tok ({out.num_cached_tokens} cached) | TTFT {out.ttft_s * 1000:.0f} ms | "
-          f"decode {len(out.token_ids)} tok at {rate_s} | finish: {out.finish_reason}]", file=sys.stderr)
+          f"decode {len(out.token_ids)} tok at {rate_s} | KV {kv_bytes_per_token} B/tok | "
+          f"finish: {out.finish_reason}]", file=sys.stderr)
 
 
 def _repl(llm, params, system: str | None) -> None:
@@ -140,5 +142,5 @@ def _repl(llm, params, system: str | None) -> None:
         ids = llm.chat_prompt_ids(messages) if has_template else llm.encode_prompt(line)
         out = _generate(llm, ids, params, echo=True)
         print(flush=True)
-        _print_stats(out)
+        _print_stats(out, llm.kv_bytes_per_token)
         messages.append({"role": "assistant", "content": out.text})

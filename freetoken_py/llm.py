@@ -274,6 +274,11 @@ class LLM:
         return max(2, budget // per_page)
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token takes across every layer, measured from the pool (MLA: latent + rope key)."""
+        return self.runner.cache.bytes_per_token
+
+    @property
     def kv_capacity_tokens(self) -> int:
         return self.allocator.num_pages * self.config.page_size
 

@@ -9,6 +9,7 @@ import torch
 
 from freetoken_py.core import Request
 from freetoken_py.engine.fused_decode import FusedDecoder, decode_slots
+from freetoken_py.engine.fused_mla import MlaDecoder
 from freetoken_py.engine.threads_governor import ThreadGovernor
 from freetoken_py.kernels.threads import set_kernel_threads
 from freetoken_py.kvcache import KVCache
@@ -32,15 +33,16 @@ class ModelRunner:
                  fused_decode: bool = True):
         a = model.args
         self.model = model
-        self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype,
-                             model.device)   # with the dense weights: VRAM when they are on a GPU
+        self.cache = KVCache.for_spec(model.state_spec(), a.num_layers, num_pages, page_size, kv_dtype or model.dtype,
+                                      model.device)   # with the dense weights: VRAM when they are on a GPU
         self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)
         self.governor = None  # its thread count, re-decided from step times (threads_governor.py)
-        if fused_decode and FusedDecoder.supports(model):
+        decoder = MlaDecoder if model.args.mla is not None else FusedDecoder  # by attention kind
+        if fused_decode and decoder.supports(model):
             from freetoken_py.envs import adaptive_threads
             from freetoken_py.kernels.threads import configured_threads
 
-            self.fused = FusedDecoder(model, self.cache)
+            self.fused = decoder(model, self.cache)
             self._max_threads = configured_threads()
             self.governor = ThreadGovernor(self._max_threads) if adaptive_threads() else None
 

@@ -14,6 +14,10 @@ _REGISTRY = {
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "olmoe": "olmoe",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",  # Kimi K2 text configs: deepseek_v3 under another name
+    "glm4_moe_lite": "glm4_moe_lite",
+    "kimi_k25": "kimi_k25",
     "glm4_moe": "glm4_moe",
     "minimax_m2": "minimax_m2",
 }

@@ -131,7 +131,7 @@ class TensorReader:
             except Exception as exc:  # safetensors raises its own error types
                 raise ModelLoadError(f"{info.file}: cannot open safetensors file ({exc})") from None
             self._handles[info.file] = handle
-        return handle.get_tensor(name)
+        return handle.get_tensor(info.name)  # the stored name (a model file may rename, loader._model_names)
 
     def close(self) -> None:
         self._handles.clear()

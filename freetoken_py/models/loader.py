@@ -121,8 +121,24 @@ def open_checkpoint(model_dir: Path | str) -> Checkpoint:
     extra = model_dir / "hf_quant_config.json"
     qcfg, field = find_quant_config(cfg, read_json(extra) if extra.exists() else None)
     args = read_model_args(model_dir)
-    stored = list_checkpoint_tensors(model_dir)
+    stored = _model_names(list_checkpoint_tensors(model_dir), model_module(args.model_type))
     return Checkpoint(model_dir, args, model_module(args.model_type).SCHEME, stored, decoder_for(qcfg, stored, field))
+
+
+def _model_names(tensors: dict[str, TensorInfo], module) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors under the model file's names: a module's `rename(stored) -> name |
+    None` (kimi_k25: the `language_model.` prefix, `blocks` spelled `layers`; None = not loaded).
+    Each TensorInfo keeps its stored name, which the reader uses."""
+    rename = getattr(module, "rename", None)
+    if rename is None:
+        return tensors
+    out = {}
+    for name, info in tensors.items():
+        new = rename(name)
+        if new is not None:
+            out[new] = info
+    module.note_skipped(len(tensors) - len(out))
+    return out
 
 
 def read_model_args(model_dir: Path) -> ModelArgs:

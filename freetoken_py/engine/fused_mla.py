@@ -1,0 +1,99 @@
+"""The cpu backend's decode step for MLA models: absorbed attention over the latent pages in numba.
+
+Per layer: rms_norm -> MLA projections (numba GEMVs through KernelLinear; rope on the rope dims)
+-> the new tokens' (latent, rope key) written to the pool -> kernels/cpu_mla.mla_decode (absorbed
+scores and values, the cache read in place, W_UV) -> o_proj added into h -> rms_norm -> router ->
+routed experts (the expert bank's numba kernel) and the shared expert / dense MLP added into h.
+Same math as MoeTransformer.forward with layers/mla.py (tests/test_mla_models.py compares both
+backends with transformers).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from freetoken_py.engine.cpu_backend import KernelExpertExecutor
+from freetoken_py.kernels import cpu_decode as kd
+from freetoken_py.kernels.cpu_mla import mla_decode
+from freetoken_py.kernels.cpu_moe import ACTIVATIONS, add_moe_experts
+from freetoken_py.kvcache import KVCache
+from freetoken_py.layers.linear import KernelLinear
+from freetoken_py.layers.mla import mla_project
+from freetoken_py.models.moe_transformer import MoeTransformer
+
+_ONE = np.ones(1, np.float32)
+
+
+def _kv_view(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of one layer's rows: fp32, bf16 as uint16 bits, fp8 as uint8."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+class MlaDecoder:
+    def __init__(self, model: MoeTransformer, cache: KVCache):
+        a = model.args
+        self.model, self.cache, self.args, self.cfg = model, cache, a, a.mla
+        self.k = [_kv_view(cache.k[i]) for i in range(a.num_layers)]  # [S, 1, R] latents
+        self.v = [_kv_view(cache.v[i]) for i in range(a.num_layers)]  # [S, 1, dr] rope keys
+        self.fp8 = cache.quantized
+        self.lut = kd.fp8_table() if self.fp8 else _ONE
+        # [H, dn, R] / [H, dv, R] fp32 per layer, contiguous for the kernel
+        self.w_uk, self.w_uv = [], []
+        for lw in model.weights.layers:
+            uk, uv = lw.mla.split_kv_b(self.cfg)
+            self.w_uk.append(np.ascontiguousarray(uk.float().numpy()))
+            self.w_uv.append(np.ascontiguousarray(uv.float().numpy()))
+
+    @staticmethod
+    def supports(model: MoeTransformer) -> bool:
+        """An MLA model on the numba kernels (the cpu backend: fp32 activations, KernelLinear projections)."""
+        layers = model.weights.layers
+        lins = [x for lw in layers for x in (lw.mla.q_a, lw.mla.q_b, lw.mla.kv_a, lw.o) if x is not None]
+        return model.args.mla is not None and model.dtype == torch.float32 and all(
+            isinstance(x, KernelLinear) for x in lins)
+
+    def forward(self, token_ids: list[int], positions: list[int], ctx: np.ndarray, ctx_off: np.ndarray,
+                new_slots: np.ndarray) -> torch.Tensor:
+        """One new token per row (FusedDecoder.forward's contract). Returns final-normed h [T, D] fp32."""
+        a, m, cfg = self.args, self.model, self.cfg
+        T, D, eps = len(token_ids), a.hidden_size, a.rms_norm_eps
+        h = m.weights.embed[token_ids].float().numpy()  # [T, D], a fresh copy we own
+        cos, sin = m.rope.cos_sin(torch.tensor(positions), torch.float32)  # [T, dr]
+        x = np.empty((T, D), np.float32)
+        attn = np.empty((T, cfg.num_heads * cfg.v_head_dim), np.float32)
+        slots = torch.from_numpy(new_slots)
+        ex = m.experts  # looked up per step: LLM may wrap it (--record-routing)
+        banks = ex.banks if type(ex) is KernelExpertExecutor else None
+        act = ACTIVATIONS[ex.activation] if banks is not None else 0
+        for i, lw in enumerate(m.weights.layers):
+            kd.rms_rows(h, lw.input_norm.numpy(), eps, x)
+            q_nope, q_rope, c, k_rope = mla_project(cfg, lw.mla, torch.from_numpy(x), cos, sin, eps)
+            self.cache.write(i, slots, c[:, None], k_rope[:, None])
+            ks, vs = (float(self.cache.k_scale[i, 0]), float(self.cache.v_scale[i, 0])) if self.fp8 else (1.0, 1.0)
+            c_np, r_np = c.contiguous().numpy(), k_rope.contiguous().numpy()
+            mla_decode(q_nope.contiguous().numpy(), q_rope.contiguous().numpy(), self.w_uk[i], self.w_uv[i],
+                       self.k[i], self.v[i], ks, vs, self.lut, c_np, r_np, self.fp8, ctx, ctx_off,
+                       cfg.softmax_scale, attn)
+            h += lw.o(torch.from_numpy(attn)).numpy()
+            kd.rms_rows(h, lw.post_norm.numpy(), eps, x)
+            xt = torch.from_numpy(x)
+            if lw.router is None:
+                h += _swiglu(lw.mlp13, lw.mlp2, xt)
+                continue
+            ids, wts = m._route(lw, xt)
+            ids, wts = ids.contiguous(), wts.float().contiguous()
+            if banks is not None:
+                add_moe_experts(banks[i], x, ids.numpy(), wts.numpy(), h, act)
+            else:
+                h += m.experts(i, xt, ids, wts).numpy()
+            if lw.shared13 is not None:
+                h += _swiglu(lw.shared13, lw.shared2, xt)
+        out = np.empty_like(h)
+        kd.rms_rows(h, m.weights.final_norm.numpy(), eps, out)
+        return torch.from_numpy(out)
+
+
+def _swiglu(w13, w2, x: torch.Tensor) -> np.ndarray:
+    gate, up = w13(x).chunk(2, dim=-1)
+    return w2(F.silu(gate) * up).numpy()
