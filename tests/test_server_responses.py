@@ -193,15 +193,19 @@ def thinking_dir(tmp_path_factory):
     return out
 
 
-def test_reasoning_comes_back_as_a_reasoning_item(thinking_dir, ref):
+@pytest.fixture(scope="module")
+def thinking(thinking_dir):
+    with ServerThread(model_dir=thinking_dir) as srv:
+        yield openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_reasoning_comes_back_as_a_reasoning_item(thinking, ref):
     messages = [{"role": "user", "content": ASK}]
     ids = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(messages) + "<think>\n")
     expected = _greedy(ref, ids, 8)  # the demo model never writes </think>: all 8 tokens are reasoning
     assert "</think>" not in expected.text
-    with ServerThread(model_dir=thinking_dir) as srv:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
-        full = client.responses.create(model="m", input=ASK, max_output_tokens=8, temperature=0)
-        events = _stream(client, model="m", input=ASK, max_output_tokens=8, temperature=0)
+    full = thinking.responses.create(model="m", input=ASK, max_output_tokens=8, temperature=0)
+    events = _stream(thinking, model="m", input=ASK, max_output_tokens=8, temperature=0)
     (item,) = full.output
     assert item.type == "reasoning" and item.summary == [] and item.content[0].text == expected.text.lstrip("\n")
     assert full.status == "incomplete" and full.incomplete_details.reason == "max_output_tokens"
@@ -209,3 +213,29 @@ def test_reasoning_comes_back_as_a_reasoning_item(thinking_dir, ref):
     _check_sequence(events)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text
     assert events[-1].type == "response.incomplete" and events[-1].response.output[0].type == "reasoning"
+
+
+@pytest.mark.parametrize("switch", [dict(reasoning={"effort": "none"}), dict(reasoning={"effort": "minimal"}),
+                                    dict(extra_body={"chat_template_kwargs": {"enable_thinking": False}}),
+                                    dict(extra_body={"enable_thinking": False})])
+def test_thinking_off_renders_the_templates_switch_and_yields_no_reasoning(thinking, ref, switch):
+    messages = [{"role": "user", "content": ASK}]
+    ids = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(messages) + "<think>\n\n</think>\n\n")
+    expected = _greedy(ref, ids, 8)
+    full = thinking.responses.create(model="m", input=ASK, max_output_tokens=8, temperature=0, **switch)
+    assert full.usage.input_tokens == len(ids)
+    assert [i.type for i in full.output] == ["message"] and full.output_text == expected.text
+    assert full.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_thinking_on_by_effort_and_bad_effort(thinking):
+    on = thinking.responses.create(model="m", input=ASK, max_output_tokens=4, temperature=0,
+                                   reasoning={"effort": "high"})
+    assert on.output[0].type == "reasoning"
+    with pytest.raises(openai.BadRequestError) as info:
+        thinking.responses.create(model="m", input=ASK, max_output_tokens=2, reasoning={"effort": "max!"})
+    assert info.value.body["param"] == "reasoning.effort"
+    with pytest.raises(openai.BadRequestError) as info:
+        thinking.responses.create(model="m", input=ASK, max_output_tokens=2,
+                                  extra_body={"chat_template_kwargs": {"messages": []}})
+    assert info.value.body["param"] == "chat_template_kwargs"

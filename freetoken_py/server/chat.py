@@ -338,5 +338,47 @@ def _referenced_tools(messages) -> set[str]:
     return names
 
 
+# ---- reasoning switches -> template variables ------------------------------------------------
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
+
+
+def openai_template_kwargs(body: dict, effort=None, effort_field: str = "reasoning_effort") -> dict:
+    """`chat_template_kwargs` (vLLM / SGLang), a top-level `enable_thinking`, and the reasoning
+    effort ("none" / "minimal" switch thinking off, "low".."high" on) as the template's variables;
+    explicit kwargs win. {} leaves the template's own default."""
+    out = {}
+    if effort is not None:
+        if effort not in EFFORT_THINKS:
+            raise bad(f"'{effort_field}' must be one of {', '.join(EFFORT_THINKS)}", effort_field)
+        out["enable_thinking"] = EFFORT_THINKS[effort]
+    if body.get("enable_thinking") is not None:
+        if not isinstance(body["enable_thinking"], bool):
+            raise bad("'enable_thinking' must be a boolean", "enable_thinking")
+        out["enable_thinking"] = body["enable_thinking"]
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict) or any(k in RESERVED_TEMPLATE_VARS for k in extra):
+            raise bad("'chat_template_kwargs' must be an object of template variables (not "
+                      f"{', '.join(RESERVED_TEMPLATE_VARS)})", "chat_template_kwargs")
+        out.update(extra)
+    return out
+
+
+def anthropic_template_kwargs(body: dict) -> dict:
+    """Anthropic `thinking`: disabled -> enable_thinking false, enabled / adaptive -> true.
+    budget_tokens is checked but not enforced (the model ends its thought itself)."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("disabled", "enabled", "adaptive"):
+        raise bad("thinking.type: must be one of 'disabled', 'enabled', 'adaptive'")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (type(budget) is not int or budget < 1):
+        raise bad("thinking.budget_tokens: must be a positive integer")
+    return {"enable_thinking": kind != "disabled"}
+
+
 def template_error(exc: Exception) -> ApiError:
     return bad(f"the chat template could not render this conversation: {exc}", "messages")

@@ -34,12 +34,14 @@ class Prepared:
         return OutputParser(self.tool_format, self.reasoning, self.tools is not None, tools=self.tools)
 
 
-def render_chat(llm, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], bool | str]:
-    """Prompt ids and the reasoning mode: "open" when the template itself opened a <think> block."""
+def render_chat(llm, messages: list[dict], tools: list[dict] | None,
+                template_kwargs: dict | None = None) -> tuple[list[int], bool | str]:
+    """Prompt ids and the reasoning mode: "open" when the template itself opened a <think> block.
+    `template_kwargs` (e.g. enable_thinking) are variables the template reads."""
     tok = llm.tokenizer
     if tok is None or not tok.chat_template:
         raise FreetokenError("this model has no chat template; use /v1/completions with a plain prompt")
-    text = tok.apply_chat_template(messages, tools=tools)
+    text = tok.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
     reasoning = detect_reasoning(tok.chat_template)
     if reasoning and text.rstrip().endswith("<think>"):
         reasoning = "open"
@@ -47,9 +49,10 @@ def render_chat(llm, messages: list[dict], tools: list[dict] | None) -> tuple[li
 
 
 async def prepare_chat(llm, engine: AsyncEngine, messages: list[dict], tools: list[dict] | None,
-                       sampling: dict, max_tokens: int | None, stop: tuple[str, ...]) -> Prepared:
+                       sampling: dict, max_tokens: int | None, stop: tuple[str, ...],
+                       template_kwargs: dict | None = None) -> Prepared:
     # template rendering + tokenizing a long conversation takes milliseconds: off the event loop
-    ids, reasoning = await asyncio.to_thread(render_chat, llm, messages, tools)
+    ids, reasoning = await asyncio.to_thread(render_chat, llm, messages, tools, template_kwargs)
     engine.check_prompt(len(ids))
     tool_format = detect_tool_format(llm.tokenizer.chat_template, llm.args.model_type)
     llm.tokenizer.keep_in_text(markup_tokens(tool_format))  # the parser's tags survive detokenizing

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from freetoken_py.server.chat import responses_functions, responses_messages, responses_tools
+from freetoken_py.server.chat import (
+    openai_template_kwargs,
+    responses_functions,
+    responses_messages,
+    responses_tools,
+)
 from freetoken_py.server.generation import Prepared, collect_or_disconnect, prepare_chat, stream_error
 from freetoken_py.server.protocol import bad, get, parse_json_object, sampling_fields
 from freetoken_py.server.sse import KEEPALIVE_COMMENT, Final, SSEResponse, engine_events, event_line
@@ -100,7 +105,10 @@ async def responses(request: Request):
     messages, tools = responses_messages(body, st.limits), responses_tools(body, st.limits)
     max_tokens = get(body, "max_output_tokens", int, lo=1)
     stream_flag = get(body, "stream", bool, False)  # validated before submitting: a 400 leaves no work running
-    prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, ())
+    reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
+    template_kwargs = openai_template_kwargs(body, reasoning.get("effort"), "reasoning.effort")
+    prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, (),
+                              template_kwargs)
     meta = _meta(st, body)
     parser = prep.parser()
     stream = st.engine.submit(prep.prompt_ids, prep.params, get(body, "cache_salt", str))
