@@ -202,6 +202,21 @@ def probe(
     run_probe(model_dir=model, as_json=as_json, reprofile=reprofile)
 
 
+@app.command()
+def quantize(
+    src: Path = typer.Argument(..., help="Float checkpoint directory (bf16 / fp16 / fp32 safetensors)."),
+    out: Path = typer.Argument(..., help="New directory to write (must not exist)."),
+    to: str = typer.Option(..., "--to", help="int4 (compressed-tensors pack-quantized, group 32) or fp8 "
+                           "(block-scaled e4m3, 128 x 128)."),
+) -> None:
+    """Write a quantised checkpoint that freetoken, vLLM and SGLang load as it is (layer by layer)."""
+    from freetoken_py.loading.quantize import quantize_checkpoint
+
+    if not src.is_dir():
+        raise FreetokenError(f"{src}: no such directory (expected a Hugging Face checkpoint folder)")
+    typer.echo(f"wrote {quantize_checkpoint(src, out, to)}")
+
+
 # `freetoken eval ...`: one command per measurement (evals/); each imports its implementation lazily.
 eval_app = typer.Typer(no_args_is_help=True, help="Measure what a fast configuration changes, against a reference.")
 app.add_typer(eval_app, name="eval")

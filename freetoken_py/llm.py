@@ -23,7 +23,9 @@ from freetoken_py.kvcache import PageAllocator, page_bytes
 from freetoken_py.kvcache.pool import FP8
 from freetoken_py.kvcache.radix import RadixCache
 from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
-from freetoken_py.models.loader import load_model, read_generation_defaults
+from freetoken_py.loading import attach_tiers, load_engine_model
+from freetoken_py.models.loader import read_generation_defaults
+from freetoken_py.residency.kv_split import KV_RESPLIT_STEPS, KvSlotSplit  # noqa: F401  (the constant: old import path)
 from freetoken_py.scheduler.scheduler import Scheduler
 from freetoken_py.tokenizer import IncrementalDetokenizer, Tokenizer
 from freetoken_py.utils.progress import progress_bar
@@ -31,8 +33,6 @@ from freetoken_py.utils.progress import progress_bar
 
 CORPUS_DIR = Path(__file__).parent / "data" / "corpus"   # shipped real text (its README: sources, licence)
 KV_CALIBRATION_TOKENS = 512   # FP8 KV scales: a prefill of this much shipped prose and code
-KV_RESPLIT_STEPS = 64   # steps of low use before the KV cache gives its growth back; and of
-                        # back-off after a failed grow
 
 
 @dataclass
@@ -52,19 +52,7 @@ class LLM:
         self.config = EngineConfig(model=str(model), **overrides)
         model_dir = Path(self.config.model)
         self.backend = self._resolve_backend()
-        if self.backend == "cpu":  # experts come from the expert store (built or mapped), never stacked in torch
-            from freetoken_py.engine.cpu_backend import load_cpu_model
-
-            auto = lambda v: None if v == "auto" else v  # noqa: E731
-            c = self.config
-            self.model = load_cpu_model(model_dir, c.dtype, auto(c.expert_dtype), c.expert_group_size,
-                                        auto(c.dense_dtype), c.expert_cache, c.show_progress)
-        elif self.config.residency != "off" and self.config.expert_dtype != "auto":
-            self.model = self._load_tier_experts(model_dir)
-        else:
-            self.model = load_model(model_dir, self.config.dtype, self.config.show_progress)
-        if self.config.residency == "cuda":   # (EngineConfig checked that a CUDA GPU is there)
-            self.model.to_accelerator("cuda")   # dense weights, activations and (below) the KV cache in VRAM
+        self.model = load_engine_model(self.config, self.backend)   # checkpoint -> format -> placement
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.generation = read_generation_defaults(model_dir)
@@ -75,7 +63,7 @@ class LLM:
         self._page_bytes = page_bytes(self.model.state_spec(), a.num_layers, self.config.page_size, self.kv_dtype)
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype)
-        self.residency = self._attach_residency()   # after the KV cache: on a GPU the slots take what is left
+        self.residency = attach_tiers(self.model, self.config)   # after the KV cache: on a GPU the slots take what is left
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = RadixCache(self.allocator, self.config.page_size) if self.config.enable_prefix_cache else None
         self.tracker = (IntegrityTracker if self.config.kv_integrity_check else NullTracker)(self.allocator)
@@ -87,15 +75,10 @@ class LLM:
         # the residency tiers run on the torch backend: no fused CPU decoder holds views of the
         # KV tensors that _more_pages / _return_pages reallocate
         assert self.residency is None or self.runner.fused is None
-        self._slot_floor = self.residency.slots.num_slots // 4 if self.residency is not None else 0
-        self._kv_grow_after = 0      # after a failed grow, the step before which none is tried
-        # the other direction: pages the KV cache took from the slots go back once the requests
-        # have used at most half the start-up pages for this many steps in a row
-        self._base_pages = num_pages
-        self.kv_return_after_steps = KV_RESPLIT_STEPS
+        # the KV/slot memory trade, re-decided while running (residency/kv_split.py)
+        self.kv_split = (KvSlotSplit(self.residency, self.allocator, self.runner, self.scheduler, self._page_bytes,
+                                     self.model.device.type == "cuda") if self.residency is not None else None)
         self._idle_tried = False     # idle() ran since the last step
-        self._slots_taken = 0        # slots the KV grows took (whole chunks), for _return_pages
-        self._kv_idle_steps = 0
         self._streams: dict[int, _Stream] = {}
         self._grammar_compiler = None   # engine/grammar.GrammarCompiler, on the first constrained request
         self._calibrate_kv()
@@ -116,32 +99,6 @@ class LLM:
     def unused_gpu(self) -> bool:
         """A CUDA GPU is visible but this engine runs without it (the residency tiers are off)."""
         return self.config.residency == "off" and torch.cuda.is_available()
-
-    def _load_tier_experts(self, model_dir: Path):
-        """The residency tiers with `--expert-dtype`: dense weights through the torch loader, the
-        experts from the expert store (built from the checkpoint in that format, or mapped from
-        its cache file), never stacked in torch; `_attach_residency` hands its banks to the tiers."""
-        from freetoken_py.engine.expert_store import open_expert_store, pin_banks
-
-        c = self.config
-        model = load_model(model_dir, c.dtype, c.show_progress, experts="skip")
-        store = open_expert_store(model_dir, model.args, model.dtype, c.expert_dtype, c.expert_group_size,
-                                  c.expert_cache, c.show_progress)
-        if c.residency == "cuda":      # page-locked where they lie: the streamer's copies are asynchronous
-            pin_banks(store.banks, file_backed=store.path is not None)
-        model.expert_store = store
-        return model
-
-    def _attach_residency(self):
-        """The expert residency tiers (residency/), when asked for; None otherwise."""
-        c = self.config
-        if c.residency == "off":
-            return None
-        from freetoken_py.residency.attach import attach_residency
-
-        store = getattr(self.model, "expert_store", None)
-        return attach_residency(self.model, c.residency, c.residency_profile, c.vram_budget_bytes, c.residency_policy,
-                                banks=store.banks if store is not None else None)
 
     def _attach_recorder(self):
         if not self.config.record_routing:
@@ -348,7 +305,7 @@ class LLM:
     def idle_work(self) -> bool:
         """`idle()` has something to do: the KV cache is above its start-up size (and no try
         failed since the last step)."""
-        return self.residency is not None and self.allocator.num_pages > self._base_pages and not self._idle_tried
+        return self.kv_split is not None and self.kv_split.grown and not self._idle_tried
 
     def idle(self) -> int:
         """Nothing to run (a server between requests): a KV cache grown into expert-slot memory
@@ -358,14 +315,15 @@ class LLM:
         if not self.idle_work or self.has_unfinished:
             return 0
         self._idle_tried = True                      # once per idle spell, whatever happens
-        self._kv_idle_steps = max(self._kv_idle_steps, self.kv_return_after_steps - 1)
-        return self._return_pages()
+        sp = self.kv_split
+        sp.idle_steps = max(sp.idle_steps, sp.return_after_steps - 1)
+        return sp.return_pages()
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns an output for each request that produced a token."""
         self._idle_tried = False
-        if self.residency is not None and self.allocator.num_pages > self._base_pages:
-            self._return_pages()
+        if self.kv_split is not None and self.kv_split.grown:
+            self.kv_split.return_pages()
         chunks = self.scheduler.schedule()
         aborted = self._check_integrity()  # after scheduling: covers the pages this step just allocated
         chunks = [c for c in chunks if not c.req.finished]
@@ -413,87 +371,17 @@ class LLM:
                     raise                    # no slot left to give back: the step cannot fit
 
     def _more_pages(self, need: int) -> int:
-        """The KV/slot split, re-decided when it matters: the running requests need `need` more
-        pages than are free (the prefix cache already evicted) and would otherwise be preempted
-        (and recompute their whole context later). A page is worth more than an expert slot (a
-        slot saves one expert's copy per step), so the KV cache grows by taking the memory from
-        the expert slots: by a quarter at least, while the slots stay above a quarter of what
-        they started with. Returns the pages added (0: the slots are at that floor, or a grow
-        failed less than KV_RESPLIT_STEPS steps ago)."""
-        ex = self.residency
-        if ex.step < self._kv_grow_after:
-            return 0
-        per_page = self._page_bytes
-        slot_bytes, cuda = ex.slots.slot_bytes, self.model.device.type == "cuda"
-        want = max(need, self.allocator.num_pages // 4)
-        # on a GPU the old pages are copied into the new cache: their bytes are needed for a moment
-        # too (the slots get those back through the elastic sizing afterwards)
-        copy_bytes = self.allocator.num_pages * per_page if cuda else 0
-        give = -(-(want * per_page + copy_bytes) // slot_bytes)
-        edges = [b for b in ex.slots.boundaries() if b >= self._slot_floor]   # whole chunks only
-        if not edges:
-            return 0
-        target = max((b for b in edges if b <= ex.slots.num_slots - give), default=min(edges))
-        add = min(want, ((ex.slots.num_slots - target) * slot_bytes - copy_bytes) // per_page)
-        if add < need:
-            return 0
-        held = ex.slots.num_slots
-        ex.resize(target)
-        self._slots_taken += held - ex.slots.num_slots      # whole chunks (resize gave them back to the driver)
-        pages = self.allocator.num_pages + add
-        try:
-            self.runner.cache.grow(pages)
-        except ex.oom_errors:
-            # the memory was not there as one block after all: preempt, as without the tiers; the
-            # elastic sizing grows the slots back, and no grow is tried for a while
-            self._kv_grow_after = ex.step + KV_RESPLIT_STEPS
-            return 0
-        self.allocator.grow(pages)
-        ex.lend_slots(-(-add * per_page // slot_bytes))     # the elastic sizing keeps out of the pages' share
-        ex.telemetry.kv_grows.append((ex.step + 1, pages))     # the coming step
-        return add
+        """The scheduler's hook before it preempts: `KvSlotSplit.more_pages`."""
+        return self.kv_split.more_pages(need)
 
-    def _return_pages(self) -> int:
-        """The KV/slot split re-decided the other way: the KV cache grew into slot memory
-        (`_more_pages`), and the running requests have since held at most half the start-up
-        pages for `kv_return_after_steps` steps in a row with nobody waiting. Then the cache goes
-        back to its start-up size and the memory to the expert slots. Held pages above that size
-        (a running request's, the prefix cache's) move below it first, their holders following
-        (`Scheduler.move_pages_below`); the prefix cache gives back its least recently used pages
-        if the room below is short, as it would at its start-up size. Returns the pages given
-        back (0: not now; every failure leaves a consistent state and waits as long again)."""
-        a, base, sched = self.allocator, self._base_pages, self.scheduler
-        if sched.waiting or len({p for req in sched.running for p in req.page_table}) > base // 2:
-            self._kv_idle_steps = 0                  # (the prefix cache's pages are not counted)
-            return 0
-        self._kv_idle_steps += 1
-        if self._kv_idle_steps < self.kv_return_after_steps:
-            return 0
-        self._kv_idle_steps = 0                      # not again for as long, whatever happens below
-        kv, ex = self.runner.cache, self.residency
-        per_page = self._page_bytes
-        cuda, slots_before, pages = self.model.device.type == "cuda", ex.slots.num_slots, a.num_pages
-        try:
-            if not sched.move_pages_below(base, kv.copy_pages):
-                return 0
-            if cuda:   # the smaller cache is allocated before the old one goes: make room for it
-                ex.resize(max(self._slot_floor, slots_before - -(-base * per_page // ex.slots.slot_bytes)))
-            kv.shrink(base)
-        except ex.oom_errors:
-            if ex.slots.num_slots < slots_before:
-                ex.resize(slots_before)              # a grow keeps what it could allocate
-            return 0                                 # the pages moved down stay there, all consistent
-        a.shrink(base)
-        if cuda:
-            torch.cuda.empty_cache()
-        ex.reclaim_slots()
-        back = (pages - base) * per_page // ex.slots.slot_bytes
-        if ex.elastic is None:   # nothing regrows the chunks' slack the grows took: give all of it back
-            back = max(back, self._slots_taken)
-        self._slots_taken = 0
-        ex.resize(slots_before + back)
-        ex.telemetry.kv_shrinks.append((ex.step + 1, base))
-        return pages - base
+    @property
+    def kv_return_after_steps(self) -> int:
+        """Steps of low use before a grown KV cache goes back to its start-up size (`KvSlotSplit`)."""
+        return self.kv_split.return_after_steps
+
+    @kv_return_after_steps.setter
+    def kv_return_after_steps(self, steps: int) -> None:
+        self.kv_split.return_after_steps = steps
 
     def _check_integrity(self) -> list[RequestOutput]:
         """Abort every request whose recorded (page, tag) pairs no longer match; others go on."""

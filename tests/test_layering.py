@@ -22,7 +22,9 @@ FORBIDDEN = {
     # simulate + attach import every residency module; models stay out too (attach.py is
     # duck-typed on the loaded model)
     **{f"freetoken_py.residency.{m}": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
-                                       "freetoken_py.llm", "freetoken_py.models"] for m in ("simulate", "attach")},
+                                       "freetoken_py.llm", "freetoken_py.models"] for m in ("simulate", "attach", "kv_split")},
+    # the load pipeline: below the facade, the scheduler and the server
+    "freetoken_py.loading": ["freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
     # the evaluations sit on the LLM facade; the KLD one needs nothing of the HTTP layer
     "freetoken_py.evals.kld": ["freetoken_py.server"],
     # the HTTP layer reaches the engine only through LLM, and imports llm itself lazily (in the loader)
