@@ -117,6 +117,7 @@ def test_bad_input_is_one_line(tiny_pair, tmp_path):
     other = _tiny(tmp_path / "other", 2, vocab=4000)
     cases = {(str(tmp_path),): "config.json",
              ("--model", str(a), "--backend", "torch", str(short)): "shorter than one window",
+             ("--model", str(a), str(tmp_path / "absent.txt")): "absent.txt: no such text file",
              ("--model", str(a), "--backend", "torch", "--against", str(other)): "vocabulary of 4000 tokens"}
     for args, needle in cases.items():
         args = args if args[0] == "--model" else ("--model", *args)

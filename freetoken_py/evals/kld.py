@@ -149,6 +149,9 @@ def kld_main(opts: KldOptions) -> dict:
     import json
 
     t0 = time.perf_counter()
+    missing = [str(p) for p in opts.files if not Path(p).is_file()]
+    if missing:      # before any model loads
+        raise FreetokenError(f"{missing[0]}: no such text file")
     fast, ref = load_engines(opts)
     windows = read_windows(fast.tokenizer, opts.files or DEFAULT_TEXTS, opts.window, opts.max_windows)
     res = compare(fast, ref, windows, opts.chunk, opts.show_progress and not opts.as_json)
