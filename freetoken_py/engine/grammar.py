@@ -7,9 +7,10 @@ constraint follows the request's output tokens, not the engine's passes: a recom
 preemption keeps the output tokens and the matcher's state with them; should the output ever
 differ from what the matcher consumed, `apply` resets it and replays the output first.
 
-llguidance is chosen over xgrammar by bench/grammar_cost.py (docs/server.md): its matcher is
-built lazily per request (no per-schema compile step for the tools each request brings) and its
-mask per token is cheaper on this machine's CPU.
+llguidance is chosen over xgrammar by bench/grammar_cost.py (docs/server.md): a request's
+matcher builds ~6x faster than xgrammar compiles the same tool set (the tools come with each
+request), its per-token mask is within ~2x of xgrammar's and far under 1% of a real model's
+decode token, and its Lark dialect states "free text that cannot spell the opener" directly.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from freetoken_py.core import Grammar
 from freetoken_py.errors import FreetokenError
 
+CACHED_GRAMMARS = 64   # distinct grammars (tool sets) kept compiled
 
 class GrammarCompiler:
     """One per engine: the tokenizer as llguidance sees it (built once, ~0.1-1 s)."""
@@ -33,6 +35,7 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=self.eos_token_ids or None)
+        self._cache: dict[str, object] = {}   # grammar text -> an unused matcher (LRU order)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, vocab_size: int, eos_token_ids: list[int]) -> "GrammarCompiler":
@@ -41,12 +44,23 @@ class GrammarCompiler:
             raise FreetokenError(f"{model_dir}: constrained decoding needs tokenizer.json")
         return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
 
+    def clear(self) -> None:
+        """Forget the cached matchers (the bench times cold builds with it)."""
+        self._cache.clear()
+
     def matcher(self, grammar: Grammar) -> "TokenConstraint":
-        """A fresh constraint for one request; a grammar llguidance refuses is a FreetokenError."""
-        m = self._llg.LLMatcher(self.tokenizer, grammar.lark, log_level=0)
-        if m.is_error():
-            raise FreetokenError(f"grammar ({grammar.name}) is invalid: {m.get_error()}")
-        return TokenConstraint(m, self.vocab_size, self.eos_token_ids[0] if self.eos_token_ids else 0)
+        """A fresh constraint for one request; a grammar llguidance refuses is a FreetokenError.
+        Agents send the same tools every turn: a copy of a cached matcher of the same grammar
+        (~3 us, and its lexer already built) replaces a build (~4-20 ms for six tool schemas)."""
+        proto = self._cache.pop(grammar.lark, None)
+        if proto is None:
+            proto = self._llg.LLMatcher(self.tokenizer, grammar.lark, log_level=0)
+            if proto.is_error():
+                raise FreetokenError(f"grammar ({grammar.name}) is invalid: {proto.get_error()}")
+        self._cache[grammar.lark] = proto            # most recently used last
+        while len(self._cache) > CACHED_GRAMMARS:
+            self._cache.pop(next(iter(self._cache)))
+        return TokenConstraint(proto.deep_copy(), self.vocab_size, self.eos_token_ids[0] if self.eos_token_ids else 0)
 
 
 class TokenConstraint:
@@ -69,17 +83,23 @@ class TokenConstraint:
             self.matcher.consume_tokens(list(output_token_ids))
         self.num_consumed = len(output_token_ids)
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> np.ndarray:
         """[V] bool: the tokens the grammar allows next; EOS alone when nothing is (the grammar
-        is done or the matcher failed), so the request ends instead of sampling at random."""
+        is done or the matcher failed), so the request ends instead of sampling at random.
+        numpy throughout: torch's small-op dispatch measured 50-100 us per call on this machine."""
         if self.matcher.is_stopped() or self.matcher.is_error():
             return self._only_eos()
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
-        allowed = torch.from_numpy(bits[:self.vocab_size].astype(bool))   # [V]
-        return allowed if bool(allowed.any()) else self._only_eos()
+        bias = np.frombuffer(self.matcher.compute_logit_bias(), np.uint8)   # one byte per token: 0 or 200
+        if self.matcher.is_error():          # (an empty mask puts the matcher in its error state)
+            return self._only_eos()
+        if len(bias) >= self.vocab_size:
+            return bias[:self.vocab_size] != 0
+        allowed = np.zeros(self.vocab_size, bool)
+        allowed[:len(bias)] = bias != 0
+        return allowed
 
-    def _only_eos(self) -> torch.Tensor:
-        allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
+    def _only_eos(self) -> np.ndarray:
+        allowed = np.zeros(self.vocab_size, bool)
         allowed[self.eos_token_id] = True
         return allowed
 
@@ -87,7 +107,9 @@ class TokenConstraint:
         """logits: [V] fp32 -> a copy with every token the grammar forbids at -inf."""
         self.sync(output_token_ids)
         allowed = self.allowed()
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        if logits.device.type == "cpu":
+            return torch.from_numpy(np.where(allowed, logits.numpy(), np.float32(-np.inf)))
+        return logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
 
     def advance(self, token: int) -> None:
         self.matcher.consume_token(int(token))   # a refused token puts the matcher in its error state

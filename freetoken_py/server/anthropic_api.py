@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from freetoken_py.server.chat import anthropic_messages, anthropic_tools
+from freetoken_py.server.constraints import anthropic_constrained
 from freetoken_py.server.generation import (
     Prepared,
     collect_or_disconnect,
@@ -72,6 +73,7 @@ async def _prepare(st, body: dict) -> tuple[Prepared, tuple[str, ...]]:
     stops = get_stop(body, "stop_sequences", st.limits)
     max_tokens = get(body, "max_tokens", int, lo=1)
     prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, stops)
+    prep = await anthropic_constrained(prep, body, tools, st.llm.tokenizer)   # tool_choice, output_format
     return prep, stops
 
 

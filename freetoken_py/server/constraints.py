@@ -21,6 +21,7 @@ Qwen3-Coder's XML call format has no grammar yet: requests that force a call are
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -46,21 +47,73 @@ class Shape:
     """What the grammar needs to know about the model's output format."""
     tool_format: str = "qwen3_json"
     reasoning: bool | str = False        # True: may open <think>; "open": the prompt opened it
-    single_tokens: frozenset = frozenset()
+    single_tokens: tuple[tuple[str, int], ...] = ()   # (marker, its token id) where it is one token
+
+    def token_of(self, marker: str) -> int | None:
+        return dict(self.single_tokens).get(marker)
+
+
+def marker_tokens(tokenizer) -> tuple[tuple[str, int], ...]:
+    """The markers that are one token of this vocabulary, with their ids."""
+    out = []
+    for m in MARKERS:
+        ids = tokenizer.encode(m) if tokenizer is not None else []
+        if len(ids) == 1 and tokenizer.token_to_id(m) == ids[0]:
+            out.append((m, ids[0]))
+    return tuple(out)
 
 
 def shape_of(prep, tokenizer) -> Shape:
     """The Shape of a prepared chat request (server.generation.Prepared) on this tokenizer."""
-    single = frozenset(m for m in MARKERS if tokenizer is not None and len(tokenizer.encode(m)) == 1
-                       and tokenizer.token_to_id(m) is not None)
-    return Shape(prep.tool_format, prep.reasoning, single)
+    return Shape(prep.tool_format, prep.reasoning, marker_tokens(tokenizer))
 
 
-def constrain(prep, grammar: Grammar | None):
-    """The prepared request with its SamplingParams carrying `grammar` (None: unchanged)."""
-    if grammar is not None:
-        prep.params = dataclasses.replace(prep.params, grammar=grammar)
+async def constrain(prep, grammar: Grammar | None, tools: list[dict] | None, response_schema: dict | None,
+                    schema_field: str = "response_format"):
+    """The prepared request with its SamplingParams carrying `grammar` (None: unchanged), once
+    the grammar library has accepted it (off the event loop: JSON schemas take milliseconds);
+    a schema it cannot enforce is a 400 naming the tool or field."""
+    if grammar is None:
+        return prep
+    error = await asyncio.to_thread(_grammar_error, grammar.lark)
+    if error is not None:
+        raise bad(await asyncio.to_thread(_culprit, tools, response_schema, schema_field, error))
+    prep.params = dataclasses.replace(prep.params, grammar=grammar)
     return prep
+
+
+def _grammar_error(lark: str) -> str | None:
+    """llguidance's reason for refusing a grammar (its first line), or None."""
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(lark)
+    if not is_error:
+        return None
+    text = messages[0] if messages else "invalid grammar"
+    return text.splitlines()[0].split(": ", 1)[-1]
+
+
+def _culprit(tools, response_schema, schema_field: str, error: str) -> str:
+    for name, schema in _schemas(tools).items():
+        reason = _grammar_error(json_grammar(_as_object(schema), Shape()).lark)
+        if reason is not None:
+            return f"tool {name!r}: its parameters schema cannot be enforced ({reason})"
+    return f"{schema_field}: the schema cannot be enforced ({error})"
+
+
+async def openai_constrained(prep, body: dict, tools: list[dict] | None, tokenizer):
+    """/v1/chat/completions: tool_choice, parallel_tool_calls and response_format enforced."""
+    schema = openai_response_schema(body)
+    grammar = request_grammar(tools, openai_choice(body, tools), schema, shape_of(prep, tokenizer))
+    return await constrain(prep, grammar, tools, schema)
+
+
+async def anthropic_constrained(prep, body: dict, tools: list[dict] | None, tokenizer):
+    """/v1/messages: tool_choice (auto / any / tool / none, disable_parallel_tool_use) and
+    output_format enforced."""
+    schema = anthropic_response_schema(body)
+    grammar = request_grammar(tools, anthropic_choice(body, tools), schema, shape_of(prep, tokenizer))
+    return await constrain(prep, grammar, tools, schema, "output_format")
 
 
 # ---- request fields -> choices --------------------------------------------------------------
@@ -154,7 +207,9 @@ def _json(schema: dict) -> str:
 
 
 def _marker(text: str, shape: Shape) -> str:
-    return text if text in shape.single_tokens else _lit(text)
+    """The marker as its token (`<[id]>`: any token, special or not) or as a spelled string."""
+    tok = shape.token_of(text)
+    return f"<[{tok}]>" if tok is not None else _lit(text)
 
 
 def _no_spelling(name: str, markers: tuple[str, ...]) -> str:
@@ -179,7 +234,7 @@ def _head(shape: Shape) -> tuple[str, str]:
 
 def json_grammar(schema: dict, shape: Shape, name: str = "json_schema") -> Grammar:
     head, rules = _head(shape)
-    lark = f"%llguidance {{}}\nstart: {head} WS value\nvalue: {_json(schema)}\nWS: /[ \\t\\n]*/\n{rules}"
+    lark = f"%llguidance {{}}\nstart: {head} WS value\nvalue: {_json(schema)}\nWS: /[ \\t\\n]{{0,4}}/\n{rules}"
     return Grammar(lark, name)
 
 
@@ -195,7 +250,7 @@ def tool_grammar(tools: list[dict], choice: ToolChoice, shape: Shape, response_s
     head, rules = _head(shape)
     opener = _marker(CALL_OPEN, shape)
     # text then the opener: one lazy lexeme when the opener is spelled (it ends at the opener's end)
-    text_open = f"text_open: TEXT {opener}\n" if CALL_OPEN in shape.single_tokens else \
+    text_open = f"text_open: TEXT {opener}\n" if shape.token_of(CALL_OPEN) is not None else \
         f"text_open[lazy]: TEXT {opener}\n"
     if choice.mode == "auto" and response_schema is None:
         top = f"start: {head} (text_open tail)* TEXT\n" if choice.parallel else \
@@ -209,7 +264,7 @@ def tool_grammar(tools: list[dict], choice: ToolChoice, shape: Shape, response_s
     tail = f"tail: \"\\n\" body \"\\n\" {_marker(CALL_CLOSE, shape)}\n"
     lark = ("%llguidance {}\n" + top + text_open + f"call: {opener} tail\n" + tail + f"body: {bodies}\n"
             + "\n".join(lines) + "\n"
-            + "WS: /[ \\t\\n]*/\n" + _no_spelling("TEXT", (CALL_OPEN,)) + rules)
+            + "WS: /[ \\t\\n]{0,4}/\n" + _no_spelling("TEXT", (CALL_OPEN,)) + rules)
     return Grammar(lark, f"tools:{choice.mode}")
 
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from freetoken_py.server.chat import openai_messages, openai_tools
+from freetoken_py.server.constraints import openai_constrained
 from freetoken_py.server.generation import (
     Prepared,
     collect_or_disconnect,
@@ -80,6 +81,7 @@ async def chat_completions(request: Request):
     stream_flag = get(body, "stream", bool, False)
     opts = get(body, "stream_options", dict, {})
     prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling, max_tokens, stop)
+    prep = await openai_constrained(prep, body, tools, st.llm.tokenizer)   # tool_choice, response_format
     meta = dict(id="chatcmpl-" + secrets.token_hex(12), created=int(time.time()),
                 model=body.get("model") if isinstance(body.get("model"), str) else st.model_name)
     parser = prep.parser()
