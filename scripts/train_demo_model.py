@@ -883,7 +883,8 @@ def export(work: Path, out: Path, args) -> None:
     if found is None:
         raise SystemExit(f"no checkpoint in {work}")
     state = json.loads((found / "state.json").read_text())
-    run = argparse.Namespace(**state["args"])
+    # (runs from before the row-length switch had none: short_seq_len 0)
+    run = argparse.Namespace(**{"short_seq_len": 0, "long_from": 1.0, **state["args"]})
     run.work_dir = args.work_dir
     tok = Tokenizer.from_file(str(data_dir(run) / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKER_TOKENS}
@@ -892,7 +893,10 @@ def export(work: Path, out: Path, args) -> None:
     ckpt.load_model(found, model)
     save(model, tok, out, ids, max_len=MAX_POSITIONS)
     size = sum(p.stat().st_size for p in out.iterdir())
+    long_from = next(i for i in range(run.steps + 1)  # the first step with --seq-len rows
+                     if i == run.steps or shape_at(i, run)[0] == run.seq_len)
     print(json.dumps({"exported": str(found), "step": state["step"], "of": run.steps,
+                      "long_rows_from_step": long_from,
                       "tokens": state["tokens"], "val_loss": state.get("val"),
                       "out": str(out), "mb": round(size / 1e6, 1)}), flush=True)
 

@@ -326,3 +326,35 @@ def test_training_resumes_bit_for_bit_from_a_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="different run"):
         args.lr = 1.0
         train.ckpt.resume(train.ckpt.latest(tmp_path / "b"), *fresh()[:2], b3.gen, args)
+
+
+def test_export_writes_the_checkpoint_transformers_loads(tmp_path):
+    """--export-only: the latest checkpoint as a bf16 hub-layout checkpoint whose logits equal
+    the trained model's cast to bf16 (transformers reads it back)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    train = _script("train_demo_model")
+    args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
+                             "--work-dir", str(tmp_path)])
+    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS)}
+    torch.manual_seed(0)
+    model = train.build_model(args, 4096, ids)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)  # not the init: the export must carry these weights
+    state = {"step": 7, "tokens": 70, "ema": None, "train_s": 0.0, "val": 1.5,
+             "args": {k: v for k, v in vars(args).items() if k in train.ckpt.RUN_KEYS}}
+    train.ckpt.save(tmp_path / "run", model, train.make_optimizer(model, args), torch.Generator(), state)
+    train.data_dir(args).mkdir(parents=True)
+    shutil.copy(DEMO_DIR / "tokenizer.json", train.data_dir(args))
+    train.export(tmp_path / "run", tmp_path / "out", args)
+    assert {p.name for p in (tmp_path / "out").iterdir()} == REQUIRED
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    x = torch.tensor([[5, 900, 17, 4000, 2, 33]])
+    with torch.no_grad():
+        want = model.eval().to(torch.bfloat16).to(torch.float32)(input_ids=x).logits
+        got = loaded(input_ids=x).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
