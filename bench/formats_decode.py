@@ -1,0 +1,132 @@
+"""Decode / prefill of checkpoints stored quantised, run in their own format (fp8 block e4m3,
+compressed-tensors int4 g32), against llama.cpp Q8_0 / Q4_0 on the same weights, at
+Qwen3-30B-A3B's layer widths (hidden 2048, 128 experts of width 768, top-8; fewer layers);
+plus the peak RSS of starting up from each quantised checkpoint (a fresh process) against the
+checkpoint's size.
+
+    python bench/formats_decode.py [--layers 8] [--rounds 3] [--decode-tokens 32] [--prompt-len 512] [--threads 2]
+    python bench/formats_decode.py --layers 2 --hidden 256 --experts 8 --width 128 --vocab 1024 --no-llama-cpp  # smoke
+
+The quantised checkpoints are written by `freetoken quantize` from a random bf16 one (built
+with transformers' classes). Prints one JSON line: per format tokens/s, bytes per token, GB/s,
+the DRAM roofline fraction, llama.cpp's figures and the ratios, and the start-up RSS.
+NVFP4 is not measured (the format does not load yet).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from cpu_decode import _bytes_per_token, _gguf  # noqa: E402
+
+FORMATS = {"fp8": "q8_0", "int4": "q4_0"}   # our format -> llama.cpp's peer type
+
+_RSS = """
+import resource, sys, json
+from freetoken_py.llm import LLM
+llm = LLM(sys.argv[1], dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048, show_progress=False,
+          expert_cache=sys.argv[2])
+print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def build(args) -> Path:
+    """The bf16 source checkpoint at the chosen widths (cached under bench/_work)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    name = f"qwen3-30b-a3b-shape-l{args.layers}-h{args.hidden}-e{args.experts}-w{args.width}-v{args.vocab}"
+    out = common.WORK / name
+    if (out / "config.json").exists():
+        return out
+    heads = max(1, args.hidden // 64)
+    cfg = Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 8), head_dim=128,
+                         intermediate_size=4 * args.hidden, moe_intermediate_size=args.width,
+                         num_experts=args.experts, num_experts_per_tok=min(8, args.experts), norm_topk_prob=True,
+                         max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False)
+    common.log(f"building {name} (random weights, bf16)")
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def quantised(src: Path, fmt: str) -> Path:
+    from freetoken_py.loading.quantize import quantize_checkpoint
+
+    out = src.with_name(f"{src.name}-{fmt}")
+    return out if (out / "config.json").exists() else quantize_checkpoint(src, out, fmt, show_progress=False)
+
+
+def startup_rss(path: Path, cache: str) -> int:
+    proc = subprocess.run([sys.executable, "-c", _RSS, str(path), cache], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
+
+
+def main() -> None:
+    ap = common.bench_args(__doc__)
+    for flag, default in (("--layers", 8), ("--hidden", 2048), ("--experts", 128), ("--width", 768),
+                          ("--vocab", 151936)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--formats", default="fp8,int4")
+    args = ap.parse_args()
+    from freetoken_py.kernels import configure_threads
+    from freetoken_py.llm import LLM
+
+    import torch
+
+    configure_threads(args.threads)
+    src = build(args)
+    prompt = torch.randint(0, args.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    short, n, fmts = prompt[:16], args.decode_tokens, args.formats.split(",")
+    engines, bpt, peer_bpt, sizes, rss = {}, {}, {}, {}, {}
+    for f in fmts:
+        path = quantised(src, f)
+        sizes[f] = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        rss[f] = {"first_start": startup_rss(path, "auto"), "mapped_start": startup_rss(path, "auto")}
+        llm = LLM(path, dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048, show_progress=False,
+                  enable_prefix_cache=False)
+        engines[f"freetoken-{f}"] = common.freetoken_timers(llm)
+        bpt[f] = _bytes_per_token(llm)
+        if not args.no_llama_cpp:
+            gguf = _gguf(src, FORMATS[f])
+            engines[f"llama.cpp-{FORMATS[f]}"] = common.llama_cpp_timers(gguf, args.threads)
+            peer_bpt[f] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
+    for prefill, decode in engines.values():   # warm-up, untimed
+        prefill(prompt[:32])
+        decode(short, 2)
+    samples = {name: {"prefill": [], "decode": []} for name in engines}
+    for r in range(args.rounds):
+        for name, (prefill, decode) in engines.items():
+            samples[name]["decode"].append(decode(short, n))
+            samples[name]["prefill"].append(prefill(prompt))
+            common.log(f"round {r} {name}: decode {samples[name]['decode'][-1]:.1f} tok/s, "
+                       f"prefill {samples[name]['prefill'][-1]:.1f} tok/s")
+    dram, method = common.dram_gbps()
+    out = {"bench": "formats_decode", "model": f"qwen3_moe shape: hidden {args.hidden}, {args.layers} layers, "
+           f"{args.experts} experts of width {args.width}, top-{min(8, args.experts)}, vocab {args.vocab}",
+           "threads": args.threads, "prompt_len": args.prompt_len, "decode_tokens": n, "rounds": args.rounds,
+           "dram_gbps": round(dram, 2), "dram_method": method, "formats": {}}
+    for f in fmts:
+        ours = samples[f"freetoken-{f}"]
+        dec, pre = common.median(ours["decode"]), common.median(ours["prefill"])
+        row = {"decode_tps": round(dec, 2), "prefill_tps": round(pre, 1), "bytes_per_token": round(bpt[f]),
+               "decode_gbps": round(dec * bpt[f] / 1e9, 2), "roofline_fraction": round(dec * bpt[f] / 1e9 / dram, 3),
+               "decode_samples": [round(x, 2) for x in ours["decode"]], "checkpoint_bytes": sizes[f],
+               "startup_peak_rss_bytes": rss[f]}
+        peer = samples.get(f"llama.cpp-{FORMATS[f]}")
+        if peer:
+            pd, pp = common.median(peer["decode"]), common.median(peer["prefill"])
+            row["llama_cpp"] = {"type": FORMATS[f], "decode_tps": round(pd, 2), "prefill_tps": round(pp, 1),
+                                "bytes_per_token": peer_bpt[f], "decode_gbps": round(pd * peer_bpt[f] / 1e9, 2)}
+            row["ratio_decode"], row["ratio_prefill"] = round(dec / pd, 3), round(pre / pp, 3)
+        out["formats"][f] = row
+    common.emit(out)
+
+
+if __name__ == "__main__":
+    main()
