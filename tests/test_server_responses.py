@@ -239,3 +239,20 @@ def test_thinking_on_by_effort_and_bad_effort(thinking):
         thinking.responses.create(model="m", input=ASK, max_output_tokens=2,
                                   extra_body={"chat_template_kwargs": {"messages": []}})
     assert info.value.body["param"] == "chat_template_kwargs"
+
+
+def test_forced_tool_choice_and_json_format_are_enforced(client):
+    """tool_choice and text.format go through the same grammar as the chat routes: a forced
+    tool always yields a call with schema-valid arguments, json_schema output parses."""
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        out = client.responses.create(model="m", input="Tell me a joke.", tools=[WEATHER], tool_choice=choice,
+                                      max_output_tokens=100, temperature=0, parallel_tool_calls=False)
+        assert out.status == "completed"
+        (call,) = out.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert set(json.loads(call.arguments)) == {"city"} and isinstance(json.loads(call.arguments)["city"], str)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    out = client.responses.create(model="m", input="Is it sunny?", max_output_tokens=40, temperature=1,
+                                  text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert out.status == "completed" and isinstance(json.loads(out.output_text)["ok"], bool)

@@ -28,6 +28,7 @@ from freetoken_py.server.chat import (
     responses_messages,
     responses_tools,
 )
+from freetoken_py.server.constraints import openai_constrained
 from freetoken_py.server.generation import Prepared, collect_or_disconnect, prepare_chat, stream_error
 from freetoken_py.server.protocol import bad, get, parse_json_object, sampling_fields
 from freetoken_py.server.sse import KEEPALIVE_COMMENT, Final, SSEResponse, engine_events, event_line
@@ -109,6 +110,7 @@ async def responses(request: Request):
     template_kwargs = openai_template_kwargs(body, reasoning.get("effort"), "reasoning.effort")
     prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, (),
                               template_kwargs)
+    prep = await openai_constrained(prep, _as_chat_fields(body), tools, st.llm.tokenizer)  # tool_choice, text.format
     meta = _meta(st, body)
     parser = prep.parser()
     stream = st.engine.submit(prep.prompt_ids, prep.params, get(body, "cache_salt", str))
@@ -119,6 +121,22 @@ async def responses(request: Request):
         return Response(status_code=499)
     usage = _usage(st, prep, got.final, got.parsed.reasoning)
     return JSONResponse(meta.response(_status(got.final), _items(got.parsed, meta.namespaces), usage))
+
+
+def _as_chat_fields(body: dict) -> dict:
+    """The Responses fields constraints read, in their Chat Completions shape: `tool_choice`
+    (hosted-tool choices such as {"type": "web_search"} force nothing we run: "auto"),
+    `parallel_tool_calls`, and `text.format` as `response_format`."""
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") != "function":
+        choice = "auto"
+    fmt = body.get("text").get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema"), "name": fmt.get("name")}}
+    out = {"tool_choice": choice, "response_format": fmt}
+    if "parallel_tool_calls" in body:
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    return out
 
 
 # ---- output items -----------------------------------------------------------------------------
