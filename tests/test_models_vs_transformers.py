@@ -254,4 +254,8 @@ def test_sigmoid_router_runs_in_fp32_in_a_bf16_load(checkpoint_factory):
     prompt = random_prompt(16, seed=4)
     one = SamplingParams(max_tokens=1, temperature=0)
     llm32 = LLM(path, dtype="float32", show_progress=False, backend="torch")
-    assert llm16.generate([prompt], one)[0].token_ids == llm32.generate([prompt], one)[0].token_ids
+    expected = llm32.generate([prompt], one)[0].token_ids
+    assert llm16.generate([prompt], one)[0].token_ids == expected
+    cpu = LLM(path, dtype="auto", show_progress=False, backend="cpu")  # bf16 dense kernels, fp32 router
+    assert cpu.model.weights.layers[1].router.dense.fmt == "fp32" and cpu.runner.fused is not None
+    assert cpu.generate([prompt], one)[0].token_ids == expected

@@ -176,7 +176,8 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
         if lw.q_norm is not None:
             lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
         if lw.router is not None:
-            lw.router = _kernel(lw.router, head_fmt)
+            # a sigmoid router stays fp32 (as transformers and llama.cpp keep it): its scores pick experts
+            lw.router = _kernel(lw.router, "fp32" if lw.router_bias is not None else head_fmt)
             if lw.shared13 is not None:  # the shared expert is dense work, in the dense format
                 lw.shared13 = _kernel(lw.shared13, dense_fmt, group_size, pk.get("shared13"))
                 lw.shared2 = _kernel(lw.shared2, dense_fmt, group_size, pk.get("shared2"))
