@@ -117,3 +117,23 @@ def test_expert_dtype_converts_on_request_and_says_so(fp8_ckpt):
 def test_writer_marks_only_linears():
     assert quantisable("model.layers.0.self_attn.q_proj.weight")
     assert not quantisable("model.layers.0.mlp.gate.weight") and not quantisable("lm_head.weight")
+
+
+def test_probe_reads_the_format_and_names_one_that_does_not_load(fp8_ckpt, tmp_path):
+    import shutil
+
+    from freetoken_py.hw.model_bytes import read_model_bytes
+    from freetoken_py.hw.report import model_notes
+
+    mb = read_model_bytes(fp8_ckpt)
+    assert mb.weight_format == "fp8 block [16, 16]" and mb.format_error is None
+    assert mb.expert_dtype == "F8_E4M3"           # the real bytes: one per weight (+ the scale grid)
+    assert "fp8 block" in model_notes(mb, [])[0]
+    bad = tmp_path / "gptq"
+    shutil.copytree(fp8_ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    mb = read_model_bytes(bad)
+    assert mb.weight_format == "not loadable" and "GPTQ" in mb.format_error
+    assert "cannot load" in model_notes(mb, [])[0]

@@ -63,6 +63,8 @@ class ModelBytes:
     tied_embeddings: bool
     kv_bytes_per_token: int             # bf16 KV cache, all layers
     per_token: dict[str, int] = field(default_factory=dict)   # bytes read per decode token
+    weight_format: str = "unquantised"  # formats/ decoder's description (fp8 block [128, 128], ...)
+    format_error: Optional[str] = None  # set when freetoken cannot load this format (the one-line reason)
 
     @property
     def routed_expert_bytes(self) -> int:
@@ -208,4 +210,17 @@ def read_model_bytes(model_dir: Path) -> ModelBytes:
         top_k=top_k, num_experts=num_experts, vocab_size=vocab, tied_embeddings=tied,
         kv_bytes_per_token=kv_bytes_per_token(cfg, num_layers),
         per_token=per_token_bytes(by_category, layers, top_k,
-                                  embed[0].shape[0] if embed else vocab, tied))
+                                  embed[0].shape[0] if embed else vocab, tied),
+        **_weight_format(model_dir, infos))
+
+
+def _weight_format(model_dir: Path, infos: dict) -> dict[str, Any]:
+    """The checkpoint's format as the loader's decoder reads it, or why it does not load."""
+    from freetoken_py.formats import decoder_for, find_quant_config
+
+    extra = model_dir / "hf_quant_config.json"
+    try:
+        qcfg, where = find_quant_config(read_json(model_dir / "config.json"), read_json(extra) if extra.exists() else None)
+        return {"weight_format": decoder_for(qcfg, infos, where).describe()}
+    except ModelLoadError as exc:
+        return {"weight_format": "not loadable", "format_error": str(exc)}

@@ -94,6 +94,11 @@ def model_notes(model: Any, plans: list) -> list[str]:
     notes = [f"Each decode token reads {size(model.per_token_bytes)}: dense {size(pt['dense'])}, "
              f"experts {size(pt['routed_experts'])} (top-{model.top_k}), lm_head "
              f"{size(pt['lm_head'])}, one embedding row {size(pt['embedding_row'])}."]
+    if model.format_error:
+        notes.insert(0, f"freetoken cannot load this checkpoint's format (the plans below are its bytes only): "
+                        f"{model.format_error}")
+    elif model.weight_format != "unquantised":
+        notes.insert(0, f"Weights stored as {model.weight_format}: they run in that format (its own bytes).")
     feasible = [p for p in plans if p.feasible]
     if feasible:
         best = max(feasible, key=lambda p: p.tokens_per_s)
