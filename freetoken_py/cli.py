@@ -260,6 +260,27 @@ def eval_kld(
                         reference=both, as_json=as_json, show_progress=not as_json))
 
 
+@eval_app.command("tools")
+def eval_tools(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the demo model)."),
+    samples: int = typer.Option(2, "--samples", min=1, help="Seeds per request of the suite."),
+    num_requests: int = typer.Option(0, "--requests", min=0, help="The suite's first N requests (0: all 16)."),
+    max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Tokens per generation at most."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0,
+                                                help="Default: the model's generation_config.json."),
+    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0 = all cores)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON line."),
+) -> None:
+    """Tool-call validity on a fixed suite of coding-agent requests (rendered and parsed as the
+    server does): share parseable, naming a declared tool, validating against its schema, with
+    and without grammar-constrained decoding."""
+    from freetoken_py.evals.tools import ToolsEvalOptions, tools_main
+    from freetoken_py.kernels import configure_threads
+
+    configure_threads(threads or None)
+    tools_main(ToolsEvalOptions(_resolve_model(model), samples, num_requests, max_tokens, temperature, as_json))
+
+
 def main() -> None:
     try:
         app()

@@ -60,6 +60,12 @@ def test_constrained_calls_always_name_declared_tools_and_validate():
 
 
 def test_cli_json_line_and_bad_model(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "freetoken_py", "eval", "tools", "--requests", "1", "--samples", "1",
+                         "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr
+    line, = ok.stdout.strip().splitlines()
+    got = json.loads(line)
+    assert got["eval"] == "tools" and got["requests"] == 1 and set(got["constrained"]) == set(got["unconstrained"])
     bad = subprocess.run([sys.executable, "-m", "freetoken_py", "eval", "tools", "--model", str(tmp_path), "--json"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

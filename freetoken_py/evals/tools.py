@@ -94,7 +94,7 @@ def score_output(text: str, tools: list[dict], tool_format: str, reasoning) -> t
     schemas = schemas_by_name(tools)
     ok_parse = bool(parsed.tool_calls) and opener not in parsed.content
     declared = all(c.name in schemas for c in parsed.tool_calls)
-    valid = True
+    valid = declared
     for c in parsed.tool_calls if declared else []:
         try:
             jsonschema.validate(json.loads(c.arguments), schemas[c.name])
