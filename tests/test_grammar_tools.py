@@ -55,6 +55,7 @@ def _shape(llm):
 
 def _run(llm, grammar, n, max_tokens=64, tools=TOOLS):
     prompts = [_prompt(llm, PROMPTS[i % len(PROMPTS)], tools) for i in range(n)]
+    llm.generate(prompts[:len(PROMPTS)], SamplingParams(max_tokens=1))   # into the prefix cache: prefilled once
     params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=i, grammar=grammar)
               for i in range(n)]
     return llm.generate(prompts, params)
