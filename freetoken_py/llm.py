@@ -235,6 +235,23 @@ class LLM:
         """KV bytes one token takes across every layer, measured from the pool (MLA: latent + rope key)."""
         return self.runner.cache.bytes_per_token
 
+    def stats(self) -> dict:
+        """A snapshot of the engine's state, as plain values: KV pages (total, free, held by the
+        prefix cache, tokens per page), FP8 KV values clipped, requests running / waiting, and
+        with the residency tiers on their telemetry (totals and per layer) and slot count under
+        "residency". Call it where steps run (between steps): the counts are then consistent."""
+        cache = self.prefix_cache
+        out = {"num_pages": self.allocator.num_pages, "free_pages": self.allocator.num_free,
+               "cached_pages": len(cache.cached_pages()) if cache is not None else 0,
+               "page_size": self.config.page_size, "running": len(self.scheduler.running),
+               "waiting": len(self.scheduler.waiting),
+               "kv_fp8_clipped": self.runner.cache.clipped}  # FP8 KV values saturated (0 otherwise)
+        ex = self.residency
+        if ex is not None:
+            ex.flush_timing(wait=False)  # GPU-clock times of finished calls
+            out["residency"] = {**ex.telemetry.as_dict(), "expert_slots": ex.slots.num_slots}
+        return out
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.allocator.num_pages * self.config.page_size

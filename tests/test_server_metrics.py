@@ -99,3 +99,28 @@ def test_render_escapes_labels_and_leaves_out_what_a_snapshot_lacks():
     assert fams["freetoken_requests_received"].samples[0].value == 3
     sample = fams["freetoken_expert_slots"].samples[0]
     assert sample.labels == {"accelerator": 'emu"la\\ted\nx'} and sample.value == 4
+
+
+def test_llm_stats_snapshot_follows_a_request_through_the_engine():
+    """LLM.stats(), what the stats route and /metrics read: counts checked against what the
+    request must hold at each point (its pages from its token count), not against the pools."""
+    from freetoken_py.cli import DEMO_MODEL
+    from freetoken_py.core import SamplingParams
+    from freetoken_py.llm import LLM
+
+    llm = LLM(DEMO_MODEL, dtype="float32", show_progress=False, max_model_len=512)
+    idle = llm.stats()
+    assert idle["free_pages"] == idle["num_pages"] and idle["num_pages"] * idle["page_size"] == llm.kv_capacity_tokens
+    assert (idle["cached_pages"], idle["running"], idle["waiting"], idle["kv_fp8_clipped"]) == (0, 0, 0, 0)
+    assert "residency" not in idle  # tiers off
+    prompt = list(range(5, 5 + 3 * idle["page_size"] + 1))  # 3 whole pages and one token
+    req = llm.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
+    assert llm.stats()["waiting"] == 1
+    llm.step()  # the prefill: 4 pages for the prompt
+    mid = llm.stats()
+    assert (mid["running"], mid["waiting"]) == (1, 0) and mid["free_pages"] == idle["num_pages"] - 4
+    while not req.finished:
+        llm.step()
+    done = llm.stats()
+    assert done["running"] == 0 and done["free_pages"] + done["cached_pages"] == done["num_pages"]
+    assert done["cached_pages"] >= 3  # the prompt's whole pages stay cached

@@ -207,23 +207,8 @@ class AsyncEngine:
                 "generation_tokens": s.generation_tokens, **s.histograms()}
 
     def _page_stats(self) -> dict:
-        llm = self.llm
-        cache = getattr(llm, "prefix_cache", None)
-        return {"num_pages": llm.allocator.num_pages, "free_pages": llm.allocator.num_free,
-                "cached_pages": len(cache.cached_pages()) if cache is not None else 0,
-                "page_size": llm.config.page_size, "running": len(llm.scheduler.running),
-                "waiting": len(llm.scheduler.waiting), "live_requests": len(self._live),
-                "kv_fp8_clipped": llm.runner.cache.clipped,    # FP8 KV values saturated (0 otherwise)
-                **self._residency_stats()}
-
-    def _residency_stats(self) -> dict:
-        """The expert residency telemetry (`--emulate-gpu` / `--gpu-experts`), totals and every
-        counter per layer; {} when off."""
-        ex = getattr(self.llm, "residency", None)
-        if ex is None:
-            return {}
-        ex.flush_timing(wait=False)      # on the engine thread: GPU-clock times of finished calls
-        return {"residency": {**ex.telemetry.as_dict(), "expert_slots": ex.slots.num_slots}}
+        """LLM.stats() (pages, queues, residency telemetry) plus the requests this thread runs."""
+        return {**self.llm.stats(), "live_requests": len(self._live)}
 
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
