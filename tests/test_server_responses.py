@@ -256,3 +256,38 @@ def test_forced_tool_choice_and_json_format_are_enforced(client):
     out = client.responses.create(model="m", input="Is it sunny?", max_output_tokens=40, temperature=1,
                                   text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     assert out.status == "completed" and isinstance(json.loads(out.output_text)["ok"], bool)
+
+
+# ---- the same switches on the other two APIs (one thinking server for all) --------------------
+def test_chat_and_anthropic_thinking_switches(thinking, ref):
+    import anthropic
+
+    messages = [{"role": "user", "content": ASK}]
+    off_ids = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(messages) + "<think>\n\n</think>\n\n")
+    chat = thinking.chat.completions
+    for switch in (dict(reasoning_effort="none"), dict(extra_body={"chat_template_kwargs": {"enable_thinking": False}})):
+        off = chat.create(model="m", messages=messages, max_tokens=6, temperature=0, **switch)
+        assert off.usage.prompt_tokens == len(off_ids) and off.choices[0].message.model_extra.get("reasoning_content") is None
+    on = chat.create(model="m", messages=messages, max_tokens=6, temperature=0, reasoning_effort="high")
+    assert on.choices[0].message.model_extra["reasoning_content"] and not on.choices[0].message.content
+
+    client = anthropic.Anthropic(base_url=str(thinking.base_url).removesuffix("/v1/"), api_key="x", max_retries=0)
+    # thinking blocks in the history are accepted whatever their signature (and dropped)
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "forged"},
+                                                 {"type": "redacted_thinking", "data": "opaque"},
+                                                 {"type": "text", "text": "Hello."}]},
+               {"role": "user", "content": ASK}]
+    ref_history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."},
+                   {"role": "user", "content": ASK}]
+    off = client.messages.create(model="m", max_tokens=6, extra_body={"temperature": 0}, messages=history,
+                                 thinking={"type": "disabled"})
+    off_history = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(ref_history) + "<think>\n\n</think>\n\n")
+    assert off.usage.input_tokens == len(off_history) and [b.type for b in off.content] == ["text"]
+    assert client.messages.count_tokens(model="m", messages=history,
+                                        thinking={"type": "disabled"}).input_tokens == len(off_history)
+    on = client.messages.create(model="m", max_tokens=6, extra_body={"temperature": 0}, messages=history,
+                                thinking={"type": "enabled", "budget_tokens": 1024})
+    assert on.content[0].type == "thinking" and on.content[0].thinking
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="m", max_tokens=6, messages=history, thinking={"type": "sometimes"})

@@ -14,7 +14,7 @@ import secrets
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from freetoken_py.server.chat import anthropic_messages, anthropic_tools
+from freetoken_py.server.chat import anthropic_messages, anthropic_template_kwargs, anthropic_tools
 from freetoken_py.server.constraints import anthropic_constrained
 from freetoken_py.server.generation import (
     Prepared,
@@ -72,7 +72,8 @@ async def _prepare(st, body: dict) -> tuple[Prepared, tuple[str, ...]]:
     messages, tools = anthropic_messages(body, st.limits), anthropic_tools(body, st.limits)
     stops = get_stop(body, "stop_sequences", st.limits)
     max_tokens = get(body, "max_tokens", int, lo=1)
-    prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, stops)
+    prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, stops,
+                              anthropic_template_kwargs(body))  # thinking -> the template's enable_thinking
     prep = await anthropic_constrained(prep, body, tools, st.llm.tokenizer)   # tool_choice, output_format
     return prep, stops
 
@@ -185,5 +186,5 @@ async def count_tokens(request: Request):
     st = request.app.state.freetoken
     body = parse_json_object(await request.body())
     messages, tools = anthropic_messages(body, st.limits), anthropic_tools(body, st.limits)
-    ids, _ = await asyncio.to_thread(render_chat, st.llm, messages, tools)
+    ids, _ = await asyncio.to_thread(render_chat, st.llm, messages, tools, anthropic_template_kwargs(body))
     return {"input_tokens": len(ids)}

@@ -13,7 +13,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from freetoken_py.server.chat import openai_messages, openai_tools
+from freetoken_py.server.chat import openai_messages, openai_template_kwargs, openai_tools
 from freetoken_py.server.constraints import openai_constrained
 from freetoken_py.server.generation import (
     Prepared,
@@ -80,7 +80,8 @@ async def chat_completions(request: Request):
     stop = get_stop(body, "stop", st.limits)
     stream_flag = get(body, "stream", bool, False)
     opts = get(body, "stream_options", dict, {})
-    prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling, max_tokens, stop)
+    thinking = openai_template_kwargs(body, body.get("reasoning_effort"))  # the template's enable_thinking
+    prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling, max_tokens, stop, thinking)
     prep = await openai_constrained(prep, body, tools, st.llm.tokenizer)   # tool_choice, response_format
     meta = dict(id="chatcmpl-" + secrets.token_hex(12), created=int(time.time()),
                 model=body.get("model") if isinstance(body.get("model"), str) else st.model_name)
