@@ -291,3 +291,25 @@ def test_chat_and_anthropic_thinking_switches(thinking, ref):
     assert on.content[0].type == "thinking" and on.content[0].thinking
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="m", max_tokens=6, messages=history, thinking={"type": "sometimes"})
+
+
+# ---- limits each API's clients understand ------------------------------------------------------
+def test_prompt_too_long_and_max_tokens_beyond_the_context_in_each_apis_shape(srv):
+    long_text = "import os\n" * 3000  # > 4096 demo tokens
+    r = httpx.post(srv.url + "/v1/messages", json={"model": "m", "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": long_text}]})
+    err = r.json()
+    assert r.status_code == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    n = len(srv.state.llm.chat_prompt_ids([{"role": "user", "content": long_text}]))
+    assert err["error"]["message"] == f"prompt is too long: {n} tokens > 4096 maximum"  # Anthropic's wording
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}),
+                       ("/v1/responses", {"input": long_text})):
+        r = httpx.post(srv.url + path, json={"model": "m", **body})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    for path, body in (("/v1/messages", {"max_tokens": 4096, "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/chat/completions", {"max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/responses", {"max_output_tokens": 4096, "input": "hi"})):
+        r = httpx.post(srv.url + path, json={"model": "m", **body})
+        assert r.status_code == 400 and "context limit is 4096" in r.text and "4095" in r.text, r.text
+    card = httpx.get(srv.base_url + "/models").json()["data"][0]
+    assert (card["context_length"], card["max_output_tokens"]) == (4096, 4095)

@@ -216,6 +216,9 @@ async def _load(load: Callable[[], object], state: ServerState) -> None:
 def _add_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception):
         err = as_api_error(exc)
+        if isinstance(exc, ContextLengthError) and is_anthropic(request.url.path) and hasattr(exc, "limit"):
+            # Anthropic's own wording: Claude Code compacts the conversation when it sees it
+            err = ApiError(400, f"prompt is too long: {exc.num_tokens} tokens > {exc.limit} maximum")
         if err.status >= 500 and not isinstance(exc, (ApiError, EngineStoppedError)):
             log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return error_response(request.url.path, err)

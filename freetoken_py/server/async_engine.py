@@ -146,9 +146,11 @@ class AsyncEngine:
         if num_prompt_tokens == 0:
             raise FreetokenError("the prompt is empty")
         if num_prompt_tokens >= limit:
-            raise ContextLengthError(
+            err = ContextLengthError(
                 f"prompt has {num_prompt_tokens} tokens but the context limit is {limit} "
                 f"(model {self.llm.max_model_len}, KV cache {self.llm.kv_capacity_tokens}); shorten the prompt")
+            err.num_tokens, err.limit = num_prompt_tokens, limit  # for each API's own "too long" shape
+            raise err
 
     @property
     def context_limit(self) -> int:

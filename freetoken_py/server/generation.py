@@ -64,6 +64,9 @@ async def prepare_chat(llm, engine: AsyncEngine, messages: list[dict], tools: li
 def make_params(llm, engine: AsyncEngine, sampling: dict, max_tokens: int | None, stop: tuple[str, ...],
                 num_prompt_tokens: int, **extra) -> SamplingParams:
     limit = engine.context_limit
+    if max_tokens is not None and max_tokens >= limit:
+        raise bad(f"max_tokens is {max_tokens}, but the context limit is {limit} tokens (prompt and output "
+                  f"together); ask for at most {limit - 1}", "max_tokens")
     budget = clamp_max_tokens(max_tokens, num_prompt_tokens, limit)
     values = {k: v for k, v in fix_sampling(sampling).items() if v is not None}
     try:

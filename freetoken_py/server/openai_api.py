@@ -229,7 +229,8 @@ async def _completion_chunks(st, stream, parser, prep: Prepared, meta: dict, inc
 # ---- models ---------------------------------------------------------------------------------
 def _model_card(st) -> dict:
     return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "freetoken",
-            "max_model_len": st.engine.context_limit, "context_length": st.engine.context_limit}
+            "max_model_len": st.engine.context_limit, "context_length": st.engine.context_limit,
+            "max_output_tokens": st.engine.context_limit - 1}  # a prompt needs one token at least
 
 
 @router.get("/v1/models")
