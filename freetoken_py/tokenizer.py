@@ -51,6 +51,10 @@ class Tokenizer:
         special tokens of this vocabulary are ignored."""
         self._keep = frozenset(i for i in map(self.token_to_id, markup) if i in self._special_ids)
 
+    def added_token_ids(self) -> list[int]:
+        """The ids of the vocabulary's added tokens (special or not), in id order."""
+        return sorted(self._tok.get_added_tokens_decoder())
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

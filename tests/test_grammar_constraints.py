@@ -14,6 +14,7 @@ from freetoken_py.server.constraints import (
     ToolChoice,
     anthropic_choice,
     json_grammar,
+    free_tokens,
     marker_tokens,
     openai_choice,
     openai_response_schema,
@@ -46,6 +47,20 @@ def _body(name, args) -> str:
 
 def _grammar(mode="auto", shape=TOKENS, name=None, parallel=True):
     return request_grammar(CLAUDE_CODE_TOOLS, ToolChoice(mode, name, parallel), None, shape)
+
+
+def test_auto_free_text_may_use_the_vocabularys_other_added_tokens():
+    """Free text is unconstrained apart from the call markers: llguidance keeps added tokens
+    (<|im_start|>, <tool_response>, <think>, ...) out of a text lexeme, so the grammar lists them
+    (without that, a model that writes one after a tool result is forced into other text)."""
+    shape = Shape("qwen3_json", False, marker_tokens(TOK), free_tokens(TOK, marker_tokens(TOK)))
+    assert OPEN not in shape.free_tokens and CLOSE not in shape.free_tokens
+    g = request_grammar(CLAUDE_CODE_TOOLS, ToolChoice(), None, shape)
+    others = [TOK.token_to_id(t) for t in ("<|im_start|>", "<tool_response>", "</tool_response>", "<think>")]
+    assert _accepts(g, _ids("Result:", others[0], " then ", *others[1:], "end"))
+    assert _accepts(g, _ids(others[1], "x", OPEN, _body("Read", {"file_path": "/a.py"}), CLOSE, others[3]))
+    assert not _accepts(g, _ids("text", CLOSE))                 # a stray close marker stays refused
+    assert not _accepts(_grammar(), _ids("Result:", others[0]))  # the shape without them refuses it
 
 
 def test_auto_free_text_then_a_valid_call():

@@ -123,7 +123,7 @@ def _run(llm, reqs, grammar_of, opts: ToolsEvalOptions, tool_format: str) -> Sco
 
 def run_tools_eval(opts: ToolsEvalOptions) -> dict:
     from freetoken_py.llm import LLM
-    from freetoken_py.server.constraints import Shape, ToolChoice, marker_tokens, request_grammar
+    from freetoken_py.server.constraints import Shape, ToolChoice, free_tokens, marker_tokens, request_grammar
     from freetoken_py.server.toolcalls import detect_tool_format, markup_tokens
 
     t0 = time.perf_counter()
@@ -142,7 +142,7 @@ def run_tools_eval(opts: ToolsEvalOptions) -> dict:
         if tool_format != "qwen3_json":
             return None
         return lambda tools, reasoning: request_grammar(tools, ToolChoice(mode), None,
-                                                        Shape(tool_format, reasoning, single))
+                                                        Shape(tool_format, reasoning, single, free_tokens(tok, single)))
 
     reqs = requests()[:opts.num_requests or None]
     out = {"eval": "tools", "model": str(opts.model_dir), "tool_format": tool_format, "requests": len(reqs),

@@ -48,6 +48,7 @@ class Shape:
     tool_format: str = "qwen3_json"
     reasoning: bool | str = False        # True: may open <think>; "open": the prompt opened it
     single_tokens: tuple[tuple[str, int], ...] = ()   # (marker, its token id) where it is one token
+    free_tokens: tuple[int, ...] = ()    # the vocabulary's other added tokens: free text may use them
 
     def token_of(self, marker: str) -> int | None:
         return dict(self.single_tokens).get(marker)
@@ -63,9 +64,19 @@ def marker_tokens(tokenizer) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def free_tokens(tokenizer, single: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
+    """Added tokens (`<|im_start|>`, `<tool_response>`, `<think>`, ...) other than the call markers:
+    llguidance keeps them out of a text lexeme, so free text lists them or it is not free."""
+    if tokenizer is None or not hasattr(tokenizer, "added_token_ids"):
+        return ()
+    calls = {i for m, i in single if m in (CALL_OPEN, CALL_CLOSE)}
+    return tuple(i for i in tokenizer.added_token_ids() if i not in calls)
+
+
 def shape_of(prep, tokenizer) -> Shape:
     """The Shape of a prepared chat request (server.generation.Prepared) on this tokenizer."""
-    return Shape(prep.tool_format, prep.reasoning, marker_tokens(tokenizer))
+    single = marker_tokens(tokenizer)
+    return Shape(prep.tool_format, prep.reasoning, single, free_tokens(tokenizer, single))
 
 
 async def constrain(prep, grammar: Grammar | None, tools: list[dict] | None, response_schema: dict | None,
@@ -250,11 +261,11 @@ def tool_grammar(tools: list[dict], choice: ToolChoice, shape: Shape, response_s
     head, rules = _head(shape)
     opener = _marker(CALL_OPEN, shape)
     # text then the opener: one lazy lexeme when the opener is spelled (it ends at the opener's end)
-    text_open = f"text_open: TEXT {opener}\n" if shape.token_of(CALL_OPEN) is not None else \
+    text_open = f"text_open: free {opener}\n" if shape.token_of(CALL_OPEN) is not None else \
         f"text_open[lazy]: TEXT {opener}\n"
     if choice.mode == "auto" and response_schema is None:
-        top = f"start: {head} (text_open tail)* TEXT\n" if choice.parallel else \
-            f"start: {head} (text_open tail)? TEXT\n"
+        top = f"start: {head} (text_open tail)* free\n" if choice.parallel else \
+            f"start: {head} (text_open tail)? free\n"
     else:
         calls = "call (\"\\n\" call)*" if choice.parallel else "call"
         top = f"start: {head} WS {calls}\n" if response_schema is None else \
@@ -264,8 +275,17 @@ def tool_grammar(tools: list[dict], choice: ToolChoice, shape: Shape, response_s
     tail = f"tail: \"\\n\" body \"\\n\" {_marker(CALL_CLOSE, shape)}\n"
     lark = ("%llguidance {}\n" + top + text_open + f"call: {opener} tail\n" + tail + f"body: {bodies}\n"
             + "\n".join(lines) + "\n"
-            + "WS: /[ \\t\\n]{0,4}/\n" + _no_spelling("TEXT", (CALL_OPEN,)) + rules)
+            + "WS: /[ \\t\\n]{0,4}/\n" + _free(shape) + _no_spelling("TEXT", (CALL_OPEN,)) + rules)
     return Grammar(lark, f"tools:{choice.mode}")
+
+
+def _free(shape: Shape) -> str:
+    """Free text: text that cannot spell the opener, with the vocabulary's other added tokens
+    anywhere in it (unconstrained apart from the call markers)."""
+    if not shape.free_tokens:
+        return "free: TEXT\n"
+    ids = ",".join(map(str, shape.free_tokens))
+    return f"free: TEXT (<[{ids}]> TEXT)*\n"
 
 
 def _call_head(name: str) -> str:
