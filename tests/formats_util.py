@@ -11,10 +11,26 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import random_prompt, reference_model
+from freetoken_py.core import SamplingParams
+from freetoken_py.llm import LLM
 from freetoken_py.quant.fp8 import quantize_fp8_blocks
 
 _LINEAR = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|experts\.\d+\.(gate|up|down)_proj"
                      r"|experts\.\d+\.w[123]|shared_experts?\.(gate|up|down)_proj)\.weight$")
+
+
+def first_logits(path, backend: str, **kw) -> tuple[torch.Tensor, LLM]:
+    """Our last-position logits for the fixed 12-token prompt (float32, no prefix cache), and the LLM."""
+    llm = LLM(path, dtype="float32", show_progress=False, backend=backend, enable_prefix_cache=False, **kw)
+    llm.add_request(random_prompt(12, 1), SamplingParams(max_tokens=1, temperature=0))
+    return llm.runner.forward_batch(llm.scheduler.schedule())[0], llm
+
+
+def reference_logits(path) -> torch.Tensor:
+    """transformers' last-position logits for the same prompt."""
+    with torch.no_grad():
+        return reference_model(path)(torch.tensor([random_prompt(12, 1)])).logits[0, -1]
 
 
 def quantisable(name: str, ignore: tuple[str, ...] = ()) -> bool:

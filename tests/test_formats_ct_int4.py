@@ -7,31 +7,19 @@ the tolerance its bf16 experts allow (it decompresses fused experts to bf16 and 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import random_prompt, reference_model
-from formats_util import ct_reference, write_ct_int4
-from freetoken_py.core import SamplingParams
-from freetoken_py.llm import LLM
+import formats_util
+from formats_util import ct_reference, reference_logits, write_ct_int4
 
 pytest.importorskip("compressed_tensors")
 ARCH = "qwen3_moe_step2"     # every input width a multiple of 32
-
-
-def first_logits(path, backend: str, **kw):
-    llm = LLM(path, dtype="float32", show_progress=False, backend=backend, enable_prefix_cache=False,
-              expert_cache="off", **kw)
-    llm.add_request(random_prompt(12, 1), SamplingParams(max_tokens=1, temperature=0))
-    return llm.runner.forward_batch(llm.scheduler.schedule())[0], llm
-
-
-def reference_logits(path) -> torch.Tensor:
-    with torch.no_grad():
-        return reference_model(path)(torch.tensor([random_prompt(12, 1)])).logits[0, -1]
+first_logits = partial(formats_util.first_logits, expert_cache="off")
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import random_prompt, reference_model
-from formats_util import fp8_reference, quantisable, write_fp8
-from freetoken_py.core import SamplingParams
-from freetoken_py.llm import LLM
+from formats_util import first_logits, fp8_reference, quantisable, reference_logits, write_fp8
 
 pytest.importorskip("accelerate")
-
-
-def first_logits(path, backend: str, **kw) -> tuple[torch.Tensor, LLM]:
-    llm = LLM(path, dtype="float32", show_progress=False, backend=backend, enable_prefix_cache=False, **kw)
-    llm.add_request(random_prompt(12, 1), SamplingParams(max_tokens=1, temperature=0))
-    return llm.runner.forward_batch(llm.scheduler.schedule())[0], llm
-
-
-def reference_logits(path) -> torch.Tensor:
-    with torch.no_grad():
-        return reference_model(path)(torch.tensor([random_prompt(12, 1)])).logits[0, -1]
 
 
 @pytest.fixture(scope="module")
