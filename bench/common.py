@@ -42,14 +42,33 @@ def bench_args(doc: str):
 
 def setup(args) -> tuple[Path, list[int]]:
     """Thread budget, the benchmark checkpoint, and a seeded random prompt of --prompt-len tokens."""
-    import torch
-
     from freetoken_py.kernels import configure_threads
 
     configure_threads(args.threads)
     model_dir = build_qwen3_moe(WORK / "qwen3moe-0.5b-bf16")
+    return model_dir, random_prompt(QWEN3_05B["vocab_size"], args.prompt_len)
+
+
+def random_prompt(vocab_size: int, length: int) -> list[int]:
+    """A seeded random prompt: the same token ids on every run."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
-    return model_dir, torch.randint(0, QWEN3_05B["vocab_size"], (args.prompt_len,), generator=g).tolist()
+    return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+
+
+def moe_setup(doc: str, layers: int, experts: int, tiny_help: str):
+    """bench_args plus --precisions / --layers / --experts / --tiny, parsed, thread budget set."""
+    from freetoken_py.kernels import configure_threads
+
+    ap = bench_args(doc)
+    ap.add_argument("--precisions", default="bf16,int8,int4")
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--experts", type=int, default=experts)
+    ap.add_argument("--tiny", action="store_true", help=tiny_help)
+    args = ap.parse_args()
+    configure_threads(args.threads)
+    return args
 
 
 def log(msg: str) -> None:
@@ -257,6 +276,35 @@ def llama_cpp_timers(gguf: Path, threads: int):
     peer = LlamaCppPeer(gguf, threads)
     return peer.prefill_tps, peer.decode_tps
 
+
+
+def time_rounds(engines: dict, prompt: list[int], n: int, rounds: int, digits: int = 1) -> dict:
+    """Warm-up (numba compile / page-in, untimed), then interleaved rounds over every engine's
+    (prefill, decode) timers: {name: {"prefill": [tok/s], "decode": [tok/s]}}."""
+    short = prompt[:16]
+    for prefill, decode in engines.values():
+        prefill(prompt[:32])
+        decode(short, 2)
+    samples = {name: {"prefill": [], "decode": []} for name in engines}
+    for r in range(rounds):
+        for name, (prefill, decode) in engines.items():
+            samples[name]["decode"].append(decode(short, n))
+            samples[name]["prefill"].append(prefill(prompt))
+            log(f"round {r} {name}: decode {samples[name]['decode'][-1]:.{digits}f} tok/s, "
+                f"prefill {samples[name]['prefill'][-1]:.1f} tok/s")
+    return samples
+
+
+def peer_fields(ours: dict, peer: dict, kind: str, peer_bpt: int, digits: int = 2, samples: bool = True) -> dict:
+    """llama.cpp's figures beside ours (samples as from time_rounds) and the freetoken / llama.cpp
+    ratios, for a result row; decode rounded to `digits`, prefill to one fewer."""
+    dec, pre = median(ours["decode"]), median(ours["prefill"])
+    pd, pp = median(peer["decode"]), median(peer["prefill"])
+    lc = {"type": kind, "decode_tps": round(pd, digits), "prefill_tps": round(pp, digits - 1),
+          "bytes_per_token": peer_bpt, "decode_gbps": round(pd * peer_bpt / 1e9, 2)}
+    if samples:
+        lc["decode_samples"] = [round(x, digits) for x in peer["decode"]]
+    return {"llama_cpp": lc, "ratio_decode": round(dec / pd, 3), "ratio_prefill": round(pre / pp, 3)}
 
 
 def emit(result: dict, out: Path | None = None) -> int:

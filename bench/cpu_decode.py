@@ -53,7 +53,7 @@ def main() -> None:
     model_dir, prompt = common.setup(args)
     from freetoken_py.llm import LLM
 
-    short, n = prompt[:16], args.decode_tokens
+    n = args.decode_tokens
     precisions = args.precisions.split(",")
 
     engines, bpt, peer_bpt = {}, {}, {}
@@ -68,17 +68,7 @@ def main() -> None:
             gguf = _gguf(model_dir, ggml)
             engines[f"llama.cpp-{ggml}"] = common.llama_cpp_timers(gguf, args.threads)
             peer_bpt[p] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
-    for prefill, decode in engines.values():  # warm-up: numba compile / page-in, untimed
-        prefill(prompt[:32])
-        decode(short, 2)
-
-    samples = {name: {"prefill": [], "decode": []} for name in engines}
-    for r in range(args.rounds):
-        for name, (prefill, decode) in engines.items():
-            samples[name]["decode"].append(decode(short, n))
-            samples[name]["prefill"].append(prefill(prompt))
-            common.log(f"round {r} {name}: decode {samples[name]['decode'][-1]:.1f} tok/s, "
-                       f"prefill {samples[name]['prefill'][-1]:.1f} tok/s")
+    samples = common.time_rounds(engines, prompt, n, args.rounds)
 
     dram, method = common.dram_gbps()
     out = {"bench": "cpu_decode", "model": "qwen3_moe ~0.49B (hidden 1024, 8 layers, 64 experts, top-8, width 256)",
@@ -93,12 +83,7 @@ def main() -> None:
                "decode_samples": [round(x, 2) for x in ours["decode"]]}
         peer = samples.get(f"llama.cpp-{PAIRS[p][2]}")
         if peer:
-            pd, pp = common.median(peer["decode"]), common.median(peer["prefill"])
-            row["llama_cpp"] = {"type": PAIRS[p][2], "decode_tps": round(pd, 2), "prefill_tps": round(pp, 1),
-                                "bytes_per_token": peer_bpt[p], "decode_gbps": round(pd * peer_bpt[p] / 1e9, 2),
-                                "decode_samples": [round(x, 2) for x in peer["decode"]]}
-            row["ratio_decode"] = round(dec / pd, 3)
-            row["ratio_prefill"] = round(common.median(ours["prefill"]) / pp, 3)
+            row.update(common.peer_fields(ours, peer, PAIRS[p][2], peer_bpt[p]))
         out["precisions"][p] = row
     common.emit(out)
 

@@ -77,12 +77,10 @@ def main() -> None:
     from freetoken_py.kernels import configure_threads
     from freetoken_py.llm import LLM
 
-    import torch
-
     configure_threads(args.threads)
     src = build(args)
-    prompt = torch.randint(0, args.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    short, n, fmts = prompt[:16], args.decode_tokens, args.formats.split(",")
+    prompt = common.random_prompt(args.vocab, args.prompt_len)
+    n, fmts = args.decode_tokens, args.formats.split(",")
     engines, bpt, peer_bpt, sizes, rss = {}, {}, {}, {}, {}
     for f in fmts:
         path = quantised(src, f)
@@ -96,16 +94,7 @@ def main() -> None:
             gguf = _gguf(src, FORMATS[f])
             engines[f"llama.cpp-{FORMATS[f]}"] = common.llama_cpp_timers(gguf, args.threads)
             peer_bpt[f] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
-    for prefill, decode in engines.values():   # warm-up, untimed
-        prefill(prompt[:32])
-        decode(short, 2)
-    samples = {name: {"prefill": [], "decode": []} for name in engines}
-    for r in range(args.rounds):
-        for name, (prefill, decode) in engines.items():
-            samples[name]["decode"].append(decode(short, n))
-            samples[name]["prefill"].append(prefill(prompt))
-            common.log(f"round {r} {name}: decode {samples[name]['decode'][-1]:.1f} tok/s, "
-                       f"prefill {samples[name]['prefill'][-1]:.1f} tok/s")
+    samples = common.time_rounds(engines, prompt, n, args.rounds)
     dram, method = common.dram_gbps()
     out = {"bench": "formats_decode", "model": f"qwen3_moe shape: hidden {args.hidden}, {args.layers} layers, "
            f"{args.experts} experts of width {args.width}, top-{min(8, args.experts)}, vocab {args.vocab}",
@@ -120,10 +109,7 @@ def main() -> None:
                "startup_peak_rss_bytes": rss[f]}
         peer = samples.get(f"llama.cpp-{FORMATS[f]}")
         if peer:
-            pd, pp = common.median(peer["decode"]), common.median(peer["prefill"])
-            row["llama_cpp"] = {"type": FORMATS[f], "decode_tps": round(pd, 2), "prefill_tps": round(pp, 1),
-                                "bytes_per_token": peer_bpt[f], "decode_gbps": round(pd * peer_bpt[f] / 1e9, 2)}
-            row["ratio_decode"], row["ratio_prefill"] = round(dec / pd, 3), round(pre / pp, 3)
+            row.update(common.peer_fields(ours, peer, FORMATS[f], peer_bpt[f], samples=False))
         out["formats"][f] = row
     common.emit(out)
 

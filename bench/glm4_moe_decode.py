@@ -111,23 +111,13 @@ def time_engine(prefill, decode, prompt, n, rounds) -> dict:
 
 
 def main() -> None:
-    ap = common.bench_args(__doc__)
-    ap.add_argument("--precisions", default="bf16,int8,int4")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--tiny", action="store_true", help="smoke run: hidden 256, 2 layers, 8 experts")
-    args = ap.parse_args()
-    import torch
-
-    from freetoken_py.kernels import configure_threads
+    args = common.moe_setup(__doc__, 4, 16, "smoke run: hidden 256, 2 layers, 8 experts")
     from freetoken_py.llm import LLM
 
-    configure_threads(args.threads)
     geometry, layers, experts = (TINY, 2, 8) if args.tiny else (AIR, args.layers, args.experts)
     name = f"glm4moe-{'tiny' if args.tiny else 'air'}-{layers}l-{experts}e-bf16"
     model_dir = build(common.WORK / name, geometry, layers, experts)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, geometry["vocab_size"], (args.prompt_len,), generator=g).tolist()
+    prompt = common.random_prompt(geometry["vocab_size"], args.prompt_len)
     out = {"bench": "glm4_moe_decode", "model": f"glm4_moe GLM-4.5-Air widths, {layers} layers, {experts} experts"
            f"{' (tiny smoke geometry)' if args.tiny else ''}", "threads": args.threads, "prompt_len": args.prompt_len,
            "decode_tokens": args.decode_tokens, "rounds": args.rounds, "precisions": {}}

@@ -73,23 +73,13 @@ def bytes_per_token(llm) -> int:
 
 
 def main() -> None:
-    ap = common.bench_args(__doc__)
-    ap.add_argument("--precisions", default="bf16,int8,int4")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tiny", action="store_true", help="smoke geometry (hidden 256), seconds")
-    args = ap.parse_args()
-    import torch
-
-    from freetoken_py.kernels import configure_threads
+    args = common.moe_setup(__doc__, 2, 8, "smoke geometry (hidden 256), seconds")
     from freetoken_py.llm import LLM
 
-    configure_threads(args.threads)
     name = f"deepseek-mla-{'tiny' if args.tiny else 'real'}-l{args.layers}-e{args.experts}"
     model_dir = build(common.WORK / name, TINY if args.tiny else REAL, args.layers, args.experts)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, REAL["vocab_size"], (args.prompt_len,), generator=g).tolist()
-    short, n = prompt[:16], args.decode_tokens
+    prompt = common.random_prompt(REAL["vocab_size"], args.prompt_len)
+    n = args.decode_tokens
     precisions = args.precisions.split(",")
     engines, bpt, kv, peer_bpt = {}, {}, {}, {}
     for p in precisions:
@@ -102,16 +92,7 @@ def main() -> None:
             gguf = _gguf(model_dir, ggml)
             engines[f"llama.cpp-{ggml}"] = common.llama_cpp_timers(gguf, args.threads)
             peer_bpt[p] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
-    for prefill, decode in engines.values():  # warm-up: numba compile / page-in, untimed
-        prefill(prompt[:32])
-        decode(short, 2)
-    samples = {e: {"prefill": [], "decode": []} for e in engines}
-    for r in range(args.rounds):
-        for e, (prefill, decode) in engines.items():
-            samples[e]["decode"].append(decode(short, n))
-            samples[e]["prefill"].append(prefill(prompt))
-            common.log(f"round {r} {e}: decode {samples[e]['decode'][-1]:.2f} tok/s, "
-                       f"prefill {samples[e]['prefill'][-1]:.1f} tok/s")
+    samples = common.time_rounds(engines, prompt, n, args.rounds, digits=2)
     dram, method = common.dram_gbps()
     out = {"bench": "mla_decode", "model": name, "layers": args.layers, "experts": args.experts,
            "threads": args.threads, "prompt_len": args.prompt_len, "decode_tokens": n, "rounds": args.rounds,
@@ -129,11 +110,7 @@ def _row(p: str, samples: dict, bpt: int, kv_bytes: int, peer_bpt: int | None) -
            "decode_samples": [round(x, 3) for x in ours["decode"]]}
     peer = samples.get(f"llama.cpp-{PAIRS[p][2]}")
     if peer:
-        pd, pp = common.median(peer["decode"]), common.median(peer["prefill"])
-        row["llama_cpp"] = {"type": PAIRS[p][2], "decode_tps": round(pd, 3), "prefill_tps": round(pp, 2),
-                            "bytes_per_token": peer_bpt, "decode_gbps": round(pd * peer_bpt / 1e9, 2),
-                            "decode_samples": [round(x, 3) for x in peer["decode"]]}
-        row["ratio_decode"], row["ratio_prefill"] = round(dec / pd, 3), round(pre / pp, 3)
+        row.update(common.peer_fields(ours, peer, PAIRS[p][2], peer_bpt, digits=3))
     return row
 
 
