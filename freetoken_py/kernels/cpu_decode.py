@@ -312,6 +312,27 @@ def _route_sigmoid(logits, bias, top_k, n_group, topk_group, renorm, scaling, id
         wts[j] = (wts[j] / (tot + np.float32(1e-20)) if renorm else wts[j]) * np.float32(scaling)
 
 
+@njit(fastmath=True, cache=True)
+def _chunk_plan(ctx_off, T, heads, width):
+    """The key chunks of T tokens' contexts (ctx_off [T + 1]): chunks of token t are
+    first[t]..first[t + 1], cs[t] keys each, owner[c] the token of chunk c; and per chunk the
+    online-softmax scratch m, l [chunks, heads] and acc [chunks, heads, width]."""
+    first = np.empty(T + 1, np.int64)
+    cs = np.empty(T, np.int64)
+    first[0] = 0
+    for t in range(T):
+        n = ctx_off[t + 1] - ctx_off[t]
+        cs[t] = _chunk_size(n)
+        first[t + 1] = first[t] + (n + cs[t] - 1) // cs[t]
+    owner = np.empty(first[T], np.int64)
+    for t in range(T):
+        owner[first[t]:first[t + 1]] = t
+    m = np.empty((first[T], heads), np.float32)
+    l = np.empty((first[T], heads), np.float32)
+    acc = np.empty((first[T], heads, width), np.float32)
+    return first, cs, owner, m, l, acc
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, lut, new_slots, ctx, ctx_off,
                 scale, attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids, wts,
@@ -328,19 +349,7 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
     if write_kv:
         _write_kv(qkv, nq, nkv, hd, new_slots, kc, vc)
     T = qkv.shape[0]
-    first = np.empty(T + 1, np.int64)  # chunks of token t: first[t]..first[t + 1], cs[t] keys each
-    cs = np.empty(T, np.int64)
-    first[0] = 0
-    for t in range(T):
-        n = ctx_off[t + 1] - ctx_off[t]
-        cs[t] = _chunk_size(n)
-        first[t + 1] = first[t] + (n + cs[t] - 1) // cs[t]
-    owner = np.empty(first[T], np.int64)
-    for t in range(T):
-        owner[first[t]:first[t + 1]] = t
-    m = np.empty((first[T], nq), np.float32)
-    l = np.empty((first[T], nq), np.float32)
-    acc = np.empty((first[T], nq, hd), np.float32)
+    first, cs, owner, m, l, acc = _chunk_plan(ctx_off, T, nq, hd)
     for task in prange(first[T]):
         t = owner[task]
         toks = ctx[ctx_off[t]:ctx_off[t + 1]]

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
-from freetoken_py.kernels.cpu_decode import _chunk_size, kv_widen
+from freetoken_py.kernels.cpu_decode import _chunk_plan, kv_widen
 
 
 @njit(fastmath=True, cache=True)
@@ -83,19 +83,7 @@ def mla_decode(q_nope, q_rope, w_uk, w_uv, kc, vc, kscale, vscale, lut, exact_c,
             qd = q_nope[t, h, d]
             for r in range(R):
                 q_lat[t, h, r] += qd * w_uk[h, d, r]
-    first = np.empty(T + 1, np.int64)
-    cs = np.empty(T, np.int64)
-    first[0] = 0
-    for t in range(T):
-        n = ctx_off[t + 1] - ctx_off[t]
-        cs[t] = _chunk_size(n)
-        first[t + 1] = first[t] + (n + cs[t] - 1) // cs[t]
-    owner = np.empty(first[T], np.int64)
-    for t in range(T):
-        owner[first[t]:first[t + 1]] = t
-    m = np.empty((first[T], H), np.float32)
-    l = np.empty((first[T], H), np.float32)
-    acc = np.empty((first[T], H, R), np.float32)
+    first, cs, owner, m, l, acc = _chunk_plan(ctx_off, T, H, R)
     for task in prange(first[T]):
         t = owner[task]
         toks = ctx[ctx_off[t]:ctx_off[t + 1]]
