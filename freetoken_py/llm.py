@@ -33,6 +33,7 @@ from freetoken_py.utils.progress import progress_bar
 
 CORPUS_DIR = Path(__file__).parent / "data" / "corpus"   # shipped real text (its README: sources, licence)
 KV_CALIBRATION_TOKENS = 512   # FP8 KV scales: a prefill of this much shipped prose and code
+RANDOM_CALIBRATION_TOKENS = 64   # without a tokenizer: the earlier fixed pseudo-random ids, as many as before
 
 
 @dataclass
@@ -168,9 +169,11 @@ class LLM:
     def calibration_ids(self, num_tokens: int = KV_CALIBRATION_TOKENS) -> tuple[list[int], str]:
         """Token ids the FP8 scales are calibrated on, and what they are: half prose, half code
         from the shipped corpus (`data/corpus/calib_*.txt`, kept apart from the evaluation
-        text) in the model's own tokenizer; without a tokenizer, fixed pseudo-random ids."""
+        text) in the model's own tokenizer; without a tokenizer, the fixed pseudo-random ids of
+        before (64 of them: the same scales as before for such a model)."""
         n = min(num_tokens, self.kv_capacity_tokens - 1, self.max_model_len - 1)
         if self.tokenizer is None:
+            n = min(n, RANDOM_CALIBRATION_TOKENS)
             g = torch.Generator().manual_seed(0)
             return torch.randint(0, self.args.vocab_size, (n,), generator=g).tolist(), "random ids (no tokenizer)"
         parts = [self.tokenizer.encode((CORPUS_DIR / f"calib_{kind}.txt").read_text(), add_special_tokens=False)
