@@ -360,3 +360,46 @@ def test_special_markup_tokens_reach_the_parser(tmp_path, tokenizers):
     out = parse_output(detokenized(), "glm45", reasoning=True, tools_enabled=True, tools=TOOLS)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == NEW_CALLS
     assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_end|>")
+
+
+def test_kimi_ids_round_trip_over_both_apis(tokenizers):
+    """Kimi's calls carry the model's own ids (`functions.NAME:IDX`); what each API hands the client
+    comes back in the next request's history and the template writes it again: the next prompt holds
+    the model's turn as it generated it (same ids, same tokens), over OpenAI and over Anthropic.
+    (kimi-k2-instruct's first template renders no assistant calls; K2-Thinking's does.)"""
+    template = "kimi-k2-thinking.jinja"
+    fam, tok = Family(template, "kimi_k2", "<|im_end|>", kimi_ids=True), tokenizers[template]
+    messages, tools = openai_messages(_openai_history(fam), LIMITS), openai_tools(_openai_history(fam), LIMITS)
+    prompt = tok.apply_chat_template(messages, tools=tools)
+    text = _generated(tok, fam, messages, prompt)
+    section = text[text.index("<|tool_calls_section_begin|>"):text.index("<|tool_calls_section_end|>")]
+    events = OutputParser("kimi_k2", detect_reasoning(tok.chat_template), True, tools=tools).feed(text)
+    results = ["sunny", "edited"]
+
+    wire = _openai_message(events)  # OpenAI: the assistant message and tool results the client sends back
+    assert [c["id"] for c in wire["tool_calls"]] == ["functions.get_weather:1", "functions.edit:2"]
+    o_body = _openai_history(fam)
+    o_body["messages"] += [{"role": "assistant", "content": wire["content"],
+                            "tool_calls": [{"id": c["id"], "type": "function",
+                                            "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                           for c in wire["tool_calls"]]}]
+    o_body["messages"] += [{"role": "tool", "tool_call_id": c["id"], "content": r}
+                           for c, r in zip(wire["tool_calls"], results)]
+    o_next = tok.apply_chat_template(openai_messages(o_body, LIMITS), tools=tools)
+
+    blocks = _anthropic_content(events)  # Anthropic: the content blocks, then tool_result blocks
+    uses = [b for b in blocks if b["type"] == "tool_use"]
+    assert [b["id"] for b in uses] == ["functions.get_weather:1", "functions.edit:2"]
+    a_body = _anthropic_history(fam)
+    a_body["messages"] += [{"role": "assistant", "content": [b for b in blocks if b["type"] != "thinking"]},
+                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b["id"], "content": r}
+                                                        for b, r in zip(uses, results)]}]
+    a_next = tok.apply_chat_template(anthropic_messages(a_body, LIMITS), tools=anthropic_tools(a_body, LIMITS))
+
+    for nxt in (o_next, a_next):
+        assert nxt.startswith(prompt) and section in nxt[len(prompt):]  # the model's own call tokens again
+        assert "toolu_" not in nxt
+        again = parse_output(nxt[len(prompt):], "kimi_k2", tools_enabled=True, tools=tools).tool_calls
+        assert [(c.id, c.name) for c in again] == [("functions.get_weather:1", "get_weather"),
+                                                   ("functions.edit:2", "edit")]
+    assert tok.encode(o_next) == tok.encode(a_next)  # both APIs render the same next prompt

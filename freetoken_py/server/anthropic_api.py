@@ -49,7 +49,10 @@ SIGNATURE = "freetoken-local"  # thinking blocks need one; ours are never verifi
 
 
 def _tool_id(call_id: str) -> str:
-    return "toolu_" + call_id.removeprefix("call_")
+    """Our own `call_...` ids in Anthropic's `toolu_...` style; an id the model wrote itself (Kimi's
+    `functions.NAME:IDX`) is kept as written: the client sends it back and the template re-renders
+    it, so the history holds the model's own tokens."""
+    return "toolu_" + call_id[len("call_"):] if call_id.startswith("call_") else call_id
 
 
 def _stop_reason(final: Final, stops: tuple[str, ...], has_tools: bool) -> tuple[str, str | None]:
