@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import os
+import re
 import sysconfig
 from pathlib import Path
 
@@ -33,6 +34,16 @@ def _norm(name: str) -> str:
 
 def is_heldout_name(name: str) -> bool:
     return int(hashlib.sha1(_norm(name).encode()).hexdigest(), 16) % HELDOUT_MOD == 0
+
+
+_COMMENT_LINE = re.compile(r"^[ \t]*#[^\n]*(\n|$)", re.M)
+
+
+def drop_comment_lines(text: str) -> str:
+    """text without its comment-only lines (a line whose first non-blank character is `#`).
+    Such a line never carries syntax, so the result still parses; one inside a string literal
+    (a docstring's example) goes too, which only shortens that string.  Inline comments stay."""
+    return _COMMENT_LINE.sub("", text)
 
 
 def _looks_like_code(text: str) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 # Arguments that must match for a resume to continue the same run.
 RUN_KEYS = ("seed", "vocab", "hidden", "layers", "experts", "top_k", "moe_intermediate", "heads",
             "kv_heads", "seq_len", "short_seq_len", "long_from", "batch_size", "lr", "min_lr_frac", "warmup", "steps",
-            "chat_frac", "num_chats", "aux_coef", "weight_decay")
+            "chat_frac", "num_chats", "aux_coef", "weight_decay", "code_comments")
 
 
 def save(work: Path, model, opt, gen, state: dict) -> Path:

@@ -609,7 +609,8 @@ def is_val(rel: str) -> bool:
 
 def data_dir(args) -> Path:
     """Where the run's corpus, tokenizer and token streams are cached (shared by runs)."""
-    return args.work_dir / f"data-v{args.vocab}-s{args.seed}-c{args.num_chats}"
+    tag = "" if args.code_comments == "keep" else f"-{args.code_comments}"
+    return args.work_dir / f"data-v{args.vocab}-s{args.seed}-c{args.num_chats}{tag}"
 
 
 def prepare_data(args, work: Path) -> dict:
@@ -625,6 +626,8 @@ def prepare_data(args, work: Path) -> dict:
         return {"tok": tok, "meta": meta, **arrays}
     t0 = time.time()
     files, heldout = demo_corpus.collect()
+    if args.code_comments == "drop":  # training and validation code only; held-out files keep theirs
+        files = [(r, demo_corpus.drop_comment_lines(t)) for r, t in files]
     train_files = [(r, t) for r, t in files if not is_val(r)]
     val_files = [(r, t) for r, t in files if is_val(r)]
     facts = CodeFacts([(r.removeprefix("stdlib/"), t) for r, t in files if r.startswith("stdlib/")])
@@ -932,6 +935,8 @@ def parse_args(argv=None):
     ap.add_argument("--moe-intermediate", type=int, default=192)
     ap.add_argument("--aux-coef", type=float, default=0.01)
     ap.add_argument("--num-chats", type=int, default=6000)
+    ap.add_argument("--code-comments", choices=("keep", "drop"), default="drop",
+                    help="drop: training code loses its comment-only lines (run main-nc, 2026-12-02)")
     ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1,

@@ -273,6 +273,40 @@ def test_corpus_split_holds_out_whole_packages_and_their_copies(tmp_path):
     assert prompts == [{"file": f"site/{held}/core.py", "prompt": 'def f(x):\n    """Double x."""\n'}]
 
 
+def test_dropping_comment_lines_keeps_every_code_line_of_the_stdlib():
+    """drop_comment_lines on real stdlib files: the kept lines are the original's in order minus
+    only lines that start with `#`, and the code (strings blanked) parses to the same AST."""
+    import ast
+    import sysconfig
+
+    corpus = _script("demo_corpus")
+
+    def blank_strings(text):
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                node.value = ""
+        return ast.dump(tree)
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    checked = dropped = 0
+    for name in ("argparse.py", "functools.py", "json/decoder.py", "asyncio/base_events.py"):
+        text = (root / name).read_text("utf-8")
+        out = corpus.drop_comment_lines(text)
+        kept, it = out.splitlines(), iter(text.splitlines())
+        for line in kept:  # a subsequence: everything skipped over is a comment-only line
+            for orig in it:
+                if orig == line:
+                    break
+                assert orig.lstrip().startswith("#"), (name, orig)
+        assert all(o.lstrip().startswith("#") for o in it), name
+        assert blank_strings(out) == blank_strings(text), name
+        checked += 1
+        dropped += len(text.splitlines()) - len(kept)
+    assert checked == 4 and dropped > 100  # these files do have comment lines to drop
+    assert "# inline" in corpus.drop_comment_lines("x = 1  # inline\n# alone\n")
+
+
 def test_training_resumes_bit_for_bit_from_a_checkpoint(tmp_path):
     """Two steps, checkpoint, two more == a fresh process resuming from that checkpoint for the
     last two (parameters, AdamW moments and the batch sampler's RNG all come back)."""
