@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Held-out evaluation of the demo model: does its greedy output look like Python?
 
-    python scripts/eval_demo_model.py [--old DIR] [--new DIR] [--prompts 100]
+    python scripts/eval_demo_model.py [--old DIR] [--new DIR | --new-run RUN] [--prompts 100]
+
+--new-run RUN evaluates a training run's latest checkpoint (intermediate or final) without
+swapping anything: it is exported (scripts/train_demo_model.py --export-only) to a temporary
+directory first.
 
 Prompts come from held-out site-packages files (scripts/demo_corpus.py: packages neither the old
 nor the new model trained on): a function signature or a class header with its docstring. Each
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import math
 import os
@@ -121,6 +126,10 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=Path, default=DEMO, help="the model to compare against")
     ap.add_argument("--new", type=Path, default=None, help="the candidate (omit: old only)")
+    ap.add_argument("--new-run", default=None,
+                    help="the candidate is this training run's latest checkpoint (exported to a temp dir)")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="the training work dir of --new-run (default: train_demo_model.py's)")
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--show", type=int, default=0, help="print the first N samples to stderr")
     ap.add_argument("--threads", type=int, default=1)
@@ -132,6 +141,19 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     configure_threads(args.threads)
+    tmp = None
+    if args.new_run is not None:
+        if args.new is not None:
+            ap.error("give --new or --new-run, not both")
+        import tempfile
+
+        import train_demo_model
+        targs = train_demo_model.parse_args(["--run", args.new_run] + (
+            ["--work-dir", str(args.work_dir)] if args.work_dir else []))
+        tmp = tempfile.TemporaryDirectory(prefix=f"demo-eval-{args.new_run}-")
+        args.new = Path(tmp.name) / args.new_run
+        with contextlib.redirect_stdout(sys.stderr):  # stdout keeps the one JSON line
+            train_demo_model.export(targs.work_dir / args.new_run, args.new, targs)
     files = demo_corpus.heldout_files()
     prompts = demo_corpus.heldout_prompts(files, args.prompts)
     ordered = sorted(files, key=lambda f: demo_corpus.file_key(f[0]))
@@ -141,6 +163,9 @@ def main(argv=None) -> dict:
     for name, d in (("old", args.old), ("new", args.new)):
         if d is not None:
             row[name] = evaluate(d, prompts, ppl_texts, args.show)
+    if tmp is not None:
+        row["new"]["run"] = args.new_run
+        tmp.cleanup()
     print(json.dumps(row), flush=True)
     return row
 

@@ -887,7 +887,8 @@ def export(work: Path, out: Path, args) -> None:
         raise SystemExit(f"no checkpoint in {work}")
     state = json.loads((found / "state.json").read_text())
     # (runs from before the row-length switch had none: short_seq_len 0)
-    run = argparse.Namespace(**{"short_seq_len": 0, "long_from": 1.0, **state["args"]})
+    run = argparse.Namespace(**{"short_seq_len": 0, "long_from": 1.0, "code_comments": "keep",
+                                **state["args"]})  # (and before --code-comments: kept them)
     run.work_dir = args.work_dir
     tok = Tokenizer.from_file(str(data_dir(run) / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKER_TOKENS}

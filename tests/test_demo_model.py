@@ -362,15 +362,12 @@ def test_training_resumes_bit_for_bit_from_a_checkpoint(tmp_path):
         train.ckpt.resume(train.ckpt.latest(tmp_path / "b"), *fresh()[:2], b3.gen, args)
 
 
-def test_export_writes_the_checkpoint_transformers_loads(tmp_path):
-    """--export-only: the latest checkpoint as a bf16 hub-layout checkpoint whose logits equal
-    the trained model's cast to bf16 (transformers reads it back)."""
+def _tiny_checkpoint(train, tmp_path):
+    """A tiny run's checkpoint in tmp_path/run (random weights, the shipped tokenizer)."""
     import shutil
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    train = _script("train_demo_model")
     args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
                              "--work-dir", str(tmp_path)])
     ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS)}
@@ -384,6 +381,31 @@ def test_export_writes_the_checkpoint_transformers_loads(tmp_path):
     train.ckpt.save(tmp_path / "run", model, train.make_optimizer(model, args), torch.Generator(), state)
     train.data_dir(args).mkdir(parents=True)
     shutil.copy(DEMO_DIR / "tokenizer.json", train.data_dir(args))
+    return args, model
+
+
+def test_eval_of_a_runs_checkpoint_equals_eval_of_its_export(tmp_path):
+    """eval_demo_model.py --new-run RUN (a run's latest checkpoint, exported to a temp dir on the
+    fly) scores exactly what --old on the same checkpoint exported by --export-only scores."""
+    train, ev = _script("train_demo_model"), _script("eval_demo_model")
+    args, _ = _tiny_checkpoint(train, tmp_path)
+    train.export(tmp_path / "run", tmp_path / "out", args)
+    row = ev.main(["--old", str(tmp_path / "out"), "--new-run", "run", "--work-dir", str(tmp_path),
+                   "--prompts", "3"])
+    assert row["prompts"] == 3 and row["new"]["run"] == "run"
+    for k in ("parse", "parse_nonblank", "repeated", "blank", "ppl", "bits_per_byte", "ppl_tokens"):
+        assert row["new"][k] == row["old"][k], k
+    assert row["new"]["ppl"] > 100  # random weights: near-uniform over 4,096 tokens, not a real model
+
+
+def test_export_writes_the_checkpoint_transformers_loads(tmp_path):
+    """--export-only: the latest checkpoint as a bf16 hub-layout checkpoint whose logits equal
+    the trained model's cast to bf16 (transformers reads it back)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    train = _script("train_demo_model")
+    args, model = _tiny_checkpoint(train, tmp_path)
     train.export(tmp_path / "run", tmp_path / "out", args)
     assert {p.name for p in (tmp_path / "out").iterdir()} == REQUIRED
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
