@@ -14,20 +14,29 @@ Contract with the scheduler (which never touches nodes):
   reference (no request holds it) and its node is a leaf; `evict` takes least-recently-used first.
 - `insert` adopts the caller's pages for token pages not yet cached (taking a reference); pages
   already cached are left with the caller, which releases them as usual.
+
+Hybrid models (recurrent layers, snapshots.py): a node may also hold a snapshot of the recurrent
+state after its page (`attach`). `match(..., with_state=True)` stops at the deepest matched node
+that holds a valid one and returns it; a snapshot is freed with its node on eviction, and
+`evict_snapshots` frees the least recently used ones alone when snapshot slots run out.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Hashable, NamedTuple
+from typing import TYPE_CHECKING, Hashable, NamedTuple
 
 from freetoken_py.kvcache.pool import PageAllocator
+
+if TYPE_CHECKING:
+    from freetoken_py.kvcache.snapshots import SnapshotStore
 
 
 class MatchResult(NamedTuple):
     pages: list[int]  # cached pages of the longest matching prefix, in order
     num_tokens: int  # = len(pages) * page_size
     handle: object | None  # the deepest matched node (opaque)
+    snapshot: object | None = None  # with_state: the recurrent-state snapshot at num_tokens
 
 
 class InsertResult(NamedTuple):
@@ -36,32 +45,38 @@ class InsertResult(NamedTuple):
 
 
 class _Node:
-    __slots__ = ("key", "page", "tag", "parent", "children", "last_access")
+    __slots__ = ("key", "page", "tag", "parent", "children", "last_access", "snap")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, tag: int = -1):
         self.key, self.page, self.parent, self.tag = key, page, parent, tag
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_access = 0
+        self.snap = None  # a snapshots.SnapshotRef of the recurrent state after this page, or None
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, snapshots: SnapshotStore | None = None):
         self.allocator = allocator
         self.page_size = page_size
+        self.snapshots = snapshots  # hybrid models: where node snapshots live
         self._roots: dict[Hashable, _Node] = {}
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages held by the cache
         self.num_evicted = 0
+        self.num_snapshots = 0  # nodes holding a snapshot
+        self.num_snapshots_evicted = 0
 
     def _keys(self, tokens: list[int]) -> list[tuple[int, ...]]:
         S = self.page_size
         return [tuple(tokens[i:i + S]) for i in range(0, len(tokens) // S * S, S)]
 
-    def match(self, namespace: Hashable, tokens: list[int]) -> MatchResult:
-        """Longest cached prefix of `tokens` (whole pages). Marks the path recently used."""
+    def match(self, namespace: Hashable, tokens: list[int], with_state: bool = False) -> MatchResult:
+        """Longest cached prefix of `tokens` (whole pages). Marks the path recently used.
+        with_state: the longest one ending at a node with a valid snapshot (none: an empty match)."""
         node, pages, now = self._roots.get(namespace), [], next(self._clock)
         if node is None:
             return MatchResult([], 0, None)
+        best = (0, None)  # (pages, node) of the deepest snapshot
         for key in self._keys(tokens):
             child = node.children.get(key)
             if child is None or child.tag != self.allocator.tags_np[child.page]:
@@ -69,7 +84,59 @@ class RadixCache:
             node = child
             node.last_access = now
             pages.append(node.page)
+            if with_state and node.snap is not None:
+                if self.snapshots.valid(node.snap, namespace):
+                    best = (len(pages), node)
+                else:
+                    self._drop_snapshot(node)  # its slot changed hands: it can never be restored
+        if with_state:
+            n, node = best
+            return MatchResult(pages[:n], n * self.page_size, node, node.snap if node is not None else None)
         return MatchResult(pages, len(pages) * self.page_size, node if pages else None)
+
+    def attach(self, namespace: Hashable, tokens: list[int], snapshot) -> bool:
+        """Keep `snapshot` (the recurrent state after the full pages of `tokens`, already
+        inserted) on the node of the last page, replacing (and freeing) one already there. False
+        when that path is not cached: the caller keeps the snapshot."""
+        node = self._roots.get(namespace)
+        keys = self._keys(tokens)
+        for key in keys:
+            node = node.children.get(key) if node is not None else None
+        if node is None or not keys or node.tag != self.allocator.tags_np[node.page]:
+            return False
+        if node.snap is not None:
+            self._drop_snapshot(node)
+        node.snap = snapshot
+        node.last_access = next(self._clock)
+        self.num_snapshots += 1
+        return True
+
+    def snapshot_at(self, namespace: Hashable, tokens: list[int]):
+        """The valid snapshot on the node of the last full page of `tokens`, or None."""
+        node = self._roots.get(namespace)
+        for key in self._keys(tokens):
+            node = node.children.get(key) if node is not None else None
+        if node is None or node.snap is None or node.tag != self.allocator.tags_np[node.page]:
+            return None
+        return node.snap if self.snapshots.valid(node.snap, namespace) else None
+
+    def drop_snapshot(self, handle) -> None:
+        """Free the snapshot of a matched node (`MatchResult.handle`), e.g. one `restore` refused."""
+        if handle is not None and handle.snap is not None:
+            self._drop_snapshot(handle)
+
+    def _drop_snapshot(self, node: _Node) -> None:
+        self.snapshots.release(node.snap)
+        node.snap = None
+        self.num_snapshots -= 1
+
+    def evict_snapshots(self, num: int) -> int:
+        """Free up to `num` snapshots, least recently used first (their pages stay). Returns freed."""
+        held = sorted((n for n in self._nodes() if n.snap is not None), key=lambda n: n.last_access)[:num]
+        for node in held:
+            self._drop_snapshot(node)
+        self.num_snapshots_evicted += len(held)
+        return len(held)
 
     def insert(self, namespace: Hashable, tokens: list[int], pages: list[int]) -> InsertResult:
         """Cache the full pages of `tokens`, whose K/V live in `pages` (the caller's page table)."""
@@ -100,6 +167,9 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[node.key]
+            if node.snap is not None:  # a snapshot goes with its node
+                self._drop_snapshot(node)
+                self.num_snapshots_evicted += 1
             self.allocator.release([node.page])
             self.num_pages -= 1
             self.num_evicted += 1

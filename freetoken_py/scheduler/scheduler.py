@@ -11,6 +11,16 @@ stops short of the last token, whose logits must be computed. When pages run out
 cached pages are evicted before any running request is preempted. Finished, aborted and
 preempted requests, and every request whose prompt has just been computed, publish their full
 pages to the cache. Every page a request gains is recorded with the integrity tracker.
+
+Hybrid models (a recurrent layer kind, kvcache/state.py) pass `state_pool`: every admitted
+request holds one state slot, allocated (zeroed) at admission and freed when it finishes, aborts
+or is preempted (recompute then starts from a fresh slot); chunked prefill continues from it.
+Without prefix-state snapshots (`states`), such a model takes no prefix-cache hits (a page hit
+without the recurrent state would be wrong) and reports 0 cached tokens.
+
+Hybrid models (recurrent layers) pass `states` (prefix_state.PrefixStateReuse): a cached prefix
+is then resumed only up to the deepest page boundary holding a snapshot of the recurrent state,
+prefill chunks end at the snapshot points, and snapshots are taken after each forward.
 """
 from __future__ import annotations
 
@@ -19,9 +29,10 @@ from typing import Callable, Hashable
 
 from freetoken_py.core import Request
 from freetoken_py.engine.runner import ScheduledChunk
-from freetoken_py.kvcache import PageAllocator
+from freetoken_py.kvcache import PageAllocator, StatePool
 from freetoken_py.kvcache.radix import RadixCache
 from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
+from freetoken_py.scheduler.prefix_state import PrefixStateReuse
 
 
 class Scheduler:
@@ -29,7 +40,8 @@ class Scheduler:
                  prefix_cache: RadixCache | None = None,
                  namespace: Callable[[Request], Hashable | None] | None = None,
                  tracker: IntegrityTracker | NullTracker | None = None,
-                 more_pages: Callable[[int], int] | None = None):
+                 more_pages: Callable[[int], int] | None = None, state_pool: StatePool | None = None,
+                 states: PrefixStateReuse | None = None):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -44,6 +56,8 @@ class Scheduler:
         # more_pages(n) -> pages added to the allocator (the engine may grow the KV cache, taking
         # the memory from elsewhere), asked after the prefix cache and before preempting anyone
         self.more_pages = more_pages
+        self.state_pool = state_pool  # hybrids: the per-request recurrent-state slots
+        self.states = states  # hybrid models: snapshots of the recurrent state in the prefix cache
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -75,8 +89,13 @@ class Scheduler:
         ns = self.namespace(req) if self.prefix_cache is not None else None
         if ns is None or req.page_table:
             return
+        if self.state_pool is not None and getattr(self, "states", None) is None:
+            return  # a hybrid without state snapshots: a page hit without its recurrent state would be wrong
         limit = (req.num_tokens - 1) // self.page_size * self.page_size  # keep >= 1 token to compute
-        m = self.prefix_cache.match(ns, req.all_token_ids[:limit])
+        if self.states is not None:  # hybrid: only where the recurrent state is known too
+            m = self.states.match(req, ns, req.all_token_ids[:limit])
+        else:
+            m = self.prefix_cache.match(ns, req.all_token_ids[:limit])
         if m.pages:
             self.allocator.share(m.pages)
             req.page_table = list(m.pages)
@@ -91,11 +110,16 @@ class Scheduler:
         if valid is not None and valid != req.page_table:
             publish = False  # a page changed hands under it: its K/V must not enter the cache
         ns = self.namespace(req) if (publish and self.prefix_cache is not None) else None
-        if ns is not None:
+        if self.states is not None:  # hybrid: pages up to its last snapshot, which goes with them
+            self.states.release(req, ns)
+        elif ns is not None:
             self.prefix_cache.insert(ns, req.all_token_ids[:req.num_computed], req.page_table)
         self.allocator.release(req.page_table if valid is None else valid)  # never free a page we lost
         self.tracker.forget(req.request_id)
         req.page_table = []
+        if req.state_slot is not None:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = None
 
     def move_pages_below(self, limit: int, copy_pages: Callable[[list[int], list[int]], None]) -> bool:
         """Before the KV cache shrinks to `limit` pages: every held page at or above it moves
@@ -159,6 +183,8 @@ class Scheduler:
             if req not in self.running or budget == 0:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
+            if self.states is not None:
+                n = self.states.cut(req, n)
             while not self._grow(req, req.num_computed + n, running=True):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -174,10 +200,15 @@ class Scheduler:
             req = self.waiting[0]
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
-            if not self._grow(req, req.num_computed + n):
+            if self.states is not None:
+                n = self.states.cut(req, n)
+            no_slot = self.state_pool is not None and req.state_slot is None and self.state_pool.num_free == 0
+            if no_slot or not self._grow(req, req.num_computed + n):
                 self._release(req, publish=False)  # give the matched pages back; retry next step
                 req.num_computed = 0
                 break
+            if self.state_pool is not None and req.state_slot is None:
+                req.state_slot = self.state_pool.allocate()  # zeroed (C's snapshot reuse may fill it)
             self.waiting.popleft()
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n))
@@ -188,6 +219,10 @@ class Scheduler:
         """After a forward: cache the prompt pages of requests whose prefill just completed, so
         requests arriving while they decode can share them."""
         if self.prefix_cache is None:
+            return
+        if self.states is not None:  # hybrid: snapshots (with their pages) instead
+            for ch in chunks:
+                self.states.after_forward(ch.req, self.namespace(ch.req))
             return
         for ch in chunks:
             req, n = ch.req, len(ch.req.prompt_token_ids)

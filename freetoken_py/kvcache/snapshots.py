@@ -1,0 +1,130 @@
+"""Prefix-state snapshots of the recurrent layers (hybrid models: Gated DeltaNet + full attention).
+
+A hybrid model's request state is its full-attention K/V pages plus one fixed-size recurrent slot
+(state.StatePool). A cached prefix is only resumable where the recurrent state at its end is also
+known, so while a request computes, the scheduler copies its slot into a spare slot at chosen page
+boundaries (a *snapshot*) and the radix cache keeps it on the node of the page where it was taken::
+
+    namespace root ── node[p0] ── node[p1] ── node[p2] ── node[p3]
+                                  snapshot A              snapshot B      (state after 2 / 4 pages)
+
+A new prompt resumes from the deepest node on its shared path that holds a snapshot: the K/V pages
+up to there are shared as usual and the snapshot is copied into the request's own slot.
+
+Integrity: every snapshot slot has a generation tag (bumped when it is taken and when it is given
+back), and a `SnapshotRef` records the tag, the namespace it was taken under and a checksum of its
+contents. `restore` refuses a ref whose slot changed hands (tag), that was taken under another
+namespace (owner), or whose bytes changed since it was taken (checksum): a corrupted or reassigned
+snapshot is never read into a request.
+
+Spacing (`snapshot_every_pages`): a snapshot taken L tokens after the previous one saves at most L
+tokens of recompute (a prompt diverging just before it), and its bytes could instead hold
+state_bytes / kv_bytes_per_token tokens of cached K/V pages, each of which would otherwise have to
+be recomputed once evicted. It pays when L >= state_bytes / kv_bytes_per_token, so the rule is one
+snapshot every ceil(state_bytes / (kv_bytes_per_token * page_size)) pages, both inputs measured from
+the pools' tensors. On top of that the scheduler always snapshots at the last page boundary of each
+prompt and of each finished sequence (where an agent's next turn diverges), which is what carries
+almost every cross-turn hit.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from freetoken_py.kvcache.state import StatePool
+
+
+class SnapshotRef(NamedTuple):
+    slot: int        # the spare StatePool slot holding the copy
+    tag: int         # the slot's generation when it was taken
+    owner: Hashable  # the cache namespace it was taken under
+    position: int    # tokens the state covers (a multiple of the page size)
+    checksum: int    # of its bytes when taken (0 when checks are off)
+
+
+def snapshot_every_pages(state_bytes: int, kv_bytes_per_token: int, page_size: int) -> int:
+    """Pages between two periodic snapshots: where a snapshot's bytes equal the K/V bytes of the
+    tokens it saves from recompute (module docstring)."""
+    if kv_bytes_per_token <= 0:
+        return 1
+    return max(1, -(-state_bytes // (kv_bytes_per_token * page_size)))
+
+
+class SnapshotStore:
+    """Snapshot slots taken from a StatePool's spares, at most `capacity` at once (the pool keeps
+    the rest for running requests)."""
+
+    def __init__(self, pool: StatePool, capacity: int, check: bool = True):
+        if capacity > pool.num_free:
+            raise ValueError(f"{capacity} snapshot slots asked, the state pool has {pool.num_free} free")
+        self.pool = pool
+        self.capacity = capacity
+        self.check = check
+        self.tags = np.zeros(pool.num_slots, dtype=np.int64)
+        self._mine: set[int] = set()
+        self.num_taken = 0
+        self.num_restored = 0
+        self.num_mismatches = 0   # restores refused: slot reassigned, other owner or bytes changed
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - len(self._mine)
+
+    @property
+    def bytes_per_snapshot(self) -> int:
+        return self.pool.bytes_per_slot
+
+    @property
+    def bytes_held(self) -> int:
+        return len(self._mine) * self.pool.bytes_per_slot
+
+    def checksum(self, slot: int) -> int:
+        """Sum of the slot's 32-bit words over every recurrent layer (any changed word changes it)."""
+        if not self.check:
+            return 0
+        total = 0
+        for t in self.pool.conv + self.pool.rec:
+            if t is not None:
+                total += int(np.sum(t[slot].detach().cpu().numpy().view(np.uint32), dtype=np.uint64))
+        return total
+
+    def take(self, src_slot: int, owner: Hashable, position: int) -> SnapshotRef | None:
+        """Copy request slot `src_slot` into a new snapshot; None when every snapshot slot is used."""
+        if self.num_free <= 0 or self.pool.num_free <= 0:
+            return None
+        slot = self.pool.allocate()
+        self._mine.add(slot)
+        self.tags[slot] += 1
+        self.pool.copy(src_slot, slot)
+        self.num_taken += 1
+        return SnapshotRef(slot, int(self.tags[slot]), owner, position, self.checksum(slot))
+
+    def retake(self, ref: SnapshotRef, src_slot: int, position: int) -> SnapshotRef:
+        """Overwrite a snapshot still held by its taker (not in the cache) with a later state."""
+        assert self.valid(ref, ref.owner), "retake of a snapshot given back"
+        self.pool.copy(src_slot, ref.slot)
+        self.num_taken += 1
+        return ref._replace(position=position, checksum=self.checksum(ref.slot))
+
+    def valid(self, ref: SnapshotRef, owner: Hashable) -> bool:
+        """The slot is still this snapshot's and it belongs to `owner` (cheap: no byte check)."""
+        return ref.slot in self._mine and int(self.tags[ref.slot]) == ref.tag and ref.owner == owner
+
+    def restore(self, ref: SnapshotRef, owner: Hashable, dst_slot: int) -> bool:
+        """Copy the snapshot into request slot `dst_slot`. False (nothing copied, counted) when the
+        slot changed hands, the owner differs or its bytes changed since it was taken."""
+        if not self.valid(ref, owner) or self.checksum(ref.slot) != ref.checksum:
+            self.num_mismatches += 1
+            return False
+        self.pool.copy(ref.slot, dst_slot)
+        self.num_restored += 1
+        return True
+
+    def release(self, ref: SnapshotRef) -> None:
+        """Give the snapshot's slot back (a ref whose slot already changed hands frees nothing)."""
+        if ref.slot in self._mine and int(self.tags[ref.slot]) == ref.tag:
+            self._mine.discard(ref.slot)
+            self.tags[ref.slot] += 1
+            self.pool.free(ref.slot)

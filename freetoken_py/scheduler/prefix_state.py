@@ -1,0 +1,107 @@
+"""The scheduler's side of prefix-state reuse for hybrid models (kvcache/snapshots.py).
+
+A hybrid request's state is its full-attention K/V pages plus its recurrent slot, so a cached
+prefix is resumable only at a page boundary where a snapshot of the recurrent state was taken.
+This object decides where those are and keeps them in the radix cache:
+
+- **Admission** (`match`): the deepest cached node on the prompt's path that holds a valid
+  snapshot; the snapshot is restored into the request's slot (its checksum, tag and owner
+  checked: a refused one is dropped and the next shallower one tried) and the pages up to it are
+  shared. `num_cached_tokens` is exactly that position, the tokens really skipped.
+- **Chunking** (`cut`): a prefill chunk ends at each snapshot point, so the state there exists:
+  every `every_pages` pages (the measured-cost rule, snapshots.snapshot_every_pages) and the
+  last page boundary of the tokens known at admission (the prompt; prompt + output after a
+  preemption), where an agent's next turn diverges.
+- **After a forward** (`after_forward`): a request whose computed length lands on such a point
+  has its slot copied into a snapshot, its pages up to there inserted and the snapshot attached
+  to the node of the last one. Past that point (decode), the request keeps one *rolling*
+  snapshot, overwritten at each page boundary it crosses.
+- **Release** (`release`): a request that finishes, aborts or is preempted (publishing) inserts its
+  pages up to the rolling snapshot and attaches it; pages past the last snapshot are not cached
+  (a hybrid can never resume there). Unpublished, the rolling snapshot is just freed.
+
+Snapshot slots are a fixed number of the state pool's spares (counted in the KV budget, llm.py);
+when they run out the least recently used snapshot in the cache is freed first.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+from freetoken_py.core import Request
+from freetoken_py.kvcache.radix import MatchResult, RadixCache
+from freetoken_py.kvcache.snapshots import SnapshotRef, SnapshotStore
+
+
+class PrefixStateReuse:
+    def __init__(self, cache: RadixCache, store: SnapshotStore, page_size: int, every_pages: int):
+        self.cache, self.store, self.page_size = cache, store, page_size
+        self.every = every_pages * page_size  # tokens between periodic snapshots
+        self._end: dict[int, int] = {}  # request id -> its last snapshot point (set at admission)
+        self._rolling: dict[int, SnapshotRef] = {}  # request id -> its decode-time snapshot
+
+    def match(self, req: Request, ns: Hashable, tokens: list[int]) -> MatchResult:
+        """Restore the deepest usable snapshot of `tokens` into the request's slot."""
+        self._end[req.request_id] = req.num_tokens // self.page_size * self.page_size
+        while True:
+            m = self.cache.match(ns, tokens, with_state=True)
+            if m.snapshot is None or self.store.restore(m.snapshot, ns, req.state_slot):
+                return m
+            self.cache.drop_snapshot(m.handle)  # corrupted or reassigned: never read; try shallower
+
+    def cut(self, req: Request, n: int) -> int:
+        """`n` new tokens, shortened so the chunk ends at the next snapshot point."""
+        start = req.num_computed
+        end = self._end.get(req.request_id, 0)
+        if start >= end:
+            return n
+        nxt = min((start // self.every + 1) * self.every, end)
+        return max(1, min(n, nxt - start))
+
+    def _room(self) -> bool:
+        if self.store.num_free <= 0:
+            self.cache.evict_snapshots(1)
+        return self.store.num_free > 0
+
+    def after_forward(self, req: Request, ns: Hashable | None) -> None:
+        """Called once the request's latest chunk is computed (its slot holds the state at
+        `num_computed`)."""
+        pos, S = req.num_computed, self.page_size
+        if ns is None or pos % S or pos == 0:
+            return
+        end = self._end.get(req.request_id, 0)
+        tokens = req.all_token_ids[:pos]
+        if pos <= end:
+            if pos % self.every and pos != end:
+                return
+            if self.cache.snapshot_at(ns, tokens) is not None:
+                return  # this state is cached already
+            if not self._room():
+                return
+            ref = self.store.take(req.state_slot, ns, pos)
+            if ref is None:
+                return
+            self.cache.insert(ns, tokens, req.page_table)
+            if not self.cache.attach(ns, tokens, ref):
+                self.store.release(ref)
+            return
+        ref = self._rolling.get(req.request_id)
+        if ref is not None and self.store.valid(ref, ns):
+            self._rolling[req.request_id] = self.store.retake(ref, req.state_slot, pos)
+        elif self._room():
+            ref = self.store.take(req.state_slot, ns, pos)
+            if ref is not None:
+                self._rolling[req.request_id] = ref
+
+    def release(self, req: Request, ns: Hashable | None) -> None:
+        """The request leaves (ns None: without publishing): attach or free its rolling snapshot."""
+        self._end.pop(req.request_id, None)
+        ref = self._rolling.pop(req.request_id, None)
+        if ref is None:
+            return
+        tokens = req.all_token_ids[:ref.position]
+        if ns is not None and ref.owner == ns and ref.position <= req.num_computed and self.store.valid(ref, ns):
+            if self.cache.snapshot_at(ns, tokens) is None:
+                self.cache.insert(ns, tokens, req.page_table)
+                if self.cache.attach(ns, tokens, ref):
+                    return
+        self.store.release(ref)
