@@ -19,6 +19,7 @@ class EngineConfig:
     expert_dtype: str = "auto"  # cpu backend and residency tiers: auto (as loaded) | bf16 | fp32 | int8 | int4
     dense_dtype: str = "auto"  # cpu backend: attention/router/lm_head weights: auto (as loaded) | bf16 | fp32 | int8 | int4 (router and lm_head int8)
     expert_group_size: int = 32  # int4 quantisation group (elements sharing one scale)
+    prefill_expert_dtype: str = "auto"  # cpu backend: experts of prefill chunks as auto (= expert_dtype, one copy) | bf16 | fp32 | int8 (a second, mapped copy; decode steps keep expert_dtype)
     expert_cache: str = "auto"  # expert store (cpu backend, tiers with expert_dtype): auto (map the expert-bank cache file, else build + write it) | off | rebuild
     show_progress: bool = True
     kv_dtype: str = "auto"  # auto (the checkpoint dtype on the cpu backend, else the compute dtype) | fp32 | bf16 | fp8 (e4m3, per-head scales fixed at warm-up)
@@ -39,6 +40,11 @@ class EngineConfig:
             raise FreetokenError(f"backend must be auto, torch or cpu (got {self.backend!r})")
         if self.expert_dtype not in ("auto", "bf16", "fp32", "int8", "int4"):
             raise FreetokenError(f"expert dtype must be auto, bf16, fp32, int8 or int4 (got {self.expert_dtype!r})")
+        if self.prefill_expert_dtype not in ("auto", "bf16", "fp32", "int8"):
+            raise FreetokenError(f"prefill expert dtype must be auto, bf16, fp32 or int8 (got {self.prefill_expert_dtype!r})")
+        if self.prefill_expert_dtype != "auto" and (self.backend == "torch" or self.residency != "off"):
+            raise FreetokenError("--prefill-expert-dtype needs the cpu backend without the residency tiers "
+                                 "(the tiers and the torch backend run one copy of the experts)")
         if self.expert_cache not in ("auto", "off", "rebuild"):
             raise FreetokenError(f"expert cache must be auto, off or rebuild (got {self.expert_cache!r})")
         if self.dense_dtype not in ("auto", "bf16", "fp32", "int8", "int4"):

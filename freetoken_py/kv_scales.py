@@ -21,13 +21,16 @@ FORMAT, VERSION = "freetoken-kv-scales", 1
 
 
 def scales_key(model_dir: Path, backend: str, dtype: str, expert_dtype: str, dense_dtype: str,
-               group_size: int) -> dict:
+               group_size: int, prefill_expert_dtype: str = "auto") -> dict:
     """What the scales depend on, as a JSON-able dict (no paths or mtimes: a copied checkpoint
     keeps its scales)."""
     config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
     weights = sorted([f.name, f.stat().st_size] for f in model_dir.glob("*.safetensors"))
-    return {"config_sha256": config, "weights": weights, "backend": backend, "dtype": dtype,
-            "expert_dtype": expert_dtype, "dense_dtype": dense_dtype, "expert_group_size": group_size}
+    key = {"config_sha256": config, "weights": weights, "backend": backend, "dtype": dtype,
+           "expert_dtype": expert_dtype, "dense_dtype": dense_dtype, "expert_group_size": group_size}
+    if prefill_expert_dtype != "auto":   # the calibration prefill runs at that precision (older files keep their key)
+        key["prefill_expert_dtype"] = prefill_expert_dtype
+    return key
 
 
 def load_scales(path: Path, key: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -16,6 +16,7 @@ import torch
 
 from freetoken_py.config import EngineConfig
 from freetoken_py.core import FinishReason, Request, RequestOutput, SamplingParams
+from freetoken_py.engine.cpu_backend import prefill_expert_memory
 from freetoken_py.engine.runner import ModelRunner, ScheduledChunk
 from freetoken_py.engine.sampler import sample
 from freetoken_py.errors import ContextLengthError, FreetokenError
@@ -127,7 +128,7 @@ class LLM:
         files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(model_dir.glob("*.safetensors")))
         c = self.config
         return (str(model_dir.resolve()), files, self.backend, str(self.model.dtype), c.expert_dtype, c.dense_dtype,
-                c.expert_group_size, c.residency)
+                c.expert_group_size, c.residency, c.prefill_expert_dtype)
 
     def _cache_namespace(self, req: Request):
         """Cache key namespace: model identity, KV dtype and scales, client salt. None = not cacheable
@@ -152,7 +153,7 @@ class LLM:
             return
         c = self.config
         key = kv_scales.scales_key(Path(c.model), self.backend, str(self.model.dtype), c.expert_dtype,
-                                   c.dense_dtype, c.expert_group_size)
+                                   c.dense_dtype, c.expert_group_size, c.prefill_expert_dtype)
         if path and Path(path).exists():
             k, v, self.kv_calibration = kv_scales.load_scales(Path(path), key)
             try:
@@ -249,6 +250,9 @@ class LLM:
                "page_size": self.config.page_size, "running": len(self.scheduler.running),
                "waiting": len(self.scheduler.waiting),
                "kv_fp8_clipped": self.runner.cache.clipped}  # FP8 KV values saturated (0 otherwise)
+        prefill = getattr(self.model, "prefill_expert_store", None)
+        if prefill is not None:   # --prefill-expert-dtype: the second copy of the experts, and where it lies
+            out["prefill_experts"] = prefill_expert_memory(prefill)
         ex = self.residency
         if ex is not None:
             ex.flush_timing(wait=False)  # GPU-clock times of finished calls

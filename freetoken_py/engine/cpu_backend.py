@@ -31,17 +31,62 @@ def note_conversion(msg: str) -> None:
 
 
 class KernelExpertExecutor:
-    """Routed experts through `freetoken_py.kernels.moe_experts` (fp32 in, fp32 out)."""
+    """Routed experts through `freetoken_py.kernels.moe_experts` (fp32 in, fp32 out).
 
-    def __init__(self, banks: list, activation: str = "silu"):
+    Asymmetric precision (`--prefill-expert-dtype`): `prefill_banks` is a second, higher-precision
+    copy of the experts (mapped from its expert-store cache file). The rows named by
+    `prefill_rows` (a bool mask the runner sets for one forward pass: the tokens of chunks of
+    more than one token) run on it; every other row, and every row of the fused decode step
+    (which reads `banks` itself), on `banks`. So a token's result depends only on its own
+    chunk, not on what else shares the batch."""
+
+    def __init__(self, banks: list, activation: str = "silu", prefill_banks: list | None = None):
         from freetoken_py.kernels import moe_experts
 
         self.banks = banks  # per layer: ExpertBank or None (dense layer)
+        self.prefill_banks = prefill_banks  # per layer, or None (one copy)
+        self.prefill_rows: torch.Tensor | None = None  # bool [T] of the pass in flight; None = none
         self.activation = activation
         self._run = moe_experts
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self._run(self.banks[layer], x, ids, weights, activation=self.activation)  # casts to fp32 itself
+        rows = self.prefill_rows if self.prefill_banks is not None else None
+        if rows is None or not bool(rows.any()):
+            return self._run(self.banks[layer], x, ids, weights, activation=self.activation)  # casts to fp32 itself
+        if bool(rows.all()):
+            return self._run(self.prefill_banks[layer], x, ids, weights, activation=self.activation)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        dec = ~rows
+        out[rows] = self._run(self.prefill_banks[layer], x[rows], ids[rows], weights[rows], activation=self.activation)
+        out[dec] = self._run(self.banks[layer], x[dec], ids[dec], weights[dec], activation=self.activation)
+        return out
+
+
+def prefill_expert_memory(store) -> dict:
+    """What the prefill copy of the experts takes: its format, bytes, the cache file it maps and
+    how much of that file is resident in this process now (Linux: /proc/self/smaps, summed
+    over every mapping of the file, so another engine mapping the same file counts too; None
+    elsewhere). Pages in as prefills touch experts; the kernel may drop them again (clean)."""
+    banks = [b for b in store.banks if b is not None]
+    nbytes = sum(a.nbytes for b in banks for a in (b.w13, b.s13, b.w2, b.s2))
+    out = {"format": banks[0].fmt if banks else None, "bytes": nbytes,
+           "mapped_file": str(store.path) if store.path is not None else None, "resident_bytes": None}
+    if store.path is None:
+        out["resident_bytes"] = nbytes   # built in memory (--expert-cache off)
+        return out
+    try:
+        resident, inside = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                    inside = len(head) >= 6 and head[-1] == str(store.path)
+                elif inside and head and head[0] == "Rss:":
+                    resident += int(head[1]) * 1024
+        out["resident_bytes"] = resident
+    except OSError:
+        pass
+    return out
 
 
 def weight_format(dtype: torch.dtype) -> str:
@@ -122,8 +167,11 @@ def _check_int4_dense(a, group_size: int) -> None:
 
 def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = None, group_size: int = 32,
                    dense_format: str | None = None, expert_cache: str = "auto",
-                   show_progress: bool = True) -> MoeTransformer:
-    """Load for the cpu backend: dense weights through the loader, experts through the store."""
+                   show_progress: bool = True, prefill_format: str | None = None) -> MoeTransformer:
+    """Load for the cpu backend: dense weights through the loader, experts through the store.
+    prefill_format: a second copy of the experts in this format for prefill chunks
+    (`--prefill-expert-dtype`), from the store as well (its cache file, mapped), unless it is
+    the decode format already."""
     from freetoken_py.engine.expert_store import open_expert_store
     from freetoken_py.kernels.threads import tune_allocator
 
@@ -137,11 +185,18 @@ def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = N
     expert_group = ckpt.decoder.group_size if fmt == native else group_size
     if native is not None and fmt != native:
         note_conversion(f"converting the checkpoint's {ckpt.decoder.describe()} experts to {fmt} (--expert-dtype)")
-    store = open_expert_store(model_dir, model.args, model.dtype, fmt, expert_group, expert_cache, show_progress)
+    load_dtype = model.dtype
+    store = open_expert_store(model_dir, model.args, load_dtype, fmt, expert_group, expert_cache, show_progress)
     packed = packed_dense(ckpt, model) if native is not None and dense_format is None else None
     use_cpu_kernels(model, fmt, expert_group if dense_format is None else group_size, dense_format=dense_format,
                     banks=store.banks, packed=packed)
     model.expert_store = store  # which file the banks map, for stats and tests
+    if prefill_format is not None and prefill_format != fmt:
+        pgroup = ckpt.decoder.group_size if prefill_format == native else group_size
+        pstore = open_expert_store(model_dir, model.args, load_dtype, prefill_format, pgroup, expert_cache,
+                                   show_progress)
+        model.experts.prefill_banks = pstore.banks
+        model.prefill_expert_store = pstore
     return model
 
 

@@ -45,6 +45,10 @@ class ModelRunner:
             self.fused = decoder(model, self.cache)
             self._max_threads = configured_threads()
             self.governor = ThreadGovernor(self._max_threads) if adaptive_threads() else None
+        # --prefill-expert-dtype: the executor holding a second copy of the experts (kept here:
+        # LLM may wrap model.experts, e.g. --record-routing); each pass tells it which rows prefill
+        ex = model.experts
+        self._asym = ex if getattr(ex, "prefill_banks", None) is not None else None
 
     def forward_batch(self, chunks: list[ScheduledChunk], all_rows: bool = False) -> torch.Tensor:
         """Runs every chunk in one forward; returns fp32 logits [num_sampling_chunks, V] in chunk order
@@ -67,7 +71,13 @@ class ModelRunner:
                 sample_rows.append(row - 1)
         new_slots = torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])  # new tokens end each context
         meta = AttentionMetadata(new_slots, seqs)
-        hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.cache)  # [T, D]
+        if self._asym is not None:   # tokens of chunks of several: prefill precision; of chunks of one: decode's
+            self._asym.prefill_rows = torch.tensor([ch.num_new > 1 for ch in chunks for _ in range(ch.num_new)])
+        try:
+            hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.cache)  # [T, D]
+        finally:
+            if self._asym is not None:
+                self._asym.prefill_rows = None
         logits = self.model.logits(hidden if all_rows else hidden[sample_rows])  # [S, V]
         for ch in chunks:   # only once the whole pass is done: a failed pass can be run again as is
             ch.req.num_computed += ch.num_new

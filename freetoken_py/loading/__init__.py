@@ -31,7 +31,7 @@ def load_engine_model(c: EngineConfig, backend: str):
         from freetoken_py.engine.cpu_backend import load_cpu_model
 
         model = load_cpu_model(model_dir, c.dtype, _auto(c.expert_dtype), c.expert_group_size, _auto(c.dense_dtype),
-                               c.expert_cache, c.show_progress)
+                               c.expert_cache, c.show_progress, prefill_format=_auto(c.prefill_expert_dtype))
     elif c.residency != "off" and c.expert_dtype != "auto":
         model = _load_tier_experts(model_dir, c)
     else:
