@@ -168,17 +168,18 @@ sys.path.insert(0, {src!r})
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"  # synthetic tokenizer: same split regex
 import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", {outtype!r}, "--outfile", {out!r}]
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", {outtype!r}, "--outfile", {out!r}, *{extra!r}]
 convert_hf_to_gguf.main()
 """
 
 
-def convert_to_gguf(model_dir: Path, outtype: str) -> Path:
+def convert_to_gguf(model_dir: Path, outtype: str, extra: tuple[str, ...] = ()) -> Path:
+    """extra: more converter options (e.g. ("--no-mtp",) for a Qwen3.5 checkpoint without MTP layers)."""
     out = model_dir.parent / f"{model_dir.name}-{outtype}.gguf"
     if not out.exists():
         src = llama_cpp_source()
         log(f"converting {model_dir.name} to GGUF {outtype} with llama.cpp's convert_hf_to_gguf.py")
-        code = _CONVERT.format(src=str(src), model=str(model_dir), outtype=outtype, out=str(out))
+        code = _CONVERT.format(src=str(src), model=str(model_dir), outtype=outtype, out=str(out), extra=tuple(extra))
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     return out
 
