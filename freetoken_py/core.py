@@ -73,6 +73,7 @@ class Request:
     request_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # hybrids: its recurrent-state slot (kvcache/state.py) while admitted
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     cache_salt: str | None = None  # client-chosen namespace for prefix-cache sharing

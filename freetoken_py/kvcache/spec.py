@@ -8,7 +8,26 @@ The pool (pool.KVCache) stores, per layer and per slot, two rows whose shapes co
 
 Both kinds are paged the same way (slot = page * page_size + offset), so the page allocator, the
 prefix cache, page tags and FP8 (one scale per layer and per row head) work on either unchanged.
-A new kind whose state is not per token (recurrent state, a window) adds its own spec here.
+
+A model's state is a per-layer list of kinds (`MoeTransformer.state_specs()`), one entry a layer:
+
+    kind            where it lives                                  size
+    paged_kv        KVCache (pages), the paged layers only           per token
+    paged_latent    KVCache (pages), the paged layers only           per token
+    recurrent       state.StatePool: one slot per request            fixed (conv + recurrent state)
+
+Only the paged layers count in page bytes (`page_bytes(spec, num_paged_layers, ...)`); the model
+maps its layer index to a paged-layer index (`MoeTransformer.kv_layer`). A fixed-size kind is
+held per request, not per token: the scheduler allocates a slot at admission, frees it when the
+request finishes, aborts or is preempted (recompute starts from a zeroed slot), and a chunked
+prefill continues from it.
+
+Later kinds plug in the same way, without special cases elsewhere: a sliding-window layer is a
+paged kind whose pages below the window may be given back (its spec says `window`; page bytes
+unchanged, the scheduler frees pages a request no longer reads); a sparse-attention index key
+(DSA) is one more paged row per token (a paged spec with its own `rows`), and any per-request
+state of fixed size is a `StatePool`-held kind with its own tensors. Each kind is one spec class
+here with a `kind` name, and the code that stores it keys on that name only.
 """
 from __future__ import annotations
 
@@ -42,7 +61,33 @@ class PagedLatent:
         return (1, self.latent_dim), (1, self.rope_dim)
 
 
-StateSpec = PagedKV | PagedLatent
+@dataclass(frozen=True)
+class Recurrent:
+    """Linear attention (Gated DeltaNet): a fixed-size state per request, not per token: the last
+    `conv_width` (= kernel - 1) pre-conv inputs of the causal conv [conv_dim, conv_width] and the
+    delta-rule state [num_v_heads, k_head_dim, v_head_dim], both fp32 (kvcache/state.py)."""
+    conv_dim: int
+    conv_width: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    kind = "recurrent"
+
+    @property
+    def values_per_request(self) -> int:
+        return self.conv_dim * self.conv_width + self.num_v_heads * self.k_head_dim * self.v_head_dim
+
+    @property
+    def bytes_per_request(self) -> int:
+        return 4 * self.values_per_request  # fp32
+
+
+StateSpec = PagedKV | PagedLatent | Recurrent
+PAGED_KINDS = ("paged_kv", "paged_latent")
+
+
+def is_paged(spec: StateSpec) -> bool:
+    return spec.kind in PAGED_KINDS
 
 
 def values_per_token(spec: StateSpec) -> int:
