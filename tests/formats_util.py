@@ -146,3 +146,149 @@ def ct_reference(path: Path, name: str, group_size: int = 32) -> torch.Tensor:
     sd = {k: t[base + k] for k in ("weight_packed", "weight_scale", "weight_shape")}
     sd["weight_scale"] = sd["weight_scale"].float()   # decompress computes in the scale's dtype: fp32 keeps q * s exact
     return PackedQuantizationCompressor.decompress(sd, scheme)["weight"].float()
+
+
+# ---- NVFP4: compressed-tensors nvfp4-pack-quantized (its own compressor) and ModelOpt (the documented rule) ----
+def _nvfp4_args():
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", symmetric=True, dynamic=False,
+                            group_size=16, scale_dtype=torch.float8_e4m3fn)
+
+
+def _nvfp4_scales(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group scales e4m3 [N, K/16], global scale gs fp32 [1]) as compressed-tensors' min-max
+    observer makes them: gs = 448 * 6 / amax(tensor), scale = amax(group) / 6 * gs in e4m3."""
+    n, k = t.shape
+    gs = (448.0 * 6.0 / t.float().abs().amax()).reshape(1).to(torch.float32)
+    amax = t.float().view(n, k // 16, 16).abs().amax(-1)
+    return (amax / 6.0 * gs).clamp(min=2.0 ** -9, max=448.0).to(torch.float8_e4m3fn), gs
+
+
+def ct_nvfp4_config(ignore: tuple[str, ...] = ()) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                          "weights": {"num_bits": 4, "type": "float", "symmetric": True,
+                                                      "strategy": "tensor_group", "group_size": 16,
+                                                      "dynamic": False, "observer": "minmax"}}},
+            "ignore": ["lm_head", *[f"re:.*{i}.*" for i in ignore]]}
+
+
+def write_ct_nvfp4(src: Path, dst: Path, ignore: tuple[str, ...] = ("self_attn.o_proj",)) -> Path:
+    """Every targeted linear compressed by compressed-tensors' own NVFP4PackedCompressor."""
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=_nvfp4_args())
+    cfg = _copy_side_files(src, dst)
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if not quantisable(name, ignore):
+                out[name] = t
+                continue
+            scale, gs = _nvfp4_scales(t)
+            packed = NVFP4PackedCompressor.compress(
+                {"weight": t.float(), "weight_scale": scale.float(), "weight_global_scale": gs}, scheme)
+            base = name[: -len("weight")]
+            for key, v in packed.items():
+                out[base + key] = v.contiguous()
+    save_file(out, dst / "model.safetensors")
+    cfg["quantization_config"] = ct_nvfp4_config(ignore)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+def ct_nvfp4_reference(path: Path, name: str) -> torch.Tensor:
+    """compressed-tensors' own dequantisation of `name`, in fp32: its unpacker and its dequantize
+    (the pieces NVFP4PackedCompressor.decompress runs, which then rounds the result to bf16)."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    t = load_file(path / "model.safetensors")
+    base = name[: -len("weight")]
+    packed = t[base + "weight_packed"]
+    m, n = packed.shape
+    x = unpack_fp4_from_uint8(packed, m, n * 2, dtype=torch.float32)
+    return dequantize(x_q=x, scale=t[base + "weight_scale"].float(), args=_nvfp4_args(),
+                      global_scale=t[base + "weight_global_scale"], dtype=torch.float32)
+
+
+def ct_nvfp4_decompress(path: Path, name: str) -> torch.Tensor:
+    """NVFP4PackedCompressor.decompress's own output for `name` (bf16, as it returns it)."""
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    t = load_file(path / "model.safetensors")
+    base = name[: -len("weight")]
+    sd = {k: t[base + k] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+    return NVFP4PackedCompressor.decompress(sd, QuantizationScheme(targets=["Linear"], weights=_nvfp4_args()))["weight"]
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def write_modelopt_nvfp4(src: Path, dst: Path, ignore: tuple[str, ...] = ("self_attn.o_proj",),
+                         in_config: bool = False) -> Path:
+    """ModelOpt's NVFP4 layout by its documented rule: weight_scale_2 = amax / (6 * 448) (a
+    multiplier), weight_scale = e4m3(amax(group) / 6 / weight_scale_2), codes = nearest e2m1 of
+    w / (weight_scale * weight_scale_2) (compressed-tensors' rounding, written with its packer),
+    plus an input_scale; the config in hf_quant_config.json (or config.json's quantization_config)."""
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    cfg = _copy_side_files(src, dst)
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if not quantisable(name, ignore):
+                out[name] = t
+                continue
+            n, k = t.shape
+            ws2 = (t.float().abs().amax() / (6.0 * 448.0)).reshape(())
+            amax = t.float().view(n, k // 16, 16).abs().amax(-1)
+            ws = (amax / 6.0 / ws2).clamp(min=2.0 ** -9, max=448.0).to(torch.float8_e4m3fn)
+            q = quantize(x=t.float(), scale=ws.float() * ws2, zero_point=None, args=_nvfp4_args(), global_scale=None)
+            base = name[: -len("weight")]
+            out[name] = pack_fp4_to_uint8(q)
+            out[base + "weight_scale"], out[base + "weight_scale_2"] = ws, ws2.to(torch.float32)
+            out[base + "input_scale"] = torch.tensor(1.0 / 448.0)
+    save_file(out, dst / "model.safetensors")
+    q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+         "exclude_modules": ["lm_head", *[f"*{i}*" for i in ignore]]}
+    if in_config:
+        cfg["quantization_config"] = {"quant_method": "modelopt", **q}
+    else:
+        (dst / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.29.0"},
+                                                              "quantization": q}))
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+def modelopt_reference(path: Path, name: str) -> torch.Tensor:
+    """ModelOpt's documented dequantisation: e2m1 * (weight_scale * weight_scale_2), fp32."""
+    t = load_file(path / "model.safetensors")
+    base = name[: -len("weight")]
+    c = t[name].to(torch.int64)
+    v = torch.stack((_E2M1[c & 15], _E2M1[c >> 4]), -1).reshape(c.shape[0], -1)
+    eff = t[base + "weight_scale"].float() * t[base + "weight_scale_2"].float()
+    return v * eff.repeat_interleave(16, 1)
+
+
+def dequantised_copy(path: Path, dst: Path, reference, stored_suffixes: tuple[str, ...], codes_suffix: str) -> Path:
+    """The same model with every packed weight replaced by `reference(path, name)` (no quantization_config)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    t = load_file(path / "model.safetensors")
+    out = {n: v for n, v in t.items() if not n.endswith(stored_suffixes)}
+    for n, v in t.items():
+        if n.endswith(codes_suffix) and v.dtype == torch.uint8:
+            w = n[: -len(codes_suffix)] + "weight"
+            out[w] = reference(path, w)
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for side in path.iterdir():
+        if side.suffix != ".safetensors" and side.name not in ("config.json", "hf_quant_config.json"):
+            shutil.copy(side, dst / side.name)
+    return dst

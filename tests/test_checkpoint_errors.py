@@ -241,12 +241,13 @@ def test_unknown_or_later_quant_method_names_the_field_and_what_loads(ckpt, meth
     assert "fp8" in msg and "pack-quantized int4" in msg          # the formats that do load
 
 
-def test_nvfp4_compressed_tensors_is_named_as_not_loading_yet(ckpt):
+def test_mxfp4_compressed_tensors_is_named_as_not_loading_yet(ckpt):
     from formats_util import ct_int4_config
 
-    _set_quant(ckpt, dict(ct_int4_config(), format="nvfp4-pack-quantized"))
+    _set_quant(ckpt, dict(ct_int4_config(), format="mxfp4-pack-quantized"))
     msg = _load_error(ckpt)
-    assert "nvfp4-pack-quantized" in msg and "later" in msg and "config.json: quantization_config.format" in msg
+    assert "mxfp4-pack-quantized" in msg and "later" in msg and "config.json: quantization_config.format" in msg
+    assert "nvfp4" in msg                                          # the formats that do load
 
 
 def _fp8_ckpt(ckpt, block=(16, 16)):

@@ -16,7 +16,7 @@ from freetoken_py.layers.linear import KernelLinear, TorchLinear
 from freetoken_py.models.loader import load_model, open_checkpoint
 from freetoken_py.models.moe_transformer import MoeTransformer
 
-EXPERT_FORMATS = ("bf16", "fp32", "int8", "int4", "fp8")
+EXPERT_FORMATS = ("bf16", "fp32", "int8", "int4", "fp8", "nvfp4")
 
 
 class FormatConversion(UserWarning):

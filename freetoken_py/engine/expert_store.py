@@ -205,8 +205,11 @@ class _Job:
 
 
 def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:
-    if fmt not in ("bf16", "fp32", "int8", "int4", "fp8"):
-        raise FreetokenError(f"expert format must be bf16, fp32, int8, int4 or fp8 (got {fmt!r})")
+    if fmt not in ("bf16", "fp32", "int8", "int4", "fp8", "nvfp4"):
+        raise FreetokenError(f"expert format must be bf16, fp32, int8, int4, fp8 or nvfp4 (got {fmt!r})")
+    if fmt == "nvfp4" and (group_size != 16 or args.hidden_size % 16 or args.moe_intermediate_size % 16):
+        raise FreetokenError(f"nvfp4 experts need group 16 (got {group_size}) and hidden size ({args.hidden_size}) "
+                             f"and expert width ({args.moe_intermediate_size}) divisible by 16")
     if fmt == "fp8" and (group_size <= 0 or group_size % 2):
         raise FreetokenError(f"fp8 experts need an even column block (got {group_size})")
     if fmt == "int4":

@@ -3,7 +3,7 @@ checkpoint stores and the logical tensors a model file names (`...q_proj.weight`
 
     decoder = decoder_for(quant_config, stored, where)   # stored: name -> TensorInfo (safetensors headers)
     decoder.logical          # logical name -> TensorInfo with the logical shape (what weights.validate checks)
-    decoder.packed(reader, name)   # a `Packed` weight in an execution format (fp8, int4), or None if stored plain
+    decoder.packed(reader, name)   # a `Packed` weight in an execution format (fp8, int4, nvfp4), or None if stored plain
     decoder.get(reader, name)      # the float tensor (dequantised where packed)
 
 A model family names only logical tensors, so every family gets every format. Decoders import
@@ -16,12 +16,12 @@ from freetoken_py.formats.base import PlainDecoder
 from freetoken_py.formats.packed import EXEC_FORMATS, Packed, cat_rows
 
 LOADS = ("unquantised bf16 / fp16 / fp32", "fp8 (block-scaled e4m3, weight_scale_inv)",
-         "compressed-tensors pack-quantized int4 (symmetric, group 32 / 64 / 128)")
-LATER = {"mxfp4": "MXFP4", "gptq": "GPTQ", "awq": "AWQ", "modelopt": "ModelOpt (NVFP4 / FP8)",
-         "bitsandbytes": "bitsandbytes", "gguf": "GGUF", "hqq": "HQQ", "eetq": "EETQ", "fbgemm_fp8": "FBGEMM FP8",
-         "torchao": "torchao", "quark": "Quark", "nvfp4": "NVFP4"}
+         "compressed-tensors pack-quantized int4 (symmetric, group 32 / 64 / 128)",
+         "compressed-tensors nvfp4-pack-quantized (group 16)", "ModelOpt NVFP4 (group 16)")
+LATER = {"mxfp4": "MXFP4", "gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "gguf": "GGUF",
+         "hqq": "HQQ", "eetq": "EETQ", "fbgemm_fp8": "FBGEMM FP8", "torchao": "torchao", "quark": "Quark"}
 
-LOGICAL_TAGS = ("FP8_BLOCK", "CT_INT4")   # the dtype a decoder gives its packed logical tensors
+LOGICAL_TAGS = ("FP8_BLOCK", "CT_INT4", "NVFP4")   # the dtype a decoder gives its packed logical tensors
 
 __all__ = ["EXEC_FORMATS", "LOADS", "LOGICAL_TAGS", "Packed", "cat_rows", "decoder_for", "find_quant_config", "unsupported"]
 
@@ -58,6 +58,10 @@ def decoder_for(qcfg: dict | None, stored: dict, field: str = "config.json: quan
         from freetoken_py.formats.ct_int4 import ct_decoder
 
         return ct_decoder(qcfg, stored, field)
+    if isinstance(method, str) and (method.lower() == "modelopt" or "quant_algo" in qcfg):
+        from freetoken_py.formats.nvfp4 import modelopt_decoder
+
+        return modelopt_decoder(qcfg, stored, field)
     if isinstance(method, str) and method.lower() in LATER:
         raise unsupported(f"{field}.quant_method", f"'{method}' ({LATER[method.lower()]}, planned for a later release)")
     raise unsupported(f"{field}.quant_method", f"{method!r}")

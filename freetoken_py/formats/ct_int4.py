@@ -27,11 +27,21 @@ def ct_decoder(qcfg: dict, stored: dict, field: str):
     groups = qcfg.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ModelLoadError(f"{field}.config_groups: missing or empty")
+    fmts = set()
     for gname, group in groups.items():
         fmt_g = group.get("format", fmt) if isinstance(group, dict) else fmt
-        if fmt_g != "pack-quantized":
-            later = " (planned for a later release)" if fmt_g == "nvfp4-pack-quantized" else ""
+        if fmt_g not in ("pack-quantized", "nvfp4-pack-quantized"):
+            later = " (planned for a later release)" if fmt_g == "mxfp4-pack-quantized" else ""
             raise unsupported(f"{field}.format", f"compressed-tensors format {fmt_g!r}{later}")
+        fmts.add(fmt_g)
+    if len(fmts) > 1:
+        raise ModelLoadError(f"{field}.config_groups: several formats {sorted(fmts)} (one per checkpoint is supported)")
+    if fmts == {"nvfp4-pack-quantized"}:
+        from freetoken_py.formats.nvfp4 import CtNvfp4Decoder, check_ct_weights
+
+        for g, grp in groups.items():
+            check_ct_weights(f"{field}.config_groups.{g}.weights", grp.get("weights") if isinstance(grp, dict) else None)
+        return CtNvfp4Decoder(stored, field)
     sizes = {_check_group(f"{field}.config_groups.{g}.weights", grp.get("weights")) for g, grp in groups.items()}
     if len(sizes) > 1:
         raise ModelLoadError(f"{field}.config_groups: several int4 group sizes {sorted(sizes)} (one is supported)")

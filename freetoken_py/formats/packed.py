@@ -2,6 +2,8 @@
 
     fp8   codes uint8 [N, K] (e4m3 bytes), scales float32 [N, ceil(K/g)]  (one per row and g columns)
     int4  codes uint8 [N, K/2] (low nibble = even column, q + 8), scales float16 [N, K/g]
+    nvfp4 codes uint8 [N, K/2] (e2m1 nibbles, low = even column), scales uint8 [N, K/16 + 4]
+          (e4m3 group scales, then the row's fp32 factor: quant/nvfp4.py)
 
 `dequantize()` is the float32 value of every element, computed the way the checkpoint's own
 definition (and transformers' dequantisation) computes it: one product per element.
@@ -14,8 +16,9 @@ import torch
 
 from freetoken_py.quant import dequantize_int4
 from freetoken_py.quant.fp8 import dequantize_fp8
+from freetoken_py.quant.nvfp4 import dequantize_nvfp4
 
-EXEC_FORMATS = ("fp8", "int4")
+EXEC_FORMATS = ("fp8", "int4", "nvfp4")
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,6 +33,8 @@ class Packed:
         """float32 [N, K]."""
         if self.fmt == "fp8":
             return dequantize_fp8(self.codes, self.scales, self.group_size)
+        if self.fmt == "nvfp4":
+            return dequantize_nvfp4(self.codes, self.scales, self.group_size)
         return dequantize_int4(self.codes, self.scales, self.group_size)
 
     @property
@@ -38,7 +43,7 @@ class Packed:
 
     def arrays(self):
         """(codes, scales) as the kernels' numpy arrays (int4 scales: fp16 bits as uint16)."""
-        s = self.scales.numpy() if self.fmt == "fp8" else self.scales.view(torch.int16).numpy().view("uint16")
+        s = self.scales.numpy() if self.fmt != "int4" else self.scales.view(torch.int16).numpy().view("uint16")
         return self.codes.numpy(), s
 
 

@@ -7,6 +7,7 @@ import torch
 from freetoken_py.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from freetoken_py.quant.fp8 import dequantize_fp8, quantize_fp8_blocks
 from freetoken_py.quant.int4 import check_group
+from freetoken_py.quant.nvfp4 import FACTOR_BYTES, dequantize_nvfp4, quantize_nvfp4
 
 PAGE_BYTES = 4096
 
@@ -32,18 +33,23 @@ def row_layout(fmt: str, k: int, group_size: int) -> tuple[np.dtype, int, int]:
         if group_size <= 0:
             raise ValueError(f"fp8 needs a positive column block, got {group_size}")
         return np.dtype(np.uint8), k, -(-k // group_size)
+    if fmt == "nvfp4":   # e2m1 nibbles; e4m3 bytes per group, then the row's fp32 factor (quant/nvfp4.py)
+        check_group(k, group_size)
+        return np.dtype(np.uint8), k // 2, k // group_size + FACTOR_BYTES
     if fmt == "int4":
         check_group(k, group_size)
         if group_size != 32 and group_size % 64:   # the AVX2 dot walks pairs of 32-blocks within a group
             raise ValueError(f"int4 kernels need group_size 32 or a multiple of 64, got {group_size}")
         return np.dtype(np.uint8), k // 2, k // group_size
-    raise ValueError(f"unknown weight format {fmt!r}; expected one of fp32, bf16, int8, int4, fp8")
+    raise ValueError(f"unknown weight format {fmt!r}; expected one of fp32, bf16, int8, int4, fp8, nvfp4")
 
 
 def scale_dtype(fmt: str) -> np.dtype:
     """Storage dtype of a format's scales: int4's are fp16 bits held as uint16 (numba has no
     float16 arrays; the kernels convert them, as llama.cpp's Q4_0 stores fp16 scales: 4.5 bits
     per weight at group 32 instead of 5), the others float32."""
+    if fmt == "nvfp4":
+        return np.dtype(np.uint8)
     return np.dtype(np.uint16) if fmt == "int4" else np.dtype(np.float32)
 
 
@@ -63,6 +69,10 @@ def encode_rows(w: torch.Tensor, fmt: str, group_size: int, w_out: np.ndarray, s
         q, s = quantize_fp8_blocks(w, (1, group_size))
         w_out[...] = q.view(torch.uint8).numpy()
         s_out[...] = s.numpy()
+    elif fmt == "nvfp4":   # (a float source: NVFP4's rule, one global scale per row; checkpoints are copied)
+        q, s = quantize_nvfp4(w, group_size)
+        w_out[...] = q.numpy()
+        s_out[...] = s.numpy()
     elif fmt == "int8":
         q, s = quantize_int8(w)
         w_out[...] = q.numpy()
@@ -81,6 +91,9 @@ def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) ->
         return torch.from_numpy((w.astype(np.uint32) << 16).view(np.float32))
     if fmt == "fp8":
         return dequantize_fp8(torch.from_numpy(np.ascontiguousarray(w)), torch.from_numpy(scales), group_size)
+    if fmt == "nvfp4":
+        return dequantize_nvfp4(torch.from_numpy(np.ascontiguousarray(w)), torch.from_numpy(np.ascontiguousarray(scales)),
+                                group_size)
     if fmt == "int8":
         return dequantize_int8(torch.from_numpy(w), torch.from_numpy(scales[..., 0]))
     return dequantize_int4(torch.from_numpy(w), torch.from_numpy(np.ascontiguousarray(scales).view(np.float16)),

@@ -34,7 +34,7 @@ from freetoken_py.quant.fp8 import e4m3_table
 from freetoken_py.kernels._simd import (HAS_AVX2, i8q8_row_dot, i8q8_row_dot4, q4_row_dot, q4_row_dot4, q4q8_row_dot,
                                         q4q8_row_dot4)
 
-FORMATS = ("fp32", "bf16", "int8", "int4", "fp8")
+FORMATS = ("fp32", "bf16", "int8", "int4", "fp8", "nvfp4")
 ACT_SILU, ACT_GPTOSS = 0, 1
 ACTIVATIONS = {"silu": ACT_SILU, "gptoss": ACT_GPTOSS}
 Q8_BLOCK = 32              # activation elements per int8 scale (quant.q8act.BLOCK)
@@ -131,6 +131,81 @@ def fp8_row_dot4(w, s, x0, x1, x2, x3, bk):
     return r0, r1, r2, r3
 
 
+_E2M1_SHIFT = np.float32(2.0 ** 126)   # 2^(127 - 1): fp32's exponent bias less e2m1's
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def e2m1_value(n):
+    """An e2m1 nibble's value (sign bit 3, 2 exponent bits, 1 mantissa bit) without a table:
+    the 3 magnitude bits placed at fp32's exponent / mantissa boundary, rebased by 2^126 (index 1,
+    the subnormal 0.5, lands on fp32's subnormal 2^-127): 0, .5, 1, 1.5, 2, 3, 4, 6, exactly.
+    NVFP4 and (later) MXFP4 share it; only their group-scale decode differs."""
+    u = np.uint32(n)
+    bits = np.uint32(np.uint32(np.uint32(u & np.uint32(7)) << np.uint32(22))
+                     | np.uint32(np.uint32(u & np.uint32(8)) << np.uint32(28)))
+    return bits.view(np.float32) * _E2M1_SHIFT
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def nvfp4_factor(s, ng):
+    """The row factor: the fp32 in bytes ng..ng+3 of an nvfp4 scale row (quant/nvfp4.py)."""
+    u = np.uint32(np.uint32(np.uint32(s[ng]) | np.uint32(np.uint32(s[ng + 1]) << np.uint32(8)))
+                  | np.uint32(np.uint32(np.uint32(s[ng + 2]) << np.uint32(16))
+                              | np.uint32(np.uint32(s[ng + 3]) << np.uint32(24))))
+    return u.view(np.float32)
+
+
+@njit(fastmath=False, cache=True)
+def nvfp4_scale(b, f):
+    """A group's effective scale: e4m3(b) * f, or e4m3(b) / -f for a reciprocal factor (f < 0);
+    not fastmath (and not numba-inlined, which would take the caller's flags), so the division is
+    a division: the value quant.nvfp4.group_scales gives."""
+    e = e4m3_value(b)
+    return e * f if f > np.float32(0.0) else e / -f
+
+
+@njit(fastmath=True, cache=True)
+def nvfp4_row_dot(w, s, x, gs):
+    """sum_g eff_g * sum_{j in g} e2m1(w nibble j) * x[j]: codes [K/2] (low nibble = even
+    column), scales [K/gs + 4] (e4m3 bytes + the row factor), fp32 activations as they are."""
+    ng = x.shape[0] // gs
+    f = nvfp4_factor(s, ng)
+    half = gs // 2
+    acc = np.float32(0.0)
+    for g in range(ng):
+        a = np.float32(0.0)
+        for j in range(g * half, (g + 1) * half):
+            b = w[j]
+            a += e2m1_value(b & np.uint8(15)) * x[2 * j] + e2m1_value(b >> np.uint8(4)) * x[2 * j + 1]
+        acc += nvfp4_scale(s[g], f) * a
+    return acc
+
+
+@njit(fastmath=True, cache=True)
+def nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs):
+    """nvfp4_row_dot with four activation rows: each byte decoded once."""
+    ng = x0.shape[0] // gs
+    f = nvfp4_factor(s, ng)
+    half = gs // 2
+    r0 = r1 = r2 = r3 = np.float32(0.0)
+    for g in range(ng):
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for j in range(g * half, (g + 1) * half):
+            b = w[j]
+            lo = e2m1_value(b & np.uint8(15))
+            hi = e2m1_value(b >> np.uint8(4))
+            a0 += lo * x0[2 * j] + hi * x0[2 * j + 1]
+            a1 += lo * x1[2 * j] + hi * x1[2 * j + 1]
+            a2 += lo * x2[2 * j] + hi * x2[2 * j + 1]
+            a3 += lo * x3[2 * j] + hi * x3[2 * j + 1]
+        sc = nvfp4_scale(s[g], f)
+        r0 += sc * a0
+        r1 += sc * a1
+        r2 += sc * a2
+        r3 += sc * a3
+    return r0, r1, r2, r3
+
+
 @njit(fastmath=True, cache=True)
 def dot4(w, x0, x1, x2, x3):
     """dot of one row with four activation rows: each weight is loaded and widened once."""
@@ -160,6 +235,8 @@ def _row_dot_impl(w, s, xv, xg, hb):
         return lambda w, s, xv, xg, hb: dot(w, xv)
     if dtype == types.uint8 and s.dtype == types.float32:     # fp8: e4m3 bytes, float32 block scales
         return lambda w, s, xv, xg, hb: fp8_row_dot(w, s, xv, 2 * hb)
+    if dtype == types.uint8 and s.dtype == types.uint8:       # nvfp4: e2m1 nibbles, e4m3 bytes + row factor
+        return lambda w, s, xv, xg, hb: nvfp4_row_dot(w, s, xv, 2 * hb)
     if dtype == types.int8 and xv.dtype == types.int8:
         return lambda w, s, xv, xg, hb: s[0] * i8q8_row_dot(w, xv, xg)
     if dtype == types.int8:
@@ -183,6 +260,8 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
     if dtype == types.uint8 and s.dtype == types.float32:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8_row_dot4(w, s, x0, x1, x2, x3, 2 * hb)
+    if dtype == types.uint8 and s.dtype == types.uint8:
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4_row_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.int8 and x0.dtype == types.int8:
         def impl_q8(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
             a0, a1, a2, a3 = i8q8_row_dot4(w, x0, x1, x2, x3, g0, g1, g2, g3)
@@ -317,7 +396,7 @@ def prepare(w, s, x, gs):
 
 @overload(prepare, jit_options={"fastmath": True})
 def _prepare_impl(w, s, x, gs):
-    if w.dtype == types.uint8 and s.dtype == types.float32:     # fp8 reads exact fp32 activations
+    if w.dtype == types.uint8 and s.dtype in (types.float32, types.uint8):   # fp8, nvfp4: exact fp32 activations
         return lambda w, s, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))
     if w.dtype == types.uint8 and INT_ACT == "int8":
         return lambda w, s, x, gs: prep_q8_rows(x, gs)
