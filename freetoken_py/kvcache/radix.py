@@ -45,13 +45,14 @@ class InsertResult(NamedTuple):
 
 
 class _Node:
-    __slots__ = ("key", "page", "tag", "parent", "children", "last_access", "snap")
+    __slots__ = ("key", "page", "tag", "parent", "children", "last_access", "snap", "snap_used")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, tag: int = -1):
         self.key, self.page, self.parent, self.tag = key, page, parent, tag
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_access = 0
         self.snap = None  # a snapshots.SnapshotRef of the recurrent state after this page, or None
+        self.snap_used = 0  # when the snapshot was attached or last matched (its own LRU clock)
 
 
 class RadixCache:
@@ -91,6 +92,8 @@ class RadixCache:
                     self._drop_snapshot(node)  # its slot changed hands: it can never be restored
         if with_state:
             n, node = best
+            if node is not None:
+                node.snap_used = now
             return MatchResult(pages[:n], n * self.page_size, node, node.snap if node is not None else None)
         return MatchResult(pages, len(pages) * self.page_size, node if pages else None)
 
@@ -107,7 +110,7 @@ class RadixCache:
         if node.snap is not None:
             self._drop_snapshot(node)
         node.snap = snapshot
-        node.last_access = next(self._clock)
+        node.last_access = node.snap_used = next(self._clock)
         self.num_snapshots += 1
         return True
 
@@ -132,7 +135,7 @@ class RadixCache:
 
     def evict_snapshots(self, num: int) -> int:
         """Free up to `num` snapshots, least recently used first (their pages stay). Returns freed."""
-        held = sorted((n for n in self._nodes() if n.snap is not None), key=lambda n: n.last_access)[:num]
+        held = sorted((n for n in self._nodes() if n.snap is not None), key=lambda n: n.snap_used)[:num]
         for node in held:
             self._drop_snapshot(node)
         self.num_snapshots_evicted += len(held)

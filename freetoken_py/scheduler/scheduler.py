@@ -198,17 +198,18 @@ class Scheduler:
             return chunks  # pages are short: readmitting the victim now would only preempt it again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self.state_pool is not None and req.state_slot is None:
+                if self.state_pool.num_free == 0:
+                    break
+                req.state_slot = self.state_pool.allocate()  # zeroed; a matched snapshot is restored into it
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if self.states is not None:
                 n = self.states.cut(req, n)
-            no_slot = self.state_pool is not None and req.state_slot is None and self.state_pool.num_free == 0
-            if no_slot or not self._grow(req, req.num_computed + n):
-                self._release(req, publish=False)  # give the matched pages back; retry next step
+            if not self._grow(req, req.num_computed + n):
+                self._release(req, publish=False)  # give the matched pages (and the slot) back; retry next step
                 req.num_computed = 0
                 break
-            if self.state_pool is not None and req.state_slot is None:
-                req.state_slot = self.state_pool.allocate()  # zeroed (C's snapshot reuse may fill it)
             self.waiting.popleft()
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n))
