@@ -71,13 +71,14 @@ def test_tool_results_render_like_the_template_convention(client, ref):
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-        {"role": "system", "content": "Answer briefly."},  # mid-conversation system: merged into the first
+        {"role": "system", "content": "Answer briefly."},  # mid-conversation system: stays in place
     ]
-    reference = [{"role": "system", "content": "Answer briefly."}, *ASK,
+    reference = [*ASK,
                  {"role": "assistant", "content": "", "tool_calls": [
                      {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                                        "arguments": {"city": "Paris"}}}]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+                 {"role": "system", "content": "Answer briefly."}]
     out = client.chat.completions.create(model="m", messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
     assert out.usage.prompt_tokens == len(ref.chat_prompt_ids(reference, tools=[WEATHER]))
 

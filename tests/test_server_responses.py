@@ -113,8 +113,9 @@ def test_namespaced_tools_are_offered_and_their_calls_name_the_namespace(client,
 
 
 def test_items_render_like_the_hand_converted_conversation(client, ref):
-    """Developer/system messages (merged, in order), parts, a reasoning item (dropped), a
-    function_call joining the assistant message before it, its output as a tool message."""
+    """Developer/system messages (the leading ones merged, a late one in place), parts, a
+    reasoning item (dropped), a function_call joining the assistant message before it, its
+    output as a tool message."""
     items = [
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
         {"role": "user", "content": [{"type": "input_text", "text": ASK}, {"type": "input_image", "image_url": "x"}]},
@@ -125,11 +126,12 @@ def test_items_render_like_the_hand_converted_conversation(client, ref):
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
         {"type": "message", "role": "system", "content": "Answer in English."},
     ]
-    reference = [{"role": "system", "content": "Be brief.\n\nAnswer in English."}, {"role": "user", "content": ASK},
+    reference = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK},
                  {"role": "assistant", "content": "Checking.", "tool_calls": [
                      {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                                        "arguments": {"city": "Paris"}}}]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+                 {"role": "system", "content": "Answer in English."}]
     expected = _greedy(ref, ref.chat_prompt_ids(reference, tools=[CHAT_WEATHER]), 12)
     out = client.responses.create(model="m", input=items, tools=[WEATHER, *CODEX_EXTRAS], max_output_tokens=12,
                                   temperature=0)

@@ -76,7 +76,8 @@ async def _prepare(st, body: dict) -> tuple[Prepared, tuple[str, ...]]:
     stops = get_stop(body, "stop_sequences", st.limits)
     max_tokens = get(body, "max_tokens", int, lo=1)
     prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, stops,
-                              anthropic_template_kwargs(body))  # thinking -> the template's enable_thinking
+                              anthropic_template_kwargs(body),  # thinking -> the template's enable_thinking
+                              template_tools=anthropic_tools(body, st.limits, for_template=True))
     prep = await anthropic_constrained(prep, body, tools, st.llm.tokenizer)   # tool_choice, output_format
     return prep, stops
 
@@ -188,6 +189,6 @@ async def _events(st, stream, parser, prep: Prepared, stops, msg_id: str, model:
 async def count_tokens(request: Request):
     st = request.app.state.freetoken
     body = parse_json_object(await request.body())
-    messages, tools = anthropic_messages(body, st.limits), anthropic_tools(body, st.limits)
+    messages, tools = anthropic_messages(body, st.limits), anthropic_tools(body, st.limits, for_template=True)
     ids, _ = await asyncio.to_thread(render_chat, st.llm, messages, tools, anthropic_template_kwargs(body))
     return {"input_tokens": len(ids)}

@@ -1,10 +1,16 @@
 """Request messages (OpenAI or Anthropic) -> the messages and tools a chat template renders.
 
 The target is the OpenAI/transformers convention every HF chat template expects: one leading
-`system` message (later system messages merged into it, since Qwen/Llama/Gemma templates reject
-them), `user` / `assistant` (with `tool_calls`, arguments as a dict) / `tool` messages with
-string content, and tools as `{"type": "function", "function": {name, description, parameters}}`.
-Unknown fields and block types are ignored; malformed structure is an ApiError naming the field.
+`system` message (the system messages before the first other message merged into it), `user` /
+`assistant` (with `tool_calls`, arguments as a dict) / `tool` messages with string content, and
+tools as `{"type": "function", "function": {name, description, parameters}}`. Unknown fields and
+block types are ignored; malformed structure is an ApiError naming the field.
+
+The prefix stays put as a conversation grows (so it stays in the prefix cache): a system message
+that arrives after the conversation started stays where it is (`"late": True`; the renderer keeps
+it a system message where the template writes one in place, else makes it a user message), and
+deferred tools that a `tool_reference` block loads are written into that tool result, not into
+the tool list of the system block.
 """
 from __future__ import annotations
 
@@ -45,6 +51,15 @@ def _merge_system(system_parts: list[str], messages: list[dict]) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + messages
 
 
+def _system(content: str, system: list[str], out: list[dict]) -> None:
+    """A system message: merged into the leading system prompt while nothing else came before it,
+    else kept in place (a late addition must not change the tokens already sent)."""
+    if not out:
+        system.append(content)
+    elif content:
+        out.append({"role": "system", "content": content, "late": True})
+
+
 def _check_list(value, name: str, limit: int) -> list:
     if not isinstance(value, list):
         raise bad(f"'{name}' must be an array", name)
@@ -83,7 +98,7 @@ def openai_messages(body: dict, limits: ServerLimits) -> list[dict]:
         role = msg.get("role")
         content = _text_of(msg.get("content"), f"{where}.content")
         if role in ("system", "developer"):
-            system.append(content)
+            _system(content, system, out)
         elif role == "user":
             out.append({"role": "user", "content": content})
         elif role == "assistant":
@@ -167,7 +182,7 @@ def _responses_message(item: dict, where: str, system: list[str], out: list[dict
     role = item.get("role")
     content = _text_of(item.get("content"), f"{where}.content")
     if role in ("system", "developer"):
-        system.append(content)
+        _system(content, system, out)
     elif role in ("user", "assistant"):
         out.append({"role": role, "content": content})
     else:
@@ -240,15 +255,16 @@ def anthropic_messages(body: dict, limits: ServerLimits) -> list[dict]:
     if not raw:
         raise bad("messages: at least one message is required")
     system, out = [anthropic_system(body)], []
+    definitions = _tool_definitions(body.get("tools"))
     for i, msg in enumerate(raw):
         where = f"messages.{i}"
         if not isinstance(msg, dict):
             raise bad(f"{where}: must be an object")
         role, content = msg.get("role"), msg.get("content")
         if role == "system":  # Claude Code sends these mid-conversation
-            system.append(_text_of(content, f"{where}.content"))
+            _system(_text_of(content, f"{where}.content"), system, out)
         elif role == "user":
-            out += _anthropic_user(content, where)
+            out += _anthropic_user(content, where, definitions)
         elif role == "assistant":
             out.append(_anthropic_assistant(content, where))
         else:
@@ -267,8 +283,10 @@ def _blocks(content, where: str) -> list[dict]:
     return content
 
 
-def _anthropic_user(content, where: str) -> list[dict]:
-    """Tool results become `tool` messages (in order); the remaining text one user message."""
+def _anthropic_user(content, where: str, definitions: dict[str, dict] | None = None) -> list[dict]:
+    """Tool results become `tool` messages (in order); the remaining text one user message.
+    A tool result's `tool_reference` blocks (Claude Code's ToolSearch loading deferred tools)
+    become the definitions of the tools they load, written at that point."""
     out, texts = [], []
     for j, block in enumerate(_blocks(content, where)):
         kind = block.get("type")
@@ -276,6 +294,7 @@ def _anthropic_user(content, where: str) -> list[dict]:
             texts.append(_text_of([block], f"{where}.content.{j}"))
         elif kind == "tool_result":
             result = _text_of(block.get("content"), f"{where}.content.{j}.content")
+            result += _loaded_tools_text(block.get("content"), definitions or {}, bool(result))
             if block.get("is_error") is True:
                 result = "Error: " + result
             out.append({"role": "tool", "content": result, "tool_call_id": str(block.get("tool_use_id") or "")})
@@ -304,9 +323,12 @@ def _anthropic_assistant(content, where: str) -> dict:
     return out
 
 
-def anthropic_tools(body: dict, limits: ServerLimits) -> list[dict] | None:
-    """Custom tools as OpenAI-style function tools. Deferred tools (`defer_loading`) join only
-    once a `tool_reference` block has loaded them; server tools without a schema are skipped."""
+def anthropic_tools(body: dict, limits: ServerLimits, for_template: bool = False) -> list[dict] | None:
+    """Custom tools as OpenAI-style function tools: the ones the model may call. Deferred tools
+    (`defer_loading`) join only once a `tool_reference` block has loaded them; server tools
+    without a schema are skipped. `for_template`: the tools the template renders in its system
+    block, i.e. without the loaded ones (their definitions are in the tool result that loaded
+    them, so loading a tool does not change the start of the prompt)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or (isinstance(choice, dict) and choice.get("type") == "none"):
@@ -319,9 +341,34 @@ def anthropic_tools(body: dict, limits: ServerLimits) -> list[dict] | None:
         schema = tool.get("input_schema")
         if not isinstance(schema, dict) or (tool.get("defer_loading") is True and tool["name"] not in loaded):
             continue
+        if for_template and tool["name"] in loaded:
+            continue
         fn = {"name": tool["name"], "description": str(tool.get("description") or ""), "parameters": schema}
         out.append({"type": "function", "function": fn})
     return out or None
+
+
+def _tool_definitions(tools) -> dict[str, dict]:
+    """name -> template tool for every custom tool with a schema (deferred ones included)."""
+    out = {}
+    for tool in tools if isinstance(tools, list) else []:
+        if isinstance(tool, dict) and isinstance(tool.get("name"), str) and isinstance(tool.get("input_schema"), dict):
+            out[tool["name"]] = {"type": "function", "function": {
+                "name": tool["name"], "description": str(tool.get("description") or ""),
+                "parameters": tool["input_schema"]}}
+    return out
+
+
+def _loaded_tools_text(content, definitions: dict[str, dict], after_text: bool) -> str:
+    """The tools a tool result's `tool_reference` blocks load, as `<tools>` JSON lines (the way
+    Hermes/Qwen templates list tools), so the model sees each definition where it was loaded."""
+    names = [b["tool_name"] for b in content if isinstance(b, dict) and b.get("type") == "tool_reference"
+             and isinstance(b.get("tool_name"), str)] if isinstance(content, list) else []
+    if not names:
+        return ""
+    lines = [json.dumps(definitions.get(n) or {"type": "function", "function": {"name": n}}, ensure_ascii=False)
+             for n in names]
+    return ("\n" if after_text else "") + "Loaded tools:\n<tools>\n" + "\n".join(lines) + "\n</tools>"
 
 
 def _referenced_tools(messages) -> set[str]:

@@ -37,22 +37,86 @@ class Prepared:
 def render_chat(llm, messages: list[dict], tools: list[dict] | None,
                 template_kwargs: dict | None = None) -> tuple[list[int], bool | str]:
     """Prompt ids and the reasoning mode: "open" when the template itself opened a <think> block.
-    `template_kwargs` (e.g. enable_thinking) are variables the template reads."""
+    `template_kwargs` (e.g. enable_thinking) are variables the template reads. Late system
+    messages (chat.py marks them) are placed as `late_system_mode` says for this template."""
     tok = llm.tokenizer
     if tok is None or not tok.chat_template:
         raise FreetokenError("this model has no chat template; use /v1/completions with a plain prompt")
-    text = tok.apply_chat_template(messages, tools=tools, **(template_kwargs or {}))
+    text = render_text(tok, messages, tools, template_kwargs)
     reasoning = detect_reasoning(tok.chat_template)
     if reasoning and text.rstrip().endswith("<think>"):
         reasoning = "open"
     return tok.encode(text), reasoning
 
 
+def render_text(tok, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """The template's text, late system messages placed so that earlier text stays the same."""
+    kwargs = dict(template_kwargs or {}, add_generation_prompt=add_generation_prompt)
+    mode = late_system_mode(tok) if any(m.get("late") for m in messages) else "none"
+    if mode != "merge":
+        try:
+            return tok.apply_chat_template(place_late_system(messages, mode), tools=tools, **kwargs)
+        except FreetokenError:
+            if mode == "none":
+                raise
+    return tok.apply_chat_template(place_late_system(messages, "merge"), tools=tools, **kwargs)
+
+
+def place_late_system(messages: list[dict], mode: str) -> list[dict]:
+    """Late system messages as `system` messages in place, as `user` messages in place, or
+    ("merge", the last resort) appended to the leading system message."""
+    out, merged = [], []
+    for m in messages:
+        if not m.get("late"):
+            out.append(m)
+        elif mode == "merge":
+            merged.append(m["content"])
+        else:
+            out.append({"role": "system" if mode in ("system", "none") else "user", "content": m["content"]})
+    if merged:
+        if out and out[0]["role"] == "system":
+            out[0] = dict(out[0], content="\n\n".join([out[0]["content"], *merged]))
+        else:
+            out.insert(0, {"role": "system", "content": "\n\n".join(merged)})
+    return out
+
+
+_LATE_MODE: dict[str, str] = {}
+
+
+def late_system_mode(tok) -> str:
+    """"system" when the template writes a system message after the conversation started in
+    place (the text before it unchanged), else "user" when a user message there renders, else
+    "merge". Probed once per template with marker texts."""
+    template = tok.chat_template
+    if template not in _LATE_MODE:
+        head = [{"role": "system", "content": "SYS-0"}, {"role": "user", "content": "USER-1"},
+                {"role": "assistant", "content": "ASSIST-2"}]
+        _LATE_MODE[template] = "merge"
+        for mode in ("system", "user"):
+            try:
+                plain = tok.apply_chat_template(head + [{"role": "user", "content": "USER-4"}])
+                late = tok.apply_chat_template(head + [{"role": mode, "content": "LATE-3"},
+                                                       {"role": "user", "content": "USER-4"}])
+            except FreetokenError:
+                continue
+            k = plain.find("ASSIST-2") + len("ASSIST-2")
+            if k >= len("ASSIST-2") and plain[:k] == late[:k] and "LATE-3" in late[k:]:
+                _LATE_MODE[template] = mode
+                break
+    return _LATE_MODE[template]
+
+
 async def prepare_chat(llm, engine: AsyncEngine, messages: list[dict], tools: list[dict] | None,
                        sampling: dict, max_tokens: int | None, stop: tuple[str, ...],
-                       template_kwargs: dict | None = None) -> Prepared:
+                       template_kwargs: dict | None = None, template_tools: list[dict] | None | bool = True
+                       ) -> Prepared:
+    """`tools` are the ones the model may call; `template_tools` the ones the template lists (the
+    same unless given: Anthropic's loaded deferred tools are written where they were loaded)."""
     # template rendering + tokenizing a long conversation takes milliseconds: off the event loop
-    ids, reasoning = await asyncio.to_thread(render_chat, llm, messages, tools, template_kwargs)
+    rendered = tools if template_tools is True else template_tools
+    ids, reasoning = await asyncio.to_thread(render_chat, llm, messages, rendered, template_kwargs)
     engine.check_prompt(len(ids))
     tool_format = detect_tool_format(llm.tokenizer.chat_template, llm.args.model_type)
     llm.tokenizer.keep_in_text(markup_tokens(tool_format))  # the parser's tags survive detokenizing
