@@ -100,3 +100,80 @@ def test_quantize_refuses_to_overwrite_and_bad_target(checkpoint_factory, tmp_pa
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and want in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "new").exists()
+
+
+def _decompressed_copy(out, dst, decompress):
+    """`out` with every packed weight replaced by compressed-tensors' own decompression (fp32),
+    as a plain checkpoint transformers runs without any quantisation code."""
+    from safetensors.torch import save_file
+
+    t = _shards(out)
+    plain = {n: v for n, v in t.items() if not n.endswith(("weight_packed", "weight_scale", "weight_shape",
+                                                            "weight_global_scale"))}
+    for n in t:
+        if n.endswith("weight_packed"):
+            plain[n.removesuffix("_packed")] = decompress(t, n.removesuffix("weight_packed"))
+    dst.mkdir()
+    save_file(plain, dst / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_quantize_int4_logits_equal_compressed_tensors_decompression(checkpoint_factory, tmp_path):
+    """The 1e-4 check of the round trip: transformers on compressed-tensors' own fp32
+    decompression of our output (its CT integration runs the experts in bf16: 5e-3 above)."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True,
+                                                                             strategy="group", group_size=32))
+
+    def decompress(t, b):
+        sd = {k: t[b + k] for k in ("weight_packed", "weight_scale", "weight_shape")}
+        sd["weight_scale"] = sd["weight_scale"].float()
+        return PackedQuantizationCompressor.decompress(sd, scheme)["weight"].float()
+
+    src = checkpoint_factory("qwen3_moe_step2", torch.bfloat16)          # bf16 scales, as a bf16 release has
+    out = _quantize(src, tmp_path / "q4", "int4")
+    ref = theirs(_decompressed_copy(out, tmp_path / "plain", decompress))
+    assert (first_logits(out) - ref).abs().max().item() <= 1e-4
+
+
+def test_quantize_nvfp4_round_trip(checkpoint_factory, tmp_path):
+    """--to nvfp4 writes compressed-tensors nvfp4-pack-quantized: its decompressor reads exactly
+    our values (and its bf16 output is ours rounded), its config parses, and the logits of both
+    backends equal transformers on the decompressed weights within 1e-4."""
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    from freetoken_py.models.loader import open_checkpoint
+
+    out = _quantize(checkpoint_factory("qwen3_moe"), tmp_path / "fp4", "nvfp4")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)                       # compressed-tensors reads the config
+    assert parsed.format == CompressionFormat.nvfp4_pack_quantized.value and qc["ignore"] == ["lm_head"]
+    args = parsed.config_groups["group_0"].weights
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+
+    def decompress(t, b):
+        p = t[b + "weight_packed"]
+        x = unpack_fp4_from_uint8(p, p.shape[0], p.shape[1] * 2, dtype=torch.float32)
+        return dequantize(x_q=x, scale=t[b + "weight_scale"].float(), args=args,
+                          global_scale=t[b + "weight_global_scale"], dtype=torch.float32)
+
+    t = _shards(out)
+    reader = open_checkpoint(out).reader()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.5.down_proj.weight"):
+        b = name.removesuffix("weight")
+        mine = reader.packed(name).dequantize()
+        assert torch.equal(mine, decompress(t, b))
+        sd = {k: t[b + k] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+        assert torch.equal(NVFP4PackedCompressor.decompress(sd, scheme)["weight"], mine.to(torch.bfloat16))
+    ref = theirs(_decompressed_copy(out, tmp_path / "plain", decompress))
+    for backend in ("torch", "cpu"):
+        assert (first_logits(out, backend) - ref).abs().max().item() <= 1e-4, backend

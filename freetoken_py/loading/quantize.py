@@ -1,4 +1,4 @@
-"""`freetoken quantize --to int4|fp8 SRC OUT`: write what we read, for cluster engines too.
+"""`freetoken quantize --to int4|fp8|nvfp4 SRC OUT`: write what we read, for cluster engines too.
 
     int4  compressed-tensors `pack-quantized`, symmetric, group 32 (`weight_packed` int32 [N, K/8],
           `weight_scale` [N, K/32]: bf16 for bf16 sources, else fp16, `weight_shape`), scale = amax / 7.5
@@ -6,10 +6,13 @@
           observer and quantizer do
     fp8   block-scaled e4m3 (`quant_method: fp8`, `weight_block_size [128, 128]`, float32
           `weight_scale_inv`; the DeepSeek-V3 layout vLLM, SGLang and transformers load)
+    nvfp4 compressed-tensors `nvfp4-pack-quantized` (`weight_packed` uint8 [N, K/2] e2m1 pairs,
+          `weight_scale` e4m3 [N, K/16], `weight_global_scale` fp32 [1] = 448 * 6 / amax, as its
+          min-max observer and NVFP4A16 preset; weights only)
 
 Every linear of the model file is converted (attention, dense and shared MLPs, routed experts);
 embeddings, norms, routers and lm_head stay as stored, and so does an int4 linear whose input width
-is not a multiple of 32 (it joins the `ignore` list). One layer at a time, one shard per layer
+is not a multiple of 32 (16 for nvfp4) (it joins the `ignore` list). One layer at a time, one shard per layer
 (bounded memory: one layer's tensors at once), then the index; OUT must not exist yet.
 """
 from __future__ import annotations
@@ -24,9 +27,11 @@ from freetoken_py.errors import FreetokenError
 from freetoken_py.models.loader import open_checkpoint
 from freetoken_py.models.weights import expected_shapes
 from freetoken_py.quant.fp8 import quantize_fp8_blocks
+from freetoken_py.quant.nvfp4 import GROUP as NVFP4_GROUP
+from freetoken_py.quant.nvfp4 import quantize_nvfp4, split_scales
 from freetoken_py.utils.progress import progress_bar
 
-TARGETS = ("int4", "fp8")
+TARGETS = ("int4", "fp8", "nvfp4")
 INT4_GROUP = 32
 FP8_BLOCK = (128, 128)
 
@@ -43,6 +48,14 @@ def pack_int4_ct(w: torch.Tensor, group: int = INT4_GROUP) -> dict[str, torch.Te
     byte = (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)             # low nibble = even element
     return {"weight_packed": byte.view(torch.int32).contiguous(), "weight_scale": scale.contiguous(),
             "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+
+
+def pack_nvfp4_ct(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [N, K] -> compressed-tensors nvfp4-pack-quantized tensors (one global scale per tensor)."""
+    codes, scales = quantize_nvfp4(w, NVFP4_GROUP, per_tensor=True)
+    s8, f = split_scales(scales)
+    return {"weight_packed": codes, "weight_scale": s8.contiguous().view(torch.float8_e4m3fn),
+            "weight_global_scale": (-f[:1, 0]).contiguous()}
 
 
 def _linear_names(ckpt) -> set[str]:
@@ -107,11 +120,11 @@ def _convert(name: str, w: torch.Tensor, to: str, linear: bool, ignore: list) ->
     if to == "fp8":
         q, s = quantize_fp8_blocks(w, FP8_BLOCK)
         return {name: q, name + "_scale_inv": s}
-    if w.shape[1] % INT4_GROUP:
+    if w.shape[1] % (INT4_GROUP if to == "int4" else NVFP4_GROUP):
         ignore.append(name.removesuffix(".weight"))
         return {name: w.contiguous()}
     base = name.removesuffix("weight")
-    return {base + k: v for k, v in pack_int4_ct(w).items()}
+    return {base + k: v for k, v in (pack_int4_ct(w) if to == "int4" else pack_nvfp4_ct(w)).items()}
 
 
 def _save(tensors: dict, path: Path) -> None:
@@ -128,6 +141,13 @@ def _write_config(src: Path, dst: Path, to: str, ignore: list) -> None:
     if to == "fp8":
         q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK),
              "modules_to_not_convert": ignore}
+    elif to == "nvfp4":
+        q = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                           "weights": {"num_bits": 4, "type": "float", "symmetric": True,
+                                                       "strategy": "tensor_group", "group_size": NVFP4_GROUP,
+                                                       "dynamic": False, "observer": "minmax"}}},
+             "ignore": ignore}
     else:
         q = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
              "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,

@@ -76,16 +76,17 @@ def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     return (idx + tie.to(idx.dtype)) | (torch.signbit(x).to(torch.int64) << 3)
 
 
-def quantize_nvfp4(w: torch.Tensor, group_size: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (codes uint8 [N, K/2], scales uint8 [N, K/g + 4]) by NVFP4's rule with a
-    per-row global scale: gs = 448 * 6 / amax(row), s = e4m3(amax(group) / 6 * gs), and each
-    value rounded to the nearest e2m1 of w / (s / gs) (what `--expert-dtype nvfp4` and the bench
-    use on float weights; checkpoints keep their own values)."""
+def quantize_nvfp4(w: torch.Tensor, group_size: int = GROUP, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (codes uint8 [N, K/2], scales uint8 [N, K/g + 4]) by NVFP4's rule (as
+    compressed-tensors' min-max observer): gs = 448 * 6 / amax (per row, or of the whole tensor
+    with `per_tensor`: the checkpoint form, `freetoken quantize --to nvfp4`), s = e4m3(amax(group)
+    / 6 * gs), and each value rounded to the nearest e2m1 of w / (s / gs), a tie to the even one.
+    Checkpoints keep their own values; this is for float sources."""
     n, k = w.shape
     if k % group_size or group_size % 2:
         raise ValueError(f"nvfp4 needs K divisible by an even group size: K={k}, group_size={group_size}")
     wf = w.float()
-    amax = wf.abs().amax(dim=1)
+    amax = wf.abs().amax().expand(n) if per_tensor else wf.abs().amax(dim=1)
     gs = torch.where(amax > 0, FP4_MAX * E4M3_MAX / amax, torch.ones_like(amax))
     g = wf.view(n, k // group_size, group_size)
     s = (g.abs().amax(-1) / FP4_MAX * gs[:, None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
