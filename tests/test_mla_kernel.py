@@ -19,8 +19,10 @@ def _view(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_kernel_matches_torch_reference_over_paged_latents(kv_dtype):
+def test_kernel_matches_torch_reference_over_paged_latents(kv_dtype, w_dtype):
+    """W_UK / W_UV read in place from kv_b [H, dn + dv, R] at its stored precision (fp32, bf16 bits)."""
     g = torch.Generator().manual_seed(0)
     lengths = [1, 7, 300]  # 300 keys: several chunks merged
     cache = KVCache.for_spec(PagedLatent(R, DR), 1, 40, 16, kv_dtype)
@@ -30,6 +32,8 @@ def test_kernel_matches_torch_reference_over_paged_latents(kv_dtype):
     slots = perm[:total]
     cache.write(0, slots, c_all[:, None], r_all[:, None])
     w_uk, w_uv = torch.randn(H, DN, R, generator=g) * 0.2, torch.randn(H, DV, R, generator=g) * 0.2
+    kv_b = torch.cat([w_uk, w_uv], dim=1).to(w_dtype)  # kv_b_proj's weight [H*(dn+dv), R], viewed per head
+    w_uk, w_uv = kv_b[:, :DN].float(), kv_b[:, DN:].float()  # the reference sees the stored values
     q_nope, q_rope = torch.randn(3, H, DN, generator=g), torch.randn(3, H, DR, generator=g)
     offs = np.cumsum([0] + lengths)
     out = np.zeros((3, H * DV), np.float32)
@@ -37,7 +41,7 @@ def test_kernel_matches_torch_reference_over_paged_latents(kv_dtype):
     lut = fp8_table() if fp8 else np.ones(1, np.float32)
     ks, vs = (float(cache.k_scale[0, 0]), float(cache.v_scale[0, 0])) if fp8 else (1.0, 1.0)
     last = offs[1:] - 1
-    mla_decode(q_nope.numpy(), q_rope.numpy(), w_uk.numpy(), w_uv.numpy(), _view(cache.k[0]), _view(cache.v[0]),
+    mla_decode(q_nope.numpy(), q_rope.numpy(), _view(kv_b), _view(cache.k[0]), _view(cache.v[0]),
                ks, vs, lut, c_all[last].numpy(), r_all[last].numpy(), fp8, slots.numpy(), offs, 0.3, out)
     for t in range(3):
         cc, kr = cache.read(0, slots[offs[t]:offs[t + 1]])

@@ -144,7 +144,10 @@ def _mla_kernels(w, fmt: str, group_size: int) -> None:
     if w.q_a is not None:
         w.q_a, w.q_a_norm = _kernel(w.q_a, fmt, group_size), w.q_a_norm.float()
     w.q_b, w.kv_a = _kernel(w.q_b, fmt, group_size), _kernel(w.kv_a, fmt, group_size)
-    w.kv_a_norm, w.kv_b = w.kv_a_norm.float(), w.kv_b.float()
+    # kv_b (W_UK / W_UV) stays at its stored precision: the decode kernel reads fp32 or bf16 in place
+    w.kv_a_norm = w.kv_a_norm.float()
+    if w.kv_b.dtype not in (torch.float32, torch.bfloat16):
+        w.kv_b = w.kv_b.float()
 
 
 def _head_format(dense_fmt: str) -> str:
@@ -225,7 +228,7 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
         pk = packed[i] if packed is not None else {}
         lw.qkv = _kernel(lw.qkv, dense_fmt, group_size, pk.get("qkv")) if lw.qkv is not None else None
         lw.o = _kernel(lw.o, dense_fmt, group_size, pk.get("o"))
-        if lw.mla is not None:  # MLA: its projections on the kernels, kv_b (W_UK / W_UV) widened to fp32
+        if lw.mla is not None:  # MLA: its projections on the kernels, kv_b (W_UK / W_UV) kept as stored
             _mla_kernels(lw.mla, dense_fmt, group_size)
         lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
         if lw.q_norm is not None:

@@ -2,7 +2,7 @@
 
 Per layer: rms_norm -> MLA projections (numba GEMVs through KernelLinear; rope on the rope dims)
 -> the new tokens' (latent, rope key) written to the pool -> kernels/cpu_mla.mla_decode (absorbed
-scores and values, the cache read in place, W_UV) -> o_proj added into h -> rms_norm -> router ->
+scores and values, the cache and kv_b's W_UK / W_UV read in place) -> o_proj added into h -> rms_norm -> router ->
 routed experts (the expert bank's numba kernel) and the shared expert / dense MLP added into h.
 Same math as MoeTransformer.forward with layers/mla.py (tests/test_mla_models.py compares both
 backends with transformers).
@@ -26,7 +26,7 @@ _ONE = np.ones(1, np.float32)
 
 
 def _kv_view(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view of one layer's rows: fp32, bf16 as uint16 bits, fp8 as uint8."""
+    """Zero-copy numpy view of one layer's rows (or of kv_b): fp32, bf16 as uint16 bits, fp8 as uint8."""
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -38,12 +38,16 @@ class MlaDecoder:
         self.v = [_kv_view(cache.v[i]) for i in range(a.num_layers)]  # [S, 1, dr] rope keys
         self.fp8 = cache.quantized
         self.lut = kd.fp8_table() if self.fp8 else _ONE
-        # [H, dn, R] / [H, dv, R] fp32 per layer, contiguous for the kernel
-        self.w_uk, self.w_uv = [], []
-        for lw in model.weights.layers:
-            uk, uv = lw.mla.split_kv_b(self.cfg)
-            self.w_uk.append(np.ascontiguousarray(uk.float().numpy()))
-            self.w_uv.append(np.ascontiguousarray(uv.float().numpy()))
+        # W_UK | W_UV per layer: kv_b_proj's own storage viewed [H, dn + dv, R] (fp32, or bf16 as
+        # uint16 bits), no copy: the kernel splits and widens them as it reads
+        H, dn, dv = self.cfg.num_heads, self.cfg.qk_nope_head_dim, self.cfg.v_head_dim
+        self.kv_b = [_kv_view(lw.mla.kv_b.contiguous()).reshape(H, dn + dv, -1) for lw in model.weights.layers]
+
+    @property
+    def absorb_bytes(self) -> int:
+        """Bytes of W_UK / W_UV the decode step holds (kv_b_proj at its stored precision; the
+        model's own tensors, shared, not copies)."""
+        return sum(a.nbytes for a in self.kv_b)
 
     @staticmethod
     def supports(model: MoeTransformer) -> bool:
@@ -72,7 +76,7 @@ class MlaDecoder:
             self.cache.write(i, slots, c[:, None], k_rope[:, None])
             ks, vs = (float(self.cache.k_scale[i, 0]), float(self.cache.v_scale[i, 0])) if self.fp8 else (1.0, 1.0)
             c_np, r_np = c.contiguous().numpy(), k_rope.contiguous().numpy()
-            mla_decode(q_nope.contiguous().numpy(), q_rope.contiguous().numpy(), self.w_uk[i], self.w_uv[i],
+            mla_decode(q_nope.contiguous().numpy(), q_rope.contiguous().numpy(), self.kv_b[i],
                        self.k[i], self.v[i], ks, vs, self.lut, c_np, r_np, self.fp8, ctx, ctx_off,
                        cfg.softmax_scale, attn)
             h += lw.o(torch.from_numpy(attn)).numpy()

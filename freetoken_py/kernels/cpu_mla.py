@@ -7,6 +7,11 @@ For each new token t and head h (R = kv_lora_rank, dr = rope dims, dv = v_head_d
     o_lat[h]   = softmax_j(score[h]) . c                      [R]
     out[h]     = W_UV[h] o_lat[h]                             [dv]
 
+W_UK and W_UV are read in place from kv_b_proj's weight viewed as [H, dn + dv, R] (rows 0..dn of a
+head are W_UK[h], the next dv rows W_UV[h]), at its stored precision: fp32, or bf16 bits (uint16)
+widened per element, so no fp32 copy of them is kept (2 bytes per element for a bf16 checkpoint,
+not 4 + 4 for a widened kv_b plus split copies).
+
 The context is split into key chunks (cpu_decode._chunk_size, a function of its length alone);
 each chunk widens its latent rows once for every head (the cache is streamed once, not once per
 head) and keeps a partial softmax (max, sum, unnormalised o_lat), merged per token afterwards.
@@ -68,21 +73,22 @@ def _chunk(q_lat, q_rope, kc, vc, kscale, vscale, lut, exact_c, exact_r, exact_l
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def mla_decode(q_nope, q_rope, w_uk, w_uv, kc, vc, kscale, vscale, lut, exact_c, exact_r, exact_last,
+def mla_decode(q_nope, q_rope, kv_b, kc, vc, kscale, vscale, lut, exact_c, exact_r, exact_last,
                ctx, ctx_off, scale, out):
-    """q_nope [T, H, dn], q_rope [T, H, dr] (roped), fp32; w_uk [H, dn, R], w_uv [H, dv, R] fp32;
+    """q_nope [T, H, dn], q_rope [T, H, dr] (roped), fp32; kv_b [H, dn + dv, R] (W_UK | W_UV per
+    head: kv_b_proj's weight viewed per head), fp32 or bf16 bits (uint16);
     kc [S, 1, R] / vc [S, 1, dr]: one layer's latent / rope-key cache; kscale, vscale: FP8 scales
     (1 otherwise); exact_c [T, R], exact_r [T, dr]: the new tokens' own rows (used when exact_last);
     ctx [sum n_t] / ctx_off [T + 1]: each token's key slots, its own last. out [T, H*dv]."""
     T, H, dn = q_nope.shape
-    R, dv = w_uk.shape[2], w_uv.shape[1]
+    R, dv = kv_b.shape[2], kv_b.shape[1] - dn
     q_lat = np.zeros((T, H, R), np.float32)
     for task in prange(T * H):
         t, h = task // H, task % H
         for d in range(dn):
             qd = q_nope[t, h, d]
             for r in range(R):
-                q_lat[t, h, r] += qd * w_uk[h, d, r]
+                q_lat[t, h, r] += qd * kv_widen(kv_b[h, d, r], lut)
     first, cs, owner, m, l, acc = _chunk_plan(ctx_off, T, H, R)
     for task in prange(first[T]):
         t = owner[task]
@@ -105,5 +111,5 @@ def mla_decode(q_nope, q_rope, w_uk, w_uv, kc, vc, kscale, vscale, lut, exact_c,
         for v in range(dv):
             s = np.float32(0.0)
             for r in range(R):
-                s += w_uv[h, v, r] * o_lat[r]
+                s += kv_widen(kv_b[h, dn + v, r], lut) * o_lat[r]
             out[t, h * dv + v] = s / tot
