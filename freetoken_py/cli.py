@@ -49,6 +49,10 @@ _VRAM_BUDGET = typer.Option(0.0, "--vram-budget", min=0.0,
 _RESIDENCY_POLICY = typer.Option("ours", "--residency-policy", help="ours, lru or static.")
 _KV_SCALES = typer.Option(None, "--kv-scales", help="--kv-dtype fp8: JSON cache of the calibrated per-head scales "
                           "(read when it exists, else calibrated on the shipped text and written).")
+_PREFILL_EXPERT_DTYPE = typer.Option("auto", "--prefill-expert-dtype",
+                                     help="cpu backend: experts of prefill chunks as auto (= --expert-dtype), bf16, "
+                                     "fp32 or int8, from a second copy mapped from its cache file; decode steps keep "
+                                     "--expert-dtype (e.g. --expert-dtype int4 --prefill-expert-dtype bf16).")
 
 
 @app.command()
@@ -80,6 +84,7 @@ def run(
                                     "int4 (router and lm_head stay int8)."),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend / --expert-dtype: auto (map the packed-expert cache "
                                      "file, else build and write it), off, or rebuild."),
+    prefill_expert_dtype: str = _PREFILL_EXPERT_DTYPE,
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8 "
                                  "(e4m3: twice the tokens in the same memory)."),
@@ -102,6 +107,7 @@ def run(
         model_dir=_resolve_model(model), prompt=prompt, chat=chat, system=system, as_json=as_json, dtype=dtype,
         max_model_len=max_model_len, kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend,
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, expert_cache=expert_cache, threads=threads,
+        prefill_expert_dtype=prefill_expert_dtype,
         kv_dtype=kv_dtype, kv_scales=str(kv_scales or ""), prefix_cache=not no_prefix_cache, stats=stats,
         residency=dict(_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy),
                        record_routing=str(record_routing or "")),
@@ -149,6 +155,7 @@ def serve(
                                     "int4 (router and lm_head stay int8)."),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend / --expert-dtype: auto (map the packed-expert cache "
                                      "file, else build and write it), off, or rebuild."),
+    prefill_expert_dtype: str = _PREFILL_EXPERT_DTYPE,
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
@@ -165,6 +172,7 @@ def serve(
     engine = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend, expert_dtype=expert_dtype,
                   dense_dtype=dense_dtype, expert_cache=expert_cache, kv_dtype=kv_dtype, kv_scales=str(kv_scales or ""),
+                  prefill_expert_dtype=prefill_expert_dtype,
                   enable_prefix_cache=not no_prefix_cache,
                   **_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy))
     serve_main(ServeOptions(model_dir=_resolve_model(model), host=host, port=port, api_key=api_key,
@@ -235,12 +243,17 @@ def eval_kld(
                                     "weights as auto, bf16, fp32, int8, int4."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Fast configuration: KV cache as auto, fp32, bf16, fp8."),
     kv_scales: Optional[Path] = _KV_SCALES,
+    prefill_expert_dtype: str = typer.Option("auto", "--prefill-expert-dtype", help="Fast configuration: experts "
+                                             "of prefill chunks as auto (= --expert-dtype), bf16, fp32, int8 (see "
+                                             "--prefill)."),
     backend: str = typer.Option("auto", "--backend", help="Both engines: auto, cpu or torch."),
     dtype: str = typer.Option("auto", "--dtype", help="Both engines' compute dtype."),
     window: int = typer.Option(256, "--window", min=2, help="Tokens per window (each starts a fresh context)."),
     windows: int = typer.Option(16, "--windows", min=1, help="Windows at most, evenly spread over the text."),
     chunk: int = typer.Option(1, "--chunk", min=1, help="Tokens per forward pass (1: every position is a decode "
                               "step reading its history from the KV cache)."),
+    prefill: int = typer.Option(0, "--prefill", min=0, help="The first N tokens of each window as one prefill "
+                                "chunk, the rest --chunk at a time (a prompt, then decode steps)."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0 = all cores)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON line."),
 ) -> None:
@@ -252,12 +265,12 @@ def eval_kld(
     if against is not None and not against.is_dir():
         raise FreetokenError(f"--against {against}: no such directory (expected a Hugging Face checkpoint folder)")
     configure_threads(threads or None)
-    fast = {k: v for k, v in dict(expert_dtype=expert_dtype, dense_dtype=dense_dtype, kv_dtype=kv_dtype).items()
-            if v != "auto"}
+    fast = {k: v for k, v in dict(expert_dtype=expert_dtype, dense_dtype=dense_dtype, kv_dtype=kv_dtype,
+                                  prefill_expert_dtype=prefill_expert_dtype).items() if v != "auto"}
     both = {k: v for k, v in dict(backend=backend, dtype=dtype).items() if v != "auto"}
     kld_main(KldOptions(_resolve_model(model), against, tuple(files or ()), window, windows, chunk,
                         fast={**both, **fast, **({"kv_scales": str(kv_scales)} if kv_scales else {})},
-                        reference=both, as_json=as_json, show_progress=not as_json))
+                        reference=both, as_json=as_json, show_progress=not as_json, prefill=prefill))
 
 
 @eval_app.command("tools")

@@ -25,6 +25,7 @@ class RunOptions:
     expert_dtype: str = "auto"
     dense_dtype: str = "auto"
     expert_cache: str = "auto"
+    prefill_expert_dtype: str = "auto"   # --prefill-expert-dtype
     threads: int = 0
     kv_dtype: str = "auto"
     kv_scales: str = ""            # --kv-scales FILE (fp8 KV scales cache)
@@ -41,6 +42,7 @@ def run_main(opts: RunOptions) -> None:
     configure_threads(opts.threads or None)
     llm = LLM(opts.model_dir, dtype=opts.dtype, max_model_len=opts.max_model_len, backend=opts.backend,
               expert_dtype=opts.expert_dtype, dense_dtype=opts.dense_dtype, expert_cache=opts.expert_cache,
+              prefill_expert_dtype=opts.prefill_expert_dtype,
               kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
               show_progress=not opts.as_json, kv_dtype=opts.kv_dtype, kv_scales=opts.kv_scales, enable_prefix_cache=opts.prefix_cache,
               **opts.residency)

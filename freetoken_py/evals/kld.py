@@ -10,7 +10,18 @@ t (predicting token t+1), in float64:
     KL(ref || fast) = sum_v p_ref(v) * (log p_ref(v) - log p_fast(v))
 
 mean / p99 / max over all positions, the share of positions whose arg-max agrees, and each
-engine's perplexity exp(mean -log p(token t+1)).
+engine's perplexity exp(mean -log p(token t+1)). With `prefill` N > 0 the first N tokens of each
+window are one prefill chunk (a prompt) and the rest go `chunk` at a time (decode steps), and the
+mean over the positions after the prompt is reported too (`--prefill-expert-dtype` shows there).
+
+Per-layer error of the expert outputs: every call of the fast engine's expert executor is also
+run through the reference engine's executor on the same inputs (hidden rows, routed ids and
+weights: the fast engine's, teacher-forced), and per MoE layer
+
+    rel_l2 = sqrt(sum ||out_fast - out_ref||^2 / sum ||out_ref||^2)
+
+over every row of every window (None for dense layers). It isolates each layer's own expert
+error (quantisation) from what earlier layers passed on; 0 where the experts are the same.
 """
 from __future__ import annotations
 
@@ -36,6 +47,8 @@ class KldOptions:
     reference: dict = field(default_factory=dict)   # ... and of the reference (backend, dtype)
     as_json: bool = False
     show_progress: bool = True
+    prefill: int = 0                     # first N tokens of each window as one prefill chunk
+    layer_error: bool = True             # per-layer relative L2 error of the expert outputs
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,8 @@ class KldResult:
     same_top1: float          # share of positions, 0..1
     ppl_fast: float
     ppl_ref: float
+    mean_kld_after_prefill: float | None = None   # positions after the prefill chunk (prefill > 0)
+    expert_rel_l2: list | None = None             # per layer (None: dense layer); None: not measured
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -76,9 +91,10 @@ def read_windows(tokenizer, files: tuple[Path, ...], window: int, max_windows: i
     return windows
 
 
-def window_logits(llm, tokens: list[int], chunk: int):
+def window_logits(llm, tokens: list[int], chunk: int, prefill: int = 0):
     """fp32 logits [len(tokens), V] of every position, computed `chunk` tokens per forward pass
-    through `llm`'s engine and KV cache (a throwaway request: nothing reaches the prefix cache)."""
+    (after a first pass of `prefill` tokens, when > 0) through `llm`'s engine and KV cache (a
+    throwaway request: nothing reaches the prefix cache)."""
     import torch
 
     from freetoken_py.core import Request, SamplingParams
@@ -89,7 +105,7 @@ def window_logits(llm, tokens: list[int], chunk: int):
     rows = []
     try:
         while req.num_computed < len(tokens):
-            n = min(chunk, len(tokens) - req.num_computed)
+            n = min(prefill if req.num_computed == 0 and prefill > 0 else chunk, len(tokens) - req.num_computed)
             rows.append(llm.runner.forward_batch([ScheduledChunk(req, n)], all_rows=True))
     finally:
         llm.allocator.release(req.page_table)
@@ -107,22 +123,81 @@ def window_stats(fast_logits, ref_logits, tokens: list[int]):
     return kl, lf.argmax(-1) == lr.argmax(-1), -lf.gather(1, nxt)[:, 0], -lr.gather(1, nxt)[:, 0]
 
 
-def compare(fast, ref, windows: list[list[int]], chunk: int, show_progress: bool = False) -> KldResult:
-    """KLD of engine `fast` against engine `ref` over `windows` (both LLMs, same vocabulary)."""
+class ExpertErrorProbe:
+    """Wraps the fast engine's expert executor for one comparison: each call's output is
+    returned as it is and compared with the reference executor's on the same inputs (float64
+    sums of squares per layer). While it is attached the fused decode step calls it per layer
+    (the generic path: the same kernels' results to rounding)."""
+
+    def __init__(self, inner, ref_experts, ref_dtype, num_layers: int):
+        import torch
+
+        self.inner, self.ref, self.ref_dtype = inner, ref_experts, ref_dtype
+        self.err = torch.zeros(num_layers, dtype=torch.float64)
+        self.norm = torch.zeros(num_layers, dtype=torch.float64)
+        self.seen = [False] * num_layers
+
+    def __getattr__(self, name):   # activation, banks, ... of the wrapped executor
+        return getattr(self.inner, name)
+
+    def __call__(self, layer, x, ids, weights):
+        import torch
+
+        out = self.inner(layer, x, ids, weights)
+        with torch.no_grad():
+            ref = self.ref(layer, x.to(self.ref_dtype), ids, weights.to(self.ref_dtype)).double()
+            self.err[layer] += (out.double() - ref).pow(2).sum()
+            self.norm[layer] += ref.pow(2).sum()
+        self.seen[layer] = True
+        return out
+
+    def rel_l2(self) -> list:
+        return [round(((e / n) ** 0.5).item(), 8) if s and n > 0 else None
+                for e, n, s in zip(self.err, self.norm, self.seen)]
+
+
+def _probe_for(fast, ref):
+    """An ExpertErrorProbe when both engines run their experts through an executor of the same
+    layer / expert layout (not the residency tiers); else None (the error is not reported)."""
+    fa, ra = fast.args, ref.args
+    same = (fa.num_layers, fa.num_experts, fa.hidden_size, fa.moe_intermediate_size) == \
+           (ra.num_layers, ra.num_experts, ra.hidden_size, ra.moe_intermediate_size)
+    if not same or fast.residency is not None or ref.residency is not None or not any(fa.sparse_layers):
+        return None
+    return ExpertErrorProbe(fast.model.experts, ref.model.experts, ref.model.dtype, fa.num_layers)
+
+
+def compare(fast, ref, windows: list[list[int]], chunk: int, show_progress: bool = False, prefill: int = 0,
+            layer_error: bool = False) -> KldResult:
+    """KLD of engine `fast` against engine `ref` over `windows` (both LLMs, same vocabulary);
+    layer_error: also the per-layer error of the expert outputs (ExpertErrorProbe)."""
     import torch
 
     from freetoken_py.utils.progress import progress_bar
 
-    parts = []
-    with progress_bar(f"KLD over {len(windows)} windows", len(windows), show_progress) as advance:
-        for tokens in windows:
-            parts.append(window_stats(window_logits(fast, tokens, chunk), window_logits(ref, tokens, chunk), tokens))
-            advance()
+    parts, after = [], []
+    probe = _probe_for(fast, ref) if layer_error else None
+    if probe is not None:
+        fast.model.experts = probe
+    try:
+        with progress_bar(f"KLD over {len(windows)} windows", len(windows), show_progress) as advance:
+            for tokens in windows:
+                st = window_stats(window_logits(fast, tokens, chunk, prefill), window_logits(ref, tokens, chunk, prefill),
+                                  tokens)
+                parts.append(st)
+                after.append(st[0][prefill:])
+                advance()
+    finally:
+        if probe is not None:
+            fast.model.experts = probe.inner
     kl, same, nll_f, nll_r = (torch.cat(p) for p in zip(*parts))
+    tail = torch.cat(after)
     return KldResult(windows=len(windows), positions=len(kl), mean_kld=kl.mean().item(),
                      p99_kld=torch.quantile(kl, 0.99).item(), max_kld=kl.max().item(),
                      same_top1=same.double().mean().item(), ppl_fast=nll_f.mean().exp().item(),
-                     ppl_ref=nll_r.mean().exp().item())
+                     ppl_ref=nll_r.mean().exp().item(),
+                     mean_kld_after_prefill=tail.mean().item() if prefill > 0 and len(tail) else None,
+                     expert_rel_l2=probe.rel_l2() if probe is not None else None)
 
 
 def load_engines(opts: KldOptions):
@@ -134,6 +209,8 @@ def load_engines(opts: KldOptions):
     fast = LLM(opts.model_dir, **common, **opts.fast)
     if fast.tokenizer is None:
         raise FreetokenError(f"--model {opts.model_dir}: no tokenizer.json; eval kld tokenises text with it")
+    if opts.prefill >= opts.window:
+        raise FreetokenError(f"--prefill {opts.prefill} must be shorter than the window ({opts.window} tokens)")
     if opts.window > min(fast.max_model_len, fast.kv_capacity_tokens):
         raise FreetokenError(f"--window {opts.window} is longer than the context "
                              f"({min(fast.max_model_len, fast.kv_capacity_tokens)} tokens)")
@@ -154,11 +231,12 @@ def kld_main(opts: KldOptions) -> dict:
         raise FreetokenError(f"{missing[0]}: no such text file")
     fast, ref = load_engines(opts)
     windows = read_windows(fast.tokenizer, opts.files or DEFAULT_TEXTS, opts.window, opts.max_windows)
-    res = compare(fast, ref, windows, opts.chunk, opts.show_progress and not opts.as_json)
+    res = compare(fast, ref, windows, opts.chunk, opts.show_progress and not opts.as_json, opts.prefill,
+                  opts.layer_error)
     out = {"eval": "kld", "model": str(opts.model_dir), "against": str(opts.against or opts.model_dir),
            "fast": opts.fast, "reference": opts.reference or "the checkpoint's own precision",
            "texts": [str(p) for p in opts.files] or "shipped corpus (prose.txt, code.txt)",
-           "window": opts.window, "chunk": opts.chunk, **res.as_dict(),
+           "window": opts.window, "chunk": opts.chunk, "prefill": opts.prefill, **res.as_dict(),
            "kv_fp8_clipped": fast.runner.cache.clipped, "kv_calibration": fast.kv_calibration,
            "seconds": round(time.perf_counter() - t0, 2)}
     print(json.dumps(out) if opts.as_json else _report(out))
@@ -170,10 +248,15 @@ def _report(o: dict) -> str:
     lines = [f"fast:      {o['model']} ({fast})",
              f"reference: {o['against']} ({o['reference']})",
              f"text:      {o['windows']} windows x {o['window']} tokens = {o['positions']} predictions, "
-             f"{o['chunk']} token(s) per forward pass",
+             f"{o['chunk']} token(s) per forward pass" + (f" after a prefill of {o['prefill']}" if o["prefill"] else ""),
              f"KLD:       mean {o['mean_kld']:.6f}  p99 {o['p99_kld']:.6f}  max {o['max_kld']:.6f}",
              f"top-1:     {100 * o['same_top1']:.2f}% the same",
              f"perplexity: fast {o['ppl_fast']:.4f}  reference {o['ppl_ref']:.4f}"]
+    if o["mean_kld_after_prefill"] is not None:
+        lines.append(f"KLD after the prefill: mean {o['mean_kld_after_prefill']:.6f}")
+    if o["expert_rel_l2"] is not None:
+        lines.append("expert error (relative L2 per MoE layer, same inputs): " + "  ".join(
+            f"{i}:{e:.2e}" for i, e in enumerate(o["expert_rel_l2"]) if e is not None))
     if o["kv_calibration"]:
         lines.append(f"FP8 KV:    scales from {o['kv_calibration'].get('source')}; "
                      f"{o['kv_fp8_clipped']} values clipped")
