@@ -62,9 +62,12 @@ class LLM:
         auto_kv = getattr(self.model, "kv_dtype", self.model.dtype)  # cpu backend: bf16 for bf16 checkpoints
         self.kv_dtype = {"auto": auto_kv, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]
         a = self.args
-        self._page_bytes = page_bytes(self.model.state_spec(), a.num_layers, self.config.page_size, self.kv_dtype)
+        # only the paged layers count (a hybrid's linear-attention layers keep a per-request state)
+        self._page_bytes = page_bytes(self.model.state_spec(), self.model.num_paged_layers, self.config.page_size,
+                                      self.kv_dtype)
         num_pages = self._num_pages()
-        self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype)
+        self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype,
+                                  state_slots=self.config.max_num_seqs + self.spare_state_slots())
         self.residency = attach_tiers(self.model, self.config)   # after the KV cache: on a GPU the slots take what is left
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = RadixCache(self.allocator, self.config.page_size) if self.config.enable_prefix_cache else None
@@ -73,7 +76,8 @@ class LLM:
         self._namespace_base: tuple | None = None
         self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.prefix_cache, self._cache_namespace,
-                                   self.tracker, more_pages=self._more_pages if self.residency is not None else None)
+                                   self.tracker, more_pages=self._more_pages if self.residency is not None else None,
+                                   state_pool=self.runner.states)
         # the residency tiers run on the torch backend: no fused CPU decoder holds views of the
         # KV tensors that _more_pages / _return_pages reallocate
         assert self.residency is None or self.runner.fused is None
@@ -191,11 +195,22 @@ class LLM:
         self._namespace_base = None
         req = Request(list(token_ids), SamplingParams())
         req.page_table = self.allocator.allocate(-(-n // self.config.page_size))
+        req.state_slot = self._throwaway_state_slot()
         try:
             self.runner.forward_batch([ScheduledChunk(req, n)])
         finally:
             self.allocator.release(req.page_table)
+            self._free_state_slot(req)
         cache.clipped_per_layer.zero_()     # (the calibration's own write cannot clip; counted from here)
+
+    def _throwaway_state_slot(self) -> int | None:
+        """A state slot for a request run outside the scheduler (calibration, warm-up); hybrids only."""
+        return self.runner.states.allocate() if self.runner.states is not None else None
+
+    def _free_state_slot(self, req: Request) -> None:
+        if req.state_slot is not None:
+            self.runner.states.free(req.state_slot)
+            req.state_slot = None
 
     def _warm_kernels(self) -> None:
         """cpu backend: a 3-token prefill and one decode step of a throwaway request, so numba
@@ -207,6 +222,7 @@ class LLM:
             return
         req = Request([t % self.args.vocab_size for t in (1, 2, 3)], SamplingParams())
         req.page_table = self.allocator.allocate(-(-4 // ps))
+        req.state_slot = self._throwaway_state_slot()
         try:
             with progress_bar("Preparing CPU kernels (compiled once per machine)", 2,
                               self.config.show_progress) as advance:
@@ -217,6 +233,7 @@ class LLM:
                 advance()
         finally:
             self.allocator.release(req.page_table)
+            self._free_state_slot(req)
             if self.runner.governor is not None:
                 self.runner.governor.reset()  # those step times include compiling / loading kernels
 
@@ -234,6 +251,16 @@ class LLM:
                 budget = min(want, psutil.virtual_memory().available // 8)
         return max(2, budget // per_page)
 
+    def spare_state_slots(self) -> int:
+        """Recurrent-state slots beyond max_num_seqs (hybrids: for prefix-state snapshots); 0 here."""
+        return 0
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Fixed-size state one request holds (a hybrid's conv + recurrent state over its linear
+        layers, fp32), measured from the pool; 0 for models without recurrent layers."""
+        return self.runner.states.bytes_per_slot if self.runner.states is not None else 0
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token takes across every layer, measured from the pool (MLA: latent + rope key)."""
@@ -249,7 +276,11 @@ class LLM:
                "cached_pages": len(cache.cached_pages()) if cache is not None else 0,
                "page_size": self.config.page_size, "running": len(self.scheduler.running),
                "waiting": len(self.scheduler.waiting),
-               "kv_fp8_clipped": self.runner.cache.clipped}  # FP8 KV values saturated (0 otherwise)
+               "kv_fp8_clipped": self.runner.cache.clipped,  # FP8 KV values saturated (0 otherwise)
+               "kv_bytes_per_token": self.kv_bytes_per_token,  # paged layers only
+               "state_bytes_per_request": self.state_bytes_per_request}  # hybrids' recurrent layers (else 0)
+        if self.runner.states is not None:
+            out["state_slots"], out["free_state_slots"] = self.runner.states.num_slots, self.runner.states.num_free
         prefill = getattr(self.model, "prefill_expert_store", None)
         if prefill is not None:   # --prefill-expert-dtype: the second copy of the experts, and where it lies
             out["prefill_experts"] = prefill_expert_memory(prefill)

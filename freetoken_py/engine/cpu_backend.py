@@ -123,7 +123,7 @@ def packed_dense(ckpt, model: MoeTransformer) -> list[dict]:
     for i, lw in enumerate(model.weights.layers):
         p = s.layer.format(i=i)
         got = {}
-        if getattr(lw, "mla", None) is None:      # (getattr: families without the field)
+        if getattr(lw, "mla", None) is None and getattr(lw, "gdn", None) is None:  # (getattr: families without the field)
             got["qkv"] = fused([f"{p}self_attn.{x}_proj.weight" for x in "qkv"])
         got["o"] = fused([p + "self_attn.o_proj.weight"])
         if lw.mlp13 is not None:
@@ -230,6 +230,9 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
         lw.o = _kernel(lw.o, dense_fmt, group_size, pk.get("o"))
         if lw.mla is not None:  # MLA: its projections on the kernels, kv_b (W_UK / W_UV) kept as stored
             _mla_kernels(lw.mla, dense_fmt, group_size)
+        if lw.gdn is not None:  # Gated DeltaNet: the fused input projection on the kernels, the rest fp32
+            g = lw.gdn
+            g.in_proj, g.conv, g.norm = _kernel(g.in_proj, dense_fmt, group_size), g.conv.float(), g.norm.float()
         lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
         if lw.q_norm is not None:
             lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
@@ -239,6 +242,8 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
             if lw.shared13 is not None:  # the shared expert is dense work, in the dense format
                 lw.shared13 = _kernel(lw.shared13, dense_fmt, group_size, pk.get("shared13"))
                 lw.shared2 = _kernel(lw.shared2, dense_fmt, group_size, pk.get("shared2"))
+            if lw.shared_gate is not None:  # [1, D]: its sigmoid scales the shared expert, kept fp32
+                lw.shared_gate = _kernel(lw.shared_gate, "fp32")
             if prebuilt is not None:
                 banks.append(prebuilt[i])
             elif lw.w13 is None:

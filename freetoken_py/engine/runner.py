@@ -12,7 +12,7 @@ from freetoken_py.engine.fused_decode import FusedDecoder, decode_slots
 from freetoken_py.engine.fused_mla import MlaDecoder
 from freetoken_py.engine.threads_governor import ThreadGovernor
 from freetoken_py.kernels.threads import set_kernel_threads
-from freetoken_py.kvcache import KVCache
+from freetoken_py.kvcache import KVCache, StatePool
 from freetoken_py.layers.attention import AttentionMetadata, build_seq_attention
 from freetoken_py.models.moe_transformer import MoeTransformer
 
@@ -30,15 +30,19 @@ class ScheduledChunk:
 
 class ModelRunner:
     def __init__(self, model: MoeTransformer, num_pages: int, page_size: int, kv_dtype: torch.dtype | None = None,
-                 fused_decode: bool = True):
-        a = model.args
+                 fused_decode: bool = True, state_slots: int = 0):
+        """state_slots: per-request recurrent-state slots of a hybrid model (max_num_seqs plus the
+        spares kept for prefix-state snapshots); ignored by models without recurrent layers."""
         self.model = model
-        self.cache = KVCache.for_spec(model.state_spec(), a.num_layers, num_pages, page_size, kv_dtype or model.dtype,
-                                      model.device)   # with the dense weights: VRAM when they are on a GPU
+        # only the paged layers (every layer but a hybrid's linear-attention ones) have K/V pages
+        self.cache = KVCache.for_spec(model.state_spec(), model.num_paged_layers, num_pages, page_size,
+                                      kv_dtype or model.dtype, model.device)   # with the dense weights: VRAM when on a GPU
+        self.states = (StatePool(model.state_specs(), max(1, state_slots), model.device)
+                       if model.hybrid else None)   # kvcache/state.py: one slot per request
         self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)
         self.governor = None  # its thread count, re-decided from step times (threads_governor.py)
         decoder = MlaDecoder if model.args.mla is not None else FusedDecoder  # by attention kind
-        if fused_decode and decoder.supports(model):
+        if fused_decode and not model.hybrid and decoder.supports(model):
             from freetoken_py.envs import adaptive_threads
             from freetoken_py.kernels.threads import configured_threads
 
@@ -70,11 +74,13 @@ class ModelRunner:
             if ch.samples:
                 sample_rows.append(row - 1)
         new_slots = torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])  # new tokens end each context
-        meta = AttentionMetadata(new_slots, seqs)
+        meta = AttentionMetadata(new_slots, seqs,
+                                 [ch.req.state_slot for ch in chunks] if self.states is not None else None)
         if self._asym is not None:   # tokens of chunks of several: prefill precision; of chunks of one: decode's
             self._asym.prefill_rows = torch.tensor([ch.num_new > 1 for ch in chunks for _ in range(ch.num_new)])
         try:
-            hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.cache)  # [T, D]
+            hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.cache,
+                                        self.states)  # [T, D]
         finally:
             if self._asym is not None:
                 self._asym.prefill_rows = None

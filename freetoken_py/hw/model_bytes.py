@@ -61,10 +61,11 @@ class ModelBytes:
     num_experts: int
     vocab_size: int
     tied_embeddings: bool
-    kv_bytes_per_token: int             # bf16 KV cache, all layers
+    kv_bytes_per_token: int             # bf16 KV cache, the paged (full-attention) layers
     per_token: dict[str, int] = field(default_factory=dict)   # bytes read per decode token
     weight_format: str = "unquantised"  # formats/ decoder's description (fp8 block [128, 128], ...)
     format_error: Optional[str] = None  # set when freetoken cannot load this format (the one-line reason)
+    state_bytes_per_request: int = 0    # hybrids: fp32 conv + recurrent state of the linear-attention layers
 
     @property
     def routed_expert_bytes(self) -> int:
@@ -145,8 +146,33 @@ def _layers(tensors: list[TensorInfo], num_experts_cfg: int) -> tuple[LayerBytes
     return tuple(layers)
 
 
+def _linear_layers(cfg: dict[str, Any], num_layers: int) -> int:
+    """How many layers are linear attention (Gated DeltaNet: a fixed-size state, no KV pages)."""
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list):
+        return sum(k == "linear_attention" for k in kinds[:num_layers])
+    if cfg.get("linear_num_value_heads"):  # qwen3_next's default: every full_attention_interval-th is full
+        interval = int(cfg.get("full_attention_interval") or 4)
+        return sum((i + 1) % interval != 0 for i in range(num_layers))
+    return 0
+
+
+def state_bytes_per_request(cfg: dict[str, Any], num_layers: int) -> int:
+    """fp32 state one request holds in the linear-attention layers: the conv's last K-1 inputs
+    (conv_dim = 2 Hk dk + Hv dv) and the delta-rule state [Hv, dk, dv] per layer."""
+    n = _linear_layers(cfg, num_layers)
+    if not n:
+        return 0
+    hk, hv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+    kernel = int(cfg.get("linear_conv_kernel_dim") or 4)
+    return n * 4 * ((2 * hk * dk + hv * dv) * (kernel - 1) + hv * dk * dv)
+
+
 def kv_bytes_per_token(cfg: dict[str, Any], num_layers: int) -> int:
-    """bf16 KV cache bytes one token adds (MLA models cache the compressed latent)."""
+    """bf16 KV cache bytes one token adds (MLA models cache the compressed latent; hybrids only
+    in their full-attention layers)."""
+    num_layers -= _linear_layers(cfg, num_layers)
     if cfg.get("kv_lora_rank"):
         per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
     else:
@@ -209,6 +235,7 @@ def read_model_bytes(model_dir: Path) -> ModelBytes:
         total_bytes=sum(by_category.values()), by_category=dict(by_category), layers=layers,
         top_k=top_k, num_experts=num_experts, vocab_size=vocab, tied_embeddings=tied,
         kv_bytes_per_token=kv_bytes_per_token(cfg, num_layers),
+        state_bytes_per_request=state_bytes_per_request(cfg, num_layers),
         per_token=per_token_bytes(by_category, layers, top_k,
                                   embed[0].shape[0] if embed else vocab, tied),
         **_weight_format(model_dir, infos))

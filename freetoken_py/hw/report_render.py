@@ -91,6 +91,8 @@ def model_table(model: dict) -> Table:
     t.add_row("read per token", f"{size(model['per_token_bytes'])}: "
               + ", ".join(f"{k} {size(v)}" for k, v in pt.items()))
     t.add_row("KV per token", size(model["kv_bytes_per_token"]))
+    if model.get("state_bytes_per_request"):   # hybrids: the linear-attention layers' fixed state
+        t.add_row("state per request", size(model["state_bytes_per_request"]) + " (conv + recurrent, fp32)")
     return t
 
 

@@ -34,10 +34,11 @@ class SeqAttention:
 class AttentionMetadata:
     new_slots: torch.Tensor  # [T] slot of each new token
     seqs: list[SeqAttention]
+    state_slots: list[int] | None = None  # hybrids: each seq's StatePool slot (kvcache/state.py)
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The index tensors on the KV cache's device (built on the host, once per batch)."""
-        return AttentionMetadata(self.new_slots.to(device), [s.to(device) for s in self.seqs])
+        return AttentionMetadata(self.new_slots.to(device), [s.to(device) for s in self.seqs], self.state_slots)
 
 
 def build_seq_attention(cache: KVCache, page_table: list[int], start: int, num_new: int,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from freetoken_py.errors import ModelLoadError, UnsupportedModelError
+from freetoken_py.layers.gated_deltanet import GdnConfig
 from freetoken_py.layers.mla import MlaConfig
 
 
@@ -49,10 +50,26 @@ class ModelArgs:
     rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
     o_bias: bool | None = None  # o_proj bias; None: as attention_bias (GLM-4.5: q/k/v biases only)
     mla: MlaConfig | None = None  # the attention kind: None = GQA (q/k/v projections), else MLA (layers/mla.py)
+    # hybrids (qwen3_next, qwen3_5_moe): per layer "full_attention" or "linear_attention" (Gated
+    # DeltaNet, layers/gated_deltanet.py, configured by `gdn`); None = every layer full attention
+    layer_kinds: tuple[str, ...] | None = None
+    gdn: GdnConfig | None = None
+    attn_output_gate: bool = False  # q_proj rows per head [query | gate]; o = o_proj(attn * sigmoid(gate))
+    zero_centred_norms: bool = False  # RMSNorm weights stored as w, applied as (1 + w) in fp32 (FAMILIES §0 (c))
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(shared_expert_gate(x))
 
     @property
     def rope_dim(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def is_linear(self, i: int) -> bool:
+        """Layer i is a linear-attention (recurrent state) layer."""
+        return self.layer_kinds is not None and self.layer_kinds[i] == "linear_attention"
+
+    @property
+    def paged_layers(self) -> list[int]:
+        """The layers with a paged KV / latent cache, in order (every layer but the linear ones)."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
 
     @property
     def has_o_bias(self) -> bool:

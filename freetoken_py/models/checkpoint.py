@@ -25,6 +25,16 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    # a part of the stored tensor `name`: (index along dim 0, row start, row end) of its dim 1
+    # (a fused [E, 2I, D] expert stack read as per-expert gate / up / down tensors); None = all
+    part: tuple[int, int, int] | None = None
+
+    def sub(self, index: int, start: int | None = None, end: int | None = None) -> "TensorInfo":
+        """The view `stored[index, start:end]` of a 3-D tensor, under the same stored name."""
+        start, end = start or 0, self.shape[1] if end is None else end
+        shape = (end - start, *self.shape[2:])
+        per = self.nbytes // (self.shape[0] * self.shape[1])
+        return TensorInfo(self.name, self.file, self.dtype, shape, per * (end - start), (index, start, end))
 
 
 def read_json(path: Path) -> dict:
@@ -131,6 +141,9 @@ class TensorReader:
             except Exception as exc:  # safetensors raises its own error types
                 raise ModelLoadError(f"{info.file}: cannot open safetensors file ({exc})") from None
             self._handles[info.file] = handle
+        if info.part is not None:  # one expert's rows of a fused stack
+            e, a, b = info.part
+            return handle.get_slice(info.name)[e:e + 1, a:b][0]
         return handle.get_tensor(info.name)  # the stored name (a model file may rename, loader._model_names)
 
     def close(self) -> None:

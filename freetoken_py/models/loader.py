@@ -130,15 +130,16 @@ def _model_names(tensors: dict[str, TensorInfo], module) -> dict[str, TensorInfo
     None` (kimi_k25: the `language_model.` prefix, `blocks` spelled `layers`; None = not loaded).
     Each TensorInfo keeps its stored name, which the reader uses."""
     rename = getattr(module, "rename", None)
-    if rename is None:
-        return tensors
-    out = {}
-    for name, info in tensors.items():
-        new = rename(name)
-        if new is not None:
-            out[new] = info
-    module.note_skipped(len(tensors) - len(out))
-    return out
+    if rename is not None:
+        out = {}
+        for name, info in tensors.items():
+            new = rename(name)
+            if new is not None:
+                out[new] = info
+        module.note_skipped(len(tensors) - len(out))
+        tensors = out
+    expand = getattr(module, "expand", None)  # one stored tensor read as several (fused expert stacks)
+    return tensors if expand is None else expand(tensors)
 
 
 def read_model_args(model_dir: Path) -> ModelArgs:

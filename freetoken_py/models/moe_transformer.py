@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken_py.kvcache import KVCache, PagedKV, StateSpec
+from freetoken_py.kvcache import KVCache, PagedKV, StatePool, StateSpec
 from freetoken_py.layers.attention import AttentionMetadata, paged_attention
+from freetoken_py.layers.gated_deltanet import GdnWeights, gated_deltanet
 from freetoken_py.layers.linear import TorchLinear
 from freetoken_py.layers.mla import MlaWeights, mla_attention
 from freetoken_py.layers.moe import ExpertExecutor, TorchExpertExecutor, sigmoid_group_route, softmax_topk_route
@@ -33,6 +34,10 @@ class MoeTransformer:
         self.experts = experts or TorchExpertExecutor([lw.w13 for lw in weights.layers],
                                                       [lw.w2 for lw in weights.layers])
         self.device = torch.device("cpu")   # where the dense weights, the activations and the KV live
+        # model layer -> its layer in the paged KV cache (hybrids: only full-attention layers have one)
+        self.kv_layer = {layer: j for j, layer in enumerate(args.paged_layers)}
+        # the linear-attention mixer (layers/gated_deltanet.py's contract); the cpu backend swaps in its kernels
+        self.gdn_mixer = gated_deltanet
 
     def to_accelerator(self, device: str | torch.device) -> None:
         """Move every dense weight (attention, norms, routers, dense MLPs, the LM head) to `device`;
@@ -46,29 +51,53 @@ class MoeTransformer:
         for lw in w.layers:
             for name, obj in lw.dense().items():
                 moved = (obj.to(device) if isinstance(obj, torch.Tensor) else obj.to(device, _linear_to)
-                         if isinstance(obj, MlaWeights) else _linear_to(obj, device))
+                         if isinstance(obj, (MlaWeights, GdnWeights)) else _linear_to(obj, device))
                 setattr(lw, name, moved)
         self.device = device
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                cache: KVCache) -> torch.Tensor:
-        """input_ids, positions: [T] (host). Returns final-normed hidden states [T, D] on `self.device`."""
+                cache: KVCache, states: StatePool | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] (host). Returns final-normed hidden states [T, D] on `self.device`.
+        states: the per-request state of the recurrent layers (hybrids; meta.state_slots says whose)."""
         h = self.weights.embed[input_ids].to(self.device, self.dtype)  # [T, D]
         cos, sin = (t.to(self.device) for t in self.rope.cos_sin(positions, self.dtype))  # [T, hd]
         if self.device.type != "cpu":
             meta = meta.to(self.device)
+        norm, eps, a = self._norm, self.args.rms_norm_eps, self.args
         for i, lw in enumerate(self.weights.layers):
-            x = rms_norm(h, lw.input_norm, self.args.rms_norm_eps)
-            h = h + self._attention(i, lw, x, cos, sin, meta, cache)
-            x = rms_norm(h, lw.post_norm, self.args.rms_norm_eps)
+            x = norm(h, lw.input_norm, eps)
+            if lw.gdn is not None:  # linear attention over the request's recurrent state
+                h = h + lw.o(self.gdn_mixer(a.gdn, lw.gdn, x, meta, states.conv[i], states.rec[i]))
+            else:
+                h = h + self._attention(i, lw, x, cos, sin, meta, cache)
+            x = norm(h, lw.post_norm, eps)
             h = h + (self._moe(i, lw, x) if lw.router is not None else _swiglu(lw.mlp13, lw.mlp2, x))
-        return rms_norm(h, self.weights.final_norm, self.args.rms_norm_eps)
+        return norm(h, self.weights.final_norm, eps)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.args.zero_centred_norms:  # FAMILIES §0 (c): fp32 x times (1 + w) in fp32, then cast
+            return F.rms_norm(x.float(), w.shape, w.float(), eps).to(x.dtype)
+        return rms_norm(x, w, eps)
 
     def state_spec(self) -> StateSpec:
-        """What each layer keeps per token in the KV pool (kvcache/spec.py)."""
+        """What each paged layer keeps per token in the KV pool (kvcache/spec.py)."""
         a = self.args
         return a.mla.state_spec if a.mla is not None else PagedKV(a.num_kv_heads, a.head_dim)
+
+    def state_specs(self) -> list[StateSpec]:
+        """Each layer's state kind (kvcache/spec.py): the paged spec, or the recurrent one."""
+        a = self.args
+        return [a.gdn.state_spec if a.is_linear(i) else self.state_spec() for i in range(a.num_layers)]
+
+    @property
+    def num_paged_layers(self) -> int:
+        return len(self.kv_layer)
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layer keeps a fixed-size recurrent state (a StatePool slot per request)."""
+        return self.args.gdn is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> fp32 logits [N, V] on the host (the sampler's side)."""
@@ -76,11 +105,18 @@ class MoeTransformer:
 
     def _attention(self, i: int, lw: LayerWeights, x: torch.Tensor, cos, sin, meta, cache) -> torch.Tensor:
         a = self.args
+        kvi = self.kv_layer[i]
         if a.mla is not None:  # the attention kind: MLA over the latent cache (layers/mla.py)
-            return lw.o(mla_attention(a.mla, lw.mla, cache, i, meta, x, cos, sin, a.rms_norm_eps))
+            return lw.o(mla_attention(a.mla, lw.mla, cache, kvi, meta, x, cos, sin, a.rms_norm_eps))
         T = x.shape[0]
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        q, k, v = lw.qkv(x).split([q_out, kv_out, kv_out], dim=-1)
+        gate = None
+        if a.attn_output_gate:  # q_proj rows per head: [query | gate]
+            qg, k, v = lw.qkv(x).split([2 * q_out, kv_out, kv_out], dim=-1)
+            q, gate = qg.view(T, a.num_heads, 2 * a.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(T, q_out), gate.reshape(T, q_out)
+        else:
+            q, k, v = lw.qkv(x).split([q_out, kv_out, kv_out], dim=-1)
         if a.qk_norm == "full":  # OLMoE: norm over the whole projection, before clipping
             q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
         if a.clip_qkv is not None:
@@ -89,9 +125,11 @@ class MoeTransformer:
         k = k.view(T, a.num_kv_heads, a.head_dim)  # [T, Hkv, hd]
         v = v.view(T, a.num_kv_heads, a.head_dim)
         if a.qk_norm == "head":  # Qwen3: per-head norm
-            q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
+            q, k = self._norm(q, lw.q_norm, a.rms_norm_eps), self._norm(k, lw.k_norm, a.rms_norm_eps)
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        o = paged_attention(cache, i, meta, q, k, v, self.scale)  # [T, Hq*hd]
+        o = paged_attention(cache, kvi, meta, q, k, v, self.scale)  # [T, Hq*hd]
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return lw.o(o)
 
     def _moe(self, i: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +138,10 @@ class MoeTransformer:
         ids, weights = self._route(lw, x)
         out = self.experts(i, x, ids, weights.to(x.dtype))
         if lw.shared13 is not None:
-            out = out + _swiglu(lw.shared13, lw.shared2, x)
+            shared = _swiglu(lw.shared13, lw.shared2, x)
+            if lw.shared_gate is not None:  # Qwen3-Next / 3.5: sigmoid-gated per token
+                shared = torch.sigmoid(lw.shared_gate(x)) * shared
+            out = out + shared
         return out
 
     def _route(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

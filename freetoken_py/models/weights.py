@@ -28,6 +28,8 @@ class WeightScheme:
     dense_mlp: str = "mlp."
     router_bias: str = "mlp.gate.e_score_correction_bias"  # sigmoid routers' choice bias [E]
     shared_expert: str = "mlp.shared_experts."  # ungated shared expert (gate/up/down_proj)
+    shared_expert_gate: str = "mlp.shared_expert_gate.weight"  # [1, D] (ModelArgs.shared_expert_gate)
+    gdn_proj: str = "separate"  # GDN input projections: "separate" (in_proj_qkv/z/b/a) | "grouped" (in_proj_qkvz/ba)
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
@@ -49,6 +51,8 @@ class LayerWeights:
     shared13: object | None = None  # MoE layer's shared expert: [2Is, D] gate rows then up rows
     shared2: object | None = None  # [D, Is]
     mla: object | None = None  # MLA attention's projections (layers.mla.MlaWeights); o_proj stays in `o`
+    gdn: object | None = None  # linear attention (layers.gated_deltanet.GdnWeights); out_proj stays in `o`
+    shared_gate: object | None = None  # [1, D] sigmoid gate of the shared expert (Qwen3-Next / 3.5)
 
     EXPERTS = ("w13", "w2")   # the routed experts; every other field is a dense weight
 
@@ -67,16 +71,37 @@ class ModelWeights:
     layers: list[LayerWeights] = field(default_factory=list)
 
 
+def _gdn_shapes(a: ModelArgs, s: WeightScheme) -> dict[str, tuple[int, ...]]:
+    g, D = a.gdn, a.hidden_size
+    p = "linear_attn."
+    shapes = {p + "conv1d.weight": (g.conv_dim, 1, g.conv_kernel), p + "dt_bias": (g.num_v_heads,),
+              p + "A_log": (g.num_v_heads,), p + "norm.weight": (g.v_head_dim,),
+              p + "out_proj.weight": (D, g.value_dim),
+              "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+    if s.gdn_proj == "grouped":
+        shapes.update({p + "in_proj_qkvz.weight": (2 * g.key_dim + 2 * g.value_dim, D),
+                       p + "in_proj_ba.weight": (2 * g.num_v_heads, D)})
+    else:
+        shapes.update({p + "in_proj_qkv.weight": (g.conv_dim, D), p + "in_proj_z.weight": (g.value_dim, D),
+                       p + "in_proj_b.weight": (g.num_v_heads, D), p + "in_proj_a.weight": (g.num_v_heads, D)})
+    return shapes
+
+
+def _layer_attention_shapes(a: ModelArgs, s: WeightScheme, i: int) -> dict[str, tuple[int, ...]]:
+    return _gdn_shapes(a, s) if a.is_linear(i) else _attention_shapes(a)
+
+
 def _attention_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
     if a.mla is not None:
         return {**{f"self_attn.{k}": v for k, v in a.mla.tensor_shapes(a.hidden_size).items()},
                 "input_layernorm.weight": (a.hidden_size,), "post_attention_layernorm.weight": (a.hidden_size,)}
     q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    shapes = {"self_attn.q_proj.weight": (q_out, a.hidden_size), "self_attn.k_proj.weight": (kv_out, a.hidden_size),
+    q_rows = 2 * q_out if a.attn_output_gate else q_out  # [query | gate] per head
+    shapes = {"self_attn.q_proj.weight": (q_rows, a.hidden_size), "self_attn.k_proj.weight": (kv_out, a.hidden_size),
               "self_attn.v_proj.weight": (kv_out, a.hidden_size), "self_attn.o_proj.weight": (a.hidden_size, q_out),
               "input_layernorm.weight": (a.hidden_size,), "post_attention_layernorm.weight": (a.hidden_size,)}
     if a.attention_bias:
-        shapes.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
+        shapes.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_out,),
                        "self_attn.v_proj.bias": (kv_out,)})
     if a.has_o_bias:
         shapes["self_attn.o_proj.bias"] = (a.hidden_size,)
@@ -101,6 +126,8 @@ def _mlp_shapes(a: ModelArgs, s: WeightScheme, sparse: bool) -> dict[str, tuple[
         shapes[s.router_bias] = (a.num_experts,)
     if a.shared_intermediate_size:
         shapes.update(_swiglu_shapes(s.shared_expert, a.shared_intermediate_size, a.hidden_size))
+        if a.shared_expert_gate:
+            shapes[s.shared_expert_gate] = (1, a.hidden_size)
     for e in range(a.num_experts):
         p = s.expert.format(e=e)
         shapes.update({f"{p}{g}.weight": (i, a.hidden_size), f"{p}{u}.weight": (i, a.hidden_size),
@@ -114,7 +141,7 @@ def expected_shapes(a: ModelArgs, s: WeightScheme) -> dict[str, tuple[int, ...]]
         shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
     for i in range(a.num_layers):
         prefix = s.layer.format(i=i)
-        for name, shape in {**_attention_shapes(a), **_mlp_shapes(a, s, a.sparse_layers[i])}.items():
+        for name, shape in {**_layer_attention_shapes(a, s, i), **_mlp_shapes(a, s, a.sparse_layers[i])}.items():
             shapes[prefix + name] = shape
     return shapes
 
@@ -170,8 +197,9 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
     peak = 0
     for i in range(a.num_layers):
         p = s.layer.format(i=i)
-        for name in _attention_shapes(a):
-            fused = a.mla is None and name.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."))
+        for name in _layer_attention_shapes(a, s, i):
+            fused = a.mla is None and name.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.",
+                                                       "linear_attn.in_proj"))
             total += held(p + name, fused)
         if not a.sparse_layers[i]:
             m = p + s.dense_mlp
@@ -186,6 +214,8 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
             m = p + s.shared_expert
             total += held(m + "gate_proj.weight", True) + held(m + "up_proj.weight", True)
             total += held(m + "down_proj.weight", False)
+            if a.shared_expert_gate:
+                total += held(p + s.shared_expert_gate, False)
         if not skip_experts:
             g, u, d = s.expert_proj
             names = [p + s.expert.format(e=e) for e in range(a.num_experts)]
@@ -211,17 +241,26 @@ def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: tor
         weights.layers.append(_load_layer(a, s, i, get, skip_experts))
         if progress is not None:
             progress()
+    if a.zero_centred_norms:  # stored w, applied as (1 + w) in fp32 (the GDN output norm is plain)
+        weights.final_norm = 1.0 + weights.final_norm.float()
+        for lw in weights.layers:
+            for name in ("input_norm", "post_norm", "q_norm", "k_norm"):
+                if getattr(lw, name) is not None:
+                    setattr(lw, name, 1.0 + getattr(lw, name).float())
     return weights
 
 
 def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get, skip_experts: bool = False) -> LayerWeights:
-    lw = _load_mla(a, s, i, get) if a.mla is not None else _load_gqa(a, s, i, get)
+    lw = (_load_gdn(a, s, i, get) if a.is_linear(i) else _load_mla(a, s, i, get) if a.mla is not None
+          else _load_gqa(a, s, i, get))
     p = s.layer.format(i=i)
     if a.sparse_layers[i]:
         g, u, d = s.expert_proj
         lw.router, lw.router_bias = _load_router(a, s, p, get)
         if a.shared_intermediate_size:
             lw.shared13, lw.shared2 = _swiglu(p + s.shared_expert, get)
+            if a.shared_expert_gate:
+                lw.shared_gate = TorchLinear(get(p + s.shared_expert_gate))
         if skip_experts:
             return lw
         experts = [p + s.expert.format(e=e) for e in range(a.num_experts)]
@@ -244,6 +283,29 @@ def _load_gqa(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
     if a.qk_norm != "none":
         lw.q_norm, lw.k_norm = get(p + "q_norm.weight"), get(p + "k_norm.weight")
     return lw
+
+
+def _load_gdn(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
+    """A Gated DeltaNet layer; its input projections fused into one [q | k | v | z | b | a] linear
+    (qwen3_next's rows, grouped per key head [q k v z] and [b a], reordered to that)."""
+    from freetoken_py.layers.gated_deltanet import GdnWeights
+
+    g, L = a.gdn, s.layer.format(i=i)
+    p = L + "linear_attn."
+    if s.gdn_proj == "grouped":
+        Hk, dk, dv, r = g.num_k_heads, g.k_head_dim, g.v_head_dim, g.num_v_heads // g.num_k_heads
+        qkvz = get(p + "in_proj_qkvz.weight").view(Hk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
+        ba = get(p + "in_proj_ba.weight").view(Hk, 2 * r, -1)
+        b, a_ = ba.split([r, r], dim=1)
+        rows = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a_)]
+    else:
+        rows = [get(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
+    gdn = GdnWeights(in_proj=TorchLinear(torch.cat(rows).contiguous()), conv=get(p + "conv1d.weight")[:, 0].contiguous(),
+                     A_log=get(p + "A_log", torch.float32), dt_bias=get(p + "dt_bias", torch.float32),
+                     norm=get(p + "norm.weight"))
+    return LayerWeights(input_norm=get(L + "input_layernorm.weight"), post_norm=get(L + "post_attention_layernorm.weight"),
+                        qkv=None, o=TorchLinear(get(p + "out_proj.weight")), gdn=gdn)
 
 
 def _load_mla(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
