@@ -26,6 +26,8 @@ class EngineConfig:
     kv_scales: str = ""  # fp8 KV: JSON cache of the calibrated scales (read if it exists, else written)
     enable_prefix_cache: bool = True  # share full KV pages of common prefixes across requests and turns
     kv_integrity_check: bool = True  # page generation tags checked before every step (see kvcache/tags.py)
+    prefix_snapshots: int = 0  # hybrids: recurrent-state snapshot slots in the prefix cache (0 = auto, llm.py)
+    snapshot_every_pages: int = 0  # hybrids: pages between periodic snapshots (0 = the cost rule, kvcache/snapshots.py)
     residency: str = "off"  # off | emulate (accelerator tier on CPU tensors, times from a profile) | cuda
     residency_profile: str = "rtx4090"  # hand-built tier profile (residency/profiles.py), or "measured" (cuda)
     residency_policy: str = "ours"  # ours | lru | static
@@ -61,6 +63,8 @@ class EngineConfig:
             raise FreetokenError(f"kv dtype must be auto, fp32, bf16 or fp8 (got {self.kv_dtype!r})")
         if self.kv_cache_bytes < 0 or self.max_model_len < 0:
             raise FreetokenError("kv_cache_bytes and max_model_len must be >= 0")
+        if self.prefix_snapshots < 0 or self.snapshot_every_pages < 0:
+            raise FreetokenError("prefix_snapshots and snapshot_every_pages must be >= 0 (0 = auto)")
 
     def _check_record_routing(self) -> None:
         """The trace is written at the end of a run: a path it cannot be written to is said now,

@@ -65,19 +65,21 @@ class LLM:
         # only the paged layers count (a hybrid's linear-attention layers keep a per-request state)
         self._page_bytes = page_bytes(self.model.state_spec(), self.model.num_paged_layers, self.config.page_size,
                                       self.kv_dtype)
+        self._snapshot_slots = self._snapshot_slot_count()   # hybrids: out of the KV budget, before the pages
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype,
                                   state_slots=self.config.max_num_seqs + self.spare_state_slots())
         self.residency = attach_tiers(self.model, self.config)   # after the KV cache: on a GPU the slots take what is left
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = RadixCache(self.allocator, self.config.page_size) if self.config.enable_prefix_cache else None
+        self.snapshots, states = self._prefix_states()
         self.tracker = (IntegrityTracker if self.config.kv_integrity_check else NullTracker)(self.allocator)
         self._model_identity = self._identity(model_dir)
         self._namespace_base: tuple | None = None
         self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.prefix_cache, self._cache_namespace,
                                    self.tracker, more_pages=self._more_pages if self.residency is not None else None,
-                                   state_pool=self.runner.states)
+                                   state_pool=self.runner.states, states=states)
         # the residency tiers run on the torch backend: no fused CPU decoder holds views of the
         # KV tensors that _more_pages / _return_pages reallocate
         assert self.residency is None or self.runner.fused is None
@@ -239,6 +241,11 @@ class LLM:
 
     # ---- sizing -------------------------------------------------------------------------
     def _num_pages(self) -> int:
+        """Pages of the KV budget left after the prefix-state snapshots (hybrids)."""
+        budget = self._kv_budget() - self._snapshot_slots * self._state_bytes()
+        return max(2, budget // self._page_bytes)
+
+    def _kv_budget(self) -> int:
         c, per_page = self.config, self._page_bytes
         budget = c.kv_cache_bytes
         if budget == 0:  # enough for every sequence at full length, capped at 1/8 of free RAM
@@ -249,11 +256,41 @@ class LLM:
                 budget = min(want, cuda_free_bytes() // 4)
             else:
                 budget = min(want, psutil.virtual_memory().available // 8)
-        return max(2, budget // per_page)
+        return budget
 
     def spare_state_slots(self) -> int:
-        """Recurrent-state slots beyond max_num_seqs (hybrids: for prefix-state snapshots); 0 here."""
-        return 0
+        """Recurrent-state slots beyond max_num_seqs: the prefix-state snapshots' (hybrids)."""
+        return self._snapshot_slots
+
+    def _state_bytes(self) -> int:
+        """Bytes of one request's recurrent state, from the model's state specs (0: not a hybrid)."""
+        return sum(s.bytes_per_request for s in self.model.state_specs() if s.kind == "recurrent")
+
+    def _snapshot_slot_count(self) -> int:
+        """Hybrids with the prefix cache: --prefix-snapshots, else a quarter of the KV budget in
+        snapshots (at least 2, at most 4 per sequence); their bytes come out of the budget."""
+        state = self._state_bytes()
+        if not state or not self.config.enable_prefix_cache:
+            return 0
+        if self.config.prefix_snapshots:
+            return self.config.prefix_snapshots
+        return max(2, min(4 * self.config.max_num_seqs, self._kv_budget() // 4 // state))
+
+    def _prefix_states(self):
+        """Hybrids with the prefix cache: the snapshot store and the scheduler's reuse policy
+        (scheduler/prefix_state.py); (None, None) otherwise (a hybrid then takes no prefix hits)."""
+        if not self._snapshot_slots or self.prefix_cache is None:
+            return None, None
+        from freetoken_py.kvcache.snapshots import SnapshotStore, snapshot_every_pages
+        from freetoken_py.scheduler.prefix_state import PrefixStateReuse
+
+        ps = self.config.page_size
+        store = SnapshotStore(self.runner.states, self._snapshot_slots, check=self.config.kv_integrity_check)
+        self.prefix_cache.snapshots = store
+        every = self.config.snapshot_every_pages or snapshot_every_pages(store.bytes_per_snapshot,
+                                                                         self.kv_bytes_per_token, ps)
+        self.snapshot_every = every
+        return store, PrefixStateReuse(self.prefix_cache, store, ps, every)
 
     @property
     def state_bytes_per_request(self) -> int:

@@ -1,0 +1,182 @@
+"""Prefix-state reuse on hybrid models (Gated DeltaNet + full attention): a request resumed from a
+cached snapshot of the recurrent state must compute exactly what a fresh engine computes from
+scratch. The reference is the same engine with the prefix cache off (itself checked against
+transformers in tests/test_hybrid_models.py); logits are read where the engine computes them
+(ModelRunner.forward_batch, observed, not replaced)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import httpx
+import pytest
+import torch
+
+import hybrid_util
+from freetoken_py.core import Request, SamplingParams
+from freetoken_py.llm import LLM
+
+PAGE = 8
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, hybrid_util.VOCAB, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    made = {}
+
+    def make(name="qwen3_5_moe"):
+        if name not in made:
+            made[name] = hybrid_util.build(name, tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return make
+
+
+def _llm(path, backend="torch", **kw):
+    return LLM(path, backend=backend, page_size=PAGE, show_progress=False, max_num_batched_tokens=32, **kw)
+
+
+def _run(llm, prompt, params=GREEDY):
+    """Generate alone; returns (output, the logits of each step, tokens the runner computed)."""
+    seen, computed = [], [0]
+    forward = llm.runner.forward_batch
+
+    def observe(chunks, *a, **k):
+        samples = any(ch.samples for ch in chunks)      # (before the pass advances num_computed)
+        out = forward(chunks, *a, **k)
+        computed[0] += sum(ch.num_new for ch in chunks)
+        if samples:
+            seen.append(out[-1].clone())
+        return out
+
+    llm.runner.forward_batch = observe
+    try:
+        out = llm.generate([prompt], params)[0]
+    finally:
+        llm.runner.forward_batch = forward
+    return out, torch.stack(seen), computed[0]
+
+
+def _same(a, b):
+    (oa, la, _), (ob, lb, _) = a, b
+    assert oa.token_ids == ob.token_ids
+    assert (la - lb).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name,backend", [("qwen3_5_moe", "torch"), ("qwen3_5_moe", "cpu"), ("qwen3_next", "torch")])
+def test_turn_two_from_cached_state_equals_fresh(hybrid, name, backend):
+    path = hybrid(name)
+    on, off = _llm(path, backend), _llm(path, backend, enable_prefix_cache=False)
+    turn1 = _prompt(45, 1)                               # > one prefill chunk (32), ends mid-page
+    first = _run(on, turn1)
+    _same(first, _run(off, turn1))
+    # the next turn keeps the generated tokens: resumes from the decode-time snapshot at 48
+    turn2 = turn1 + first[0].token_ids + _prompt(7, 2)
+    again = _run(on, turn2)
+    _same(again, _run(off, turn2))
+    assert again[0].num_cached_tokens == 48
+    assert again[2] == len(turn2) - 48 + GREEDY.max_tokens - 1  # cached_tokens is what was skipped
+    # an agent re-serialises its call: diverges right after turn 1's prompt, whose end was snapshotted
+    turn2b = turn1 + _prompt(9, 3)
+    other = _run(on, turn2b)
+    _same(other, _run(off, turn2b))
+    assert other[0].num_cached_tokens == 40
+    assert on.snapshots.num_mismatches == 0 and on.tracker.num_mismatches == 0
+
+
+def test_partial_overlap_resumes_from_the_deepest_earlier_snapshot(hybrid):
+    path = hybrid()
+    on, off = _llm(path, snapshot_every_pages=2), _llm(path, enable_prefix_cache=False)
+    base = _prompt(6 * PAGE + 3, 4)
+    _run(on, base)                                       # snapshots at 16, 32, 48 (every 2 pages + the end)
+    for diverge, resume in ((3 * PAGE + 3, 2 * PAGE), (4 * PAGE, 4 * PAGE), (PAGE + 1, 0)):
+        prompt = base[:diverge] + _prompt(10, diverge)
+        out = _run(on, prompt)
+        _same(out, _run(off, prompt))
+        assert out[0].num_cached_tokens == resume, diverge
+
+
+def test_eviction_under_a_tiny_pool_stays_exact(hybrid):
+    path = hybrid()
+    # 9 pages and 3 snapshot slots for 2 interleaved conversations (each turn snapshots its prompt's
+    # end and its decode): pages and snapshots are evicted, and the latest snapshots are reused
+    on = _llm(path, prefix_snapshots=3, kv_cache_bytes=9 * PAGE * 512 + 3 * 16896)
+    off = _llm(path, enable_prefix_cache=False)
+    histories = [_prompt(3 * PAGE + 2, 10 + i) for i in range(2)]
+    for turn in range(3):
+        for i, h in enumerate(histories):
+            out = _run(on, h, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+            ref = _run(off, h, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+            _same(out, ref)
+            histories[i] = h + out[0].token_ids + _prompt(5, 100 * turn + i)
+    assert on.prefix_cache.num_snapshots_evicted > 0 and on.prefix_cache.num_evicted > 0
+    assert on.snapshots.num_restored > 0 and on.snapshots.num_mismatches == 0
+
+
+def test_a_corrupted_snapshot_is_caught_and_not_used(hybrid):
+    path = hybrid()
+    on, off = _llm(path, snapshot_every_pages=2), _llm(path, enable_prefix_cache=False)
+    turn1 = _prompt(5 * PAGE + 1, 5)
+    _run(on, turn1)                                      # snapshots at 16, 32, 40
+    ns = on._cache_namespace(Request([1], SamplingParams()))
+    ref = on.prefix_cache.snapshot_at(ns, turn1[:5 * PAGE])
+    on.runner.states.rec[0][ref.slot].mul_(1.001)        # bytes of the deepest snapshot change
+    turn2 = turn1 + _prompt(6, 6)
+    out = _run(on, turn2)
+    _same(out, _run(off, turn2))
+    assert on.snapshots.num_mismatches == 1
+    assert out[0].num_cached_tokens == 4 * PAGE          # the next shallower snapshot, intact
+
+
+def _build_chat_model(out):
+    """The tiny qwen3_5_moe of hybrid_util with the demo model's tokenizer and chat template."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+
+    from freetoken_py.cli import DEMO_MODEL
+
+    vocab = json.loads((DEMO_MODEL / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    geometry = dict(hybrid_util._COMMON, vocab_size=vocab, max_position_embeddings=2048)
+    model = AutoModelForCausalLM.from_config(Qwen3_5MoeTextConfig(head_dim=32, **geometry))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif n.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(math.log(0.5), math.log(8.0)))
+            elif n.endswith("dt_bias"):
+                p.normal_(0, 1.0)
+    model.float().save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_MODEL / f, out / f)
+    return out
+
+
+def test_ten_turn_agent_conversation_over_http_reuses_its_prompt(tmp_path):
+    from server_util import ServerThread
+
+    path = _build_chat_model(tmp_path / "hybrid_chat")
+    system = "You are a coding agent. Tools: read_file, write_file, run_tests, search. " * 20
+    messages = [{"role": "system", "content": system}]
+    with ServerThread(model_dir=path, page_size=PAGE, backend="torch") as srv:
+        shares = []
+        for turn in range(10):
+            messages.append({"role": "user", "content": f"Step {turn}: run the tests and fix file_{turn}.py"})
+            r = httpx.post(srv.base_url + "/chat/completions", timeout=120, json={
+                "model": "m", "messages": messages, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            usage = body["usage"]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            shares.append(cached / usage["prompt_tokens"])
+            messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"] or ""})
+        stats = srv.stats()
+    assert shares[0] == 0
+    assert min(shares[1:]) >= 0.9, shares
+    assert stats.get("state_bytes_per_request", 0) > 0
