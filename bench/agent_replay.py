@@ -3,6 +3,7 @@ against llama.cpp with its prompt cache, plus the integrity check's decode cost 
 
     python bench/agent_replay.py [--turns 10] [--system-len 2000] [--call-len 50] [--result-len 250]
                                  [--gen-tokens 8] [--decode-tokens 32] [--decode-batch 4] [--no-llama-cpp]
+                                 [--model dense|hybrid] [--layers 4] [--experts 32] [--tiny]
 
 The trace (seeded random token ids on the ~0.5B qwen3_moe of bench/common.py): a system prompt plus
 tool schemas of --system-len tokens, then each turn the request is the whole history; the engine
@@ -17,6 +18,16 @@ context, a strict floor no engine reaches) and the uncached suffix computed by t
 with the context already in the KV cache (the same attention work as any cached turn, so the ratio
 is what the cache machinery and page granularity cost) — and llama.cpp's TTFT (llama-cpp-python's `Llama.generate` reuses the longest
 common prefix of its previous evaluation, which is llama.cpp's prompt cache). Prints one JSON line.
+
+--model hybrid: the same trace on a hybrid (Gated DeltaNet + full attention) checkpoint, the
+Qwen3.6-35B-A3B-shaped one of bench/hybrid_decode.py (real widths, --layers in the 3:1 pattern,
+--experts; --tiny: its smoke geometry), where freetoken resumes each turn from a snapshot of the
+recurrent state (kvcache/snapshots.py), against llama.cpp on the same weights (its qwen35moe
+conversion). llama_cpp.server answers a completion through the same `Llama.generate` (its prompt
+field takes text only, so this token-id trace calls generate in-process); per turn the row adds
+what llama.cpp reused (`llama_cpp_reused_tokens`: the prefix it kept when its memory could be
+truncated there, 0 when it re-processed the whole prompt, as it must for recurrent memory it
+cannot roll back). The integrity and FP8 sections are the dense line's only.
 """
 from __future__ import annotations
 
@@ -53,6 +64,33 @@ def _llama_ttft(peer, prompt, n) -> float:
     return ttft
 
 
+def _llama_reuse_probe(peer) -> list:
+    """Records llama.cpp's memory truncations: Llama.generate keeps a common prefix of p tokens
+    only when its first kv_cache_seq_rm(-1, p, -1) succeeds. Returns a list that each call
+    appends (p, ok) to (each eval truncates too; `_llama_reused` picks the prefix-match call)."""
+    calls, ctx = [], peer.llm._ctx
+    seq_rm = ctx.kv_cache_seq_rm
+
+    def recorded(seq_id, p0, p1):
+        ok = seq_rm(seq_id, p0, p1)
+        calls.append((p0, bool(ok)))
+        return ok
+
+    ctx.kv_cache_seq_rm = recorded
+    return calls
+
+
+def _llama_prefix(peer, prompt: list[int]) -> int:
+    """The prefix Llama.generate will try to keep for `prompt` (its own rule: the common prefix
+    with what it evaluated last, one token less when that is the whole prompt)."""
+    lp = 0
+    for a, b in zip(peer.llm._input_ids[:peer.llm.n_tokens], prompt):
+        if a != b:
+            break
+        lp += 1
+    return lp - 1 if lp == len(prompt) else lp
+
+
 def _prefill_suffix_s(llm, history: list[int], cached: int) -> float:
     """Seconds to compute exactly the uncached suffix with the context already in the KV cache and
     pick the first token: the runner alone (no scheduler, no prefix matching), the context
@@ -63,6 +101,8 @@ def _prefill_suffix_s(llm, history: list[int], cached: int) -> float:
 
     req = Request(list(history), SamplingParams())
     req.page_table = llm.allocator.allocate(-(-len(history) // llm.config.page_size))
+    states = llm.runner.states  # hybrids: the recurrent state is computed with the context too
+    req.state_slot = states.allocate() if states is not None else None
     try:
         budget = llm.config.max_num_batched_tokens
         while req.num_computed < cached:  # the context, in the engine's own chunk sizes
@@ -74,10 +114,13 @@ def _prefill_suffix_s(llm, history: list[int], cached: int) -> float:
         return time.perf_counter() - t
     finally:
         llm.allocator.release(req.page_table)
+        if req.state_slot is not None:
+            states.free(req.state_slot)
 
 
 def replay(args, on, off, peer, system, turns) -> list[dict]:
     history, rows = list(system), []
+    probe = _llama_reuse_probe(peer) if peer is not None and args.model == "hybrid" else None
     for t, (call, result) in enumerate(turns):
         ttft_on, cached = _ttft(on, history, args.gen_tokens)
         ttft_off, _ = _ttft(off, history, args.gen_tokens)
@@ -89,8 +132,13 @@ def replay(args, on, off, peer, system, turns) -> list[dict]:
                "prefill_new_with_context_s": round(suffix, 4),
                "ratio_vs_new_with_context": round(ttft_on / suffix, 3)}
         if peer is not None:
+            before = len(probe) if probe is not None else 0
+            want = _llama_prefix(peer, history) if probe is not None else 0
             row["ttft_llama_cpp_s"] = round(_llama_ttft(peer, history, args.gen_tokens), 4)
             row["ratio_vs_llama_cpp"] = round(ttft_on / row["ttft_llama_cpp_s"], 3)
+            if probe is not None:   # kept only if its first truncation, to that prefix, succeeded
+                first = probe[before] if len(probe) > before else None
+                row["llama_cpp_reused_tokens"] = want if want > 0 and first == (want, True) else 0
         common.log(str(row))
         rows.append(row)
         history += call + result
@@ -154,14 +202,70 @@ def fp8_capacity(llm, kv_bytes: int) -> dict:
             } | {"kv_cache_bytes": kv_bytes}
 
 
+def hybrid_main(args) -> None:
+    """The hybrid model line (module docstring)."""
+    import hybrid_decode
+
+    from freetoken_py.kernels import configure_threads
+    from freetoken_py.llm import LLM
+
+    configure_threads(args.threads)
+    name = f"qwen35moe-{'tiny' if args.tiny else 'real'}-l{args.layers}-e{args.experts}"
+    model_dir = hybrid_decode.build(common.WORK / name, hybrid_decode.TINY if args.tiny else hybrid_decode.REAL,
+                                    args.layers, args.experts)
+    max_len = args.system_len + args.turns * (args.call_len + args.result_len) + args.gen_tokens + 64
+    make = lambda cache: LLM(model_dir, dtype="bfloat16", max_model_len=max_len, show_progress=False,  # noqa: E731
+                             backend=args.backend, enable_prefix_cache=cache, kv_dtype=args.kv_dtype,
+                             max_num_seqs=2)
+    on, off = make(True), make(False)
+    peer, peer_error = None, None
+    if not args.no_llama_cpp:
+        try:
+            peer = common.LlamaCppPeer(common.convert_to_gguf(model_dir, "bf16", hybrid_decode.CONVERT_ARGS),
+                                       args.threads, n_ctx=max_len)
+        except Exception as exc:  # conversion or load failed: say why in the JSON line
+            peer_error = f"{type(exc).__name__}: {exc}"
+            common.log(f"llama.cpp unavailable: {peer_error}")
+    system, turns = make_trace(args, on.args.vocab_size)
+    warm = [(t + 7) % on.args.vocab_size for t in system[:64]]
+    _ttft(on, warm, 1), _ttft(off, warm, 1)
+    rows = replay(args, on, off, peer, system, turns)
+    later = rows[1:]
+    result = {"bench": "agent_replay", "model": f"{name} (bench/hybrid_decode.py, layer types "
+                                                f"{hybrid_decode.layer_types(args.layers)})",
+              "backend": on.backend, "threads": args.threads, "turns": args.turns, "system_len": args.system_len,
+              "call_len": args.call_len, "result_len": args.result_len, "gen_tokens": args.gen_tokens,
+              "page_size": on.config.page_size, "kv_dtype": args.kv_dtype,
+              "state_bytes_per_request": on.state_bytes_per_request, "kv_bytes_per_token": on.kv_bytes_per_token,
+              "snapshot_slots": on.spare_state_slots(), "snapshot_every_pages": on.snapshot_every,
+              "per_turn": rows,
+              "min_cached_share_turn2plus": min((r["cached_tokens"] / r["prompt_tokens"] for r in later), default=None),
+              "max_ratio_vs_new_only_turn2plus": max((r["ratio_vs_new_only"] for r in later), default=None),
+              "max_ratio_vs_new_with_context_turn2plus": max((r["ratio_vs_new_with_context"] for r in later),
+                                                             default=None),
+              "snapshots": {"taken": on.snapshots.num_taken, "restored": on.snapshots.num_restored,
+                            "mismatches": on.snapshots.num_mismatches}}
+    if peer is not None:
+        result["max_ratio_vs_llama_cpp_turn2plus"] = max((r["ratio_vs_llama_cpp"] for r in later), default=None)
+        result["llama_cpp_reused_tokens_turn2plus"] = [r["llama_cpp_reused_tokens"] for r in later]
+    if peer_error is not None:
+        result["llama_cpp_error"] = peer_error
+    common.emit(result)
+
+
 def main() -> None:
     ap = common.bench_args(__doc__)
     for flag, default in (("--turns", 10), ("--system-len", 2000), ("--call-len", 50), ("--result-len", 250),
-                          ("--gen-tokens", 8), ("--decode-batch", 4)):
+                          ("--gen-tokens", 8), ("--decode-batch", 4), ("--layers", 4), ("--experts", 32)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-dtype", default="bf16", help="bf16 (as llama.cpp's f16 KV), fp8, or auto")
+    ap.add_argument("--model", choices=("dense", "hybrid"), default="dense",
+                    help="dense: the ~0.5B qwen3_moe; hybrid: the Qwen3.6-shaped Gated DeltaNet checkpoint")
+    ap.add_argument("--tiny", action="store_true", help="--model hybrid: the smoke geometry (hidden 256)")
     args = ap.parse_args()
+    if args.model == "hybrid":
+        return hybrid_main(args)
     model_dir, _ = common.setup(args)
     from freetoken_py.llm import LLM
 
