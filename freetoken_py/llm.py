@@ -111,11 +111,11 @@ class LLM:
     def _attach_recorder(self):
         if not self.config.record_routing:
             return None
-        from freetoken_py.residency.stats import RoutingRecorder
+        from freetoken_py.residency.stats import RoutingRecorder, route_predictors
 
         a = self.model.args
-        # with the routers, each step also records the look-ahead prediction the prefetch makes
-        routers = [lw.router for lw in self.model.weights.layers]
+        # with the routers (and their choice rule), each step also records the look-ahead prediction the prefetch makes
+        routers = route_predictors(self.model)
         self.model.experts = RoutingRecorder(self.model.experts, a.num_layers, a.num_experts, a.top_k,
                                              source=str(self.config.model), routers=routers)
         return self.model.experts

@@ -35,6 +35,8 @@ def configs() -> dict:
                                                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
                                                 routed_scaling_factor=1.8, max_position_embeddings=256,
                                                 tie_word_embeddings=False)),
+        # 4 layers, 3 of them MoE (n_group 2): a next MoE layer to predict (tests/test_route_prediction.py)
+        "deepseek_v3_deep": ("deepseek_v3", dict(_DS, num_hidden_layers=4, rope_parameters=_YARN)),
         "kimi_k25": ("kimi_k25", dict(_DS, n_group=1, topk_group=1, routed_scaling_factor=2.827,
                                       rope_parameters=dict(_YARN, rope_theta=5e4, factor=32.0))),
     }

@@ -22,6 +22,7 @@ from freetoken_py.residency.planner import CostModel
 from freetoken_py.residency.policy import LruPolicy, StaticPolicy
 from freetoken_py.residency.profiles import emulated, from_hardware_profile, get_profile
 from freetoken_py.residency.slots import SlotCache
+from freetoken_py.residency.stats import route_predictors
 
 POLICIES = ("ours", "lru", "static")
 CUDA_RESERVE_BYTES = 2**30   # VRAM left free on a GPU: this, or a tenth of the card if more (activations, staging)
@@ -83,7 +84,7 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     slots = SlotCache(num_slots, fmt.specs, device)
     flops = 2.0 * 3 * fmt.inter * fmt.hidden     # gate+up [2I, D] and down [D, I]
     cost = CostModel(profile, expert_bytes, flops)
-    routers = [lw.router if h is not None else None for lw, h in zip(layers, host)] if prefetch else None
+    routers = route_predictors(model, set(moe)) if prefetch else None
     elastic = ElasticVram(expert_bytes, num_slots) if memory_probe is not None else None
     if mode == "cuda" and memory_probe is None:
         memory_probe = cuda_free_bytes

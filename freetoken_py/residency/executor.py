@@ -495,7 +495,8 @@ class ResidencyExecutor:
         if nxt is None or self.top_k <= 0 or self.slots.num_slots == 0:
             return None
         # this layer's input stands in for the next one's (one device-to-host read)
-        return nxt, predict_experts(self.routers[nxt](x), self.top_k)
+        r = self.routers[nxt]   # (a RoutePredictor carries its layer's choice rule: sigmoid bias, groups)
+        return nxt, predict_experts(r(x), self.top_k, getattr(r, "rule", None))
 
     def lead(self, decode: bool = True) -> float:
         """The lead (seconds) the look-ahead copies of a decode (or a prefill) step may use."""

@@ -148,22 +148,75 @@ def routing_counts(trace: RoutingTrace) -> np.ndarray:
     return counts
 
 
-def predict_experts(logits, top_k: int) -> list[int]:
+@dataclass(frozen=True)
+class SigmoidRule:
+    """A sigmoid router's choice rule (DeepSeek / GLM / MiniMax; layers.moe.sigmoid_group_route):
+    the correction bias shifts the choice, and with n_group > 1 only the topk_group best groups
+    (a group scores the sum of its top-2 biased scores) may be picked."""
+    bias: object = None     # [E] torch tensor (e_score_correction_bias) or None
+    n_group: int = 1
+    topk_group: int = 1
+
+
+class RoutePredictor:
+    """A MoE layer's router for the look-ahead: called on hidden states it gives the router's
+    logits (what `predict_experts` ranks), and `rule` says how that layer picks from them (None:
+    top-k of the logits, a softmax router; a SigmoidRule otherwise). Duck-typed on the model's
+    LayerWeights (`router`, `router_bias`) and ModelArgs (`router`, `n_group`, `topk_group`); reads
+    them at call time, so a model moved to another device predicts there."""
+
+    def __init__(self, lw, args):
+        self.lw, self.sigmoid = lw, getattr(args, "router", "softmax") == "sigmoid"
+        self.n_group, self.topk_group = getattr(args, "n_group", 1) or 1, getattr(args, "topk_group", 1) or 1
+
+    def __call__(self, x):
+        return self.lw.router(x.float() if self.sigmoid else x)
+
+    @property
+    def rule(self) -> SigmoidRule | None:
+        if not self.sigmoid:
+            return None
+        return SigmoidRule(self.lw.router_bias, self.n_group, self.topk_group)
+
+
+def route_predictors(model, moe_layers=None) -> list:
+    """Per layer: a RoutePredictor for each MoE layer (those in `moe_layers` when given), None
+    elsewhere: the `routers` the residency executor and the routing recorder predict with."""
+    layers, args = model.weights.layers, model.args
+    return [RoutePredictor(lw, args) if lw.router is not None and (moe_layers is None or i in moe_layers)
+            else None for i, lw in enumerate(layers)]
+
+
+def predict_experts(logits, top_k: int, rule: SigmoidRule | None = None) -> list[int]:
     """The look-ahead prediction from a router's logits [T, E] (torch): every expert some token
     would route to (its top-k), best first: the most tokens, then the most routing probability
     summed over the tokens, then the lower id. A decode token gives its k experts by probability;
     a prefill chunk nearly every expert, the busiest first. The executor's prefetch copies these
-    in order, as many as fit (`planner.prefetch_allowance`); the recorder writes them."""
+    in order, as many as fit (`planner.prefetch_allowance`); the recorder writes them.
+
+    `rule` (a sigmoid router): the tokens' experts are the ones the layer itself picks
+    (layers.moe.sigmoid_group_route: the bias for the choice, group-limited top-k), ranked by
+    their routing weight (a token) or by count, then summed sigmoid score (a chunk)."""
     import torch
 
     logits = logits.float()
-    if logits.shape[0] == 1:   # decode: the token's top-k by logit (~10x cheaper than the counting below)
-        v, i = torch.topk(logits[0], top_k)
-        vals, ids = torch.stack((v, i.to(v.dtype))).cpu().tolist()      # one device-to-host read
-        return [int(e) for _, e in sorted(zip((-t for t in vals), ids))]
-    ids = torch.topk(logits, top_k, dim=-1).indices.flatten()
-    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
-    mass = torch.softmax(logits, dim=-1).sum(dim=0)
+    if rule is not None:
+        from freetoken_py.layers.moe import sigmoid_group_route
+
+        ids, weights = sigmoid_group_route(logits, rule.bias, top_k, rule.n_group, rule.topk_group)
+        if logits.shape[0] == 1:
+            w, i = torch.stack((weights[0], ids[0].to(weights.dtype))).cpu().tolist()
+            return [int(e) for _, e in sorted(zip((-t for t in w), i))]
+        counts = torch.bincount(ids.flatten(), minlength=logits.shape[-1]).to(logits.dtype)
+        mass = torch.sigmoid(logits).sum(dim=0)
+    else:
+        if logits.shape[0] == 1:   # decode: the token's top-k by logit (~10x cheaper than the counting below)
+            v, i = torch.topk(logits[0], top_k)
+            vals, ids = torch.stack((v, i.to(v.dtype))).cpu().tolist()      # one device-to-host read
+            return [int(e) for _, e in sorted(zip((-t for t in vals), ids))]
+        ids = torch.topk(logits, top_k, dim=-1).indices.flatten()
+        counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
+        mass = torch.softmax(logits, dim=-1).sum(dim=0)
     counts, mass = torch.stack([counts, mass]).cpu().numpy()      # one device-to-host read
     order = np.lexsort((np.arange(len(counts)), -mass, -counts))  # last key first
     return [int(e) for e in order if counts[e] > 0]
@@ -180,7 +233,8 @@ class RoutingRecorder:
     """An `ExpertExecutor` wrapper that records routing and delegates the compute unchanged.
 
     A call for a layer not above the previous call's layer starts a new step (a new forward pass).
-    With `routers` (per layer, the MoE layers' router as a callable x -> logits, None elsewhere),
+    With `routers` (per layer, the MoE layers' router as a callable x -> logits, None elsewhere;
+    `route_predictors(model)`: with each router's choice `rule`),
     each call also records the look-ahead prediction for the next MoE layer from this layer's
     input (`predict_experts`), what the executor's prefetch copies. Over the residency executor
     it records that executor's own (`prediction_made`: no second router call), and nothing where
@@ -212,7 +266,8 @@ class RoutingRecorder:
                 if made is not None and made[0] == nxt:
                     self.trace.predicted[-1][nxt] = list(made[1])
             elif nxt is not None:
-                self.trace.predicted[-1][nxt] = predict_experts(self.routers[nxt](x), self.trace.top_k)
+                r = self.routers[nxt]
+                self.trace.predicted[-1][nxt] = predict_experts(r(x), self.trace.top_k, getattr(r, "rule", None))
         return out
 
     def rewind(self, num_steps: int) -> None:
