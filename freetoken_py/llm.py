@@ -318,6 +318,13 @@ class LLM:
                "state_bytes_per_request": self.state_bytes_per_request}  # hybrids' recurrent layers (else 0)
         if self.runner.states is not None:
             out["state_slots"], out["free_state_slots"] = self.runner.states.num_slots, self.runner.states.num_free
+        if self.snapshots is not None:   # hybrids: recurrent-state snapshots in the prefix cache
+            sn = self.snapshots
+            out["state_snapshots"] = {"slots": sn.capacity, "held": self.prefix_cache.num_snapshots,
+                                      "bytes_held": sn.bytes_held, "every_pages": self.snapshot_every,
+                                      "taken": sn.num_taken, "restored": sn.num_restored,
+                                      "evicted": self.prefix_cache.num_snapshots_evicted,
+                                      "refused": sn.num_mismatches}
         prefill = getattr(self.model, "prefill_expert_store", None)
         if prefill is not None:   # --prefill-expert-dtype: the second copy of the experts, and where it lies
             out["prefill_experts"] = prefill_expert_memory(prefill)

@@ -180,3 +180,5 @@ def test_ten_turn_agent_conversation_over_http_reuses_its_prompt(tmp_path):
     assert shares[0] == 0
     assert min(shares[1:]) >= 0.9, shares
     assert stats.get("state_bytes_per_request", 0) > 0
+    snaps = stats["state_snapshots"]
+    assert snaps["restored"] >= 9 and snaps["refused"] == 0 and snaps["held"] <= snaps["slots"]
