@@ -5,14 +5,18 @@
       run, interleaved with the decode rounds (best of each: noise only ever slows a round, so a
       noisy machine does not fail it and a 2x regression does);
   (b) mean KLD of the int8 / int4 experts or the FP8 KV cache against the demo model's own
-      precision (freetoken eval kld's computation, shipped corpus, decode steps) exceeds its budget.
+      precision (freetoken eval kld's computation, shipped corpus, decode steps) exceeds its budget;
+  (c) tool-call validity on the demo model (freetoken eval tools' suite, scored by the server's
+      own parser and jsonschema; unconstrained, under the tool_choice auto grammar and required)
+      drops below its recorded floor.
 
 The thresholds live in bench/gates.json with the date and command that set them.
 
-    python bench/gates.py [--only decode,kld] [--record]
+    python bench/gates.py [--only decode,kld,tools] [--record]
 
 --record measures, writes the figures and the thresholds derived from them (decode: 0.6 x the
-measured fraction; KLD: 4 x the measured mean, FP8 KV at most 0.005) into gates.json, and passes.
+measured fraction; KLD: 4 x the measured mean, FP8 KV at most 0.005; tools: the measured share
+of valid calls minus TOOLS_SLACK, two flips of the suite's 8 outputs) into gates.json, and passes.
 Prints one JSON line.
 """
 from __future__ import annotations
@@ -28,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 GATES = Path(__file__).resolve().parent / "gates.json"
-DECODE_SLACK, KLD_SLACK, FP8_KV_CAP = 0.6, 4.0, 0.005
+DECODE_SLACK, KLD_SLACK, FP8_KV_CAP, TOOLS_SLACK = 0.6, 4.0, 0.005, 0.25
+TOOL_RUNS = ("unconstrained", "constrained", "required")
 
 
 def dram_best_gbps(threads: int) -> float:
@@ -104,9 +109,30 @@ def kld_gate(cfg: dict, model_dir: Path = common.DEMO, only: tuple[str, ...] = (
     return {"configs": rows, "passed": all(r["passed"] for r in rows.values())}
 
 
+def tools_gate(cfg: dict, model_dir: Path = common.DEMO) -> dict:
+    """Share of valid tool calls (of the outputs that start one; none started counts 0) of each
+    run of freetoken eval tools' suite against its floor. The suite's sampling is seeded."""
+    from freetoken_py.evals.tools import ToolsEvalOptions, run_tools_eval
+
+    out = run_tools_eval(ToolsEvalOptions(model_dir, samples=cfg["samples"], num_requests=cfg["requests"],
+                                          max_tokens=cfg["max_tokens"], as_json=True))
+    floors, rows = cfg.get("floors", {}), {}
+    for run in TOOL_RUNS:
+        s = out.get(run)
+        if s is None:          # no grammar for this model's tool format
+            continue
+        valid = s["valid"] or 0.0
+        floor = floors.get(run)
+        rows[run] = {"valid": valid, "parseable": s["parseable"], "attempts": s["attempts"], "outputs": s["outputs"],
+                     "floor": floor, "passed": floor is None or valid >= floor}
+    return {"runs": rows, "tool_format": out["tool_format"], "passed": all(r["passed"] for r in rows.values())}
+
+
 def record(gates: dict, results: dict, command: str) -> dict:
-    """The thresholds derived from this run's figures, with the date and command."""
+    """The thresholds derived from this run's figures, with the date and command (per gate; the
+    file's own "set" when every gate was measured)."""
     gates = json.loads(json.dumps(gates))
+    when = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command}
     if "decode" in results:
         frac = results["decode"]["fraction"]
         gates["decode"].update(recorded_fraction=frac, min_fraction=round(DECODE_SLACK * frac, 4))
@@ -115,22 +141,30 @@ def record(gates: dict, results: dict, command: str) -> dict:
         gates["kld"]["recorded"] = {n: float(f"{v:.3g}") for n, v in rec.items()}
         gates["kld"]["budgets"] = {n: float(f"{min(KLD_SLACK * v, FP8_KV_CAP) if n == 'fp8_kv' else KLD_SLACK * v:.3g}")
                                    for n, v in rec.items()}
-    gates["set"] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command}
+    if "tools" in results:
+        rec = {n: r["valid"] for n, r in results["tools"]["runs"].items()}
+        gates["tools"]["recorded"] = rec
+        gates["tools"]["floors"] = {n: round(max(0.0, v - TOOLS_SLACK), 4) for n, v in rec.items()}
+    for name in results:
+        gates[name]["set"] = when
+    if {"decode", "kld", "tools"} <= set(results) or "tools" not in gates:
+        gates["set"] = when
     return gates
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="decode,kld")
+    ap.add_argument("--only", default="decode,kld,tools")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args(argv)
     gates = json.loads(GATES.read_text())
     t0, results = time.perf_counter(), {}
     for name in args.only.split(","):
         common.log(f"gate {name}")
-        results[name] = {"decode": decode_gate, "kld": kld_gate}[name](gates[name])
+        results[name] = {"decode": decode_gate, "kld": kld_gate, "tools": tools_gate}[name](gates[name])
     if args.record:
-        GATES.write_text(json.dumps(record(gates, results, "python bench/gates.py --record"), indent=2) + "\n")
+        command = "python bench/gates.py --record" + ("" if args.only == "decode,kld,tools" else f" --only {args.only}")
+        GATES.write_text(json.dumps(record(gates, results, command), indent=2) + "\n")
         results = {n: {**r, "passed": True} for n, r in results.items()}
     passed = all(r["passed"] for r in results.values())
     common.emit({"bench": "gates", "passed": passed, "seconds": round(time.perf_counter() - t0, 1),

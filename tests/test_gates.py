@@ -24,13 +24,47 @@ def test_thresholds_file_names_its_date_command_and_every_gate(recorded):
     assert 0 < recorded["decode"]["min_fraction"] < recorded["decode"]["recorded_fraction"]
     assert set(recorded["kld"]["budgets"]) == set(recorded["kld"]["configs"]) == {"int8", "int4", "fp8_kv"}
     assert recorded["kld"]["budgets"]["fp8_kv"] <= 0.005
+    tools = recorded["tools"]
+    assert tools["set"]["command"].startswith("python bench/gates.py --record") and tools["set"]["date"]
+    assert set(tools["floors"]) == set(tools["recorded"]) and set(tools["floors"]) <= set(gates.TOOL_RUNS)
+    assert all(0 <= tools["floors"][n] <= tools["recorded"][n] for n in tools["floors"])
+    assert tools["floors"]["constrained"] > 0 and tools["floors"]["required"] > 0   # the grammar runs can fail it
 
 
 def test_record_derives_the_thresholds_from_the_figures(recorded):
     res = {"decode": {"fraction": 0.5}, "kld": {"configs": {"int8": {"mean_kld": 1e-5}, "fp8_kv": {"mean_kld": 0.002}}}}
     new = gates.record(recorded, res, "cmd")
     assert new["decode"]["min_fraction"] == 0.3 and new["kld"]["budgets"] == {"int8": 4e-5, "fp8_kv": 0.005}
-    assert new["set"]["command"] == "cmd" and recorded["kld"]["budgets"] != new["kld"]["budgets"]
+    assert new["decode"]["set"]["command"] == new["kld"]["set"]["command"] == "cmd"
+    assert recorded["kld"]["budgets"] != new["kld"]["budgets"]
+    res = {"tools": {"runs": {"constrained": {"valid": 0.875}, "unconstrained": {"valid": 0.1}}}}
+    new = gates.record(recorded, res, "cmd --only tools")
+    assert new["tools"]["floors"] == {"constrained": 0.625, "unconstrained": 0.0}
+    assert new["tools"]["set"]["command"] == "cmd --only tools" and new["set"] == recorded["set"]   # one gate only
+    full = {"decode": {"fraction": 0.5}, "kld": {"configs": {}}, **res}
+    assert gates.record(recorded, full, "cmd")["set"]["command"] == "cmd"                       # every gate
+
+
+def test_tools_gate_passes_on_main_and_fails_on_a_parser_that_drops_arguments(recorded, monkeypatch):
+    ok = gates.tools_gate(recorded["tools"])
+    assert ok["passed"], ok
+    import freetoken_py.server.toolcalls as toolcalls
+
+    real = toolcalls.parse_output
+
+    def drops_arguments(*args, **kwargs):    # the planted bug: every call's arguments lost
+        import dataclasses
+
+        out = real(*args, **kwargs)
+        out.tool_calls = [dataclasses.replace(call, arguments="{}") for call in out.tool_calls]
+        return out
+
+    monkeypatch.setattr(toolcalls, "parse_output", drops_arguments)
+    bad = gates.tools_gate(dict(recorded["tools"], requests=4))     # half the suite: the bug shows on any call
+    assert not bad["passed"], bad
+    grammar_run = bad["runs"]["constrained"]
+    # still parsed, no longer valid (only calls of tools without required fields survive "{}")
+    assert grammar_run["valid"] < grammar_run["floor"] < grammar_run["parseable"]
 
 
 def test_kld_gate_passes_on_main_and_fails_on_a_wrong_fp8_scale(recorded):
