@@ -290,7 +290,8 @@ class LLM:
         every = self.config.snapshot_every_pages or snapshot_every_pages(store.bytes_per_snapshot,
                                                                          self.kv_bytes_per_token, ps)
         self.snapshot_every = every
-        return store, PrefixStateReuse(self.prefix_cache, store, ps, every)
+        in_layer = bool(getattr(getattr(self.model, "gdn_mixer", None), "captures", False))
+        return store, PrefixStateReuse(self.prefix_cache, store, ps, every, in_layer=in_layer)
 
     @property
     def state_bytes_per_request(self) -> int:

@@ -4,6 +4,7 @@ own bytes: a restore must reproduce them exactly, and every check (slot reassign
 namespace, changed bytes) must refuse to restore."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from freetoken_py.kvcache import PageAllocator
@@ -169,7 +170,7 @@ class SimEngine:
     hash(prefix) in its recurrent slot and (namespace, prefix) in each K/V slot, so any resumed
     state or page that is not exactly the prefix's is caught."""
 
-    def __init__(self, num_pages=32, capacity=4, every_pages=2, budget=64, seqs=3):
+    def __init__(self, num_pages=32, capacity=4, every_pages=2, budget=64, seqs=3, in_layer=False):
         from freetoken_py.kvcache.tags import IntegrityTracker
         from freetoken_py.scheduler.prefix_state import PrefixStateReuse
         from freetoken_py.scheduler.scheduler import Scheduler
@@ -178,7 +179,7 @@ class SimEngine:
         self.pool = _pool(seqs + capacity)
         self.store = SnapshotStore(self.pool, capacity)
         self.cache = RadixCache(self.alloc, P, snapshots=self.store)
-        self.states = PrefixStateReuse(self.cache, self.store, P, every_pages)
+        self.states = PrefixStateReuse(self.cache, self.store, P, every_pages, in_layer=in_layer)
         self.s = Scheduler(self.alloc, P, seqs, budget, self.cache, None, IntegrityTracker(self.alloc),
                            state_pool=self.pool, states=self.states)
         self.kv: dict[int, tuple] = {}
@@ -204,6 +205,8 @@ class SimEngine:
                     assert self.kv.get(slot) == (ns, tuple(toks[:pos + 1])), pos
                 for pos in range(req.num_computed, req.num_computed + ch.num_new):
                     self.kv[req.page_table[pos // P] * P + pos % P] = (ns, tuple(toks[:pos + 1]))
+                for rows, dst in ch.captures:   # the mixer's capture: the state after those rows
+                    self.pool.rec[0][dst, 0, 0, 0] = _hash(toks[:req.num_computed + rows])
                 req.num_computed += ch.num_new
                 self.pool.rec[0][req.state_slot, 0, 0, 0] = _hash(toks[:req.num_computed])
                 self.chunk_ends.setdefault(req.request_id, []).append(req.num_computed)
@@ -218,11 +221,14 @@ class SimEngine:
         return done
 
 
-def test_turn_two_resumes_at_the_end_of_turn_one():
-    e = SimEngine(every_pages=2, capacity=6)
+@pytest.mark.parametrize("in_layer", [False, True])
+def test_turn_two_resumes_at_the_end_of_turn_one(in_layer):
+    e = SimEngine(every_pages=2, capacity=6, in_layer=in_layer)
     prompt = list(range(5 * P + 2))
     (a,) = e.run() if e.add(prompt, max_tokens=P + 1) else ()
-    assert e.chunk_ends[a.request_id][:4] == [2 * P, 4 * P, 5 * P, 5 * P + 2]  # cut at 2P, 4P and the prompt's last page
+    # the snapshot points 2P, 4P and the prompt's last page: chunks cut there, or captured inside one
+    ends = [5 * P + 2] if in_layer else [2 * P, 4 * P, 5 * P, 5 * P + 2]
+    assert e.chunk_ends[a.request_id][:len(ends)] == ends
     assert a.num_cached_tokens == 0
     b = e.add(a.all_token_ids + [3, 4, 5])              # the next turn: the whole history + a new message
     e.run()
@@ -235,8 +241,9 @@ def test_turn_two_resumes_at_the_end_of_turn_one():
     assert d.num_cached_tokens == 5 * P
 
 
-def test_tiny_snapshot_budget_evicts_and_stays_exact():
-    e = SimEngine(num_pages=12, capacity=2, every_pages=1)
+@pytest.mark.parametrize("in_layer", [False, True])
+def test_tiny_snapshot_budget_evicts_and_stays_exact(in_layer):
+    e = SimEngine(num_pages=12, capacity=2, every_pages=1, in_layer=in_layer)
     convs = [[i * 10 + j for j in range(3 * P + 1)] for i in range(4)]
     for rounds in range(2):
         for toks in convs:

@@ -43,14 +43,15 @@ def _llm(path, backend="torch", **kw):
 
 
 def _run(llm, prompt, params=GREEDY):
-    """Generate alone; returns (output, the logits of each step, tokens the runner computed)."""
-    seen, computed = [], [0]
+    """Generate alone; returns (output, the logits of each step, tokens the runner computed, passes)."""
+    seen, computed, passes = [], [0], [0]
     forward = llm.runner.forward_batch
 
     def observe(chunks, *a, **k):
         samples = any(ch.samples for ch in chunks)      # (before the pass advances num_computed)
         out = forward(chunks, *a, **k)
         computed[0] += sum(ch.num_new for ch in chunks)
+        passes[0] += 1
         if samples:
             seen.append(out[-1].clone())
         return out
@@ -60,11 +61,11 @@ def _run(llm, prompt, params=GREEDY):
         out = llm.generate([prompt], params)[0]
     finally:
         llm.runner.forward_batch = forward
-    return out, torch.stack(seen), computed[0]
+    return out, torch.stack(seen), computed[0], passes[0]
 
 
 def _same(a, b):
-    (oa, la, _), (ob, lb, _) = a, b
+    (oa, la, *_), (ob, lb, *_) = a, b
     assert oa.token_ids == ob.token_ids
     assert (la - lb).abs().max().item() <= 1e-4
 
@@ -73,6 +74,7 @@ def _same(a, b):
 def test_turn_two_from_cached_state_equals_fresh(hybrid, name, backend):
     path = hybrid(name)
     on, off = _llm(path, backend), _llm(path, backend, enable_prefix_cache=False)
+    assert on.scheduler.states.in_layer                  # both backends' mixers capture inside a chunk
     turn1 = _prompt(45, 1)                               # > one prefill chunk (32), ends mid-page
     first = _run(on, turn1)
     _same(first, _run(off, turn1))
@@ -90,11 +92,16 @@ def test_turn_two_from_cached_state_equals_fresh(hybrid, name, backend):
     assert on.snapshots.num_mismatches == 0 and on.tracker.num_mismatches == 0
 
 
-def test_partial_overlap_resumes_from_the_deepest_earlier_snapshot(hybrid):
+@pytest.mark.parametrize("in_layer", [True, False])
+def test_partial_overlap_resumes_from_the_deepest_earlier_snapshot(hybrid, in_layer):
     path = hybrid()
     on, off = _llm(path, snapshot_every_pages=2), _llm(path, enable_prefix_cache=False)
+    assert on.scheduler.states.in_layer                  # the torch mixer captures inside a chunk
+    on.scheduler.states.in_layer = in_layer              # False: chunks are cut at the points instead
     base = _prompt(6 * PAGE + 3, 4)
-    _run(on, base)                                       # snapshots at 16, 32, 48 (every 2 pages + the end)
+    first = _run(on, base)                               # snapshots at 16, 32, 48 (every 2 pages + the end)
+    # one pass per 32-token chunk when captured inside (32 + 19), else cut at 16, 32, 48 (16 + 16 + 16 + 3)
+    assert first[3] == (2 if in_layer else 4) + GREEDY.max_tokens - 1
     for diverge, resume in ((3 * PAGE + 3, 2 * PAGE), (4 * PAGE, 4 * PAGE), (PAGE + 1, 0)):
         prompt = base[:diverge] + _prompt(10, diverge)
         out = _run(on, prompt)

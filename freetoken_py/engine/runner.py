@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ class ScheduledChunk:
     """Compute tokens [req.num_computed, req.num_computed + num_new) of `req`."""
     req: Request
     num_new: int
+    # hybrids: [(rows into the chunk, snapshot slot)]: capture the recurrent state after those rows
+    # (prefix-state snapshots, scheduler/prefix_state.py)
+    captures: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:  # the chunk reaches the newest token, whose logits pick the next one
@@ -75,7 +78,8 @@ class ModelRunner:
                 sample_rows.append(row - 1)
         new_slots = torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])  # new tokens end each context
         meta = AttentionMetadata(new_slots, seqs,
-                                 [ch.req.state_slot for ch in chunks] if self.states is not None else None)
+                                 [ch.req.state_slot for ch in chunks] if self.states is not None else None,
+                                 {i: ch.captures for i, ch in enumerate(chunks) if ch.captures} or None)
         if self._asym is not None:   # tokens of chunks of several: prefill precision; of chunks of one: decode's
             self._asym.prefill_rows = torch.tensor([ch.num_new > 1 for ch in chunks for _ in range(ch.num_new)])
         try:

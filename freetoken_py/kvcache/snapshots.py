@@ -101,6 +101,20 @@ class SnapshotStore:
         self.num_taken += 1
         return SnapshotRef(slot, int(self.tags[slot]), owner, position, self.checksum(slot))
 
+    def reserve(self, owner: Hashable, position: int) -> SnapshotRef | None:
+        """A snapshot slot the forward pass fills (a capture inside a chunk); `seal` it after."""
+        if self.num_free <= 0 or self.pool.num_free <= 0:
+            return None
+        slot = self.pool.allocate()
+        self._mine.add(slot)
+        self.tags[slot] += 1
+        return SnapshotRef(slot, int(self.tags[slot]), owner, position, 0)
+
+    def seal(self, ref: SnapshotRef) -> SnapshotRef:
+        """The reserved slot now holds its state: the ref with its checksum."""
+        self.num_taken += 1
+        return ref._replace(checksum=self.checksum(ref.slot))
+
     def retake(self, ref: SnapshotRef, src_slot: int, position: int) -> SnapshotRef:
         """Overwrite a snapshot still held by its taker (not in the cache) with a later state."""
         assert self.valid(ref, ref.owner), "retake of a snapshot given back"

@@ -35,10 +35,14 @@ class AttentionMetadata:
     new_slots: torch.Tensor  # [T] slot of each new token
     seqs: list[SeqAttention]
     state_slots: list[int] | None = None  # hybrids: each seq's StatePool slot (kvcache/state.py)
+    # hybrids: seq index -> [(rows into its chunk, snapshot slot)]: the recurrent state after those
+    # rows is copied into the snapshot slot (prefix-state snapshots inside a chunk, layers/gated_deltanet.py)
+    state_captures: dict[int, list[tuple[int, int]]] | None = None
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The index tensors on the KV cache's device (built on the host, once per batch)."""
-        return AttentionMetadata(self.new_slots.to(device), [s.to(device) for s in self.seqs], self.state_slots)
+        return AttentionMetadata(self.new_slots.to(device), [s.to(device) for s in self.seqs], self.state_slots,
+                                 self.state_captures)
 
 
 def build_seq_attention(cache: KVCache, page_table: list[int], start: int, num_new: int,

@@ -174,6 +174,21 @@ def decay_and_beta(w: GdnWeights, a: torch.Tensor, b: torch.Tensor) -> tuple[tor
     return g, b.sigmoid().float()
 
 
+def state_segments(meta, i: int) -> list[tuple[slice, int | None]]:
+    """The rows of seq i in order, split where its state is captured (meta.state_captures): a
+    mixer processes each segment in turn and, after one that names a slot, copies the request's
+    state into that slot (a prefix-state snapshot at a page boundary inside the chunk)."""
+    s = meta.seqs[i]
+    caps = (getattr(meta, "state_captures", None) or {}).get(i, ())
+    out, start = [], s.q_start
+    for rows, dst in sorted(caps):
+        if 0 < rows < s.q_end - s.q_start:
+            out.append((slice(start, s.q_start + rows), dst))
+            start = s.q_start + rows
+    out.append((slice(start, s.q_end), None))
+    return out
+
+
 def gated_deltanet(cfg: GdnConfig, w: GdnWeights, x: torch.Tensor, meta, conv_state: torch.Tensor,
                    rec_state: torch.Tensor) -> torch.Tensor:
     """The whole mixer for a batch. x [T, D] (normed); meta.seqs (q_start, q_end) rows per request,
@@ -203,10 +218,17 @@ def gated_deltanet(cfg: GdnConfig, w: GdnWeights, x: torch.Tensor, meta, conv_st
     for i, s in enumerate(meta.seqs):
         if i in decode:
             continue
-        slot, r = meta.state_slots[i], slice(s.q_start, s.q_end)
-        mixed = causal_conv(qkv[r], w.conv, conv_state[slot])
-        n = mixed.shape[0]
-        q, k, v = mixed.split([kd, kd, cfg.value_dim], dim=-1)
-        out[r] = gdn_core(q.reshape(n, Hk, -1), k.reshape(n, Hk, -1), v.reshape(n, Hv, -1), g[r], beta[r],
-                          rec_state[slot])
+        slot = meta.state_slots[i]
+        for r, dst in state_segments(meta, i):
+            mixed = causal_conv(qkv[r], w.conv, conv_state[slot])
+            n = mixed.shape[0]
+            q, k, v = mixed.split([kd, kd, cfg.value_dim], dim=-1)
+            out[r] = gdn_core(q.reshape(n, Hk, -1), k.reshape(n, Hk, -1), v.reshape(n, Hv, -1), g[r], beta[r],
+                              rec_state[slot])
+            if dst is not None:  # a snapshot of the state after these rows
+                conv_state[dst].copy_(conv_state[slot])
+                rec_state[dst].copy_(rec_state[slot])
     return gated_norm(out, z, w.norm, cfg.eps, x.dtype).flatten(1)
+
+
+gated_deltanet.captures = True  # honours meta.state_captures (scheduler/prefix_state.py)

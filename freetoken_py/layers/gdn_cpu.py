@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from freetoken_py.kernels.cpu_gdn import gdn_core
+from freetoken_py.layers.gated_deltanet import state_segments
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -63,6 +64,12 @@ def gated_deltanet_cpu(cfg, w, x: torch.Tensor, meta, conv_state: torch.Tensor,
     for i, s in enumerate(meta.seqs):
         if i in done:
             continue
-        r = slice(s.q_start, s.q_end)
-        gdn_rows(cfg, w, proj[None, r], cs, rs, np.array([meta.state_slots[i]], np.int64), out[None, r])
+        slot = meta.state_slots[i]
+        for r, dst in state_segments(meta, i):
+            gdn_rows(cfg, w, proj[None, r], cs, rs, np.array([slot], np.int64), out[None, r])
+            if dst is not None:  # a prefix-state snapshot after these rows
+                cs[dst], rs[dst] = cs[slot], rs[slot]
     return torch.from_numpy(out)
+
+
+gated_deltanet_cpu.captures = True  # honours meta.state_captures (scheduler/prefix_state.py)

@@ -8,10 +8,14 @@ This object decides where those are and keeps them in the radix cache:
   snapshot; the snapshot is restored into the request's slot (its checksum, tag and owner
   checked: a refused one is dropped and the next shallower one tried) and the pages up to it are
   shared. `num_cached_tokens` is exactly that position, the tokens really skipped.
-- **Chunking** (`cut`): a prefill chunk ends at each snapshot point, so the state there exists:
-  every `every_pages` pages (the measured-cost rule, snapshots.snapshot_every_pages) and the
-  last page boundary of the tokens known at admission (the prompt; prompt + output after a
-  preemption), where an agent's next turn diverges.
+- **Snapshot points**: every `every_pages` pages (the measured-cost rule,
+  snapshots.snapshot_every_pages) and the last page boundary of the tokens known at admission
+  (the prompt; prompt + output after a preemption), where an agent's next turn diverges.
+- **Capture** (`plan`): a point inside a prefill chunk is captured by the model's linear-attention
+  mixer itself (ScheduledChunk.captures -> AttentionMetadata.state_captures: the mixer splits
+  that request's rows there and copies its state into a reserved snapshot slot), so the prompt
+  still runs in as few passes as without snapshots. With a mixer that cannot (`captures` not
+  set on it), `cut` ends the chunk at the point instead (one more pass).
 - **After a forward** (`after_forward`): a request whose computed length lands on such a point
   has its slot copied into a snapshot, its pages up to there inserted and the snapshot attached
   to the node of the last one. Past that point (decode), the request keeps one *rolling*
@@ -33,11 +37,14 @@ from freetoken_py.kvcache.snapshots import SnapshotRef, SnapshotStore
 
 
 class PrefixStateReuse:
-    def __init__(self, cache: RadixCache, store: SnapshotStore, page_size: int, every_pages: int):
+    def __init__(self, cache: RadixCache, store: SnapshotStore, page_size: int, every_pages: int,
+                 in_layer: bool = False):
         self.cache, self.store, self.page_size = cache, store, page_size
         self.every = every_pages * page_size  # tokens between periodic snapshots
+        self.in_layer = in_layer  # the mixer captures inside a chunk (else chunks are cut)
         self._end: dict[int, int] = {}  # request id -> its last snapshot point (set at admission)
         self._rolling: dict[int, SnapshotRef] = {}  # request id -> its decode-time snapshot
+        self._planned: dict[int, list[SnapshotRef]] = {}  # request id -> captures of the pass in flight
 
     def match(self, req: Request, ns: Hashable, tokens: list[int]) -> MatchResult:
         """Restore the deepest usable snapshot of `tokens` into the request's slot."""
@@ -48,11 +55,35 @@ class PrefixStateReuse:
                 return m
             self.cache.drop_snapshot(m.handle)  # corrupted or reassigned: never read; try shallower
 
+    def _points(self, req: Request, start: int, stop: int) -> list[int]:
+        """Snapshot points p with start < p < stop."""
+        end = self._end.get(req.request_id, 0)
+        pts = list(range((start // self.every + 1) * self.every, min(stop, end + 1), self.every))
+        if start < end < stop and end not in pts:
+            pts.append(end)
+        return sorted(p for p in pts if p < stop)
+
+    def plan(self, chunk, ns: Hashable | None) -> None:
+        """Reserve a snapshot slot for each point strictly inside the chunk (the mixer fills it)."""
+        req = chunk.req
+        if not self.in_layer or ns is None or chunk.num_new < 2:
+            return
+        start = req.num_computed
+        for p in self._points(req, start, start + chunk.num_new):
+            if self.cache.snapshot_at(ns, req.all_token_ids[:p]) is not None or not self._room():
+                continue
+            ref = self.store.reserve(ns, p)
+            if ref is None:
+                return
+            chunk.captures.append((p - start, ref.slot))
+            self._planned.setdefault(req.request_id, []).append(ref)
+
     def cut(self, req: Request, n: int) -> int:
-        """`n` new tokens, shortened so the chunk ends at the next snapshot point."""
+        """`n` new tokens, shortened so the chunk ends at the next snapshot point (unless the
+        mixer captures inside chunks)."""
         start = req.num_computed
         end = self._end.get(req.request_id, 0)
-        if start >= end:
+        if start >= end or self.in_layer:
             return n
         nxt = min((start // self.every + 1) * self.every, end)
         return max(1, min(n, nxt - start))
@@ -66,6 +97,12 @@ class PrefixStateReuse:
         """Called once the request's latest chunk is computed (its slot holds the state at
         `num_computed`)."""
         pos, S = req.num_computed, self.page_size
+        for ref in self._planned.pop(req.request_id, ()):   # captured inside the chunk just computed
+            tokens = req.all_token_ids[:ref.position]
+            ref = self.store.seal(ref)
+            self.cache.insert(ns, tokens, req.page_table)
+            if not self.cache.attach(ns, tokens, ref):
+                self.store.release(ref)
         if ns is None or pos % S or pos == 0:
             return
         end = self._end.get(req.request_id, 0)
@@ -95,6 +132,8 @@ class PrefixStateReuse:
     def release(self, req: Request, ns: Hashable | None) -> None:
         """The request leaves (ns None: without publishing): attach or free its rolling snapshot."""
         self._end.pop(req.request_id, None)
+        for planned in self._planned.pop(req.request_id, ()):   # a pass that never completed
+            self.store.release(planned)
         ref = self._rolling.pop(req.request_id, None)
         if ref is None:
             return

@@ -195,7 +195,7 @@ class Scheduler:
                 budget -= n
         chunks = [c for c in chunks if c.req in self.running]
         if self.num_preemptions != preemptions_before:
-            return chunks  # pages are short: readmitting the victim now would only preempt it again
+            return self._plan(chunks)  # pages are short: readmitting the victim now would only preempt it again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self.state_pool is not None and req.state_slot is None:
@@ -214,6 +214,13 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
+        return self._plan(chunks)
+
+    def _plan(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Hybrids: the snapshot captures inside each chunk (prefix_state.PrefixStateReuse.plan)."""
+        if self.states is not None:
+            for ch in chunks:
+                self.states.plan(ch, self.namespace(ch.req))
         return chunks
 
     def publish_prompts(self, chunks: list[ScheduledChunk]) -> None:
