@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken_py.server.chat import anthropic_messages, anthropic_template_kwargs, anthropic_tools
 from freetoken_py.server.constraints import anthropic_constrained
+from freetoken_py.server.media import anthropic_media
 from freetoken_py.server.generation import (
     Prepared,
     collect_or_disconnect,
@@ -72,6 +73,7 @@ def _usage(num_prompt: int, final: Final | None) -> dict:
 
 
 async def _prepare(st, body: dict) -> tuple[Prepared, tuple[str, ...]]:
+    anthropic_media(body, st.llm.args.model_type)  # image / document blocks: a 400, not dropped
     messages, tools = anthropic_messages(body, st.limits), anthropic_tools(body, st.limits)
     stops = get_stop(body, "stop_sequences", st.limits)
     max_tokens = get(body, "max_tokens", int, lo=1)
@@ -189,6 +191,7 @@ async def _events(st, stream, parser, prep: Prepared, stops, msg_id: str, model:
 async def count_tokens(request: Request):
     st = request.app.state.freetoken
     body = parse_json_object(await request.body())
+    anthropic_media(body, st.llm.args.model_type)
     messages, tools = anthropic_messages(body, st.limits), anthropic_tools(body, st.limits, for_template=True)
     ids, _ = await asyncio.to_thread(render_chat, st.llm, messages, tools, anthropic_template_kwargs(body))
     return {"input_tokens": len(ids)}

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken_py.server.chat import openai_messages, openai_template_kwargs, openai_tools
 from freetoken_py.server.constraints import openai_constrained
+from freetoken_py.server.media import openai_media
 from freetoken_py.server.generation import (
     Prepared,
     collect_or_disconnect,
@@ -75,6 +76,7 @@ def _finish_reason(final: Final, has_tools: bool) -> str:
 async def chat_completions(request: Request):
     st = request.app.state.freetoken
     body = parse_json_object(await request.body())
+    openai_media(body, st.llm.args.model_type)  # images / audio / files: a 400, not dropped
     messages, tools = openai_messages(body, st.limits), openai_tools(body, st.limits)
     sampling, max_tokens = _common(body)
     stop = get_stop(body, "stop", st.limits)

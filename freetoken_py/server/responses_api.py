@@ -29,6 +29,7 @@ from freetoken_py.server.chat import (
     responses_tools,
 )
 from freetoken_py.server.constraints import openai_constrained
+from freetoken_py.server.media import responses_media
 from freetoken_py.server.generation import Prepared, collect_or_disconnect, prepare_chat, stream_error
 from freetoken_py.server.protocol import bad, get, parse_json_object, sampling_fields
 from freetoken_py.server.sse import KEEPALIVE_COMMENT, Final, SSEResponse, engine_events, event_line
@@ -103,6 +104,7 @@ async def responses(request: Request):
         if body.get(name) is not None:
             raise bad(f"'{name}' is not supported: this server stores no responses; send the whole "
                       "conversation in 'input' (Codex: store=false does this)", name)
+    responses_media(body, st.llm.args.model_type)  # input_image / input_file: a 400, not dropped
     messages, tools = responses_messages(body, st.limits), responses_tools(body, st.limits)
     max_tokens = get(body, "max_output_tokens", int, lo=1)
     stream_flag = get(body, "stream", bool, False)  # validated before submitting: a 400 leaves no work running
