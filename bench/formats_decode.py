@@ -1,5 +1,6 @@
 """Decode / prefill of checkpoints stored quantised, run in their own format (fp8 block e4m3,
-compressed-tensors int4 g32), against llama.cpp Q8_0 / Q4_0 on the same weights, at
+compressed-tensors int4 g32, compressed-tensors nvfp4 g16), against llama.cpp Q8_0 / Q4_0 / Q4_0
+on the same weights, at
 Qwen3-30B-A3B's layer widths (hidden 2048, 128 experts of width 768, top-8; fewer layers);
 plus the peak RSS of starting up from each quantised checkpoint (a fresh process) against the
 checkpoint's size.
@@ -10,7 +11,7 @@ checkpoint's size.
 The quantised checkpoints are written by `freetoken quantize` from a random bf16 one (built
 with transformers' classes). Prints one JSON line: per format tokens/s, bytes per token, GB/s,
 the DRAM roofline fraction, llama.cpp's figures and the ratios, and the start-up RSS.
-NVFP4 is not measured (the format does not load yet).
+The nvfp4 kernel reads fp32 activations (no int8 activation path yet, unlike int4 on AVX2).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from cpu_decode import _bytes_per_token, _gguf  # noqa: E402
 
-FORMATS = {"fp8": "q8_0", "int4": "q4_0"}   # our format -> llama.cpp's peer type
+FORMATS = {"fp8": "q8_0", "int4": "q4_0", "nvfp4": "q4_0"}   # our format -> llama.cpp's peer type
 
 _RSS = """
 import resource, sys, json
@@ -72,7 +73,7 @@ def main() -> None:
     for flag, default in (("--layers", 8), ("--hidden", 2048), ("--experts", 128), ("--width", 768),
                           ("--vocab", 151936)):
         ap.add_argument(flag, type=int, default=default)
-    ap.add_argument("--formats", default="fp8,int4")
+    ap.add_argument("--formats", default="fp8,int4,nvfp4")
     args = ap.parse_args()
     from freetoken_py.kernels import configure_threads
     from freetoken_py.llm import LLM

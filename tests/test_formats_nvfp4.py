@@ -237,3 +237,22 @@ def test_a_non_positive_global_scale_is_named(ct_copy):
     with pytest.raises(ModelLoadError) as info:
         first_logits(ct_copy, "torch", expert_cache="off")
     assert X + "weight_global_scale" in str(info.value) and "positive" in str(info.value)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4", "fp8"])
+def test_a_cpu_start_never_dequantises_the_packed_dense_weights(checkpoint_factory, tmp_path, fmt):
+    """Start-up memory (issue #22): the dense linears a checkpoint stores packed reach the kernels
+    as stored; the loader defers them and nothing dequantises them (counted in bytes), and the
+    experts are copied into the banks. The torch backend, the reference, does dequantise them."""
+    from freetoken_py.formats import packed
+    from freetoken_py.loading.quantize import quantize_checkpoint
+
+    q = quantize_checkpoint(checkpoint_factory("qwen3_moe_step2"), tmp_path / fmt, fmt, show_progress=False)
+    before = packed.DEQUANTISED_BYTES
+    ours, llm = first_logits(q, "cpu", expert_cache="off")
+    assert packed.DEQUANTISED_BYTES == before
+    lw = llm.model.weights.layers[1]
+    assert {lw.qkv.dense.fmt, lw.o.dense.fmt, llm.model.weights.layers[0].mlp13.dense.fmt} == {fmt}
+    ref, _ = first_logits(q, "torch", expert_cache="off")
+    assert packed.DEQUANTISED_BYTES > before
+    assert (ours - ref).abs().max().item() <= (1e-4 if fmt != "int4" else 0.1)   # int4: int8 activations on AVX2

@@ -101,40 +101,47 @@ def _kernel(lin: TorchLinear, fmt: str, group_size: int = 32, packed=None) -> Ke
     return KernelLinear(lin.weight, lin.bias, fmt, group_size)
 
 
-def packed_dense(ckpt, model: MoeTransformer) -> list[dict]:
-    """Per layer (and -1: the lm_head), the dense linears the checkpoint stores packed, by
-    LayerWeights field: {"qkv": Packed, "o": ..., "mlp13": ..., "mlp2": ..., "shared13": ...,
-    "shared2": ...}. A fused field is packed only when all its parts are (q, k and v; gate and
-    up); MLA projections stay at the load dtype (not yet packed)."""
-    from freetoken_py.formats import cat_rows
+def packed_groups(ckpt, a) -> list[dict]:
+    """Per layer (and -1: the lm_head), the dense linears the checkpoint stores packed, as the
+    logical names of each LayerWeights field: {"qkv": [q, k, v names], "o": [...], "mlp13": [gate,
+    up], "mlp2": [down], "shared13": ..., "shared2": ...}. A fused field counts only when all its
+    parts are packed (q, k and v; gate and up); MLA projections stay at the load dtype (not yet
+    packed). `load_cpu_model` defers these names in the loader (never dequantised) and
+    `packed_dense` reads them in their own format."""
+    s, dec = ckpt.scheme, ckpt.decoder
 
-    a, s = model.args, ckpt.scheme
-    reader = ckpt.reader()
-
-    def fused(names: list[str]):
-        parts = [reader.packed(n) for n in names]
-        return cat_rows(parts) if all(p is not None for p in parts) else None
-
-    def swiglu(prefix: str) -> dict:
-        return {"13": fused([prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
-                "2": fused([prefix + "down_proj.weight"])}
+    def full(names: list[str]) -> list[str] | None:
+        return names if all(dec.is_packed(n) for n in names) else None
 
     out = []
-    for i, lw in enumerate(model.weights.layers):
+    for i in range(a.num_layers):
         p = s.layer.format(i=i)
         got = {}
-        if getattr(lw, "mla", None) is None and getattr(lw, "gdn", None) is None:  # (getattr: families without the field)
-            got["qkv"] = fused([f"{p}self_attn.{x}_proj.weight" for x in "qkv"])
-        got["o"] = fused([p + "self_attn.o_proj.weight"])
-        if lw.mlp13 is not None:
-            m = swiglu(p + s.dense_mlp)
-            got["mlp13"], got["mlp2"] = m["13"], m["2"]
-        if getattr(lw, "shared13", None) is not None:
-            m = swiglu(p + s.shared_expert)
-            got["shared13"], got["shared2"] = m["13"], m["2"]
+        if a.mla is None:
+            got["qkv"] = full([f"{p}self_attn.{x}_proj.weight" for x in "qkv"])
+        got["o"] = full([p + "self_attn.o_proj.weight"])
+        mlp = s.dense_mlp if not a.sparse_layers[i] else (s.shared_expert if a.shared_intermediate_size else None)
+        if mlp is not None:
+            key = "mlp" if not a.sparse_layers[i] else "shared"
+            got[key + "13"] = full([p + mlp + "gate_proj.weight", p + mlp + "up_proj.weight"])
+            got[key + "2"] = full([p + mlp + "down_proj.weight"])
         out.append({k: v for k, v in got.items() if v is not None})
-    head = None if a.tie_word_embeddings else fused(["lm_head.weight"])
+    head = None if a.tie_word_embeddings else full(["lm_head.weight"])
     out.append({"lm_head": head} if head is not None else {})
+    return out
+
+
+def packed_dense(ckpt, model: MoeTransformer, groups: list[dict] | None = None) -> list[dict]:
+    """`packed_groups` as formats.Packed weights (fused fields concatenated along rows), by
+    LayerWeights field, for the fields the loaded model has."""
+    from freetoken_py.formats import cat_rows
+
+    groups = packed_groups(ckpt, model.args) if groups is None else groups
+    reader = ckpt.reader()
+    out = []
+    for lw, g in zip([*model.weights.layers, None], groups):
+        out.append({k: cat_rows([reader.packed(n) for n in names]) for k, names in g.items()
+                    if k == "lm_head" or getattr(lw, k, None) is not None})
     reader.close()
     return out
 
@@ -180,17 +187,20 @@ def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = N
 
     tune_allocator()  # process-wide, idempotent: every cpu-backend LLM gets it, not only the CLI
     ckpt = open_checkpoint(model_dir)
-    model = load_model(ckpt, dtype, show_progress, experts="skip")
+    native = ckpt.decoder.exec_format            # fp8 / int4 / nvfp4 checkpoints run in their own format
+    # the dense linears stored packed are run as stored: the loader never reads (dequantises) them
+    groups = packed_groups(ckpt, ckpt.args) if native is not None and dense_format is None else None
+    defer = frozenset(n for g in groups or () for names in g.values() for n in names)
+    model = load_model(ckpt, dtype, show_progress, experts="skip", defer=defer)
     if dense_format == "int4":  # before the expert store spends minutes building a cache file
         _check_int4_dense(model.args, group_size)
-    native = ckpt.decoder.exec_format            # fp8 / int4 checkpoints run in their own format
     fmt = expert_format or native or dense_format or weight_format(model.dtype)
     expert_group = ckpt.decoder.group_size if fmt == native else group_size
     if native is not None and fmt != native:
         note_conversion(f"converting the checkpoint's {ckpt.decoder.describe()} experts to {fmt} (--expert-dtype)")
     load_dtype = model.dtype
     store = open_expert_store(model_dir, model.args, load_dtype, fmt, expert_group, expert_cache, show_progress)
-    packed = packed_dense(ckpt, model) if native is not None and dense_format is None else None
+    packed = packed_dense(ckpt, model, groups) if groups is not None else None
     use_cpu_kernels(model, fmt, expert_group if dense_format is None else group_size, dense_format=dense_format,
                     banks=store.banks, packed=packed)
     model.expert_store = store  # which file the banks map, for stats and tests

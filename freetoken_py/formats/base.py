@@ -24,6 +24,10 @@ class PlainDecoder:
     def packed(self, reader, name: str):
         return None
 
+    def is_packed(self, name: str) -> bool:
+        """Whether the logical tensor `name` is stored packed (`packed` gives it in an execution format)."""
+        return False
+
     def get(self, reader, name: str) -> torch.Tensor:
         return reader.get(name)
 
@@ -53,6 +57,9 @@ class QuantDecoder(PlainDecoder):
 
     def packed(self, reader, name: str):
         return self._packed(reader, name) if name in self._quantised else None
+
+    def is_packed(self, name: str) -> bool:
+        return name in self._quantised
 
     def get(self, reader, name: str) -> torch.Tensor:
         p = self.packed(reader, name)

@@ -19,6 +19,7 @@ from freetoken_py.quant.fp8 import dequantize_fp8
 from freetoken_py.quant.nvfp4 import dequantize_nvfp4
 
 EXEC_FORMATS = ("fp8", "int4", "nvfp4")
+DEQUANTISED_BYTES = 0   # float32 bytes `dequantize()` made in this process (tests, bench/startup_rss.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,6 +32,8 @@ class Packed:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]."""
+        global DEQUANTISED_BYTES
+        DEQUANTISED_BYTES += 4 * self.shape[0] * self.shape[1]
         if self.fmt == "fp8":
             return dequantize_fp8(self.codes, self.scales, self.group_size)
         if self.fmt == "nvfp4":

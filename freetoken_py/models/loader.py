@@ -161,10 +161,12 @@ def read_generation_defaults(model_dir: Path) -> GenerationDefaults:
 
 
 def load_model(model_dir: "Path | str | Checkpoint", dtype: str = "auto", show_progress: bool = True,
-               experts: str = "load") -> MoeTransformer:
+               experts: str = "load", defer: frozenset = frozenset()) -> MoeTransformer:
     """experts="skip" loads everything but the routed experts (`w13`/`w2` stay None): for the cpu
     backend, whose expert store builds its banks from the checkpoint itself. Such a model runs only
-    after an expert executor is attached (`engine.cpu_backend.load_cpu_model` does this)."""
+    after an expert executor is attached (`engine.cpu_backend.load_cpu_model` does this).
+    defer: logical names loaded as shape-only (meta) placeholders, never read or dequantised: the
+    cpu backend's packed dense weights, which it replaces with the checkpoint's own codes."""
     if experts not in ("load", "skip"):
         raise ValueError(f"experts must be 'load' or 'skip', got {experts!r}")
     ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
@@ -174,8 +176,23 @@ def load_model(model_dir: "Path | str | Checkpoint", dtype: str = "auto", show_p
     torch_dtype = resolve_dtype(dtype, stored)
     held, moment = held_bytes(args, scheme, tensors, torch_dtype, experts == "skip")
     check_host_memory(model_dir, held + moment, torch_dtype, experts == "skip")
-    reader = ckpt.reader()
+    reader = ckpt.reader() if not defer else _Deferring(ckpt.reader(), defer, tensors)
     with progress_bar(f"Loading {model_dir.name}", total=args.num_layers, enabled=show_progress) as advance:
         weights = load_weights(args, scheme, reader, torch_dtype, progress=advance, skip_experts=experts == "skip")
     reader.close()
     return MoeTransformer(args, weights, torch_dtype)
+
+
+class _Deferring:
+    """A reader that hands out meta tensors (shape only) for the deferred names."""
+
+    def __init__(self, reader, defer: frozenset, tensors: dict):
+        self._reader, self._defer, self._tensors = reader, defer, tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self._defer:
+            return torch.empty(self._tensors[name].shape, dtype=torch.float32, device="meta")
+        return self._reader.get(name)
+
+    def __getattr__(self, name: str):
+        return getattr(self._reader, name)
