@@ -82,7 +82,7 @@ def _run(llm, opts: RunOptions) -> None:
         print(json.dumps(_json_result(final, t0)))
     else:
         print(file=sys.stdout, flush=True)
-        _print_stats(final, llm.kv_bytes_per_token)
+        _print_stats(final, llm.kv_bytes_per_token, llm.state_bytes_per_request)
 
 
 def _generate(llm, prompt_ids: list[int], params, echo: bool) -> RequestOutput:
@@ -113,12 +113,14 @@ def _json_result(out: RequestOutput, t0: float) -> dict:
     }
 
 
-def _print_stats(out: RequestOutput, kv_bytes_per_token: int) -> None:
-    """kv_bytes_per_token: measured from the KV pool (an MLA model's latent + rope key)."""
+def _print_stats(out: RequestOutput, kv_bytes_per_token: int, state_bytes_per_request: int = 0) -> None:
+    """kv_bytes_per_token: measured from the KV pool (an MLA model's latent + rope key; a hybrid's
+    full-attention layers only); state_bytes_per_request: a hybrid's fixed per-request state."""
     rate = _decode_rate(out)
     rate_s = f"{rate:.1f} tok/s" if rate else "n/a"
+    state = f"state {state_bytes_per_request} B/req | " if state_bytes_per_request else ""
     print(f"[prompt {len(out.prompt_token_ids)} tok ({out.num_cached_tokens} cached) | TTFT {out.ttft_s * 1000:.0f} ms | "
-          f"decode {len(out.token_ids)} tok at {rate_s} | KV {kv_bytes_per_token} B/tok | "
+          f"decode {len(out.token_ids)} tok at {rate_s} | KV {kv_bytes_per_token} B/tok | {state}"
           f"finish: {out.finish_reason}]", file=sys.stderr)
 
 
@@ -144,5 +146,5 @@ def _repl(llm, params, system: str | None) -> None:
         ids = llm.chat_prompt_ids(messages) if has_template else llm.encode_prompt(line)
         out = _generate(llm, ids, params, echo=True)
         print(flush=True)
-        _print_stats(out, llm.kv_bytes_per_token)
+        _print_stats(out, llm.kv_bytes_per_token, llm.state_bytes_per_request)
         messages.append({"role": "assistant", "content": out.text})

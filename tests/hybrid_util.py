@@ -17,25 +17,27 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=512, nu
                tie_word_embeddings=False)
 
 
-def _config(name: str):
+def _config(name: str, **overrides):
     from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 
+    common = {**_COMMON, **overrides}
+
     if name == "qwen3_next":
-        return Qwen3NextConfig(intermediate_size=128, head_dim=16, norm_topk_prob=True, **_COMMON)
+        return Qwen3NextConfig(intermediate_size=128, head_dim=16, norm_topk_prob=True, **common)
     if name == "qwen3_next_mixed":  # a dense MLP layer, no renormalisation, full attention at layers 1 and 3
         return Qwen3NextConfig(intermediate_size=48, head_dim=16, norm_topk_prob=False, mlp_only_layers=[2],
                                layer_types=["linear_attention", "full_attention", "linear_attention",
-                                            "full_attention"], **_COMMON)
+                                            "full_attention"], **common)
     if name == "qwen3_5_moe":
-        return Qwen3_5MoeTextConfig(head_dim=32, **_COMMON)
+        return Qwen3_5MoeTextConfig(head_dim=32, **common)
     raise KeyError(name)
 
 
-def build(name: str, out: Path, seed: int = 0) -> Path:
+def build(name: str, out: Path, seed: int = 0, **overrides) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(name))
+    model = AutoModelForCausalLM.from_config(_config(name, **overrides))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() >= 2:
