@@ -118,7 +118,11 @@ def test_bad_input_is_one_line(tiny_pair, tmp_path):
     cases = {(str(tmp_path),): "config.json",
              ("--model", str(a), "--backend", "torch", str(short)): "shorter than one window",
              ("--model", str(a), str(tmp_path / "absent.txt")): "absent.txt: no such text file",
-             ("--model", str(a), "--backend", "torch", "--against", str(other)): "vocabulary of 4000 tokens"}
+             ("--model", str(a), "--backend", "torch", "--against", str(other)): "vocabulary of 4000 tokens",
+             ("--model", str(a), "--against", str(tmp_path / "absent")): "absent: no such directory",
+             ("--model", str(a), "--backend", "torch", "--window", "16", "--prefill", "16"):
+                 "--prefill 16 must be shorter than the window",
+             ("--model", str(a), "--prefill-expert-dtype", "int4"): "prefill expert dtype must be"}
     for args, needle in cases.items():
         args = args if args[0] == "--model" else ("--model", *args)
         proc = _cli(*args)
