@@ -124,6 +124,6 @@ def test_request_fields():
     assert openai_response_schema({"response_format": {"type": "json_object"}}) == {"type": "object"}
     with pytest.raises(ApiError):
         anthropic_choice({"tool_choice": {"type": "tool", "name": "Nope"}}, tools)
-    with pytest.raises(ApiError):   # the XML format has no grammar: a forced call is refused, not ignored
-        request_grammar(tools, ToolChoice("required"), None, Shape("qwen3_coder_xml"))
+    with pytest.raises(ApiError):   # a format without a grammar: a forced call is refused, not ignored
+        request_grammar(tools, ToolChoice("required"), None, Shape("unsupported:mistral"))
     assert request_grammar(tools, ToolChoice("none"), None, TOKENS) is None

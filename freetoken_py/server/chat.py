@@ -414,7 +414,7 @@ def openai_template_kwargs(body: dict, effort=None, effort_field: str = "reasoni
 
 def anthropic_template_kwargs(body: dict) -> dict:
     """Anthropic `thinking`: disabled -> enable_thinking false, enabled / adaptive -> true.
-    budget_tokens is checked but not enforced (the model ends its thought itself)."""
+    budget_tokens is checked here and enforced by the grammar (constraints.anthropic_think_budget)."""
     thinking = body.get("thinking")
     if thinking is None:
         return {}

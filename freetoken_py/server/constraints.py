@@ -1,23 +1,30 @@
-"""`tools` + `tool_choice` and `response_format` -> a `core.Grammar` the engine decodes under.
+"""`tools` + `tool_choice`, `response_format` and a thinking budget -> a `core.Grammar` the engine
+decodes under.
 
 The grammar is plain data (llguidance's Lark dialect, see engine/grammar.py); this module never
-touches the engine. For the Qwen3 / Hermes JSON format (`<tool_call>\\n{"name": ..., "arguments":
-{...}}\\n</tool_call>`):
+touches the engine. Every tool-call format the parser knows has its grammar (`SYNTAX`): Qwen3 /
+Hermes JSON (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`), DeepSeek V3.1
+(`<｜tool▁calls▁begin｜>` sections, `NAME<｜tool▁sep｜>{json}`), Kimi K2 (`functions.NAME:IDX` and
+JSON), GLM-4.5+ (`<arg_key>` / `<arg_value>` pairs), MiniMax-M2 (`<invoke name=...>` with
+`<parameter name=...>`) and Qwen3-Coder / Qwen3.5 XML (`<function=NAME><parameter=K>`):
 
 - `auto`: free text, unconstrained except that it cannot spell the opener; once the model emits
-  `<tool_call>` the call must name a declared tool and its arguments must match that tool's JSON
+  the opener the call must name a declared tool and its arguments must match that tool's JSON
   schema; then free text again (more calls unless `parallel_tool_calls` is false).
 - `required` / Anthropic `any`: the output is one call or more (one when parallel is off); a
   named tool: calls of that tool only. `none`: the tools are not rendered and nothing is
   constrained (the parser then treats any markup as text).
 - `response_format` `json_object` / `json_schema` (Anthropic `output_format`): the output is one
   JSON value of that schema; with tools on `auto`, that value or calls.
+- Anthropic `thinking.budget_tokens`: the thought is cut at that many tokens and closed with
+  `</think>` (llguidance's `max_tokens` on the thought), then the output goes on as it would.
 
-A template that knows `<think>` gets its reasoning block first, unconstrained. JSON is written
-compactly, `, ` and `: ` as `json.dumps` does (and as the template renders the call example).
-Markers that are one token in the model's vocabulary (`single_tokens`) are matched as that token;
-the free text may not spell them out of smaller pieces, so the parser never sees an unchecked call.
-Qwen3-Coder's XML call format has no grammar yet: requests that force a call are refused on it.
+A template that knows `<think>` gets its reasoning block first, unconstrained (up to the budget).
+JSON is written compactly, `, ` and `: ` as `json.dumps` does (and as the templates render calls).
+In the XML styles an argument is text where the parser reads it as text (a string type) and JSON
+of its schema otherwise, one piece per declared property (required ones always). Markers that are
+one token in the model's vocabulary (`single_tokens`) are matched as that token; the free text may
+not spell them out of smaller pieces, so the parser never sees an unchecked call.
 """
 from __future__ import annotations
 
@@ -49,34 +56,39 @@ class Shape:
     reasoning: bool | str = False        # True: may open <think>; "open": the prompt opened it
     single_tokens: tuple[tuple[str, int], ...] = ()   # (marker, its token id) where it is one token
     free_tokens: tuple[int, ...] = ()    # the vocabulary's other added tokens: free text may use them
+    think_budget: int | None = None      # Anthropic thinking.budget_tokens: the thought's most tokens
 
     def token_of(self, marker: str) -> int | None:
         return dict(self.single_tokens).get(marker)
 
 
-def marker_tokens(tokenizer) -> tuple[tuple[str, int], ...]:
-    """The markers that are one token of this vocabulary, with their ids."""
+def marker_tokens(tokenizer, tool_format: str = "qwen3_json") -> tuple[tuple[str, int], ...]:
+    """The markers (the format's tags, <think>, </think>) that are one token of this vocabulary,
+    with their ids."""
     out = []
-    for m in MARKERS:
+    syntax = SYNTAX.get(tool_format)
+    for m in dict.fromkeys(MARKERS + (syntax.markers if syntax else ())):
         ids = tokenizer.encode(m) if tokenizer is not None else []
         if len(ids) == 1 and tokenizer.token_to_id(m) == ids[0]:
             out.append((m, ids[0]))
     return tuple(out)
 
 
-def free_tokens(tokenizer, single: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
-    """Added tokens (`<|im_start|>`, `<tool_response>`, `<think>`, ...) other than the call markers:
-    llguidance keeps them out of a text lexeme, so free text lists them or it is not free."""
+def free_tokens(tokenizer, single: tuple[tuple[str, int], ...], tool_format: str = "qwen3_json") -> tuple[int, ...]:
+    """Added tokens (`<|im_start|>`, `<tool_response>`, `<think>`, ...) other than the format's call
+    tags: llguidance keeps them out of a text lexeme, so free text lists them or it is not free."""
     if tokenizer is None or not hasattr(tokenizer, "added_token_ids"):
         return ()
-    calls = {i for m, i in single if m in (CALL_OPEN, CALL_CLOSE)}
+    syntax = SYNTAX.get(tool_format)
+    tags = set(syntax.markers if syntax else (CALL_OPEN, CALL_CLOSE)) - {THINK_OPEN, THINK_CLOSE}
+    calls = {i for m, i in single if m in tags}
     return tuple(i for i in tokenizer.added_token_ids() if i not in calls)
 
 
 def shape_of(prep, tokenizer) -> Shape:
     """The Shape of a prepared chat request (server.generation.Prepared) on this tokenizer."""
-    single = marker_tokens(tokenizer)
-    return Shape(prep.tool_format, prep.reasoning, single, free_tokens(tokenizer, single))
+    single = marker_tokens(tokenizer, prep.tool_format)
+    return Shape(prep.tool_format, prep.reasoning, single, free_tokens(tokenizer, single, prep.tool_format))
 
 
 async def constrain(prep, grammar: Grammar | None, tools: list[dict] | None, response_schema: dict | None,
@@ -123,7 +135,8 @@ async def anthropic_constrained(prep, body: dict, tools: list[dict] | None, toke
     """/v1/messages: tool_choice (auto / any / tool / none, disable_parallel_tool_use) and
     output_format enforced."""
     schema = anthropic_response_schema(body)
-    grammar = request_grammar(tools, anthropic_choice(body, tools), schema, shape_of(prep, tokenizer))
+    shape = dataclasses.replace(shape_of(prep, tokenizer), think_budget=anthropic_think_budget(body))
+    grammar = request_grammar(tools, anthropic_choice(body, tools), schema, shape)
     return await constrain(prep, grammar, tools, schema, "output_format")
 
 
@@ -160,6 +173,15 @@ def anthropic_choice(body: dict, tools: list[dict] | None) -> ToolChoice:
         _check_declared(raw["name"], tools, "tool_choice.name")
         return ToolChoice("named", raw["name"], parallel)
     return ToolChoice({"any": "required"}.get(kind, kind), None, parallel)
+
+
+def anthropic_think_budget(body: dict) -> int | None:
+    """thinking {"type": "enabled", "budget_tokens": N}: the thought's most tokens (chat.py has
+    checked the field); None for disabled / adaptive / absent."""
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled" and type(thinking.get("budget_tokens")) is int:
+        return thinking["budget_tokens"]
+    return None
 
 
 def _check_declared(name: str, tools: list[dict] | None, field: str) -> None:
@@ -204,7 +226,7 @@ def request_grammar(tools: list[dict] | None, choice: ToolChoice, response_schem
         return tool_grammar(tools, choice, shape, response_schema)
     if response_schema is not None:
         return json_grammar(response_schema, shape)
-    return None
+    return budget_grammar(shape)
 
 
 # ---- grammars -------------------------------------------------------------------------------
@@ -233,14 +255,32 @@ def _regex(text: str) -> str:
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)  # (\\< would be a word edge)
 
 
-def _head(shape: Shape) -> tuple[str, str]:
-    """(the rule that starts the output, its extra rules): the reasoning block when there is one."""
-    think = f"THOUGHT {_marker(THINK_CLOSE, shape)}"
+def _head(shape: Shape, syntax: "CallSyntax | None" = None) -> tuple[str, str]:
+    """(the rule that starts the output, its extra rules): the reasoning block when there is one.
+    Where the format's calls may sit inside the thought (Qwen3.5), the thought cannot spell the
+    call opener either: every call the parser sees went through the grammar."""
+    banned = (THINK_CLOSE,) + ((syntax.open,) if syntax is not None and syntax.in_reasoning else ())
+    # with a budget the thought ends after that many tokens: then only </think> may follow
+    budget = f"thought[max_tokens={shape.think_budget}]: THOUGHT\n" if shape.think_budget else ""
+    think = f"{'thought' if budget else 'THOUGHT'} {_marker(THINK_CLOSE, shape)}"
     if shape.reasoning == "open":
-        return "head", f"head: {think}\n" + _no_spelling("THOUGHT", (THINK_CLOSE,))
+        return "head", f"head: {think}\n" + budget + _no_spelling("THOUGHT", banned)
     if shape.reasoning:
-        return "head", f"head: ({_marker(THINK_OPEN, shape)} {think})?\n" + _no_spelling("THOUGHT", (THINK_CLOSE,))
+        return "head", f"head: ({_marker(THINK_OPEN, shape)} {think})?\n" + budget + _no_spelling("THOUGHT", banned)
     return "", ""
+
+
+def budget_grammar(shape: Shape) -> Grammar | None:
+    """A thinking budget alone: the thought is cut at `think_budget` tokens and closed with
+    </think>; the rest is unconstrained (any text, any added token). None where the model does
+    not think or there is no budget."""
+    if not shape.think_budget or not shape.reasoning:
+        return None
+    head, rules = _head(shape)
+    ids = sorted(set(shape.free_tokens) | {i for _, i in shape.single_tokens})
+    rest = f"rest: ANY (<[{','.join(map(str, ids))}]> ANY)*\n" if ids else "rest: ANY\n"
+    lark = f"%llguidance {{}}\nstart: {head} rest\n{rest}ANY: /(?s:.*)/\n{rules}"
+    return Grammar(lark, f"thinking_budget:{shape.think_budget}")
 
 
 def json_grammar(schema: dict, shape: Shape, name: str = "json_schema") -> Grammar:
@@ -249,8 +289,62 @@ def json_grammar(schema: dict, shape: Shape, name: str = "json_schema") -> Gramm
     return Grammar(lark, name)
 
 
+@dataclass(frozen=True)
+class CallSyntax:
+    """How one tool-call format writes calls (as its chat template renders them; the parser in
+    server/toolcalls reads what these grammars produce). A region is `open` ... `close`: one call
+    (`body`), or with `call_open` a section of `call_open` body `call_close` calls. XML-style bodies
+    (`key_open` set) write `name_open`, a `key_open` + value + `value_close` piece per argument and
+    `body_end`; a text value may not spell any of `stops` (the tags that would end it early for the
+    parser; a call's closing tag inside a value is fine: the parser takes the first closing tag
+    after which the call parses)."""
+    name: str
+    open: str
+    close: str
+    after_open: str = ""
+    before_close: str = ""
+    call_open: str | None = None
+    call_close: str = ""
+    name_prefix: str = ""      # Kimi: `functions.` before the name, `:IDX` after it
+    args_sep: str = ""         # DeepSeek / Kimi: between the name and the JSON arguments
+    name_open: str = ""        # XML styles, `{name}` filled in
+    key_open: str = ""         # `{key}` filled in
+    value_close: str = ""
+    value_tag: str = ""        # the tag that ends a value (its token where it is one)
+    body_end: str = ""
+    stops: tuple[str, ...] = ()
+    in_reasoning: bool = False
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        tags = (self.open, self.close, self.call_open, self.call_close.strip(), self.args_sep, self.value_tag,
+                *self.stops)
+        return tuple(dict.fromkeys(t for t in tags if t and t.startswith("<") and t.endswith((">", "|>"))))
+
+
+SYNTAX = {s.name: s for s in (
+    CallSyntax("qwen3_json", CALL_OPEN, CALL_CLOSE, "\n", "\n"),
+    CallSyntax("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", call_open="<｜tool▁call▁begin｜>",
+               call_close="<｜tool▁call▁end｜>", args_sep="<｜tool▁sep｜>"),
+    CallSyntax("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", call_open="<|tool_call_begin|>",
+               call_close="<|tool_call_end|>", name_prefix="functions.", args_sep="<|tool_call_argument_begin|>"),
+    CallSyntax("glm45", CALL_OPEN, CALL_CLOSE, name_open="{name}\n", key_open="<arg_key>{key}</arg_key>\n<arg_value>",
+               value_close="</arg_value>\n", value_tag="</arg_value>",
+               stops=("</arg_value>",)),
+    CallSyntax("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", "\n", call_open="<invoke",
+               call_close="</invoke>\n", name_open=' name="{name}">\n', key_open='<parameter name="{key}">',
+               value_close="</parameter>\n", value_tag="</parameter>",
+               stops=("</parameter>",)),
+    CallSyntax("qwen3_coder_xml", CALL_OPEN, CALL_CLOSE, "\n", name_open="<function={name}>\n",
+               key_open="<parameter={key}>\n", value_close="\n</parameter>\n", value_tag="</parameter>",
+               body_end="</function>\n", stops=("</parameter>", "<parameter="),
+               in_reasoning=True),
+)}
+
+
 def tool_grammar(tools: list[dict], choice: ToolChoice, shape: Shape, response_schema: dict | None = None) -> Grammar:
-    if shape.tool_format != "qwen3_json":
+    syntax = SYNTAX.get(shape.tool_format)
+    if syntax is None:
         if choice.mode in ("required", "named") or response_schema is not None:
             raise bad(f"tool_choice {choice.mode!r} / response_format are not supported with this model's "
                       f"tool-call format ({shape.tool_format}); use tool_choice auto", "tool_choice")
@@ -258,25 +352,163 @@ def tool_grammar(tools: list[dict], choice: ToolChoice, shape: Shape, response_s
     schemas = _schemas(tools)
     if choice.mode == "named":
         schemas = {choice.name: schemas[choice.name]}
-    head, rules = _head(shape)
-    opener = _marker(CALL_OPEN, shape)
+    head, rules = _head(shape, syntax)
+    opener = _marker(syntax.open, shape)
     # text then the opener: one lazy lexeme when the opener is spelled (it ends at the opener's end)
-    text_open = f"text_open: free {opener}\n" if shape.token_of(CALL_OPEN) is not None else \
+    text_open = f"text_open: free {opener}\n" if shape.token_of(syntax.open) is not None else \
         f"text_open[lazy]: TEXT {opener}\n"
     if choice.mode == "auto" and response_schema is None:
         top = f"start: {head} (text_open tail)* free\n" if choice.parallel else \
             f"start: {head} (text_open tail)? free\n"
     else:
-        calls = "call (\"\\n\" call)*" if choice.parallel else "call"
+        calls = "region (SEP region)*" if choice.parallel and not syntax.call_open else "region"
         top = f"start: {head} WS {calls}\n" if response_schema is None else \
             f"start: {head} WS ({calls} | value)\nvalue: {_json(response_schema)}\n"
-    bodies = " | ".join(f"body_{i}" for i in range(len(schemas)))
-    lines = [f"body_{i}: {_lit(_call_head(n))} {_json(_as_object(s))} \"}}\"" for i, (n, s) in enumerate(schemas.items())]
-    tail = f"tail: \"\\n\" body \"\\n\" {_marker(CALL_CLOSE, shape)}\n"
-    lark = ("%llguidance {}\n" + top + text_open + f"call: {opener} tail\n" + tail + f"body: {bodies}\n"
-            + "\n".join(lines) + "\n"
-            + "WS: /[ \\t\\n]{0,4}/\n" + _free(shape) + _no_spelling("TEXT", (CALL_OPEN,)) + rules)
+    close = _marker(syntax.close, shape)
+    if syntax.call_open:   # a section of calls: open, one call or more, close
+        calls_in = "call+" if choice.parallel else "call"
+        tail = (f"tail: {_seq(syntax.after_open, shape)} {calls_in} {close}\n"
+                f"call: {_marker(syntax.call_open, shape)} body {_seq(syntax.call_close, shape)}\n")
+    else:
+        tail = f"tail: {_seq(syntax.after_open, shape)} body {_seq(syntax.before_close, shape)} {close}\n"
+    out = _Rules()
+    names = [_body(out, f"body_{i}", name, _as_object(schema), shape, syntax)
+             for i, (name, schema) in enumerate(schemas.items())]
+    lark = ("%llguidance {}\n" + top + text_open + f"region: {opener} tail\n" + tail
+            + f"body: {' | '.join(names)}\n" + out.text()
+            + "SEP: /\\n{0,2}/\nWS: /[ \\t\\n]{0,4}/\n" + _free(shape)
+            + _no_spelling("TEXT", (syntax.open,)) + rules)
     return Grammar(lark, f"tools:{choice.mode}")
+
+
+class _Rules:
+    """Grammar lines collected once each, in order."""
+
+    def __init__(self):
+        self.lines: dict[str, None] = {}
+
+    def add(self, line: str) -> None:
+        self.lines[line] = None
+
+    def text(self) -> str:
+        return "".join(line + "\n" for line in self.lines)
+
+
+def _seq(text: str, shape: Shape) -> str:
+    """Literal text that may hold markers, each matched as its token where it is one."""
+    out, rest = [], text
+    while rest:
+        hits = [(rest.find(m), m) for m, _ in shape.single_tokens if rest.find(m) >= 0]
+        if not hits:
+            out.append(_lit(rest))
+            break
+        pos, m = min(hits)
+        if pos:
+            out.append(_lit(rest[:pos]))
+        out.append(_marker(m, shape))
+        rest = rest[pos + len(m):]
+    return " ".join(out)
+
+
+# ---- one call's body, per tool-call format ----------------------------------------------------
+def _body(out: _Rules, rule: str, name: str, schema: dict, shape: Shape, syntax: CallSyntax) -> str:
+    if syntax.key_open:
+        return _param_body(out, rule, name, schema, shape, syntax)
+    if syntax.args_sep:   # DeepSeek V3.1 `NAME<｜tool▁sep｜>{json}`, Kimi `functions.NAME:IDX<|...|>{json}`
+        index = " /:[0-9]{1,4}/" if syntax.name_prefix else ""
+        out.add(f"{rule}: {_lit(syntax.name_prefix + name)}{index} {_seq(syntax.args_sep, shape)} {_json(schema)}")
+    else:                 # Qwen3 / Hermes `{"name": NAME, "arguments": {...}}`
+        out.add(f"{rule}: {_lit(_call_head(name))} {_json(schema)} \"}}\"")
+    return rule
+
+
+def _param_body(out: _Rules, rule: str, name: str, schema: dict, shape: Shape, syntax: CallSyntax) -> str:
+    """GLM-4.5+, MiniMax-M2, Qwen3-Coder / Qwen3.5: the name, then one key/value piece per declared
+    property in the schema's order (required ones always, the others optionally); a value is text
+    where the parser reads the property as text, else JSON of its schema."""
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = [k for k in schema.get("required", []) if isinstance(k, str)] \
+        if isinstance(schema.get("required"), list) else []
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+    pieces = []
+    for j, key in enumerate(list(props) + [k for k in required if k not in props]):
+        prop = props.get(key) if isinstance(props.get(key), dict) else {}
+        piece = f"{rule}_{j}"
+        value = _param_value(out, f"{piece}_v", {**prop, **defs} if prop and defs else prop, shape, syntax)
+        out.add(f"{piece}: {_seq(syntax.key_open.format(key=key), shape)} {value}")
+        pieces.append(piece if key in required else f"{piece}?")
+    end = _seq(syntax.body_end, shape) if syntax.body_end else ""
+    out.add(f"{rule}: {_seq(syntax.name_open.format(name=name), shape)} {' '.join(pieces)} {end}")
+    return rule
+
+
+NO_TAG_PATTERN = "^([^<]|<+[^</])*<*$"   # a string without "</" in it
+_SCALARS = [{"type": "string", "pattern": NO_TAG_PATTERN}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]
+ANY_WITHOUT_TAGS = {"anyOf": _SCALARS + [
+    {"type": "array", "items": {"anyOf": _SCALARS}},
+    {"type": "object", "patternProperties": {NO_TAG_PATTERN: {"anyOf": _SCALARS}}, "additionalProperties": False}]}
+
+
+def _no_tags(schema):
+    """A copy of the schema whose strings and object keys cannot hold `</` (a JSON argument value
+    inside XML-style markup would otherwise close the value's tag early: `["</arg_value>"]`); a
+    string with its own `pattern` keeps it. Values the schema leaves untyped are not reached."""
+    if isinstance(schema, list):
+        return [_no_tags(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if not schema:   # any value: scalars, or flat arrays / objects of them, none holding "</"
+        return ANY_WITHOUT_TAGS
+    out = {k: (_no_tags(v) if k in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties",
+                                    "not", "contains") else
+               {n: _no_tags(s) for n, s in v.items()} if k in ("properties", "$defs", "definitions",
+                                                              "patternProperties") and isinstance(v, dict) else v)
+           for k, v in schema.items()}
+    types = schema.get("type")
+    if (types == "string" or isinstance(types, list) and "string" in types) and "pattern" not in schema:
+        out["pattern"] = NO_TAG_PATTERN
+    if (types == "object" or "properties" in schema) and "patternProperties" not in schema and \
+            out.get("additionalProperties") is not False:   # keys beyond the declared ones: no "</" either
+        extra = out.get("additionalProperties")
+        out["patternProperties"] = {NO_TAG_PATTERN: extra if isinstance(extra, dict) else ANY_WITHOUT_TAGS}
+        out["additionalProperties"] = False
+    if types == "array" and "items" not in schema and "prefixItems" not in schema:
+        out["items"] = ANY_WITHOUT_TAGS
+    return out
+
+
+def _reads_as_text(prop: dict) -> bool:
+    """True when the parser (toolcalls.bodies.typed) keeps the value as text whatever it holds: a
+    union with string (any earlier type it converts to is in the union too), or no type at all."""
+    types = prop.get("type")
+    if not types and isinstance(prop.get("anyOf"), list):
+        types = [s.get("type") for s in prop["anyOf"] if isinstance(s, dict)]
+    types = types if isinstance(types, list) else [types] if types else []
+    if "string" in types:
+        return True
+    return not types and not any(k in prop for k in ("$ref", "enum", "const", "oneOf", "allOf", "anyOf"))
+
+
+def _param_value(out: _Rules, rule: str, prop: dict, shape: Shape, syntax: CallSyntax) -> str:
+    """The grammar of one argument value and the tag after it."""
+    close = syntax.value_close
+    enum = prop.get("enum") if isinstance(prop.get("enum"), list) else [prop["const"]] if "const" in prop else None
+    if not _reads_as_text(prop):
+        if enum is not None and "type" not in prop:   # an untyped enum: its values as the parser reads them
+            alts = " | ".join(_lit(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)) for v in enum)
+            return f"({alts or _lit('')}) {_seq(close, shape)}"
+        return f"{_json(_no_tags(prop))} {_seq(close, shape)}"
+    strings = [v for v in enum or [] if isinstance(v, str)]
+    if strings:
+        return f"({' | '.join(_lit(v) for v in strings)}) {_seq(close, shape)}"
+    out.add(_no_spelling("VALUE", syntax.stops).rstrip("\n"))
+    tag = syntax.value_tag
+    if shape.token_of(tag) is not None:   # the value ends at the tag's token (a newline before it is the parser's)
+        return f"VALUE {_seq(close[close.index(tag):], shape)}"
+    upto = close[:close.index(tag) + len(tag)]   # spelled: one lazy lexeme up to the tag's end
+    out.add(f"{rule}[lazy]: VALUE {_lit(upto)}")
+    rest = close[len(upto):]
+    return f"{rule} {_seq(rest, shape)}" if rest else rule
 
 
 def _free(shape: Shape) -> str:

@@ -33,7 +33,8 @@ class ToolFormat:
 
 FORMATS = {f.name: f for f in (
     ToolFormat("qwen3_json", "<tool_call>", "</tool_call>", bodies.qwen3_json),
-    ToolFormat("qwen3_coder_xml", "<tool_call>", "</tool_call>", bodies.qwen3_coder_xml, in_reasoning=True),
+    ToolFormat("qwen3_coder_xml", "<tool_call>", "</tool_call>", bodies.qwen3_coder_xml, in_reasoning=True,
+               inner=("</parameter>",)),
     ToolFormat("glm45", "<tool_call>", "</tool_call>", bodies.glm45,
                inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
     ToolFormat("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", bodies.deepseek,
@@ -41,7 +42,7 @@ FORMATS = {f.name: f for f in (
     ToolFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", bodies.kimi_k2,
                "<|tool_call_begin|>", "<|tool_call_end|>", inner=(bodies.KIMI_ARGS,)),
     ToolFormat("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", bodies.minimax_m2,
-               "<invoke", "</invoke>"),
+               "<invoke", "</invoke>", inner=("</parameter>",)),
 )}
 SUPPORTED = (*FORMATS, "none")
 

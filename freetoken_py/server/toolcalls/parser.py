@@ -196,7 +196,7 @@ class OutputParser:
     def _step_call(self, events: list, final: bool) -> bool:
         fmt = self._fmt
         opener, closer = fmt.call_open or fmt.open, fmt.call_close or fmt.close
-        end = self._buf.find(closer)
+        end, parsed = self._closing(closer, final)
         if end < 0:
             if final:  # never closed: show what the model wrote rather than invent a call
                 self._emit(events, opener + self._buf)
@@ -204,7 +204,6 @@ class OutputParser:
                 self._leave(strip=False)
             return False
         body, self._buf = self._buf[:end], self._buf[end + len(closer):]
-        parsed = fmt.parse(body, self._schemas)
         if parsed is None:
             self._emit(events, opener + body + closer)
         else:
@@ -217,6 +216,20 @@ class OutputParser:
         else:
             self._leave(strip=parsed is not None)
         return True
+
+
+    def _closing(self, closer: str, final: bool) -> tuple[int, object]:
+        """(where the call's closing tag is, the parsed call or None): the first closing tag whose
+        body parses (a JSON string may hold the tag itself, `{"code": "</tool_call>"}`); while none
+        does, wait for more text; at the end, the first tag (the malformed call shows as text)."""
+        first, pos = -1, self._buf.find(closer)
+        while pos >= 0:
+            parsed = self._fmt.parse(self._buf[:pos], self._schemas)
+            if parsed is not None:
+                return pos, parsed
+            first = pos if first < 0 else first
+            pos = self._buf.find(closer, pos + 1)
+        return (first, None) if final else (-1, None)
 
 
 def _schemas_by_name(tools: list[dict] | None) -> dict[str, dict]:
