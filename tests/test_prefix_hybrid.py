@@ -189,3 +189,17 @@ def test_ten_turn_agent_conversation_over_http_reuses_its_prompt(tmp_path):
     assert stats.get("state_bytes_per_request", 0) > 0
     snaps = stats["state_snapshots"]
     assert snaps["restored"] >= 9 and snaps["refused"] == 0 and snaps["held"] <= snaps["slots"]
+
+
+def test_preempted_requests_resume_from_their_snapshots(hybrid):
+    path = hybrid()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [_prompt(3 * PAGE + 3, 20 + i) for i in range(3)]
+    off = _llm(path, enable_prefix_cache=False)
+    expected = [o.token_ids for o in off.generate(prompts, params)]
+    # 14 pages for 3 requests growing to 5 pages each: the newest is preempted and recomputed,
+    # resuming from the snapshots it published on the way out
+    on = _llm(path, kv_cache_bytes=14 * PAGE * 512 + 6 * 16896, prefix_snapshots=6)
+    assert [o.token_ids for o in on.generate(prompts, params)] == expected
+    assert on.scheduler.num_preemptions > 0 and on.snapshots.num_restored > 0
+    assert on.snapshots.num_mismatches == 0 and on.tracker.num_mismatches == 0
