@@ -272,6 +272,10 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
     w.lm_head = _kernel(w.lm_head, head_fmt, packed=packed[-1].get("lm_head") if packed is not None else None)
     w.final_norm = w.final_norm.float()
     model.experts = KernelExpertExecutor(banks)
+    if model.hybrid:  # Gated DeltaNet layers: conv, delta rule and gated norm in numba (kernels/cpu_gdn.py)
+        from freetoken_py.layers.gdn_cpu import gated_deltanet_cpu
+
+        model.gdn_mixer = gated_deltanet_cpu
     # KV storage of `--kv-dtype auto`: the checkpoint's precision where the kernels read it in
     # place (bf16 halves the bytes decode attention streams); fp32 otherwise
     model.kv_dtype = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32

@@ -9,6 +9,7 @@ import torch
 
 from freetoken_py.core import Request
 from freetoken_py.engine.fused_decode import FusedDecoder, decode_slots
+from freetoken_py.engine.fused_hybrid import HybridDecoder
 from freetoken_py.engine.fused_mla import MlaDecoder
 from freetoken_py.engine.threads_governor import ThreadGovernor
 from freetoken_py.kernels.threads import set_kernel_threads
@@ -44,12 +45,13 @@ class ModelRunner:
                        if model.hybrid else None)   # kvcache/state.py: one slot per request
         self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)
         self.governor = None  # its thread count, re-decided from step times (threads_governor.py)
-        decoder = MlaDecoder if model.args.mla is not None else FusedDecoder  # by attention kind
-        if fused_decode and not model.hybrid and decoder.supports(model):
+        # by attention kind; hybrids: engine/fused_hybrid.py over the state pool too
+        decoder = HybridDecoder if model.hybrid else MlaDecoder if model.args.mla is not None else FusedDecoder
+        if fused_decode and decoder.supports(model):
             from freetoken_py.envs import adaptive_threads
             from freetoken_py.kernels.threads import configured_threads
 
-            self.fused = decoder(model, self.cache)
+            self.fused = decoder(model, self.cache, self.states) if model.hybrid else decoder(model, self.cache)
             self._max_threads = configured_threads()
             self.governor = ThreadGovernor(self._max_threads) if adaptive_threads() else None
         # --prefill-expert-dtype: the executor holding a second copy of the experts (kept here:
@@ -108,8 +110,9 @@ class ModelRunner:
         threads = gov.choose(rows, context) if gov is not None else self._max_threads
         set_kernel_threads(threads)
         t0 = time.perf_counter()
+        extra = () if self.states is None else (np.array([ch.req.state_slot for ch in chunks], np.int64),)
         hidden = self.fused.forward([ch.req.token_at(ch.req.num_computed) for ch in chunks],
-                                    [ch.req.num_computed for ch in chunks], flat, ctx_off, new_slots)
+                                    [ch.req.num_computed for ch in chunks], flat, ctx_off, new_slots, *extra)
         for ch in chunks:
             ch.req.num_computed += 1
         logits = self.model.logits(hidden if all_rows else hidden[sample_rows])
