@@ -219,6 +219,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, ContextLengthError) and is_anthropic(request.url.path) and hasattr(exc, "limit"):
             # Anthropic's own wording: Claude Code compacts the conversation when it sees it
             err = ApiError(400, f"prompt is too long: {exc.num_tokens} tokens > {exc.limit} maximum")
+        elif isinstance(exc, ContextLengthError) and hasattr(exc, "limit"):
+            # OpenAI's own wording and code (clients match "maximum context length" or the code)
+            err = ApiError(400, f"This model's maximum context length is {exc.limit} tokens. However, your "
+                           f"messages resulted in {exc.num_tokens} tokens. Please reduce the length of the "
+                           f"messages. ({exc})", param="messages", code="context_length_exceeded")
         if err.status >= 500 and not isinstance(exc, (ApiError, EngineStoppedError)):
             log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return error_response(request.url.path, err)
