@@ -13,6 +13,10 @@ FORBIDDEN = {
     "freetoken_py.layers": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
     "freetoken_py.engine.runner": ["freetoken_py.scheduler", "freetoken_py.server", "freetoken_py.llm"],
     "freetoken_py.scheduler.scheduler": ["freetoken_py.server", "freetoken_py.llm"],
+    # hybrids' prefix-state snapshots: the store below the scheduler, the policy below the engine
+    "freetoken_py.kvcache.snapshots": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
+                                       "freetoken_py.llm"],
+    "freetoken_py.scheduler.prefix_state": ["freetoken_py.engine", "freetoken_py.server", "freetoken_py.llm"],
     "freetoken_py.kernels": ["freetoken_py.engine", "freetoken_py.scheduler", "freetoken_py.server",
                              "freetoken_py.llm", "freetoken_py.models"],
     # format decoders sit between stored and logical tensors: below models, kernels and engine
