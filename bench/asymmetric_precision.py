@@ -7,6 +7,9 @@ Qwen3-30B-A3B's layer widths (hidden 2048, 32 heads / 4 KV heads of 128, 128 exp
                                          [--window 256] [--windows 8] [--threads 2]
     python bench/asymmetric_precision.py --tiny     # smoke: hidden 256, 8 experts of 128, 2 layers
 
+At 4 layers: a 4.9 GB bf16 checkpoint under bench/_work (FREETOKEN_BENCH_DIR), its bf16 and int4
+expert cache files beside it (4.8 GB + 1.4 GB, mapped), ~7 GB of RAM at the peak.
+
 Per configuration: prefill tokens/s (one --prompt-len chunk), decode tokens/s (best of
 --rounds), KLD against the bf16 engine (freetoken eval kld's computation over the shipped
 corpus: each window's first half one prefill chunk, the rest decode steps; mean over all
