@@ -10,7 +10,7 @@ import pytest
 
 from freetoken_py.cli import DEMO_MODEL
 from freetoken_py.evals.tool_schemas import CLAUDE_CODE_TOOLS
-from freetoken_py.evals.tools import Score, ToolsEvalOptions, requests, run_tools_eval, score_output
+from freetoken_py.evals.tools import Score, ToolsEvalOptions, json_valid, requests, run_tools_eval, score_output
 
 
 def _call(name, args) -> str:
@@ -28,10 +28,10 @@ def _call(name, args) -> str:
     (_call("Bash", {"command": "ls"}) + "\n<tool_call>\n{\"name\": \"Ba", (True, False, True, True)),   # one cut
 ])
 def test_score_output(text, want):
-    attempted, parseable, declared, valid = score_output(text, CLAUDE_CODE_TOOLS, "qwen3_json", False)
+    attempted, parseable, declared, valid, calls = score_output(text, CLAUDE_CODE_TOOLS, "qwen3_json", False)
     assert (attempted, parseable) == want[:2]
     if parseable:
-        assert (declared, valid) == want[2:]
+        assert (declared, valid) == want[2:] and calls == text.count("</tool_call>")
 
 
 def test_score_shares_count_only_complete_successes():
@@ -39,8 +39,17 @@ def test_score_shares_count_only_complete_successes():
     for outcome in [(True, True, True, True), (True, True, False, False), (True, False, True, True),
                     (False, False, False, False)]:
         s.add(*outcome)
-    assert s.as_dict() == {"outputs": 4, "attempts": 3, "parseable": round(2 / 3, 4), "declared": round(1 / 3, 4),
-                           "valid": round(1 / 3, 4)}
+    s.add(True, True, True, True, 2)
+    assert s.as_dict() == {"outputs": 5, "attempts": 4, "parseable": 0.75, "declared": 0.5, "valid": 0.5,
+                           "call_share": 0.2}
+
+
+def test_json_answers_judged_by_the_schema():
+    assert json_valid('{"answer": "ok", "confidence": 0.5}', False)
+    assert json_valid('<think>hm</think>\n{"answer": "ok", "confidence": 1}', True)
+    assert not json_valid('{"answer": "ok", "confidence": 2}', False)          # maximum
+    assert not json_valid('{"answer": "ok"}', False)                           # required
+    assert not json_valid('Sure: {"answer": "ok", "confidence": 0}', False)    # text around it
 
 
 def test_suite_is_rendered_as_the_server_converts_requests():
@@ -57,6 +66,7 @@ def test_constrained_calls_always_name_declared_tools_and_validate():
         if s["attempts"]:   # every complete call is declared and valid (cut calls count as unparseable)
             assert s["declared"] == s["parseable"] == s["valid"]
     assert out["required"]["attempts"] == 8   # forced: every output starts a call
+    assert out["json_schema"]["outputs"] == 8 and out["json_schema_unconstrained"]["outputs"] == 8
 
 
 def test_cli_json_line_and_bad_model(tmp_path):

@@ -9,7 +9,9 @@ Each output that starts a call (the format's opener appears) is scored: a parsea
 (every opener became a call), naming only declared tools, with arguments that validate against
 the tool's JSON schema (the `jsonschema` package, the independent judge). The same requests run
 twice, unconstrained and under the grammar the server would use for tool_choice auto
-(server/constraints.py); a third run forces a call (tool_choice required).
+(server/constraints.py); a third run forces a call (tool_choice required). Two more runs ask the
+same tasks for a JSON answer of a fixed schema (response_format json_schema), unconstrained and
+constrained; there the share of outputs that validate is scored.
 """
 from __future__ import annotations
 
@@ -34,6 +36,12 @@ TASKS = [
     "Fix the typo 'recieve' in server/handler.py.",
 ]
 SUITE = [(CLAUDE_SYSTEM, CLAUDE_CODE_TOOLS), (OPENCODE_SYSTEM, OPENCODE_TOOLS)]
+JSON_SYSTEM = 'Answer with one JSON object: {"answer": <text>, "confidence": <0..1>, "steps": [<text>, ...]}.'
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
+                 "properties": {"answer": {"type": "string", "maxLength": 120},
+                                "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+                                "steps": {"type": "array", "items": {"type": "string", "maxLength": 60},
+                                          "maxItems": 2}}}
 
 
 @dataclass(frozen=True)
@@ -54,9 +62,11 @@ class Score:
     parseable: int = 0    # ... and every started call parsed
     declared: int = 0     # ... and names only declared tools
     valid: int = 0        # ... and every call's arguments validate
+    with_call: int = 0    # outputs holding at least one parsed call
 
-    def add(self, attempted: bool, parsed: bool, declared: bool, valid: bool) -> None:
+    def add(self, attempted: bool, parsed: bool, declared: bool, valid: bool, calls: int = 0) -> None:
         self.outputs += 1
+        self.with_call += calls > 0
         self.attempts += attempted
         self.parseable += attempted and parsed
         self.declared += attempted and parsed and declared
@@ -65,7 +75,8 @@ class Score:
     def as_dict(self) -> dict:
         share = (lambda n: round(n / self.attempts, 4) if self.attempts else None)  # noqa: E731
         return {"outputs": self.outputs, "attempts": self.attempts, "parseable": share(self.parseable),
-                "declared": share(self.declared), "valid": share(self.valid)}
+                "declared": share(self.declared), "valid": share(self.valid),
+                "call_share": round(self.with_call / self.outputs, 4) if self.outputs else None}
 
 
 def requests() -> list[tuple[list[dict], list[dict]]]:
@@ -82,8 +93,8 @@ def requests() -> list[tuple[list[dict], list[dict]]]:
     return out
 
 
-def score_output(text: str, tools: list[dict], tool_format: str, reasoning) -> tuple[bool, bool, bool, bool]:
-    """(attempted, parseable, declared, valid) of one generation."""
+def score_output(text: str, tools: list[dict], tool_format: str, reasoning) -> tuple[bool, bool, bool, bool, int]:
+    """(attempted, parseable, declared, valid, number of calls) of one generation."""
     import jsonschema
 
     from freetoken_py.server.toolcalls import FORMATS, parse_output
@@ -100,7 +111,39 @@ def score_output(text: str, tools: list[dict], tool_format: str, reasoning) -> t
             jsonschema.validate(json.loads(c.arguments), schemas[c.name])
         except (ValueError, jsonschema.ValidationError):
             valid = False
-    return attempted, ok_parse, declared, valid
+    return attempted, ok_parse, declared, valid, len(parsed.tool_calls)
+
+
+def json_valid(text: str, reasoning) -> bool:
+    """The answer (after any reasoning) is one JSON value valid against ANSWER_SCHEMA."""
+    import jsonschema
+
+    from freetoken_py.server.toolcalls import parse_output
+
+    try:
+        jsonschema.validate(json.loads(parse_output(text, "none", reasoning).content), ANSWER_SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def _run_json(llm, opts: ToolsEvalOptions, grammar_of) -> dict:
+    """The tasks asked for a JSON answer, unconstrained (grammar_of None) or under json_schema."""
+    from freetoken_py.server.generation import render_chat
+
+    tasks = TASKS[:opts.num_requests or None]   # one request per task (the first N)
+    prompts, params, modes = [], [], []
+    for task in tasks:
+        ids, reasoning = render_chat(llm, [{"role": "system", "content": JSON_SYSTEM},
+                                           {"role": "user", "content": task}], None)
+        for seed in range(opts.samples):
+            prompts.append(ids)
+            params.append(llm.default_sampling(max_tokens=opts.max_tokens, seed=seed, temperature=opts.temperature,
+                                               grammar=grammar_of(reasoning) if grammar_of else None))
+            modes.append(reasoning)
+    outs = llm.generate(prompts, params)
+    valid = sum(json_valid(o.text, r) for o, r in zip(outs, modes))
+    return {"outputs": len(outs), "valid": round(valid / len(outs), 4) if outs else None}
 
 
 def _run(llm, reqs, grammar_of, opts: ToolsEvalOptions, tool_format: str) -> Score:
@@ -123,7 +166,15 @@ def _run(llm, reqs, grammar_of, opts: ToolsEvalOptions, tool_format: str) -> Sco
 
 def run_tools_eval(opts: ToolsEvalOptions) -> dict:
     from freetoken_py.llm import LLM
-    from freetoken_py.server.constraints import Shape, ToolChoice, free_tokens, marker_tokens, request_grammar
+    from freetoken_py.server.constraints import (
+        SYNTAX,
+        Shape,
+        ToolChoice,
+        free_tokens,
+        json_grammar,
+        marker_tokens,
+        request_grammar,
+    )
     from freetoken_py.server.toolcalls import detect_tool_format, markup_tokens
 
     t0 = time.perf_counter()
@@ -132,27 +183,26 @@ def run_tools_eval(opts: ToolsEvalOptions) -> dict:
     if tok is None or not tok.chat_template:
         raise FreetokenError(f"{opts.model_dir}: eval tools needs a tokenizer.json with a chat template")
     tool_format = detect_tool_format(tok.chat_template, llm.args.model_type)
-    if tool_format not in ("qwen3_json", "qwen3_coder_xml"):
+    if tool_format not in SYNTAX:
         raise FreetokenError(f"{opts.model_dir}: this model's tool-call format ({tool_format}) has no tool-call "
                              "support in the server yet")
     tok.keep_in_text(markup_tokens(tool_format))
-    single = marker_tokens(tok)
+    single = marker_tokens(tok, tool_format)
+
+    def shape(reasoning) -> Shape:
+        return Shape(tool_format, reasoning, single, free_tokens(tok, single, tool_format))
 
     def grammar(mode: str):
-        if tool_format != "qwen3_json":
-            return None
-        return lambda tools, reasoning: request_grammar(tools, ToolChoice(mode), None,
-                                                        Shape(tool_format, reasoning, single, free_tokens(tok, single)))
+        return lambda tools, reasoning: request_grammar(tools, ToolChoice(mode), None, shape(reasoning))
 
     reqs = requests()[:opts.num_requests or None]
     out = {"eval": "tools", "model": str(opts.model_dir), "tool_format": tool_format, "requests": len(reqs),
            "samples": opts.samples, "max_tokens": opts.max_tokens,
            "unconstrained": _run(llm, reqs, lambda tools, reasoning: None, opts, tool_format).as_dict()}
-    if grammar("auto") is not None:
-        out["constrained"] = _run(llm, reqs, grammar("auto"), opts, tool_format).as_dict()
-        out["required"] = _run(llm, reqs, grammar("required"), opts, tool_format).as_dict()
-    else:
-        out["constrained"] = out["required"] = None   # no grammar for this format yet (docs/server.md)
+    out["constrained"] = _run(llm, reqs, grammar("auto"), opts, tool_format).as_dict()
+    out["required"] = _run(llm, reqs, grammar("required"), opts, tool_format).as_dict()
+    out["json_schema_unconstrained"] = _run_json(llm, opts, None)
+    out["json_schema"] = _run_json(llm, opts, lambda reasoning: json_grammar(ANSWER_SCHEMA, shape(reasoning)))
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
@@ -174,4 +224,8 @@ def _report(o: dict) -> str:
                       f"max_tokens {o['max_tokens']}",
                       f"{'':<14} calls/outs  parseable  declared  valid   (shares of the outputs that start a call)",
                       line("unconstrained", o["unconstrained"]), line("constrained", o["constrained"]),
-                      line("required", o["required"]), f"{o['seconds']} s"])
+                      line("required", o["required"]),
+                      f"required outputs holding a call: {o['required']['call_share']}",
+                      f"json_schema answers valid: unconstrained {o['json_schema_unconstrained']['valid']}, "
+                      f"constrained {o['json_schema']['valid']} (of {o['json_schema']['outputs']})",
+                      f"{o['seconds']} s"])

@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken_py.server.chat import anthropic_messages, anthropic_template_kwargs, anthropic_tools
 from freetoken_py.server.constraints import anthropic_constrained
-from freetoken_py.server.media import anthropic_media
 from freetoken_py.server.generation import (
     Prepared,
     collect_or_disconnect,
@@ -24,6 +23,7 @@ from freetoken_py.server.generation import (
     render_chat,
     stream_error,
 )
+from freetoken_py.server.media import anthropic_media
 from freetoken_py.server.protocol import (
     anthropic_error_body,
     get,

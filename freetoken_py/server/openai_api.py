@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response
 
 from freetoken_py.server.chat import openai_messages, openai_template_kwargs, openai_tools
 from freetoken_py.server.constraints import openai_constrained
-from freetoken_py.server.media import openai_media
 from freetoken_py.server.generation import (
     Prepared,
     collect_or_disconnect,
@@ -23,6 +22,7 @@ from freetoken_py.server.generation import (
     prepare_chat,
     stream_error,
 )
+from freetoken_py.server.media import openai_media
 from freetoken_py.server.protocol import (
     bad,
     get,

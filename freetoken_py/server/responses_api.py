@@ -29,8 +29,8 @@ from freetoken_py.server.chat import (
     responses_tools,
 )
 from freetoken_py.server.constraints import openai_constrained
-from freetoken_py.server.media import responses_media
 from freetoken_py.server.generation import Prepared, collect_or_disconnect, prepare_chat, stream_error
+from freetoken_py.server.media import responses_media
 from freetoken_py.server.protocol import bad, get, parse_json_object, sampling_fields
 from freetoken_py.server.sse import KEEPALIVE_COMMENT, Final, SSEResponse, engine_events, event_line
 from freetoken_py.server.toolcalls import (
