@@ -214,8 +214,8 @@ def probe(
 def quantize(
     src: Path = typer.Argument(..., help="Float checkpoint directory (bf16 / fp16 / fp32 safetensors)."),
     out: Path = typer.Argument(..., help="New directory to write (must not exist)."),
-    to: str = typer.Option(..., "--to", help="int4 (compressed-tensors pack-quantized, group 32) or fp8 "
-                           "(block-scaled e4m3, 128 x 128)."),
+    to: str = typer.Option(..., "--to", help="int4 (compressed-tensors pack-quantized, group 32), fp8 "
+                           "(block-scaled e4m3, 128 x 128) or nvfp4 (compressed-tensors nvfp4-pack-quantized, group 16)."),
 ) -> None:
     """Write a quantised checkpoint that freetoken, vLLM and SGLang load as it is (layer by layer)."""
     from freetoken_py.loading.quantize import quantize_checkpoint

@@ -256,3 +256,50 @@ def test_a_cpu_start_never_dequantises_the_packed_dense_weights(checkpoint_facto
     ref, _ = first_logits(q, "torch", expert_cache="off")
     assert packed.DEQUANTISED_BYTES > before
     assert (ours - ref).abs().max().item() <= (1e-4 if fmt != "int4" else 0.1)   # int4: int8 activations on AVX2
+
+
+def test_residency_tiers_hold_and_compute_nvfp4_experts_at_their_bytes():
+    """The tiers' view of an nvfp4 bank: slots of the bank's bytes per expert, copies byte for
+    byte, and the accelerator tier's torch compute equal to the numba kernels on the same experts."""
+    from freetoken_py.kernels import ExpertBank, moe_experts
+    from freetoken_py.residency.formats import ExpertFormat, bank_parts
+    from freetoken_py.residency.slots import SlotCache
+    from freetoken_py.residency.streamer import Streamer
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(6, 64, 128, generator=g) * 0.1 for _ in range(2))
+    bank = ExpertBank.from_weights(gate, up, torch.randn(6, 128, 64, generator=g) * 0.1, fmt="nvfp4", group_size=16)
+    f, host = ExpertFormat.of_bank(bank), bank_parts(bank)
+    assert f.name == "nvfp4" and f.expert_bytes == bank.bytes_per_expert and f.cut_block == bank.inter
+    assert host[0].data_ptr() == bank.w13.ctypes.data and host[3].data_ptr() == bank.s2.ctypes.data
+    slots = SlotCache(4, f.specs, chunk_slots=2)
+    assert slots.slot_bytes == bank.bytes_per_expert
+    st = Streamer(slots, [None, host], f)
+    for e in range(4):
+        st.to_slot(1, e)
+        assert all(torch.equal(a, p[e]) for a, p in zip(slots.get((1, e)), host))
+    x = torch.randn(3, 128, generator=g)
+    for e in range(4):
+        ours = f.compute(x, slots.get((1, e)))
+        ids, w = torch.full((3, 1), e), torch.ones(3, 1)
+        assert torch.allclose(ours, moe_experts(bank, x, ids, w), rtol=1e-4, atol=1e-5)
+    whole = [torch.cat(p) for p in f.column_pieces(tuple(p[2] for p in host), bank.inter)]
+    assert all(torch.equal(a, p[2]) for a, p in zip(whole, host))   # an uncut expert: every part whole
+
+
+def test_the_residency_tiers_run_an_nvfp4_checkpoint_in_its_own_bytes(ct_qwen):
+    """`--residency emulate` on an NVFP4 checkpoint: the banks and slots hold the checkpoint's
+    nvfp4 bytes (no --expert-dtype), and the logits equal the cpu backend's and the reference's."""
+    from freetoken_py.core import SamplingParams
+    from freetoken_py.llm import LLM
+
+    from conftest import random_prompt
+
+    q, plain, _ = ct_qwen
+    llm = LLM(q, dtype="float32", show_progress=False, residency="emulate", expert_cache="off",
+              enable_prefix_cache=False)
+    ex = llm.residency
+    assert ex.fmt.name == "nvfp4" and ex.slots.slot_bytes == ex.cpu_banks[1].bytes_per_expert
+    llm.add_request(random_prompt(12, 1), SamplingParams(max_tokens=1, temperature=0))
+    ours = llm.runner.forward_batch(llm.scheduler.schedule())[0]
+    assert (ours - reference_logits(plain)).abs().max().item() <= 1e-4

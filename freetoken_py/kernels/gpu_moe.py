@@ -254,6 +254,12 @@ def quant_swiglu(x: torch.Tensor, parts: tuple, fmt: str, group_size: int = 32) 
     their device: x [n, D] -> [n, D] in x's dtype, from the dequantised weights in fp32 with x
     and h seen as the CPU kernels see them. The accelerator's path without the Triton kernels."""
     q13, s13, q2, s2 = parts
+    if fmt == "nvfp4":   # the numba nvfp4 kernel reads fp32 activations as they are: no rounding of x, h
+        from freetoken_py.quant.nvfp4 import dequantize_nvfp4
+
+        w13, w2 = dequantize_nvfp4(q13, s13, group_size), dequantize_nvfp4(q2, s2, group_size)
+        gate, up = torch.nn.functional.linear(x.float(), w13).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2).to(x.dtype)
     if fmt == "int4":
         w13, w2 = dequant_int4(q13, s13, group_size), dequant_int4(q2, s2, group_size)
     else:

@@ -32,7 +32,7 @@ def load_engine_model(c: EngineConfig, backend: str):
 
         model = load_cpu_model(model_dir, c.dtype, _auto(c.expert_dtype), c.expert_group_size, _auto(c.dense_dtype),
                                c.expert_cache, c.show_progress, prefill_format=_auto(c.prefill_expert_dtype))
-    elif c.residency != "off" and c.expert_dtype != "auto":
+    elif c.residency != "off" and (c.expert_dtype != "auto" or _native_tier_format(model_dir) is not None):
         model = _load_tier_experts(model_dir, c)
     else:
         model = load_model(model_dir, c.dtype, c.show_progress)
@@ -47,13 +47,23 @@ def _load_tier_experts(model_dir: Path, c: EngineConfig):
     its cache file), never stacked in torch; `attach_tiers` hands its banks to the tiers."""
     from freetoken_py.engine.expert_store import open_expert_store, pin_banks
 
+    native = _native_tier_format(model_dir)
+    fmt, group = (c.expert_dtype, c.expert_group_size) if c.expert_dtype != "auto" else native
     model = load_model(model_dir, c.dtype, c.show_progress, experts="skip")
-    store = open_expert_store(model_dir, model.args, model.dtype, c.expert_dtype, c.expert_group_size,
-                              c.expert_cache, c.show_progress)
+    store = open_expert_store(model_dir, model.args, model.dtype, fmt, group, c.expert_cache, c.show_progress)
     if c.residency == "cuda":      # page-locked where they lie: the streamer's copies are asynchronous
         pin_banks(store.banks, file_backed=store.path is not None)
     model.expert_store = store
     return model
+
+
+def _native_tier_format(model_dir: Path):
+    """(format, group size) of a checkpoint whose experts the tiers hold as stored without
+    `--expert-dtype` (NVFP4: its own bytes in the banks and slots), else None."""
+    from freetoken_py.models.loader import open_checkpoint
+
+    dec = open_checkpoint(model_dir).decoder
+    return (dec.exec_format, dec.group_size) if dec.exec_format == "nvfp4" else None
 
 
 def attach_tiers(model, c: EngineConfig):

@@ -30,8 +30,8 @@ FP4_MAX, E4M3_MAX = 6.0, 448.0
 
 def unpack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """uint8 [..., N, K/2] -> float32 [..., N, K] (low nibble first)."""
-    c = codes.to(torch.int64)
-    v = torch.stack((E2M1[c & 15], E2M1[c >> 4]), dim=-1)
+    c, lut = codes.to(torch.int64), E2M1.to(codes.device)
+    v = torch.stack((lut[c & 15], lut[c >> 4]), dim=-1)
     return v.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 

@@ -9,6 +9,10 @@ the streamer copies part by part, and the CPU tier's numba kernels read the host
     int8 / int4 (`--expert-dtype`, the expert store's `kernels.cpu_moe.ExpertBank` layouts)
         q13 [2I, D | D/2] int8 | uint8 (two nibbles)  s13 [2I, 1 | D/g] fp32 | fp16 bits (int16)
         q2  [D, I | I/2]                              s2  [D, 1 | I/g]
+    nvfp4 (an NVFP4 checkpoint's own bank: e2m1 nibbles, e4m3 group-16 scale bytes + the row's fp32
+        factor, quant/nvfp4.py): q13 [2I, D/2] uint8, s13 [2I, D/16 + 4] uint8, q2 [D, I/2], s2
+        [D, I/16 + 4]; computed from its dequantised weights with fp32 activations, as the numba
+        kernel reads them; not cut (each scale row ends in its factor), no Triton kernel yet
 
 The accelerator tier computes a quantised expert (`compute`, torch; on a GPU at decode, the
 same arithmetic in `kernels.gpu_moe.moe_pairs_quant`'s Triton kernels) from its dequantised
@@ -33,12 +37,12 @@ from freetoken_py.residency.slots import parts_bytes
 
 Parts = tuple  # one expert's tensors (views of a host bank or of a slot)
 
-QUANTISED = ("int8", "int4")
+QUANTISED = ("int8", "int4", "nvfp4")
 
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    name: str                 # "float", "int8" or "int4"
+    name: str                 # "float", "int8", "int4" or "nvfp4"
     inter: int                # I
     hidden: int               # D
     specs: tuple              # per part: (shape of one expert's part, dtype)
@@ -55,6 +59,8 @@ class ExpertFormat:
 
     @property
     def cut_block(self) -> int:
+        if self.name == "nvfp4":    # whole experts only: a scale row's factor sits at its end
+            return self.inter
         return max(32, self.group_size) if self.name == "int4" else 32
 
     # ---- building --------------------------------------------------------------------------
