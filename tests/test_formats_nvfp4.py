@@ -303,3 +303,12 @@ def test_the_residency_tiers_run_an_nvfp4_checkpoint_in_its_own_bytes(ct_qwen):
     llm.add_request(random_prompt(12, 1), SamplingParams(max_tokens=1, temperature=0))
     ours = llm.runner.forward_batch(llm.scheduler.schedule())[0]
     assert (ours - reference_logits(plain)).abs().max().item() <= 1e-4
+
+
+def test_probe_reads_both_nvfp4_formats(ct_qwen, mo_qwen):
+    from freetoken_py.hw.model_bytes import read_model_bytes
+
+    for (q, _, _), want in ((ct_qwen, "compressed-tensors nvfp4 g16"), (mo_qwen, "ModelOpt nvfp4 g16")):
+        mb = read_model_bytes(q)
+        assert mb.weight_format == want and mb.format_error is None
+        assert mb.expert_dtype == "U8"                  # the real bytes: half a byte per weight (+ scales)
