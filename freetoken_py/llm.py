@@ -241,8 +241,12 @@ class LLM:
 
     # ---- sizing -------------------------------------------------------------------------
     def _num_pages(self) -> int:
-        """Pages of the KV budget left after the prefix-state snapshots (hybrids)."""
-        budget = self._kv_budget() - self._snapshot_slots * self._state_bytes()
+        """Pages of the KV budget. An explicit budget (kv_cache_bytes) holds the prefix-state
+        snapshots too (hybrids), so theirs is taken out first; the automatic one sizes the pages
+        for every sequence at full length and the snapshots come on top."""
+        budget = self._kv_budget()
+        if self.config.kv_cache_bytes:
+            budget -= self._snapshot_slots * self._state_bytes()
         return max(2, budget // self._page_bytes)
 
     def _kv_budget(self) -> int:
@@ -267,8 +271,8 @@ class LLM:
         return sum(s.bytes_per_request for s in self.model.state_specs() if s.kind == "recurrent")
 
     def _snapshot_slot_count(self) -> int:
-        """Hybrids with the prefix cache: --prefix-snapshots, else a quarter of the KV budget in
-        snapshots (at least 2, at most 4 per sequence); their bytes come out of the budget."""
+        """Hybrids with the prefix cache: prefix_snapshots, else a quarter of the KV budget in
+        snapshots (at least 2, at most 4 per sequence); see _num_pages for whose bytes they are."""
         state = self._state_bytes()
         if not state or not self.config.enable_prefix_cache:
             return 0
