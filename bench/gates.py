@@ -115,7 +115,7 @@ def tools_gate(cfg: dict, model_dir: Path = common.DEMO) -> dict:
     from freetoken_py.evals.tools import ToolsEvalOptions, run_tools_eval
 
     out = run_tools_eval(ToolsEvalOptions(model_dir, samples=cfg["samples"], num_requests=cfg["requests"],
-                                          max_tokens=cfg["max_tokens"], as_json=True))
+                                          max_tokens=cfg["max_tokens"], as_json=True, json_runs=False))
     floors, rows = cfg.get("floors", {}), {}
     for run in TOOL_RUNS:
         s = out.get(run)

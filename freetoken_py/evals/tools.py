@@ -53,6 +53,7 @@ class ToolsEvalOptions:
     temperature: float | None = None   # None: the model's generation_config.json
     as_json: bool = False
     engine: dict = field(default_factory=dict)
+    json_runs: bool = True      # also the json_schema answer runs (bench/gates.py's tools gate skips them)
 
 
 @dataclass
@@ -201,8 +202,9 @@ def run_tools_eval(opts: ToolsEvalOptions) -> dict:
            "unconstrained": _run(llm, reqs, lambda tools, reasoning: None, opts, tool_format).as_dict()}
     out["constrained"] = _run(llm, reqs, grammar("auto"), opts, tool_format).as_dict()
     out["required"] = _run(llm, reqs, grammar("required"), opts, tool_format).as_dict()
-    out["json_schema_unconstrained"] = _run_json(llm, opts, None)
-    out["json_schema"] = _run_json(llm, opts, lambda reasoning: json_grammar(ANSWER_SCHEMA, shape(reasoning)))
+    if opts.json_runs:
+        out["json_schema_unconstrained"] = _run_json(llm, opts, None)
+        out["json_schema"] = _run_json(llm, opts, lambda reasoning: json_grammar(ANSWER_SCHEMA, shape(reasoning)))
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
