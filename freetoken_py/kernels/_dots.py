@@ -131,19 +131,21 @@ def fp8_row_dot4(w, s, x0, x1, x2, x3, bk):
     return r0, r1, r2, r3
 
 
-_E2M1_SHIFT = np.float32(2.0 ** 126)   # 2^(127 - 1): fp32's exponent bias less e2m1's
+_E2M1_BIAS = np.uint32(126 << 23)     # fp32 exponent field of 2^-1: e2m1's bias (1) less one
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def e2m1_value(n):
-    """An e2m1 nibble's value (sign bit 3, 2 exponent bits, 1 mantissa bit) without a table:
-    the 3 magnitude bits placed at fp32's exponent / mantissa boundary, rebased by 2^126 (index 1,
-    the subnormal 0.5, lands on fp32's subnormal 2^-127): 0, .5, 1, 1.5, 2, 3, 4, 6, exactly.
-    NVFP4 and (later) MXFP4 share it; only their group-scale decode differs."""
+    """An e2m1 nibble's value (sign bit 3, 2 exponent bits, 1 mantissa bit) without a table: the
+    3 magnitude bits placed at fp32's exponent / mantissa boundary on a 2^-1 bias give 1, 1.5, 2,
+    3, 4, 6 for indices 2..7; indices 0 and 1 (0, the subnormal 0.5) are index * 0.5. Exact, and
+    no fp32 subnormal is ever formed (those cost a microcode assist per use on x86). NVFP4 and
+    (later) MXFP4 share it; only their group-scale decode differs."""
     u = np.uint32(n)
-    bits = np.uint32(np.uint32(np.uint32(u & np.uint32(7)) << np.uint32(22))
-                     | np.uint32(np.uint32(u & np.uint32(8)) << np.uint32(28)))
-    return bits.view(np.float32) * _E2M1_SHIFT
+    m = np.uint32(u & np.uint32(7))
+    big = np.uint32(np.uint32(m << np.uint32(22)) + _E2M1_BIAS).view(np.float32)
+    v = big if m >= np.uint32(2) else np.float32(m) * np.float32(0.5)
+    return -v if u & np.uint32(8) else v
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -155,13 +157,12 @@ def nvfp4_factor(s, ng):
     return u.view(np.float32)
 
 
-@njit(fastmath=False, cache=True)
-def nvfp4_scale(b, f):
-    """A group's effective scale: e4m3(b) * f, or e4m3(b) / -f for a reciprocal factor (f < 0);
-    not fastmath (and not numba-inlined, which would take the caller's flags), so the division is
-    a division: the value quant.nvfp4.group_scales gives."""
-    e = e4m3_value(b)
-    return e * f if f > np.float32(0.0) else e / -f
+@njit(fastmath=True, cache=True, inline="always")
+def nvfp4_multiplier(f):
+    """The row factor as a multiplier of the e4m3 group scale (a reciprocal factor inverted once
+    per row). The kernels' sums may differ from the exact values in the last bits, as any
+    reassociated fp32 dot does; `quant.nvfp4.group_scales` (divide) is the exact dequantisation."""
+    return f if f > np.float32(0.0) else np.float32(1.0) / -f
 
 
 @njit(fastmath=True, cache=True)
@@ -169,7 +170,7 @@ def nvfp4_row_dot(w, s, x, gs):
     """sum_g eff_g * sum_{j in g} e2m1(w nibble j) * x[j]: codes [K/2] (low nibble = even
     column), scales [K/gs + 4] (e4m3 bytes + the row factor), fp32 activations as they are."""
     ng = x.shape[0] // gs
-    f = nvfp4_factor(s, ng)
+    mul = nvfp4_multiplier(nvfp4_factor(s, ng))
     half = gs // 2
     acc = np.float32(0.0)
     for g in range(ng):
@@ -177,15 +178,15 @@ def nvfp4_row_dot(w, s, x, gs):
         for j in range(g * half, (g + 1) * half):
             b = w[j]
             a += e2m1_value(b & np.uint8(15)) * x[2 * j] + e2m1_value(b >> np.uint8(4)) * x[2 * j + 1]
-        acc += nvfp4_scale(s[g], f) * a
-    return acc
+        acc += e4m3_value(s[g]) * a
+    return acc * mul
 
 
 @njit(fastmath=True, cache=True)
 def nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs):
     """nvfp4_row_dot with four activation rows: each byte decoded once."""
     ng = x0.shape[0] // gs
-    f = nvfp4_factor(s, ng)
+    mul = nvfp4_multiplier(nvfp4_factor(s, ng))
     half = gs // 2
     r0 = r1 = r2 = r3 = np.float32(0.0)
     for g in range(ng):
@@ -198,12 +199,12 @@ def nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs):
             a1 += lo * x1[2 * j] + hi * x1[2 * j + 1]
             a2 += lo * x2[2 * j] + hi * x2[2 * j + 1]
             a3 += lo * x3[2 * j] + hi * x3[2 * j + 1]
-        sc = nvfp4_scale(s[g], f)
+        sc = e4m3_value(s[g])
         r0 += sc * a0
         r1 += sc * a1
         r2 += sc * a2
         r3 += sc * a3
-    return r0, r1, r2, r3
+    return r0 * mul, r1 * mul, r2 * mul, r3 * mul
 
 
 @njit(fastmath=True, cache=True)
