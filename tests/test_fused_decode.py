@@ -105,14 +105,22 @@ def test_fused_decode_int4_attention_matches_torch_forward(arch, checkpoint_fact
     assert lw.qkv.dense.fmt == "int4" and fused.model.weights.lm_head.dense.fmt == "int8"
     ours = _teacher_forced(fused, seqs, prefill=7)
     ref = _teacher_forced(_engine(path, "auto", fused=False, **kw), seqs, prefill=7)
+    full = _teacher_forced(_engine(path, "auto", fused=False), seqs, prefill=7)  # fp32 weights
     scale = max(1.0, ref.abs().max().item())
     err = (ours - ref).abs()
-    print(f"{arch} int4 attention: max {err.max().item() / scale:.2e}, mean {err.mean().item() / scale:.2e}")
+    own, theirs = (ours - full).abs().mean().item(), (ref - full).abs().mean().item()
+    print(f"{arch} int4 attention: max {err.max().item() / scale:.2e}, mean {err.mean().item() / scale:.2e}; "
+          f"mean error against fp32 weights {own:.3e} (fused) / {theirs:.3e} (torch forward)")
     # the int8 activation quantiser sees inputs that differ in the last fp32 bits between the two
-    # paths, so an element can land on the neighbouring int8 step (1/127 of its block's max); one
-    # such flip moved mixtral's mean to 1.03e-4 (max 4.9e-3) when the softmax exp changed by an ulp,
-    # none moved qwen3's (4e-8). A semantic mismatch shows as max >= 1e-2 and mean >= 1e-3.
-    assert err.max().item() <= 5e-3 * scale and err.mean().item() <= 3e-4 * scale
+    # paths, so an element can land on the neighbouring int8 step (1/127 of its block's max). Which
+    # elements flip depends on the vector width LLVM compiles the reductions for: on AVX2 one flip
+    # moved mixtral's mean to 1.03e-4 (max 4.9e-3); on an AVX-512 machine a flip in one sequence's
+    # first step gave qwen3 max 1.3e-2 / mean 4.8e-4 while its error against fp32 weights stayed
+    # equal to the torch forward's (0.130 both). So the bound is on near-tie flips, and the accuracy
+    # check is against the fp32-weight model: a semantic mismatch (wrong scale, group or row) adds
+    # error of the int4 quantisation's own size (~0.1 here), far beyond 2 %.
+    assert err.max().item() <= 2e-2 * scale and err.mean().item() <= 1e-3 * scale
+    assert own <= 1.02 * theirs
 
 
 def test_int4_dense_needs_divisible_widths(checkpoint_factory):
