@@ -126,3 +126,61 @@ def test_random_walks_parse_into_declared_valid_calls(fmt, special, tmp_path):
             if mode == "named":
                 assert {c.name for c in out.tool_calls} <= {"edit"} and len(out.tool_calls) <= 1
     assert calls["required"] >= 14 and calls["named"] >= 6 and calls["auto"] >= 1, calls
+
+
+# ---- the engine decoding under each format's grammar ---------------------------------------------
+TEMPLATES = {"kimi_k2": "kimi-k2-thinking.jinja", "glm45": "glm-4.5.jinja",
+             "minimax_m2": "minimax-m2.jinja", "qwen3_coder_xml": "qwen3.5.jinja"}
+
+
+@pytest.fixture(scope="module")
+def demo_llm():
+    from freetoken_py.llm import LLM
+
+    return LLM(DEMO_MODEL, dtype="float32", show_progress=False, enable_prefix_cache=False)
+
+
+# DeepSeek's tags, spelled on the demo vocabulary, take ~10 byte tokens each: the random walks cover it
+@pytest.mark.parametrize("fmt", ["kimi_k2", "glm45", "qwen3_coder_xml"])
+def test_engine_samples_valid_calls_in_each_format(fmt, demo_llm, tmp_path):
+    """The demo weights prompted through each family's real template (same vocabulary), the grammar
+    built by the server's own openai_constrained for tool_choice required, sampled by the engine at
+    temperature 1: every output parses, with the server's parser, into declared, schema-valid calls."""
+    import asyncio
+    import shutil
+
+    from freetoken_py.server.chat import openai_messages, openai_tools
+    from freetoken_py.server.constraints import openai_constrained
+    from freetoken_py.server.generation import Prepared, render_chat
+    from freetoken_py.server.protocol import ServerLimits
+
+    (tmp_path / "tokenizer.json").symlink_to(DEMO_MODEL / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    shutil.copy(Path(__file__).parent / "data" / "templates" / TEMPLATES[fmt], tmp_path / "chat_template.jinja")
+    tok = Tokenizer(tmp_path)
+    short = [{"type": "function", "function": {"name": "get_weather", "parameters": {  # values that end soon
+        "type": "object", "additionalProperties": False, "required": ["city"], "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}},
+             {"type": "function", "function": {"name": "goto_line", "parameters": {
+                 "type": "object", "additionalProperties": False, "required": ["line", "force"],
+                 "properties": {"line": {"type": "integer", "minimum": 1, "maximum": 99},
+                                "force": {"type": "boolean"}}}}}]
+    body = {"messages": [{"role": "user", "content": "Go to line 3, then get the weather."}], "tools": short,
+            "tool_choice": "required", "parallel_tool_calls": False}
+    messages, tools = openai_messages(body, ServerLimits()), openai_tools(body, ServerLimits())
+    ids, reasoning = render_chat(type("L", (), {"tokenizer": tok})(), messages, tools, {"enable_thinking": False})
+    demo_llm.tokenizer.keep_in_text(markup_tokens(fmt))
+    outs = []
+    for seed in range(3):
+        params = demo_llm.default_sampling(max_tokens=128, temperature=1.0, seed=seed)
+        prep = asyncio.run(openai_constrained(Prepared(ids, params, fmt, reasoning, tools), body, tools, tok))
+        assert prep.params.grammar is not None
+        outs.append(demo_llm.generate([ids], prep.params)[0])
+    complete = [o for o in outs if o.finish_reason == "stop"]
+    for out in complete:   # a call cut by max_tokens cannot parse; every finished one must
+        parsed = parse_output(out.text, fmt, reasoning=reasoning, tools_enabled=True, tools=short)
+        (call,) = parsed.tool_calls
+        assert not parsed.content.strip(), out.text
+        jsonschema.validate(json.loads(call.arguments), {t["function"]["name"]: t["function"]["parameters"]
+                                                         for t in short}[call.name])
+    assert len(complete) >= 2, [o.text for o in outs]
