@@ -396,7 +396,7 @@ def openai_template_kwargs(body: dict, effort=None, effort_field: str = "reasoni
     explicit kwargs win. {} leaves the template's own default."""
     out = {}
     if effort is not None:
-        if effort not in EFFORT_THINKS:
+        if not isinstance(effort, str) or effort not in EFFORT_THINKS:  # (a list or dict: a 400 too)
             raise bad(f"'{effort_field}' must be one of {', '.join(EFFORT_THINKS)}", effort_field)
         out["enable_thinking"] = EFFORT_THINKS[effort]
     if body.get("enable_thinking") is not None:
