@@ -22,6 +22,7 @@ PERF.md: each inner loop lives in its own ``@njit(fastmath=True)`` function call
 """
 from __future__ import annotations
 
+import platform
 import warnings
 
 import numpy as np
@@ -31,7 +32,8 @@ from numba.extending import overload
 from freetoken_py.envs import int_act
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
-from freetoken_py.kernels._simd import (HAS_AVX2, i8q8_row_dot, i8q8_row_dot4, q4_row_dot, q4_row_dot4, q4q8_row_dot,
+from freetoken_py.kernels._simd import (HAS_AVX2, fp8_row_dot4_v, fp8_row_dot_v, fp8_row_dot_v64, i8q8_row_dot,
+                                        i8q8_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
                                         q4q8_row_dot4)
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "fp8", "nvfp4")
@@ -82,19 +84,21 @@ def dot(w, x):
 
 
 E4M3 = e4m3_table()       # fp8 weights: byte -> value (the reference for e4m3_value; tests)
-_E4M3_SHIFT = np.float32(2.0 ** 120)   # 2^(127 - 7): fp32's exponent bias less e4m3's
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def e4m3_value(b):
-    """An e4m3fn byte's value without a table (vectorises): its 7 magnitude bits placed at
-    fp32's exponent / mantissa boundary give 2^(e-127) * 1.m (or m * 2^-149 for e = 0), and one
-    multiply by 2^120 rebases e4m3's bias of 7: exact for normals and subnormals (0x7f, NaN,
-    reads as 480; checkpoints hold none)."""
+    """An e4m3fn byte's value without a table (vectorises): for a normal (exponent field > 0) its
+    7 magnitude bits placed at fp32's exponent / mantissa boundary plus 120 = 127 - 7 added to
+    the exponent (integer add: 2^(e-7) * 1.m); a subnormal is m * 2^-9. Exact (0x7f, NaN, reads
+    as 480; checkpoints hold none). No multiply by 2^120: under fast-math LLVM moved such a
+    constant onto the activation (v * (2^120 * x)), which overflows (found in the vector dots)."""
     u = np.uint32(b)
-    bits = np.uint32(np.uint32(np.uint32(u & np.uint32(0x7F)) << np.uint32(20))
-                     | np.uint32(np.uint32(u & np.uint32(0x80)) << np.uint32(24)))
-    return bits.view(np.float32) * _E4M3_SHIFT
+    m7 = np.uint32(u & np.uint32(0x7F))
+    sign = np.uint32(np.uint32(u & np.uint32(0x80)) << np.uint32(24))
+    nb = np.uint32(np.uint32(np.uint32(m7 << np.uint32(20)) + np.uint32(120 << 23)) | sign).view(np.float32)
+    sub = np.float32(m7) * np.float32(2.0 ** -9)
+    return nb if m7 >= np.uint32(8) else (-sub if sign else sub)
 
 
 @njit(fastmath=True, cache=True)
@@ -207,6 +211,46 @@ def nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs):
     return r0 * mul, r1 * mul, r2 * mul, r3 * mul
 
 
+# The vector forms (_simd: fp8_row_dot_v, nvfp4_row_dot_v) where the shape allows, else the loops
+# above: fp8 needs K and the column block multiples of 16; nvfp4 group 16, K % 32 == 0, and x86
+# (pshufb; the choice is made here at import, so other CPUs never type the intrinsic).
+_NVFP4_SIMD = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@njit(fastmath=True, cache=True)
+def fp8_dot(w, s, x, bk):
+    if bk % 64 == 0 and x.shape[0] % 64 == 0:
+        return fp8_row_dot_v64(w, s, x, bk)
+    if bk % 16 == 0 and x.shape[0] % 16 == 0:
+        return fp8_row_dot_v(w, s, x, bk)
+    return fp8_row_dot(w, s, x, bk)
+
+
+@njit(fastmath=True, cache=True)
+def fp8_dot4(w, s, x0, x1, x2, x3, bk):
+    if bk % 16 == 0 and x0.shape[0] % 16 == 0:
+        return fp8_row_dot4_v(w, s, x0, x1, x2, x3, bk)
+    return fp8_row_dot4(w, s, x0, x1, x2, x3, bk)
+
+
+if _NVFP4_SIMD:
+    @njit(fastmath=True, cache=True)
+    def nvfp4_dot(w, s, x, gs):
+        if gs == 16 and x.shape[0] % 32 == 0:
+            return nvfp4_row_dot_v(w, s, x) * nvfp4_multiplier(nvfp4_factor(s, x.shape[0] // 16))
+        return nvfp4_row_dot(w, s, x, gs)
+
+    @njit(fastmath=True, cache=True)
+    def nvfp4_dot4(w, s, x0, x1, x2, x3, gs):
+        if gs == 16 and x0.shape[0] % 32 == 0:
+            mul = nvfp4_multiplier(nvfp4_factor(s, x0.shape[0] // 16))
+            a0, a1, a2, a3 = nvfp4_row_dot4_v(w, s, x0, x1, x2, x3)
+            return a0 * mul, a1 * mul, a2 * mul, a3 * mul
+        return nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs)
+else:
+    nvfp4_dot, nvfp4_dot4 = nvfp4_row_dot, nvfp4_row_dot4
+
+
 @njit(fastmath=True, cache=True)
 def dot4(w, x0, x1, x2, x3):
     """dot of one row with four activation rows: each weight is loaded and widened once."""
@@ -235,9 +279,9 @@ def _row_dot_impl(w, s, xv, xg, hb):
     if dtype in (types.uint16, types.float32):
         return lambda w, s, xv, xg, hb: dot(w, xv)
     if dtype == types.uint8 and s.dtype == types.float32:     # fp8: e4m3 bytes, float32 block scales
-        return lambda w, s, xv, xg, hb: fp8_row_dot(w, s, xv, 2 * hb)
+        return lambda w, s, xv, xg, hb: fp8_dot(w, s, xv, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.uint8:       # nvfp4: e2m1 nibbles, e4m3 bytes + row factor
-        return lambda w, s, xv, xg, hb: nvfp4_row_dot(w, s, xv, 2 * hb)
+        return lambda w, s, xv, xg, hb: nvfp4_dot(w, s, xv, 2 * hb)
     if dtype == types.int8 and xv.dtype == types.int8:
         return lambda w, s, xv, xg, hb: s[0] * i8q8_row_dot(w, xv, xg)
     if dtype == types.int8:
@@ -260,9 +304,9 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     if dtype in (types.uint16, types.float32):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
     if dtype == types.uint8 and s.dtype == types.float32:
-        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8_row_dot4(w, s, x0, x1, x2, x3, 2 * hb)
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.uint8:
-        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4_row_dot4(w, s, x0, x1, x2, x3, 2 * hb)
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.int8 and x0.dtype == types.int8:
         def impl_q8(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
             a0, a1, a2, a3 = i8q8_row_dot4(w, x0, x1, x2, x3, g0, g1, g2, g3)

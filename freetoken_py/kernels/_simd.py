@@ -579,3 +579,165 @@ def exp_shift_sum(typingctx, x, m):
     if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32 and x.layout == "C"):
         raise TypeError("exp_shift_sum needs a contiguous 1-D float32 array")
     return types.float32(x, m), _exp_shift_sum_codegen
+
+
+# --- fp8 (e4m3) and nvfp4 (e2m1) weights x fp32 activations ---------------------------------------
+#
+# Both keep the checkpoint's values exactly: an e4m3 byte becomes its fp32 value by bit placement
+# (7 magnitude bits at fp32's exponent/mantissa boundary, the sign at bit 31, times 2^120 =
+# 2^(127 - 7): exact for normals and subnormals; that multiply carries no fast-math flags so it is
+# never reassociated into the activation product). An nvfp4 byte's two e2m1 nibbles become 2 x
+# their value, the integers {0, 1, 2, 3, 4, 6, 8, 12} with the sign of bit 3, by one table shuffle
+# each (pshufb, SSSE3: x86 only); the group's e4m3 scale is decoded by bit placement with the 1/2
+# folded into the 2^119 rebase, and (2 x e2m1) * (scale / 2) is exact in fp32 (<= 8 significant
+# bits). Activations stay fp32, as they are. The products with the activations carry only
+# `contract` (FMA): with full fast-math LLVM rewrote (v * 2^120) * x as v * (2^120 * x), which
+# overflows for |x| > 2^8 (seen in the assembly); the sums keep full fast-math.
+
+_CONTRACT = ("contract",)
+
+def _e4m3_to_float(builder, b8, lanes, rebase):
+    """<lanes x i8> e4m3 bytes -> <lanes x float> value * rebase / 2^120 (rebase = 2^120: the value)."""
+    vi, vf = ir.VectorType(_I32, lanes), ir.VectorType(_F32, lanes)
+    # sign-extended and shifted 20 up: bit 31 is the sign, bits 20-26 the magnitude, bits 27-30
+    # copies of the sign (cleared): 3 integer ops instead of 6
+    bits = builder.and_(builder.shl(builder.sext(b8, vi), ir.Constant(vi, [20] * lanes)),
+                        ir.Constant(vi, [0x87FFFFFF - (1 << 32)] * lanes))
+    return builder.fmul(builder.bitcast(bits, vf), ir.Constant(vf, [rebase] * lanes))   # no fast flags: exact
+
+
+def _fp8_codegen(num_x, lanes=_LANES):
+    """fp8 dot of one row with `num_x` activation rows. args: w u8 [K], s f32 [G], x_0.., bk
+    (K and bk multiples of `lanes`; a partial last block of any multiple of it). With one
+    activation row the 16-lane loop is latency-bound on its two add chains (~13 Gweights/s
+    per core); 64 lanes keep 8 chains in flight."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
+        wp, sp = arrays[0].data, arrays[1].data
+        xps = [a.data for a in arrays[2:2 + num_x]]
+        ngroups = cgutils.unpack_tuple(builder, arrays[1].shape)[0]
+        k = cgutils.unpack_tuple(builder, arrays[2].shape)[0]
+        bk = context.cast(builder, args[-1], signature.args[-1], types.int64)
+        v16f, v16b = ir.VectorType(_F32, lanes), ir.VectorType(_I8, lanes)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(num_x)]
+        parts = [cgutils.alloca_once(builder, v16f) for _ in range(num_x)]
+        with cgutils.for_range(builder, ngroups) as group:
+            g = group.index
+            start = builder.mul(g, bk)
+            rest = builder.sub(k, start)
+            n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
+            n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+            nvec = builder.udiv(n, ir.Constant(_I64, lanes))
+            for part in parts:
+                builder.store(ir.Constant(v16f, None), part)
+            with cgutils.for_range(builder, nvec) as blk:
+                off = builder.add(start, builder.mul(blk.index, ir.Constant(_I64, lanes)))
+                v = _e4m3_to_float(builder, _vload(builder, wp, off, v16b, 1), lanes, 2.0 ** 120)
+                for part, xp in zip(parts, xps):
+                    t = builder.fmul(v, _vload(builder, xp, off, v16f, 4), flags=_CONTRACT)
+                    builder.store(builder.fadd(builder.load(part), t, flags=_FAST), part)
+            sgv = _splat(builder, builder.load(builder.gep(sp, [g])), lanes)
+            for acc, part in zip(accs, parts):
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(sgv, builder.load(part), flags=_FAST),
+                                           flags=_FAST), acc)
+        res = [_hsum(builder, builder.load(acc)) for acc in accs]
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+def _check_fp8(w, s):
+    if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
+            and s.dtype == types.float32):
+        raise TypeError(f"fp8 rows are uint8 e4m3 bytes with float32 block scales, got {w}, {s}")
+
+
+@intrinsic
+def fp8_row_dot_v(typingctx, w, s, x, bk):
+    """sum_b s[b] * sum_{j in block b} e4m3(w[j]) * x[j]; w u8 [K], s f32 [ceil(K/bk)], x f32 [K];
+    K and bk multiples of 16 (_dots.fp8_dot checks, else the plain loop)."""
+    _check_fp8(w, s)
+    return types.float32(w, s, x, bk), _fp8_codegen(1)
+
+
+@intrinsic
+def fp8_row_dot4_v(typingctx, w, s, x0, x1, x2, x3, bk):
+    """fp8_row_dot_v with four activation rows -> UniTuple(float32, 4)."""
+    _check_fp8(w, s)
+    return types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3, bk), _fp8_codegen(4)
+
+
+@intrinsic
+def fp8_row_dot_v64(typingctx, w, s, x, bk):
+    """fp8_row_dot_v for K and bk multiples of 64: 64 lanes (8 independent add chains)."""
+    _check_fp8(w, s)
+    return types.float32(w, s, x, bk), _fp8_codegen(1, 64)
+
+
+_E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]   # 2 * e2m1(nibble), as int8
+
+
+def _nvfp4_codegen(num_x):
+    """nvfp4 dot (group 16) of one row with `num_x` activation rows, the row factor left out.
+    args: w u8 [K/2] (low nibble = even column), s u8 [K/16 + 4], x_0.. f32 [K]; K % 32 == 0.
+    Per 16 packed bytes (32 weights, 2 groups): two pshufb give 2 x e2m1 of the even / odd
+    columns, one interleave puts them in column order, <32 x float> times [s_g/2 x16 | s_g+1/2 x16]
+    (exact), then multiplied into the natural-order activations."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        wp, sp = arrays[0].data, arrays[1].data
+        xps = [a.data for a in arrays[2:2 + num_x]]
+        k = cgutils.unpack_tuple(builder, arrays[2].shape)[0]
+        v16b, v32b, v32f = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32), ir.VectorType(_F32, 32)
+        pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16b, [v16b, v16b]),
+                                                "llvm.x86.ssse3.pshuf.b.128")
+        table = ir.Constant(v16b, [v & 0xFF for v in _E2M1_X2])
+        m15 = ir.Constant(v16b, [15] * 16)
+        inter = ir.Constant(ir.VectorType(_I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)])
+        spread = ir.Constant(ir.VectorType(_I32, 32), [0] * 16 + [1] * 16)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v32f, None)) for _ in range(num_x)]
+        with cgutils.for_range(builder, builder.lshr(k, ir.Constant(_I64, 5))) as it:
+            i = it.index
+            b = _vload(builder, wp, builder.shl(i, ir.Constant(_I64, 4)), v16b, 1)
+            lo = builder.call(pshufb, [table, builder.and_(b, m15)])
+            hi = builder.call(pshufb, [table, builder.and_(builder.lshr(b, ir.Constant(v16b, [4] * 16)), m15)])
+            wf = builder.sitofp(builder.shuffle_vector(lo, hi, inter), v32f)
+            sc2 = _e4m3_to_float(builder, _vload(builder, sp, builder.shl(i, ir.Constant(_I64, 1)),
+                                                 ir.VectorType(_I8, 2), 1), 2, 2.0 ** 119)
+            scv = builder.shuffle_vector(sc2, sc2, spread)
+            ws = builder.fmul(wf, scv)          # exact: 2 * e2m1 times s_g / 2
+            off = builder.shl(i, ir.Constant(_I64, 5))
+            for acc, xp in zip(accs, xps):
+                t = builder.fmul(ws, _vload(builder, xp, off, v32f, 4), flags=_CONTRACT)
+                builder.store(builder.fadd(builder.load(acc), t, flags=_FAST), acc)
+        res = [_hsum(builder, builder.load(acc)) for acc in accs]
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+def _check_nvfp4(w, s):
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise TypeError("nvfp4_row_dot_v needs x86 (pshufb); _dots uses the plain loop elsewhere")
+    if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
+            and s.dtype == types.uint8):
+        raise TypeError(f"nvfp4 rows are uint8 nibbles with uint8 e4m3 scales, got {w}, {s}")
+
+
+@intrinsic
+def nvfp4_row_dot_v(typingctx, w, s, x):
+    """sum_g e4m3(s[g]) * sum_{j in g} e2m1(nibble j) * x[j] over groups of 16 (the row factor is
+    applied by the caller, _dots.nvfp4_dot); K % 32 == 0."""
+    _check_nvfp4(w, s)
+    return types.float32(w, s, x), _nvfp4_codegen(1)
+
+
+@intrinsic
+def nvfp4_row_dot4_v(typingctx, w, s, x0, x1, x2, x3):
+    """nvfp4_row_dot_v with four activation rows -> UniTuple(float32, 4)."""
+    _check_nvfp4(w, s)
+    return types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3), _nvfp4_codegen(4)
