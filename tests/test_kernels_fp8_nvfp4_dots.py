@@ -1,0 +1,48 @@
+"""fp8 / nvfp4 row dots (the _simd vector forms and the plain fallback loops) against the
+format's own decoder (kernels._buffers.decode_rows) times the activations in float64, including
+activations of a few thousand (a fast-math rewrite of (v * 2^120) * x into v * (2^120 * x) made
+the old loop return NaN there) and shapes that take each path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows
+from freetoken_py.kernels._dots import prepare, row_dot, row_dot4
+
+
+@njit(fastmath=True)
+def _rows(w, s, x, gs, out, out4):
+    xv, xg = prepare(w, s, x, gs)
+    for n in range(w.shape[0]):
+        out[n] = row_dot(w[n], s[n], xv[0], xg[0], gs // 2)
+        a0, a1, a2, a3 = row_dot4(w[n], s[n], xv[0], xv[1], xv[2], xv[3], xg[0], xg[1], xg[2], xg[3], gs // 2)
+        out4[0, n], out4[1, n], out4[2, n], out4[3, n] = a0, a1, a2, a3
+
+
+# (fmt, K, group): fp8 64-lane / 16-lane (partial last block) / plain loop (K % 16 != 0);
+# nvfp4 vector (group 16) / plain loop (group 32)
+CASES = [("fp8", 1024, 128), ("fp8", 400, 128), ("fp8", 200, 128), ("fp8", 96, 32),
+         ("nvfp4", 1024, 16), ("nvfp4", 96, 16), ("nvfp4", 256, 32)]
+
+
+@pytest.mark.parametrize("fmt,k,gs", CASES)
+@pytest.mark.parametrize("amp", [1.0, 3000.0])
+def test_dot_matches_decoded_weights(fmt, k, gs, amp):
+    g = torch.Generator().manual_seed(k + gs)
+    n = 24
+    wt = torch.randn(n, k, generator=g) * torch.logspace(-4, 1, k)[torch.randperm(k, generator=g)]
+    w, s = empty_rows(fmt, (n,), k, gs)
+    encode_rows(wt, fmt, gs, w, s)
+    ref_w = decode_rows(w, s, fmt, gs).double().numpy()
+    x = (torch.randn(4, k, generator=g) * amp).numpy().astype(np.float32)
+    x[:, ::5] *= 1e-6
+    out, out4 = np.empty(n, np.float32), np.empty((4, n), np.float32)
+    _rows(w, s, x, gs, out, out4)
+    ref = x.astype(np.float64) @ ref_w.T
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(ref_w).T) + 1e-30
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(out4))
+    assert np.all(np.abs(out - ref[0]) <= bound[0])
+    assert np.all(np.abs(out4 - ref) <= bound)
