@@ -118,7 +118,7 @@ def test_items_render_like_the_hand_converted_conversation(client, ref):
     output as a tool message."""
     items = [
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
-        {"role": "user", "content": [{"type": "input_text", "text": ASK}, {"type": "input_image", "image_url": "x"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": ASK}]},  # media parts: test_server_media
         {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "think"}],
          "encrypted_content": "opaque"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
