@@ -279,6 +279,22 @@ def llama_cpp_timers(gguf: Path, threads: int):
 
 
 
+def llama_cpp_seq_state(peer, vocab_size: int) -> dict:
+    """llama.cpp's sequence-state bytes after 64 and 192 prompt tokens (llama_state_seq_get_size):
+    the difference per token is its KV cache per token, what is left at zero tokens its fixed
+    (recurrent + conv) state."""
+    import llama_cpp
+
+    prompt, sizes = random_prompt(vocab_size, 192), []
+    for n in (64, 192):
+        peer.llm.reset()
+        peer.llm.eval(prompt[:n])
+        sizes.append(int(llama_cpp.llama_state_seq_get_size(peer.llm.ctx, 0)))
+    per_token = (sizes[1] - sizes[0]) / 128
+    return {"state_bytes_per_request": int(round(sizes[0] - 64 * per_token)), "kv_bytes_per_token": round(per_token),
+            "seq_state_bytes_at_64": sizes[0]}
+
+
 def time_rounds(engines: dict, prompt: list[int], n: int, rounds: int, digits: int = 1) -> dict:
     """Warm-up (numba compile / page-in, untimed), then interleaved rounds over every engine's
     (prefill, decode) timers: {name: {"prefill": [tok/s], "decode": [tok/s]}}."""

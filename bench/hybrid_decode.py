@@ -112,21 +112,6 @@ def freetoken_state(llm) -> dict:
     return {"state_bytes_per_request": int(fixed), "kv_bytes_per_token": int(llm.kv_bytes_per_token)}
 
 
-def llama_cpp_state(peer) -> dict:
-    """llama.cpp's sequence-state bytes after 64 and 192 prompt tokens: the difference per token is
-    its K/V (full-attention layers), what is left its fixed recurrent + conv state."""
-    import llama_cpp
-
-    prompt, sizes = common.random_prompt(REAL["vocab_size"], 192), []
-    for n in (64, 192):
-        peer.llm.reset()
-        peer.llm.eval(prompt[:n])
-        sizes.append(int(llama_cpp.llama_state_seq_get_size(peer.llm.ctx, 0)))
-    per_token = (sizes[1] - sizes[0]) / 128
-    return {"state_bytes_per_request": int(round(sizes[0] - 64 * per_token)), "kv_bytes_per_token": round(per_token),
-            "seq_state_bytes_at_64": sizes[0]}
-
-
 def _gguf(model_dir: Path, kind: str) -> Path:
     if kind in ("bf16", "q8_0"):
         return common.convert_to_gguf(model_dir, kind, CONVERT_ARGS)
@@ -154,7 +139,7 @@ def main() -> None:
         try:
             gguf = _gguf(model_dir, ggml)
             peer = common.LlamaCppPeer(gguf, args.threads)
-            peer_state[p] = llama_cpp_state(peer)
+            peer_state[p] = common.llama_cpp_seq_state(peer, REAL["vocab_size"])
             engines[f"llama.cpp-{ggml}"] = (peer.prefill_tps, peer.decode_tps)
             peer_bpt[p] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
         except Exception as exc:  # conversion or load failed: say why in the JSON line, bench ours alone

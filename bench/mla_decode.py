@@ -81,7 +81,7 @@ def main() -> None:
     prompt = common.random_prompt(REAL["vocab_size"], args.prompt_len)
     n = args.decode_tokens
     precisions = args.precisions.split(",")
-    engines, bpt, kv, peer_bpt = {}, {}, {}, {}
+    engines, bpt, kv, peer_bpt, peer_kv = {}, {}, {}, {}, {}
     for p in precisions:
         expert, dense, ggml = PAIRS[p]
         llm = LLM(model_dir, dtype="bfloat16", backend="cpu", expert_dtype=expert, dense_dtype=dense,
@@ -92,17 +92,19 @@ def main() -> None:
             gguf = _gguf(model_dir, ggml)
             engines[f"llama.cpp-{ggml}"] = common.llama_cpp_timers(gguf, args.threads)
             peer_bpt[p] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
+            peer_kv[p] = common.llama_cpp_seq_state(engines[f"llama.cpp-{ggml}"][0].__self__,
+                                                    REAL["vocab_size"])["kv_bytes_per_token"]
     samples = common.time_rounds(engines, prompt, n, args.rounds, digits=2)
     dram, method = common.dram_gbps()
     out = {"bench": "mla_decode", "model": name, "layers": args.layers, "experts": args.experts,
            "threads": args.threads, "prompt_len": args.prompt_len, "decode_tokens": n, "rounds": args.rounds,
            "dram_gbps": round(dram, 2), "dram_method": method, "precisions": {}}
     for p in precisions:
-        out["precisions"][p] = _row(p, samples, bpt[p], kv[p], peer_bpt.get(p))
+        out["precisions"][p] = _row(p, samples, bpt[p], kv[p], peer_bpt.get(p), peer_kv.get(p))
     common.emit(out)
 
 
-def _row(p: str, samples: dict, bpt: int, kv_bytes: int, peer_bpt: int | None) -> dict:
+def _row(p: str, samples: dict, bpt: int, kv_bytes: int, peer_bpt: int | None, peer_kv: int | None) -> dict:
     ours = samples[f"freetoken-{p}"]
     dec, pre = common.median(ours["decode"]), common.median(ours["prefill"])
     row = {"decode_tps": round(dec, 3), "prefill_tps": round(pre, 2), "bytes_per_token": round(bpt),
@@ -111,6 +113,7 @@ def _row(p: str, samples: dict, bpt: int, kv_bytes: int, peer_bpt: int | None) -
     peer = samples.get(f"llama.cpp-{PAIRS[p][2]}")
     if peer:
         row.update(common.peer_fields(ours, peer, PAIRS[p][2], peer_bpt, digits=3))
+        row["llama_cpp"]["kv_bytes_per_token"] = peer_kv  # from its sequence state size
     return row
 
 
