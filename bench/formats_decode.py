@@ -42,17 +42,21 @@ def build(args) -> Path:
 
     name = f"qwen3-30b-a3b-shape-l{args.layers}-h{args.hidden}-e{args.experts}-w{args.width}-v{args.vocab}"
     out = common.WORK / name
-    if (out / "config.json").exists():
-        return out
-    heads = max(1, args.hidden // 64)
-    cfg = Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 8), head_dim=128,
-                         intermediate_size=4 * args.hidden, moe_intermediate_size=args.width,
-                         num_experts=args.experts, num_experts_per_tok=min(8, args.experts), norm_topk_prob=True,
-                         max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False)
-    common.log(f"building {name} (random weights, bf16)")
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    if not (out / "config.json").exists():
+        heads = max(1, args.hidden // 64)
+        cfg = Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                             num_attention_heads=heads, num_key_value_heads=max(1, heads // 8), head_dim=128,
+                             intermediate_size=4 * args.hidden, moe_intermediate_size=args.width,
+                             num_experts=args.experts, num_experts_per_tok=min(8, args.experts), norm_topk_prob=True,
+                             max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False)
+        common.log(f"building {name} (random weights, bf16)")
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    # llama.cpp's converter needs a real tokenizer (without one its GGUF has no merges and will not
+    # load): the demo tokenizer, its vocabulary padded to vocab_size, as mla_decode.py does
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (common.DEMO / f).exists() and not (out / f).exists():
+            (out / f).write_bytes((common.DEMO / f).read_bytes())
     return out
 
 
