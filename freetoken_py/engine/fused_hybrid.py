@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from freetoken_py.engine.cpu_backend import KernelExpertExecutor
+from freetoken_py.engine.fused_mla import add_ffn
 from freetoken_py.kernels import cpu_decode as kd
-from freetoken_py.kernels.cpu_moe import ACTIVATIONS, add_moe_experts
+from freetoken_py.kernels.cpu_moe import ACTIVATIONS
 from freetoken_py.kvcache import KVCache
 from freetoken_py.layers.attention import AttentionMetadata, SeqAttention
 from freetoken_py.layers.gdn_cpu import gdn_rows
@@ -68,25 +68,7 @@ class HybridDecoder:
                     meta = AttentionMetadata(torch.from_numpy(new_slots), seqs, list(slots))
                 h += m._attention(i, lw, xt, cos, sin, meta, self.cache).numpy()
             kd.rms_rows(h, lw.post_norm.numpy(), eps, x)
-            if lw.router is None:
-                h += _swiglu(lw.mlp13, lw.mlp2, xt).numpy()
-                continue
-            ids, wts = m._route(lw, xt)
-            ids, wts = ids.contiguous(), wts.float().contiguous()
-            if banks is not None:
-                add_moe_experts(banks[i], x, ids.numpy(), wts.numpy(), h, act)
-            else:
-                h += m.experts(i, xt, ids, wts).numpy()
-            if lw.shared13 is not None:
-                shared = _swiglu(lw.shared13, lw.shared2, xt)
-                if lw.shared_gate is not None:
-                    shared = torch.sigmoid(lw.shared_gate(xt)) * shared
-                h += shared.numpy()
+            add_ffn(m, i, lw, x, h, banks, act)
         out = np.empty_like(h)
         kd.rms_rows(h, m.weights.final_norm.numpy(), eps, out)
         return torch.from_numpy(out)
-
-
-def _swiglu(w13, w2, x: torch.Tensor) -> torch.Tensor:
-    gate, up = w13(x).chunk(2, dim=-1)
-    return w2(F.silu(gate) * up)

@@ -81,23 +81,34 @@ class MlaDecoder:
                        cfg.softmax_scale, attn)
             h += lw.o(torch.from_numpy(attn)).numpy()
             kd.rms_rows(h, lw.post_norm.numpy(), eps, x)
-            xt = torch.from_numpy(x)
-            if lw.router is None:
-                h += _swiglu(lw.mlp13, lw.mlp2, xt)
-                continue
-            ids, wts = m._route(lw, xt)
-            ids, wts = ids.contiguous(), wts.float().contiguous()
-            if banks is not None:
-                add_moe_experts(banks[i], x, ids.numpy(), wts.numpy(), h, act)
-            else:
-                h += m.experts(i, xt, ids, wts).numpy()
-            if lw.shared13 is not None:
-                h += _swiglu(lw.shared13, lw.shared2, xt)
+            add_ffn(m, i, lw, x, h, banks, act)
         out = np.empty_like(h)
         kd.rms_rows(h, m.weights.final_norm.numpy(), eps, out)
         return torch.from_numpy(out)
 
 
-def _swiglu(w13, w2, x: torch.Tensor) -> np.ndarray:
+def add_ffn(m: MoeTransformer, i: int, lw, x: np.ndarray, h: np.ndarray, banks, act) -> None:
+    """h += layer i's feed-forward of the normed rows x: a dense SwiGLU MLP, or the routed experts
+    (straight into h through the fused banks when there are some) plus the shared expert, gated by
+    sigmoid(shared_gate(x)) where the model has that gate (Qwen3-Next / 3.5). Shared by the MLA and
+    hybrid decode steps."""
+    xt = torch.from_numpy(x)
+    if lw.router is None:
+        h += _swiglu(lw.mlp13, lw.mlp2, xt).numpy()
+        return
+    ids, wts = m._route(lw, xt)
+    ids, wts = ids.contiguous(), wts.float().contiguous()
+    if banks is not None:
+        add_moe_experts(banks[i], x, ids.numpy(), wts.numpy(), h, act)
+    else:
+        h += m.experts(i, xt, ids, wts).numpy()
+    if lw.shared13 is not None:
+        shared = _swiglu(lw.shared13, lw.shared2, xt)
+        if lw.shared_gate is not None:
+            shared = torch.sigmoid(lw.shared_gate(xt)) * shared
+        h += shared.numpy()
+
+
+def _swiglu(w13, w2, x: torch.Tensor) -> torch.Tensor:
     gate, up = w13(x).chunk(2, dim=-1)
-    return w2(F.silu(gate) * up).numpy()
+    return w2(F.silu(gate) * up)
