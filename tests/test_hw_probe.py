@@ -51,17 +51,28 @@ def test_dram_figure_agrees_with_an_independent_reduction():
         fn()
         return nbytes / (time.perf_counter() - t0) / 1e9
 
+    def one_thread(fn):
+        torch.set_num_threads(1)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(threads)
+
     try:
         med = _interleaved({
             "numba_all": lambda: measure_dram.measure_dram_read(buf, threads, "x", reps=1).gbps,
             "torch_all": lambda: timed(lambda: tbuf.sum()),
             "numba_one": lambda: measure_dram.measure_dram_read(buf, 1, "x", reps=1).gbps,
             "numpy_one": lambda: timed(lambda: np.add.reduce(buf)),
+            "torch_one": lambda: one_thread(lambda: timed(lambda: tbuf.sum())),
         }, rounds=5)
     finally:
         torch.set_num_threads(old)
     assert 0.5 < med["numba_all"] / med["torch_all"] < 2.0, med
-    assert 0.5 < med["numba_one"] / med["numpy_one"] < 2.0, med
+    # one thread: numpy's pairwise reduce is compute-bound on some CPUs (14 GB/s against numba's
+    # 30 on a wide AVX-512 EPYC), so the reference is the faster of two independent reductions
+    ref_one = max(med["numpy_one"], med["torch_one"])
+    assert 0.5 < med["numba_one"] / ref_one < 2.0, med
 
 
 SPR_CPUINFO = """processor\t: 0
