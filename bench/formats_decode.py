@@ -26,12 +26,15 @@ from cpu_decode import _bytes_per_token, _gguf  # noqa: E402
 
 FORMATS = {"fp8": "q8_0", "int4": "q4_0", "nvfp4": "q4_0"}   # our format -> llama.cpp's peer type
 
+# VmHWM, not ru_maxrss: a child's ru_maxrss starts from this (large) process's peak, which once
+# made these starts read 6.3 / 17.3 GB (see bench/startup_rss.py, which also measures what a start adds)
 _RSS = """
-import resource, sys, json
+import sys, json
 from freetoken_py.llm import LLM
 llm = LLM(sys.argv[1], dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048, show_progress=False,
           expert_cache=sys.argv[2])
-print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"peak_rss_bytes": hwm}))
 """
 
 
@@ -90,7 +93,7 @@ def main() -> None:
     for f in fmts:
         path = quantised(src, f)
         sizes[f] = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-        rss[f] = {"first_start": startup_rss(path, "auto"), "mapped_start": startup_rss(path, "auto")}
+        rss[f] = {"first_start": startup_rss(path, "rebuild"), "mapped_start": startup_rss(path, "auto")}
         llm = LLM(path, dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048, show_progress=False,
                   enable_prefix_cache=False)
         engines[f"freetoken-{f}"] = common.freetoken_timers(llm)

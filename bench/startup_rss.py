@@ -1,6 +1,5 @@
-"""Start-up peak memory from a quantised checkpoint (issue #22's must-show): each start runs in a
-fresh process, and its peak RSS (VmHWM, ru_maxrss) must stay within the checkpoint's size plus
-one layer, never a bf16 copy of the whole model.
+"""Start-up peak memory from a quantised checkpoint (issue #22's must-show): the peak RSS a start
+adds must stay within the checkpoint's size plus one layer, never a float copy of the model.
 
     python bench/startup_rss.py [--layers 2] [--formats fp8,int4,nvfp4]            # real widths (the lead)
     python bench/startup_rss.py --layers 2 --hidden 256 --experts 8 --width 128 --vocab 1024   # smoke
@@ -8,14 +7,18 @@ one layer, never a bf16 copy of the whole model.
 The model is Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts of width 768, top-8, vocab
 151936; fewer layers), built with transformers' classes (random bf16) and quantised by `freetoken
 quantize` (fp8-block, compressed-tensors int4 g32, compressed-tensors nvfp4 g16), shared with
-bench/formats_decode.py's cache under bench/_work. Per format: the cpu backend's first start
-(the expert cache built, `expert_cache=rebuild`) and the next one (the cache file mapped), each
-in a fresh process; `baseline_rss_bytes` is the same start on the bundled 18 MB demo model less
-its checkpoint's size (the interpreter, torch, numba's compiled kernels, the engine's own
-buffers: what does not grow with the model). `added_bytes` = peak - baseline; `budget_bytes` = checkpoint + its largest layer shard (quantize
-writes one shard per layer); `within_budget` compares the two. `dequantised_bytes` counts the
-packed weights the start dequantised to floats (0: the dense part runs as stored). Prints one
-JSON line.
+bench/formats_decode.py's cache under bench/_work. Per format, one fresh process: a start of a
+small checkpoint of the same format first (the smoke geometry: imports, numba's kernels of that
+format, thread pools: what does not grow with the model), then its peak reset (/proc/self/clear_refs), the cpu backend's first start
+(`expert_cache=rebuild`: the expert cache built) and, peak reset again, the next start (the cache
+file mapped). `added_bytes` = VmHWM - RSS before that start; `peak_rss_bytes` = the VmHWM of the
+same start in a process of its own (nothing before it); `budget_bytes` = checkpoint + its largest
+layer shard (quantize writes one shard per layer); `within_budget` compares `added_bytes` with it.
+`dequantised_bytes` counts the packed weights the start widened to floats (0: all run as stored).
+tests/test_startup_memory.py checks the same at a small geometry. Peaks are VmHWM, never
+ru_maxrss: a child's ru_maxrss starts from its parent's peak (it survives fork and exec), which is
+how bench/formats_decode.py once printed 6.3 / 17.3 GB for int4 / nvfp4 starts that peak at
+~2.0-2.9 GB. Prints one JSON line.
 """
 from __future__ import annotations
 
@@ -29,27 +32,51 @@ import common  # noqa: E402
 from formats_decode import build, quantised  # noqa: E402
 
 _START = r"""
-import json, resource, sys
-mode = sys.argv[1]
+import ctypes, gc, json, sys
 from freetoken_py.llm import LLM
 from freetoken_py.formats import packed
-LLM(sys.argv[2], dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048, show_progress=False,
-    expert_cache=mode, enable_prefix_cache=False)
-hwm = 0
-with open("/proc/self/status") as f:
-    for line in f:
-        if line.startswith("VmHWM:"):
-            hwm = int(line.split()[1]) * 1024
-print(json.dumps({"vmhwm_bytes": hwm, "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "dequantised_bytes": packed.DEQUANTISED_BYTES}))
+
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+
+def start(path, mode):
+    return LLM(path, dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048, show_progress=False,
+               expert_cache=mode, enable_prefix_cache=False)
+
+
+warm, path, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+llm = start(warm, "auto") if warm != "-" else None
+out = {}
+for mode in modes:
+    del llm
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)   # freed heap back first (kernels.threads.tune_allocator keeps it)
+    except (OSError, AttributeError):
+        pass
+    before = status("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                            # the peak back to the current RSS
+    except OSError:
+        before = status("VmHWM")
+    deq = packed.DEQUANTISED_BYTES
+    llm = start(path, mode)
+    out[mode] = {"vmhwm_bytes": status("VmHWM"), "added_bytes": status("VmHWM") - before,
+                 "dequantised_bytes": packed.DEQUANTISED_BYTES - deq, "source": llm.model.expert_store.source}
+print(json.dumps(out))
 """
 
 
-def _run(mode: str, path: Path) -> dict:
-    cmd = [sys.executable, "-c", _START, mode, str(path)]
+def _run(warm: str, path: Path, modes: str) -> dict:
+    cmd = [sys.executable, "-c", _START, warm, str(path), modes]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"start-up ({mode}) failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(f"start-up ({modes}) failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -63,25 +90,22 @@ def main() -> None:
     ap.add_argument("--formats", default="fp8,int4,nvfp4")
     args = ap.parse_args()
     src = build(args)
-    demo = _run("auto", common.DEMO)
-    base = {"vmhwm_bytes": max(demo["vmhwm_bytes"], demo["ru_maxrss_bytes"])
-            - sum(p.stat().st_size for p in common.DEMO.glob("*.safetensors"))}
+    small = build(argparse.Namespace(layers=2, hidden=256, experts=8, width=128, vocab=1024))
     out = {"bench": "startup_rss", "model": f"qwen3_moe shape: hidden {args.hidden}, {args.layers} layers, "
-           f"{args.experts} experts of width {args.width}, vocab {args.vocab}",
-           "baseline_rss_bytes": base["vmhwm_bytes"], "formats": {}}
+           f"{args.experts} experts of width {args.width}, vocab {args.vocab}", "formats": {}}
     for f in args.formats.split(","):
         path = quantised(src, f)
         shards = sorted(path.glob("*.safetensors"))
         ckpt = sum(p.stat().st_size for p in shards)
         layer = max(p.stat().st_size for p in shards[1:]) if len(shards) > 1 else 0   # shard 1: outside the layers
         row = {"checkpoint_bytes": ckpt, "one_layer_bytes": layer, "budget_bytes": ckpt + layer}
+        added = _run(str(quantised(small, f)), path, "rebuild,auto")
         for name, mode in (("first_start", "rebuild"), ("mapped_start", "auto")):
-            r = _run(mode, path)
-            peak = max(r["vmhwm_bytes"], r["ru_maxrss_bytes"])
-            row[name] = {"peak_rss_bytes": peak, "added_bytes": peak - base["vmhwm_bytes"],
-                         "within_budget": peak - base["vmhwm_bytes"] <= ckpt + layer,
-                         "dequantised_bytes": r["dequantised_bytes"]}
-            common.log(f"{f} {name}: peak {peak / 2**20:.0f} MiB, added {(peak - base['vmhwm_bytes']) / 2**20:.0f} "
+            r, alone = added[mode], _run("-", path, mode)[mode]
+            row[name] = {"peak_rss_bytes": alone["vmhwm_bytes"], "added_bytes": r["added_bytes"],
+                         "within_budget": r["added_bytes"] <= ckpt + layer, "dequantised_bytes": r["dequantised_bytes"],
+                         "expert_source": r["source"]}
+            common.log(f"{f} {name}: peak {alone['vmhwm_bytes'] / 2**20:.0f} MiB alone, adds {r['added_bytes'] / 2**20:.0f} "
                        f"MiB, budget {(ckpt + layer) / 2**20:.0f} MiB")
         out["formats"][f] = row
     common.emit(out)

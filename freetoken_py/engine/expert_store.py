@@ -14,6 +14,7 @@ maps it without touching the checkpoint's expert tensors. See docs/kernels.md#ex
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import warnings
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 from freetoken_py import envs
 from freetoken_py.engine import expert_cache as fc
 from freetoken_py.errors import FreetokenError
-from freetoken_py.kernels._buffers import row_layout, scale_dtype
+from freetoken_py.kernels._buffers import PAGE_BYTES, row_layout, scale_dtype
 from freetoken_py.kernels.cpu_moe import ExpertBank
 from freetoken_py.models import loader
 from freetoken_py.models.args import ModelArgs
@@ -155,21 +156,26 @@ class _Job:
         return {"w13": (dt13.str, (e, 2 * i, items13)), "s13": (sdt, (e, 2 * i, g13)),
                 "w2": (dt2.str, (e, d, items2)), "s2": (sdt, (e, d, g2))}
 
-    def layers(self):
-        """Yields (layer index, ExpertBank) for each MoE layer, built from the checkpoint."""
+    def layers(self, transient: bool = False):
+        """Yields (layer index, ExpertBank) for each MoE layer, built from the checkpoint.
+        transient: each bank lives in its own anonymous mapping, returned to the system when the
+        caller drops it (the cache build writes it out and drops it: peak one layer in flight; a
+        heap block would stay in the process, malloc keeps freed blocks under kernels.threads'
+        tune_allocator)."""
         sparse = [i for i, s in enumerate(self.args.sparse_layers) if s]
         reader = self.ckpt.reader()
         with progress_bar(f"Packing experts ({self.fmt})", total=len(sparse), enabled=self.show_progress) as advance:
             for i in sparse:
-                bank = self._build_layer(reader, i)
+                bank = self._build_layer(reader, i, transient)
                 reader.close()  # unmap the shards: their touched pages would otherwise stay resident
                 yield i, bank
                 advance()
 
-    def _build_layer(self, reader, i: int) -> ExpertBank:
+    def _build_layer(self, reader, i: int, transient: bool = False) -> ExpertBank:
         global LAYER_BUILDS
         a, s = self.args, self.scheme
-        bank = ExpertBank.empty(self.fmt, a.num_experts, a.moe_intermediate_size, a.hidden_size, self.group_size)
+        bank = (_transient_bank(self.fmt, self.group_size, self.header["layers"][i]) if transient else
+                ExpertBank.empty(self.fmt, a.num_experts, a.moe_intermediate_size, a.hidden_size, self.group_size))
         prefix = s.layer.format(i=i)
         for e in range(a.num_experts):
             names = [f"{prefix}{s.expert.format(e=e)}{proj}.weight" for proj in s.expert_proj]  # gate, up, down
@@ -194,7 +200,7 @@ class _Job:
         try:
             with open(tmp, "wb") as f:
                 fc.write_prefix(f, self.raw_header)
-                for i, bank in self.layers():
+                for i, bank in self.layers(transient=True):
                     fc.write_layer(f, self.header["layers"][i],
                                    {"w13": bank.w13, "s13": bank.s13, "w2": bank.w2, "s2": bank.s2})
                 f.truncate(self.header["file_bytes"])
@@ -202,6 +208,23 @@ class _Job:
         except BaseException:
             fc.remove_quietly(tmp)
             raise
+
+
+def _transient_bank(fmt: str, group_size: int, layer: dict) -> ExpertBank:
+    """An empty bank with the cache plan's arrays (`layer`: name -> dtype, shape) in one
+    anonymous mapping, each array page-aligned; unmapped when the last array is dropped."""
+    import numpy as np
+
+    sizes = [(n, np.dtype(layer[n]["dtype"]), layer[n]["shape"]) for n in fc.ARRAYS]
+    spans = [-(-int(np.prod(shape, dtype=np.int64)) * dt.itemsize // PAGE_BYTES) * PAGE_BYTES
+             for _, dt, shape in sizes]
+    mm = mmap.mmap(-1, max(sum(spans), PAGE_BYTES))
+    arrays, pos = {}, 0
+    for (name, dt, shape), span in zip(sizes, spans):
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays[name] = np.frombuffer(mm, dt, count, pos).reshape(shape)   # each view keeps mm alive
+        pos += span
+    return ExpertBank(fmt, group_size, arrays["w13"], arrays["s13"], arrays["w2"], arrays["s2"])
 
 
 def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:
