@@ -150,3 +150,64 @@ def test_fp8_kernel_decodes_every_e4m3_byte_exactly():
     dw = DenseWeight.from_arrays("fp8", 128, codes, scales, 256)
     x = torch.randn(5, 256)
     assert torch.allclose(dense_linear(dw, x), x @ dw.dequantized().T, rtol=1e-5, atol=1e-4)
+
+
+def _fused_fp8(real_dir, dst, block):
+    """A Qwen3.5-MoE checkpoint in the released layout (fused `experts.gate_up_proj [E, 2I, D]` /
+    `down_proj [E, D, I]`, no `.weight`) with the fused experts in FP8 block by the documented rule,
+    each expert's matrix in its own blocks; the scales as transformers' FP8 experts name them
+    (`gate_up_proj_scale_inv [E, 2I/bn, D/bk]`). Returns it and a plain (float32) copy holding our
+    torch dequantisation of the same codes."""
+    from freetoken_py.quant.fp8 import quantize_fp8_blocks
+
+    t = load_file(real_dir / "model.safetensors")
+    q, plain = {}, {}
+    bn, bk = block
+    for n, w in t.items():
+        if not n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            q[n] = plain[n] = w
+            continue
+        codes, scales = zip(*(quantize_fp8_blocks(w[e].float(), block) for e in range(w.shape[0])))
+        q[n], q[n + "_scale_inv"] = torch.stack(codes), torch.stack(scales)
+        plain[n] = torch.stack([c.float() * s.repeat_interleave(bn, 0)[: c.shape[0]].repeat_interleave(bk, 1)
+                                [:, : c.shape[1]] for c, s in zip(codes, scales)])
+    cfg = json.loads((real_dir / "config.json").read_text())
+    for d, tensors, qc in ((dst / "fp8", q, True), (dst / "plain", plain, False)):
+        d.mkdir(parents=True)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        c = dict(cfg)
+        if qc:
+            c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+        (d / "config.json").write_text(json.dumps(c))
+    return dst / "fp8", dst / "plain"
+
+
+def test_fp8_fused_qwen35_experts_load_and_match_our_torch_dequantisation(tmp_path):
+    """Qwen3.5 / 3.6 MoE FP8 as released: fused expert stacks with fused scale grids, split per
+    expert by the loader; logits equal those of a plain checkpoint holding our dequantisation, and
+    the banks equal the dequantised values element by element. A grid whose block rows cannot be
+    halved (a block spanning gate and up rows) is a one-line error naming the tensor."""
+    import hybrid_util
+    from conftest import VOCAB
+
+    from freetoken_py.errors import ModelLoadError
+    from freetoken_py.models.loader import open_checkpoint
+
+    real = hybrid_util.to_real_release_layout(hybrid_util.build("qwen3_5_moe", tmp_path / "src", vocab_size=VOCAB), tmp_path / "real")
+    fp8, plain = _fused_fp8(real, tmp_path / "q", (16, 16))        # I = 32: two block rows each for gate and up
+    want, ref_llm = first_logits(plain, "torch", expert_cache="off")
+    for backend in ("torch", "cpu"):
+        ours, llm = first_logits(fp8, backend, expert_cache="off")
+        assert (ours - want).abs().max().item() <= 1e-4, backend
+    a, bank = llm.args, llm.model.expert_store.banks[0]
+    assert bank.fmt == "fp8"
+    w13, w2 = bank.dequantized()
+    stored = load_file(plain / "model.safetensors")
+    assert torch.equal(w13, stored["model.language_model.layers.0.mlp.experts.gate_up_proj"].float())
+    assert torch.equal(w2, stored["model.language_model.layers.0.mlp.experts.down_proj"].float())
+    assert a.num_experts == w13.shape[0]
+
+    odd, _ = _fused_fp8(real, tmp_path / "odd", (64, 16))          # 2I = 64 rows in one 64-row block
+    with pytest.raises(ModelLoadError, match=r"gate_up_proj_scale_inv' has an odd block rows"):
+        open_checkpoint(odd)

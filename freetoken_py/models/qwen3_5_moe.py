@@ -21,7 +21,7 @@ from freetoken_py.models.weights import WeightScheme
 SCHEME = WeightScheme(shared_expert="mlp.shared_expert.", gdn_proj="separate")
 _TEXT = "model.language_model."
 _SKIPPED = ("model.visual.", "mtp.", "visual.")
-_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_scale_inv)?$")
 
 
 def parse_config(c: ConfigReader) -> ModelArgs:
@@ -58,7 +58,10 @@ def note_skipped(count: int) -> None:
 def expand(tensors: dict) -> dict:
     """The fused expert stacks read as per-expert tensors (views of the stored ones):
     gate_up_proj [E, 2I, D] -> experts.{e}.gate_proj.weight (rows :I) and up_proj.weight (rows I:),
-    down_proj [E, D, I] -> experts.{e}.down_proj.weight."""
+    down_proj [E, D, I] -> experts.{e}.down_proj.weight. An FP8-block checkpoint's scale grids
+    (`gate_up_proj_scale_inv` [E, R, C], `down_proj_scale_inv`, as transformers' FP8 experts name
+    them) split the same way into each expert's `weight_scale_inv`: gate the first R/2 block rows,
+    up the rest (a block row shared by gate and up rows, R odd, is refused by name)."""
     out = {}
     for name, info in tensors.items():
         m = _FUSED.match(name)
@@ -68,15 +71,17 @@ def expand(tensors: dict) -> dict:
         if len(info.shape) != 3:
             raise ModelLoadError(f"{info.file}: tensor '{info.name}' has shape {list(info.shape)}, expected "
                                  "[experts, rows, cols] (a fused expert stack)")
-        prefix, kind = m.groups()
+        prefix, kind, scale = m.groups()
+        suffix = "weight" + (scale or "")
         E, rows = info.shape[0], info.shape[1]
         for e in range(E):
             if kind == "gate_up_proj":
                 if rows % 2:
-                    raise ModelLoadError(f"{info.file}: tensor '{info.name}' has an odd row count {rows} "
-                                         "(gate rows then up rows)")
-                out[f"{prefix}{e}.gate_proj.weight"] = info.sub(e, 0, rows // 2)
-                out[f"{prefix}{e}.up_proj.weight"] = info.sub(e, rows // 2, rows)
+                    what = ("block rows (a scale block would span gate and up rows)" if scale else
+                            "row count (gate rows then up rows)")
+                    raise ModelLoadError(f"{info.file}: tensor '{info.name}' has an odd {what}: {rows}")
+                out[f"{prefix}{e}.gate_proj.{suffix}"] = info.sub(e, 0, rows // 2)
+                out[f"{prefix}{e}.up_proj.{suffix}"] = info.sub(e, rows // 2, rows)
             else:
-                out[f"{prefix}{e}.down_proj.weight"] = info.sub(e)
+                out[f"{prefix}{e}.down_proj.{suffix}"] = info.sub(e)
     return out
