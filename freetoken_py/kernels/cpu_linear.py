@@ -104,6 +104,17 @@ def dense_rows(w, s, x, gs, out):
         _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
 
 
+@njit(parallel=True, fastmath=True, cache=True)
+def dense_rows_prepared(w, s, xv, xg, gs, out):
+    """dense_rows for activations already prepared (xv, xg from _dots.prepare, or any form
+    row_dot takes for these weights: bf16 weights with fp32 x, or with prep_bf16_rows(x))."""
+    n = w.shape[0]
+    num_tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(num_tasks):
+        n0 = task * ROWS_PER_TASK
+        _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
+
+
 def dense_linear(dw: DenseWeight, x):
     """x [T, K] float32 (torch or numpy) -> [T, N] float32 of the same kind."""
     xs = host_array(x, np.float32)
