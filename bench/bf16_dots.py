@@ -157,7 +157,31 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             pt[key].append(time.perf_counter() - t0)
-    prefill = {}
+    # the routed experts at prefill size (every expert gets all t tokens): numba both forms vs
+    # cpu_moe's torch bf16 path (what moe_experts runs there in bf16 mode)
+    from freetoken_py.kernels.cpu_moe import ExpertBank, _add_experts_torch_bf16
+    bank = ExpertBank("bf16", 32, w13, s13, w2, s2)
+    xp = x_for(d, t)
+    idp = np.tile(np.arange(E, dtype=np.int64), (t, 1))
+    wtp = np.full((t, E), 1.0 / E, np.float32)
+    op = np.zeros((t, d), np.float32)
+    xgp = np.zeros((t, 1), np.float32)
+    ex_calls = {"fp32": lambda: _moe(w13, s13, w2, s2, xp, xgp, idp, wtp, 0, False, op),
+                "bf16": lambda: _moe(w13, s13, w2, s2, _dots.prep_bf16_rows(xp), xgp, idp, wtp, 0, True, op),
+                "torch": lambda: _add_experts_torch_bf16(bank, xp, idp, wtp, op)}
+    for fn in ex_calls.values():
+        fn()
+    et = {f: [] for f in ex_calls}
+    for _ in range(max(3, args.rounds // 2)):
+        for f, fn in ex_calls.items():
+            t0 = time.perf_counter()
+            fn()
+            et[f].append(time.perf_counter() - t0)
+    em = {f: statistics.median(v) for f, v in et.items()}
+    eflop = 2 * t * E * 3 * i * d
+    prefill = {"experts_top8": {f"{f}_gflops": round(eflop / em[f] / 1e9, 1) for f in em}}
+    prefill["experts_top8"].update(bf16_vs_fp32=round(em["fp32"] / em["bf16"], 3),
+                                   bf16_vs_torch=round(em["torch"] / em["bf16"], 3))
     for n in ("shared13", "q_b"):
         m = {f: statistics.median(pt[(n, f)]) for f in ("fp32", "bf16", "torch")}
         flop = 2 * t * shapes[n][0] * shapes[n][1]

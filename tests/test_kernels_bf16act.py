@@ -143,8 +143,15 @@ _EXPERTS = textwrap.dedent("""
     out = moe_experts(bank, x, ids, wts)
     dw = DenseWeight.from_tensor(gate[0], fmt="bf16")
     lin = dense_linear(dw, x)
-    torch.save(dict(mode=BF16_ACT, out=out, lin=lin, gate=gate, up=up, down=down, x=x, ids=ids, wts=wts),
-               sys.argv[1])
+    P = 40                                     # prefill-sized: torch's bf16 GEMMs in bf16 mode
+    xp = torch.randn(P, D, generator=g)
+    idp = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(P)])
+    idp[:, 0] = 1                              # one expert with every token, one (5) with none
+    idp[idp == 5] = 0
+    wtp = torch.rand(P, k, generator=g)
+    outp, linp = moe_experts(bank, xp, idp, wtp), dense_linear(dw, xp)
+    torch.save(dict(mode=BF16_ACT, out=out, lin=lin, gate=gate, up=up, down=down, x=x, ids=ids, wts=wts,
+                    outp=outp, linp=linp, xp=xp, idp=idp, wtp=wtp), sys.argv[1])
 """)
 
 
@@ -155,16 +162,17 @@ def _run_experts(mode: str, tmp_path) -> dict:
     return torch.load(path)
 
 
-def _experts_reference(r: dict, rnd) -> torch.Tensor:
-    """The routed-expert MLP in float64 with the activations rounded by `rnd` at both inputs."""
-    x = rnd(r["x"]).double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(r["ids"].shape[1]):
-            e = int(r["ids"][t, j])
-            gt, u = r["gate"][e].double() @ x[t], r["up"][e].double() @ x[t]
+def _experts_reference(r: dict, rnd, x="x", ids="ids", wts="wts", rnd_out=lambda v: v) -> torch.Tensor:
+    """The routed-expert MLP in float64 with the activations rounded by `rnd` at both inputs (and
+    the GEMM outputs by `rnd_out`: torch's bf16 GEMMs)."""
+    xs = rnd(r[x]).double()
+    out = torch.zeros(xs.shape, dtype=torch.float64)
+    for t in range(xs.shape[0]):
+        for j in range(r[ids].shape[1]):
+            e = int(r[ids][t, j])
+            gt, u = rnd_out(r["gate"][e].double() @ xs[t]), rnd_out(r["up"][e].double() @ xs[t])
             h = (torch.nn.functional.silu(gt) * u).float()
-            out[t] += float(r["wts"][t, j]) * (r["down"][e].double() @ rnd(h).double())
+            out[t] += float(r[wts][t, j]) * rnd_out(r["down"][e].double() @ rnd(h).double())
     return out
 
 
@@ -180,3 +188,13 @@ def test_experts_and_dense_in_both_modes_match_their_references(tmp_path):
     assert rel_err(bf["out"], ref_f) > 1e-4               # bf16 mode really rounded
     lin_f, lin_b = fp["x"].double() @ fp["gate"][0].double().T, torch_bf16(bf["x"]).double() @ bf["gate"][0].double().T
     assert rel_err(fp["lin"], lin_f) <= 1e-5 and rel_err(bf["lin"], lin_b) <= 1e-5
+    # prefill-sized calls: fp32 mode stays exact; bf16 mode is torch's bf16 GEMMs (outputs rounded
+    # to bf16, so a reference rounding the same places, within a few bf16 ulps of flipped ties)
+    pre = dict(x="xp", ids="idp", wts="wtp")
+    assert rel_err(fp["outp"], _experts_reference(fp, ident, **pre)) <= 1e-5
+    got_b = _experts_reference(bf, torch_bf16, **pre, rnd_out=lambda v: v.bfloat16().double())
+    assert rel_err(bf["outp"], got_b) <= 2e-3
+    assert rel_err(bf["outp"], _experts_reference(bf, ident, **pre)) <= 2e-2
+    assert rel_err(fp["linp"], fp["xp"].double() @ fp["gate"][0].double().T) <= 1e-5
+    lin_pb = (torch_bf16(bf["xp"]).double() @ bf["gate"][0].double().T).bfloat16().double()
+    assert rel_err(bf["linp"], lin_pb) <= 2e-3
