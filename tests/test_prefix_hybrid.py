@@ -249,3 +249,22 @@ def test_what_a_cached_turn_and_its_decode_cost_counted(hybrid):
     out = _run(on, turn3)
     _same(out, _run(off, turn3))
     assert out[0].num_cached_tokens == 72 and store.num_mismatches == 0
+
+
+def test_residency_tiers_run_a_hybrid_with_its_prefix_state(hybrid):
+    """--emulate-gpu on a hybrid: the routed experts go through the residency tiers (telemetry
+    counts them), the Gated DeltaNet layers and their snapshots stay as they are; a two-turn
+    conversation gives the cpu backend's greedy tokens, turn 2 resumed from cached state."""
+    path = hybrid()
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    emu = _llm(path, backend="auto", residency="emulate", residency_profile="rtx4060-laptop-8g")
+    ref = _llm(path, backend="cpu", enable_prefix_cache=False)
+    turn1 = _prompt(45, 11)
+    a, b = emu.generate([turn1], params)[0], ref.generate([turn1], params)[0]
+    assert a.token_ids == b.token_ids
+    turn2 = turn1 + a.token_ids + _prompt(6, 12)
+    a, b = emu.generate([turn2], params)[0], ref.generate([turn2], params)[0]
+    assert a.token_ids == b.token_ids and a.num_cached_tokens == 48
+    res = emu.stats()["residency"]
+    assert res["steps"] > 0 and res["expert_slots"] > 0
+    assert emu.snapshots.num_restored == 1 and emu.snapshots.num_mismatches == 0
