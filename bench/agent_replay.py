@@ -3,7 +3,7 @@ against llama.cpp with its prompt cache, plus the integrity check's decode cost 
 
     python bench/agent_replay.py [--turns 10] [--system-len 2000] [--call-len 50] [--result-len 250]
                                  [--gen-tokens 8] [--decode-tokens 32] [--decode-batch 4] [--no-llama-cpp]
-                                 [--model dense|hybrid] [--layers 4] [--experts 32] [--tiny]
+                                 [--model dense|hybrid] [--layers 4] [--experts 32] [--tiny] [--samples 3]
 
 The trace (seeded random token ids on the ~0.5B qwen3_moe of bench/common.py): a system prompt plus
 tool schemas of --system-len tokens, then each turn the request is the whole history; the engine
@@ -16,7 +16,8 @@ Per turn: prompt length, cached tokens, TTFT with the cache, TTFT without it, tw
 new tokens" baselines — the uncached suffix as a stand-alone prompt (no attention over the cached
 context, a strict floor no engine reaches) and the uncached suffix computed by the runner alone
 with the context already in the KV cache (the same attention work as any cached turn, so the ratio
-is what the cache machinery and page granularity cost) — and llama.cpp's TTFT (llama-cpp-python's `Llama.generate` reuses the longest
+is what the cache machinery and page granularity cost; the median of --samples runs interleaved
+around the cached turn, one before it and the rest after) — and llama.cpp's TTFT (llama-cpp-python's `Llama.generate` reuses the longest
 common prefix of its previous evaluation, which is llama.cpp's prompt cache). Prints one JSON line.
 
 --model hybrid: the same trace on a hybrid (Gated DeltaNet + full attention) checkpoint, the
@@ -28,6 +29,11 @@ field takes text only, so this token-id trace calls generate in-process); per tu
 what llama.cpp reused (`llama_cpp_reused_tokens`: the prefix it kept when its memory could be
 truncated there, 0 when it re-processed the whole prompt, as it must for recurrent memory it
 cannot roll back). The integrity and FP8 sections are the dense line's only.
+
+Every row also counts the cached turn's path to its first token (`ttft_path`: forward passes,
+tokens computed, seconds inside the forward passes and outside them, and for hybrids the state
+bytes copied / checksummed / zeroed), so a ratio above 1 can be told apart: more work on the
+critical path shows in the counts and `outside_forward_s`, noise only in the timings.
 """
 from __future__ import annotations
 
