@@ -59,6 +59,19 @@ def snapshot_every_pages(state_bytes: int, kv_bytes_per_token: int, page_size: i
     return max(1, -(-state_bytes // (kv_bytes_per_token * page_size)))
 
 
+def word_sum(x: torch.Tensor, on_host: bool = True) -> int:
+    """The sum of a contiguous 4-byte-element tensor's 64-bit words mod 2**64 (its 32-bit words
+    when the size is not a multiple of 8 bytes): numpy on the host, a torch reduction where the
+    tensor lives otherwise (no transfer). Both give the same value for the same bytes."""
+    if on_host:
+        a = x.detach().cpu().numpy().reshape(-1)
+        words = a.view(np.uint64) if a.nbytes % 8 == 0 else a.view(np.uint32)
+        return int(words.sum(dtype=np.uint64))
+    w = x.detach().reshape(-1)
+    w = w.view(torch.int64) if w.numel() * w.element_size() % 8 == 0 else w.view(torch.int32).long() & 0xFFFFFFFF
+    return int(w.sum().item()) % (1 << 64)
+
+
 class SnapshotStore:
     """Snapshot slots taken from a StatePool's spares, at most `capacity` at once (the pool keeps
     the rest for running requests)."""
@@ -99,14 +112,7 @@ class SnapshotStore:
             if t is None:
                 continue
             x = t[slot]
-            if x.device.type == "cpu":
-                a = x.detach().numpy().reshape(-1)
-                words = a.view(np.uint64) if a.nbytes % 8 == 0 else a.view(np.uint32)
-                total += int(words.sum(dtype=np.uint64))
-            else:  # on the device: no transfer of the state, one reduction there
-                w = x.detach().reshape(-1)
-                w = w.view(torch.int64) if w.numel() * w.element_size() % 8 == 0 else w.view(torch.int32).long()
-                total += int(w.sum().item())
+            total += word_sum(x, on_host=x.device.type == "cpu")
             self.bytes_checksummed += x.numel() * x.element_size()
         return total % (1 << 64)
 
