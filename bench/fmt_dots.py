@@ -4,8 +4,8 @@ One [N, K] matrix per format, encoded by kernels._buffers.encode_rows from the s
 weights, one fp32 activation row; each timed call prepares the activation (as the kernels do)
 and runs row_dot over every row, single-threaded ("fp8_loop" / "nvfp4_loop": the plain numba
 loops, the fallback where the vector dots do not apply). numba compile is excluded (one warm-up call),
-formats are interleaved round by round and each reports its median; on a shared box only the
-ratios mean anything. "_x4": four activation rows per pass (the prefill / grouped form). Where
+formats are interleaved round by round (each timed call right after an untimed one of the same
+kernel) and each reports its median; on a shared box only the ratios mean anything. "_x4": four activation rows per pass (the prefill / grouped form). Where
 the process runs the AVX-512 VNNI int4 / int8 dots, "_avx2" rows time the AVX2 forms in the same
 loop (avx512_speedup = their time / the VNNI one's). Prints one JSON line: ms per call and
 Gweights/s (weights x activation rows) per format, and each format's time relative to int8 and int4.
@@ -29,7 +29,7 @@ from freetoken_py.kernels._simd import HAS_AVX2, HAS_AVX512, i8q8_row_dot, i8q8_
 GROUPS = {"int8": 32, "int4": 32, "fp8": 128, "nvfp4": 16}
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=False)
 def matvec4(w, s, x, gs, out):
     """Four activation rows per pass over the weight rows (the prefill / grouped form); out [N, 4]."""
     xv, xg = prepare(w, s, x, gs)
@@ -40,7 +40,7 @@ def matvec4(w, s, x, gs, out):
     return out
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=False)
 def int4_avx2(w, s, x, gs, out):
     """The AVX2 int4 x int8 dot (pair layout) where the process runs the AVX-512 one: same-process A/B."""
     xq, xg = prep_q8_rows_as(x, gs, False)
@@ -49,7 +49,7 @@ def int4_avx2(w, s, x, gs, out):
     return out
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=False)
 def int4_avx2_x4(w, s, x, gs, out):
     xq, xg = prep_q8_rows_as(x, gs, False)
     for n in range(w.shape[0]):
@@ -58,7 +58,7 @@ def int4_avx2_x4(w, s, x, gs, out):
     return out
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=False)
 def int8_avx2(w, s, x, gs, out):
     xq, xs = prep_q8n_rows(x)
     for n in range(w.shape[0]):
@@ -66,7 +66,7 @@ def int8_avx2(w, s, x, gs, out):
     return out
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=False)
 def int8_avx2_x4(w, s, x, gs, out):
     xq, xs = prep_q8n_rows(x)
     for n in range(w.shape[0]):
@@ -75,7 +75,7 @@ def int8_avx2_x4(w, s, x, gs, out):
     return out
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=False)
 def matvec(w, s, x, gs, out):
     xv, xg = prepare(w, s, x, gs)
     hb = gs // 2
@@ -84,7 +84,7 @@ def matvec(w, s, x, gs, out):
     return out
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=False)
 def fp8_loop(w, s, x, gs, out):
     """The plain numba loops (the fallback where the vector dots do not apply), for comparison."""
     for n in range(w.shape[0]):
@@ -92,7 +92,7 @@ def fp8_loop(w, s, x, gs, out):
     return out
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=False)
 def nvfp4_loop(w, s, x, gs, out):
     for n in range(w.shape[0]):
         out[n] = nvfp4_row_dot(w[n], s[n], x[0], gs)
@@ -132,7 +132,8 @@ def main() -> None:
     times = {f: [] for f in mats}
     for _ in range(a.rounds):
         for fmt, (w, s, gs, xx, out, fn) in mats.items():
-            t0 = time.perf_counter()
+            fn(w, s, xx, gs, out)           # untimed: the vector units warm (after ~2 ms of scalar code,
+            t0 = time.perf_counter()        # e.g. the *_loop rows, the next call ran 2-3x slower, AVX2 and VNNI alike)
             fn(w, s, xx, gs, out)
             times[fmt].append(time.perf_counter() - t0)
     ms = {f: 1e3 * float(np.median(t)) for f, t in times.items()}
