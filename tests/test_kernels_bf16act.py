@@ -122,7 +122,11 @@ def test_mode_needs_the_instruction_and_rejects_unknown_values(monkeypatch):
     monkeypatch.setattr(_dots, "HAS_AVX512BF16", True)
     assert _dots._bf16_act_mode() == "bf16"
     monkeypatch.delenv("FREETOKEN_BF16_ACT")
+    monkeypatch.delenv("FREETOKEN_SIMD", raising=False)
     assert _dots._bf16_act_mode() == "bf16"           # the default where the instruction exists
+    monkeypatch.setenv("FREETOKEN_SIMD", "avx2")
+    assert _dots._bf16_act_mode() == "fp32"           # the one switch for "AVX2 paths"
+    monkeypatch.delenv("FREETOKEN_SIMD")
     monkeypatch.setenv("FREETOKEN_BF16_ACT", "fp16")
     with pytest.raises(ValueError, match="FREETOKEN_BF16_ACT"):
         _dots._bf16_act_mode()
