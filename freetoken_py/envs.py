@@ -24,6 +24,10 @@ ENV_VARS: dict[str, str] = {
     "once, when the kernels are first imported; docs/kernels.md).",
     "FREETOKEN_INT4_ACT": "Old name of FREETOKEN_INT_ACT (same meaning, now for int8 weights too); "
     "read only when FREETOKEN_INT_ACT is unset.",
+    "FREETOKEN_SIMD": "avx2 forces the AVX2 forms of the int4 / int8 CPU dots on a CPU that has AVX-512 VNNI "
+    "(and fp32 activations for bf16 weights unless FREETOKEN_BF16_ACT says otherwise) "
+    "(default: AVX-512 where the compile target has avx512f/bw/vl/vnni; read once, when the kernels are first "
+    "imported; docs/kernels.md).",
 }
 
 
@@ -31,6 +35,11 @@ def int_act() -> str:
     """FREETOKEN_INT_ACT (else its old name FREETOKEN_INT4_ACT) lower-cased, "" when neither is set."""
     value = os.environ.get("FREETOKEN_INT_ACT", "").strip() or os.environ.get("FREETOKEN_INT4_ACT", "")
     return value.strip().lower()
+
+
+def simd() -> str:
+    """FREETOKEN_SIMD lower-cased ("" when unset): "avx2" caps the CPU dots at AVX2."""
+    return os.environ.get("FREETOKEN_SIMD", "").strip().lower()
 
 
 def bf16_act() -> str:
