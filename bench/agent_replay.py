@@ -3,7 +3,7 @@ against llama.cpp with its prompt cache, plus the integrity check's decode cost 
 
     python bench/agent_replay.py [--turns 10] [--system-len 2000] [--call-len 50] [--result-len 250]
                                  [--gen-tokens 8] [--decode-tokens 32] [--decode-batch 4] [--no-llama-cpp]
-                                 [--model dense|hybrid] [--layers 4] [--experts 32] [--tiny]
+                                 [--model dense|hybrid] [--layers 4] [--experts 32] [--tiny] [--samples 3]
 
 The trace (seeded random token ids on the ~0.5B qwen3_moe of bench/common.py): a system prompt plus
 tool schemas of --system-len tokens, then each turn the request is the whole history; the engine
@@ -16,7 +16,8 @@ Per turn: prompt length, cached tokens, TTFT with the cache, TTFT without it, tw
 new tokens" baselines — the uncached suffix as a stand-alone prompt (no attention over the cached
 context, a strict floor no engine reaches) and the uncached suffix computed by the runner alone
 with the context already in the KV cache (the same attention work as any cached turn, so the ratio
-is what the cache machinery and page granularity cost) — and llama.cpp's TTFT (llama-cpp-python's `Llama.generate` reuses the longest
+is what the cache machinery and page granularity cost; the median of --samples runs interleaved
+around the cached turn, one before it and the rest after) — and llama.cpp's TTFT (llama-cpp-python's `Llama.generate` reuses the longest
 common prefix of its previous evaluation, which is llama.cpp's prompt cache). Prints one JSON line.
 
 --model hybrid: the same trace on a hybrid (Gated DeltaNet + full attention) checkpoint, the
@@ -28,9 +29,15 @@ field takes text only, so this token-id trace calls generate in-process); per tu
 what llama.cpp reused (`llama_cpp_reused_tokens`: the prefix it kept when its memory could be
 truncated there, 0 when it re-processed the whole prompt, as it must for recurrent memory it
 cannot roll back). The integrity and FP8 sections are the dense line's only.
+
+Every row also counts the cached turn's path to its first token (`ttft_path`: forward passes,
+tokens computed, seconds inside the forward passes and outside them, and for hybrids the state
+bytes copied / checksummed / zeroed), so a ratio above 1 can be told apart: more work on the
+critical path shows in the counts and `outside_forward_s`, noise only in the timings.
 """
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -50,8 +57,54 @@ def make_trace(args, vocab: int) -> tuple[list[int], list[tuple[list[int], list[
 def _ttft(llm, prompt, n):
     from freetoken_py.core import SamplingParams
 
+    gc.collect()  # every timed run starts from the same heap (no collection of an earlier run's garbage inside it)
     out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
     return out.ttft_s, out.num_cached_tokens
+
+
+def _state_counts(llm) -> dict:
+    """Hybrids: the snapshot store's and state pool's byte counters (kvcache/snapshots.py)."""
+    st = getattr(llm, "snapshots", None)
+    if st is None:
+        return {}
+    return {"state_bytes_copied": st.bytes_copied, "state_bytes_checksummed": st.bytes_checksummed,
+            "state_bytes_zeroed": st.pool.bytes_zeroed}
+
+
+def _ttft_path(llm, prompt, n) -> tuple[float, int, dict]:
+    """_ttft through add_request / step, with what the engine did before the first token counted:
+    forward passes, tokens computed, the seconds inside the forward passes (the rest of the TTFT is
+    the machinery: admission, prefix match, snapshot restore / capture / checksum, publishing,
+    sampling) and the state bytes copied / checksummed / zeroed."""
+    from freetoken_py.core import SamplingParams
+
+    forward, acc = llm.runner.forward_batch, {"passes": 0, "tokens_computed": 0, "forward_s": 0.0}
+
+    def timed(chunks, *a, **k):
+        t = time.perf_counter()
+        try:
+            return forward(chunks, *a, **k)
+        finally:
+            acc["forward_s"] += time.perf_counter() - t
+            acc["passes"] += 1
+            acc["tokens_computed"] += sum(ch.num_new for ch in chunks)
+
+    gc.collect()
+    before = _state_counts(llm)
+    llm.runner.forward_batch = timed
+    try:
+        req = llm.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        while not req.output_token_ids:
+            llm.step()
+        path = dict(acc) | {k: v - before[k] for k, v in _state_counts(llm).items()}
+        while llm.has_unfinished:
+            llm.step()
+    finally:
+        llm.runner.forward_batch = forward
+    ttft = req.first_token_time - req.arrival_time
+    path["forward_s"] = round(path["forward_s"], 4)
+    path["outside_forward_s"] = round(ttft - path["forward_s"], 4)
+    return ttft, req.num_cached_tokens, path
 
 
 def _llama_ttft(peer, prompt, n) -> float:
@@ -107,6 +160,7 @@ def _prefill_suffix_s(llm, history: list[int], cached: int) -> float:
         budget = llm.config.max_num_batched_tokens
         while req.num_computed < cached:  # the context, in the engine's own chunk sizes
             llm.runner.forward_batch([ScheduledChunk(req, min(budget, cached - req.num_computed))])
+        gc.collect()
         t = time.perf_counter()
         while req.num_computed < len(history):
             logits = llm.runner.forward_batch([ScheduledChunk(req, min(budget, len(history) - req.num_computed))])
@@ -118,19 +172,45 @@ def _prefill_suffix_s(llm, history: list[int], cached: int) -> float:
             states.free(req.state_slot)
 
 
+def _cached_at(llm, prompt: list[int]) -> int:
+    """The tokens a cached turn of `prompt` will skip, read without touching the cache's state:
+    the deepest page boundary before its last token (hybrids: holding a snapshot)."""
+    from freetoken_py.core import Request, SamplingParams
+
+    ns = llm._cache_namespace(Request([1], SamplingParams()))
+    limit = (len(prompt) - 1) // llm.config.page_size * llm.config.page_size
+    cache = llm.prefix_cache
+    if getattr(llm, "snapshots", None) is None:
+        return cache.match(ns, prompt[:limit]).num_tokens if cache is not None else 0
+    for n in range(limit, 0, -llm.config.page_size):
+        if cache.snapshot_at(ns, prompt[:n]) is not None:
+            return n
+    return 0
+
+
 def replay(args, on, off, peer, system, turns) -> list[dict]:
     history, rows = list(system), []
     probe = _llama_reuse_probe(peer) if peer is not None and args.model == "hybrid" else None
     for t, (call, result) in enumerate(turns):
-        ttft_on, cached = _ttft(on, history, args.gen_tokens)
+        # interleaved: the with-context baseline once before the cached turn and the rest after it
+        # (it is repeatable: the cached turn is not, it changes the cache); ratios use its median
+        pre = _cached_at(on, history) if t else 0
+        suffixes = [_prefill_suffix_s(off, history, pre)] if pre else []
+        ttft_on, cached, path = _ttft_path(on, history, args.gen_tokens)
+        if pre != cached:
+            suffixes = []  # the turn skipped another prefix than predicted: that sample measured other work
         ttft_off, _ = _ttft(off, history, args.gen_tokens)
         new_only, _ = _ttft(off, history[cached:], 1)
-        suffix = _prefill_suffix_s(off, history, cached)
+        suffixes += [_prefill_suffix_s(off, history, cached) for _ in range(args.samples - len(suffixes))]
+        suffix = common.median(suffixes)
         row = {"turn": t + 1, "prompt_tokens": len(history), "cached_tokens": cached,
                "hit": cached > 0, "ttft_cache_s": round(ttft_on, 4), "ttft_nocache_s": round(ttft_off, 4),
                "prefill_new_only_s": round(new_only, 4), "ratio_vs_new_only": round(ttft_on / new_only, 3),
                "prefill_new_with_context_s": round(suffix, 4),
-               "ratio_vs_new_with_context": round(ttft_on / suffix, 3)}
+               "prefill_new_with_context_samples": [round(x, 4) for x in suffixes],
+               "ratio_vs_new_with_context": round(ttft_on / suffix, 3),
+               "ratio_forward_vs_new_with_context": round(path["forward_s"] / suffix, 3),
+               "ttft_path": path}
         if peer is not None:
             before = len(probe) if probe is not None else 0
             want = _llama_prefix(peer, history) if probe is not None else 0
@@ -243,8 +323,14 @@ def hybrid_main(args) -> None:
               "max_ratio_vs_new_only_turn2plus": max((r["ratio_vs_new_only"] for r in later), default=None),
               "max_ratio_vs_new_with_context_turn2plus": max((r["ratio_vs_new_with_context"] for r in later),
                                                              default=None),
+              "max_ratio_forward_vs_new_with_context_turn2plus":
+                  max((r["ratio_forward_vs_new_with_context"] for r in later), default=None),
+              "max_outside_forward_s_turn2plus": max((r["ttft_path"]["outside_forward_s"] for r in later),
+                                                     default=None),
               "snapshots": {"taken": on.snapshots.num_taken, "restored": on.snapshots.num_restored,
-                            "mismatches": on.snapshots.num_mismatches}}
+                            "mismatches": on.snapshots.num_mismatches,
+                            "bytes_copied": on.snapshots.bytes_copied,
+                            "bytes_checksummed": on.snapshots.bytes_checksummed}}
     if peer is not None:
         result["max_ratio_vs_llama_cpp_turn2plus"] = max((r["ratio_vs_llama_cpp"] for r in later), default=None)
         result["llama_cpp_reused_tokens_turn2plus"] = [r["llama_cpp_reused_tokens"] for r in later]
@@ -256,7 +342,8 @@ def hybrid_main(args) -> None:
 def main() -> None:
     ap = common.bench_args(__doc__)
     for flag, default in (("--turns", 10), ("--system-len", 2000), ("--call-len", 50), ("--result-len", 250),
-                          ("--gen-tokens", 8), ("--decode-batch", 4), ("--layers", 4), ("--experts", 32)):
+                          ("--gen-tokens", 8), ("--decode-batch", 4), ("--layers", 4), ("--experts", 32),
+                          ("--samples", 3)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-dtype", default="bf16", help="bf16 (as llama.cpp's f16 KV), fp8, or auto")

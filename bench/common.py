@@ -184,16 +184,22 @@ def convert_to_gguf(model_dir: Path, outtype: str, extra: tuple[str, ...] = ()) 
     return out
 
 
-def quantize_gguf(src: Path, ftype_name: str) -> Path:
-    """Quantize a GGUF with llama.cpp's own quantizer (e.g. ftype_name='Q4_0')."""
+def quantize_gguf(src: Path, ftype_name: str, output_type: str | None = None) -> Path:
+    """Quantize a GGUF with llama.cpp's own quantizer (e.g. ftype_name='Q4_0'). `output_type` (a
+    ggml type name, e.g. 'BF16') sets the output tensor's type instead of llama.cpp's default for
+    the ftype (Q6_K for Q4_0, Q8_0 for Q8_0)."""
     import ctypes
 
+    import gguf
     import llama_cpp
 
-    out = src.with_name(src.stem.rsplit("-", 1)[0] + f"-{ftype_name.lower()}.gguf")
+    tail = f"-{ftype_name.lower()}" + (f"-out{output_type.lower()}" if output_type else "")
+    out = src.with_name(src.stem.rsplit("-", 1)[0] + f"{tail}.gguf")
     if not out.exists():
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+        if output_type:
+            params.output_tensor_type = int(gguf.GGMLQuantizationType[output_type.upper()])
         params.nthread = os.cpu_count() or 2
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
         if rc != 0:

@@ -11,7 +11,11 @@ checkpoint's size.
 The quantised checkpoints are written by `freetoken quantize` from a random bf16 one (built
 with transformers' classes). Prints one JSON line: per format tokens/s, bytes per token, GB/s,
 the DRAM roofline fraction, llama.cpp's figures and the ratios, and the start-up RSS.
-The nvfp4 kernel reads fp32 activations (no int8 activation path yet, unlike int4 on AVX2).
+The peer's output tensor (lm_head) is stored as ours runs it (`--peer-output same`, the default):
+a compressed-tensors or fp8 checkpoint usually leaves lm_head in bf16 (its ignore list), and at
+this vocabulary (151,936 x 2048) a bf16 lm_head is 622 MB of the bytes read per token, so with
+llama.cpp's own default (Q6_K for Q4_0) the line would compare lm_head formats rather than the
+expert formats. `--peer-output default` keeps llama.cpp's default output type.
 """
 from __future__ import annotations
 
@@ -67,6 +71,28 @@ def quantised(src: Path, fmt: str) -> Path:
     return out if (out / "config.json").exists() else quantize_checkpoint(src, out, fmt, show_progress=False)
 
 
+def lm_head_type(path: Path) -> str | None:
+    """The safetensors dtype `lm_head.weight` is stored in (e.g. 'BF16'), or None when the
+    checkpoint stores it quantised (packed / with scales) or ties it to the embedding."""
+    import struct
+
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        if "lm_head.weight" in header and not any(k.startswith("lm_head.weight_") for k in header):
+            return header["lm_head.weight"]["dtype"]
+    return None
+
+
+def peer_gguf(src: Path, fmt: str, path: Path, output: str) -> tuple[Path, str]:
+    """llama.cpp's peer GGUF of `src` for our format `fmt` (checkpoint at `path`) and its output type."""
+    kind = FORMATS[fmt]
+    out_type = lm_head_type(path) if output == "same" else None
+    if out_type is None:
+        return _gguf(src, kind), "default"
+    return common.quantize_gguf(common.convert_to_gguf(src, "bf16"), kind.upper(), out_type), out_type
+
+
 def startup_rss(path: Path, cache: str) -> int:
     proc = subprocess.run([sys.executable, "-c", _RSS, str(path), cache], capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
@@ -78,6 +104,8 @@ def main() -> None:
                           ("--vocab", 151936)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--formats", default="fp8,int4,nvfp4")
+    ap.add_argument("--peer-output", choices=("same", "default"), default="same",
+                    help="llama.cpp's output tensor type: as our lm_head is stored (same), or its own default")
     args = ap.parse_args()
     from freetoken_py.kernels import configure_threads
     from freetoken_py.llm import LLM
@@ -86,7 +114,7 @@ def main() -> None:
     src = build(args)
     prompt = common.random_prompt(args.vocab, args.prompt_len)
     n, fmts = args.decode_tokens, args.formats.split(",")
-    engines, bpt, peer_bpt, sizes, rss = {}, {}, {}, {}, {}
+    engines, bpt, peer_bpt, sizes, rss, peer_out = {}, {}, {}, {}, {}, {}
     for f in fmts:
         path = quantised(src, f)
         sizes[f] = sum(p.stat().st_size for p in path.glob("*.safetensors"))
@@ -96,8 +124,9 @@ def main() -> None:
         engines[f"freetoken-{f}"] = common.freetoken_timers(llm)
         bpt[f] = _bytes_per_token(llm)
         if not args.no_llama_cpp:
-            gguf = _gguf(src, FORMATS[f])
-            engines[f"llama.cpp-{FORMATS[f]}"] = common.llama_cpp_timers(gguf, args.threads)
+            gguf, peer_out[f] = peer_gguf(src, f, path, args.peer_output)
+            if f"llama.cpp-{FORMATS[f]}-{peer_out[f]}" not in engines:
+                engines[f"llama.cpp-{FORMATS[f]}-{peer_out[f]}"] = common.llama_cpp_timers(gguf, args.threads)
             peer_bpt[f] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
     samples = common.time_rounds(engines, prompt, n, args.rounds)
     dram, method = common.dram_gbps()
@@ -112,9 +141,10 @@ def main() -> None:
                "decode_gbps": round(dec * bpt[f] / 1e9, 2), "roofline_fraction": round(dec * bpt[f] / 1e9 / dram, 3),
                "decode_samples": [round(x, 2) for x in ours["decode"]], "checkpoint_bytes": sizes[f],
                "startup_peak_rss_bytes": rss[f]}
-        peer = samples.get(f"llama.cpp-{FORMATS[f]}")
+        peer = samples.get(f"llama.cpp-{FORMATS[f]}-{peer_out.get(f)}")
         if peer:
             row.update(common.peer_fields(ours, peer, FORMATS[f], peer_bpt[f], samples=False))
+            row["llama_cpp_output_type"] = peer_out[f]
         out["formats"][f] = row
     common.emit(out)
 

@@ -49,6 +49,14 @@ _VRAM_BUDGET = typer.Option(0.0, "--vram-budget", min=0.0,
 _RESIDENCY_POLICY = typer.Option("ours", "--residency-policy", help="ours, lru or static.")
 _KV_SCALES = typer.Option(None, "--kv-scales", help="--kv-dtype fp8: JSON cache of the calibrated per-head scales "
                           "(read when it exists, else calibrated on the shipped text and written).")
+_PREFIX_SNAPSHOTS = typer.Option(0, "--prefix-snapshots",
+                                 help="Hybrid (Gated DeltaNet) models: recurrent-state snapshot slots kept in the "
+                                 "prefix cache, each one request's whole state (0 = auto: a quarter of the KV budget, "
+                                 "2 to 4 per sequence; with --kv-cache-gb they come out of it). Other models: ignored.")
+_SNAPSHOT_EVERY = typer.Option(0, "--snapshot-every-pages",
+                               help="Hybrid models: pages between periodic state snapshots of a long prefill "
+                               "(0 = auto: where a snapshot's bytes equal the K/V of the tokens it saves; the "
+                               "prompt's last page and the decode position are snapshotted anyway).")
 _PREFILL_EXPERT_DTYPE = typer.Option("auto", "--prefill-expert-dtype",
                                      help="cpu backend: experts of prefill chunks as auto (= --expert-dtype), bf16, "
                                      "fp32 or int8, from a second copy mapped from its cache file; decode steps keep "
@@ -90,6 +98,8 @@ def run(
                                  "(e4m3: twice the tokens in the same memory)."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache",
                                          help="Do not reuse KV pages of earlier turns/requests."),
+    prefix_snapshots: int = _PREFIX_SNAPSHOTS,
+    snapshot_every_pages: int = _SNAPSHOT_EVERY,
     kv_scales: Optional[Path] = _KV_SCALES,
     emulate_gpu: Optional[str] = _EMULATE_GPU,
     gpu_experts: bool = _GPU_EXPERTS,
@@ -109,6 +119,7 @@ def run(
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, expert_cache=expert_cache, threads=threads,
         prefill_expert_dtype=prefill_expert_dtype,
         kv_dtype=kv_dtype, kv_scales=str(kv_scales or ""), prefix_cache=not no_prefix_cache, stats=stats,
+        snapshots=dict(prefix_snapshots=prefix_snapshots, snapshot_every_pages=snapshot_every_pages),
         residency=dict(_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy),
                        record_routing=str(record_routing or "")),
         sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -159,6 +170,8 @@ def serve(
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
+    prefix_snapshots: int = _PREFIX_SNAPSHOTS,
+    snapshot_every_pages: int = _SNAPSHOT_EVERY,
     kv_scales: Optional[Path] = _KV_SCALES,
     emulate_gpu: Optional[str] = _EMULATE_GPU,
     gpu_experts: bool = _GPU_EXPERTS,
@@ -173,7 +186,8 @@ def serve(
                   kv_cache_bytes=int(kv_cache_gb * 2**30), backend=backend, expert_dtype=expert_dtype,
                   dense_dtype=dense_dtype, expert_cache=expert_cache, kv_dtype=kv_dtype, kv_scales=str(kv_scales or ""),
                   prefill_expert_dtype=prefill_expert_dtype,
-                  enable_prefix_cache=not no_prefix_cache,
+                  enable_prefix_cache=not no_prefix_cache, prefix_snapshots=prefix_snapshots,
+                  snapshot_every_pages=snapshot_every_pages,
                   **_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy))
     serve_main(ServeOptions(model_dir=_resolve_model(model), host=host, port=port, api_key=api_key,
                             max_queue=max_queue, model_name=served_model_name, threads=threads, engine=engine,

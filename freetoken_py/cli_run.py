@@ -32,6 +32,7 @@ class RunOptions:
     prefix_cache: bool = True
     stats: bool = False
     residency: dict = field(default_factory=dict)  # EngineConfig residency_* / record_routing overrides
+    snapshots: dict = field(default_factory=dict)  # EngineConfig prefix_snapshots / snapshot_every_pages (hybrids)
     sampling: dict = field(default_factory=dict)
 
 
@@ -45,7 +46,7 @@ def run_main(opts: RunOptions) -> None:
               prefill_expert_dtype=opts.prefill_expert_dtype,
               kv_cache_bytes=opts.kv_cache_bytes, max_num_seqs=4,
               show_progress=not opts.as_json, kv_dtype=opts.kv_dtype, kv_scales=opts.kv_scales, enable_prefix_cache=opts.prefix_cache,
-              **opts.residency)
+              **opts.residency, **opts.snapshots)
     if llm.unused_gpu:
         print(GPU_HINT, file=sys.stderr)
     try:

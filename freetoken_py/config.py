@@ -63,8 +63,11 @@ class EngineConfig:
             raise FreetokenError(f"kv dtype must be auto, fp32, bf16 or fp8 (got {self.kv_dtype!r})")
         if self.kv_cache_bytes < 0 or self.max_model_len < 0:
             raise FreetokenError("kv_cache_bytes and max_model_len must be >= 0")
-        if self.prefix_snapshots < 0 or self.snapshot_every_pages < 0:
-            raise FreetokenError("prefix_snapshots and snapshot_every_pages must be >= 0 (0 = auto)")
+        for name in ("prefix_snapshots", "snapshot_every_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise FreetokenError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 0 (0 = auto), "
+                                     f"got {value!r}")
 
     def _check_record_routing(self) -> None:
         """The trace is written at the end of a run: a path it cannot be written to is said now,

@@ -19,6 +19,9 @@ ENV_VARS: dict[str, str] = {
     "activation buffers in the heap instead of returning them to the OS; see docs/performance.md).",
     "FREETOKEN_INT_ACT": "int8 | fp32: what int4 and int8 expert/dense weights multiply on CPU (default "
     "int8 on x86 with AVX2, else fp32; read once, when the kernels are first imported; docs/kernels.md).",
+    "FREETOKEN_BF16_ACT": "bf16 | fp32: what bf16 expert/dense weights multiply on CPU (default bf16 on x86 with "
+    "AVX512-BF16: activations rounded to bf16, vdpbf16ps dots; else fp32: exact fp32 activations; read "
+    "once, when the kernels are first imported; docs/kernels.md).",
     "FREETOKEN_INT4_ACT": "Old name of FREETOKEN_INT_ACT (same meaning, now for int8 weights too); "
     "read only when FREETOKEN_INT_ACT is unset.",
 }
@@ -28,6 +31,11 @@ def int_act() -> str:
     """FREETOKEN_INT_ACT (else its old name FREETOKEN_INT4_ACT) lower-cased, "" when neither is set."""
     value = os.environ.get("FREETOKEN_INT_ACT", "").strip() or os.environ.get("FREETOKEN_INT4_ACT", "")
     return value.strip().lower()
+
+
+def bf16_act() -> str:
+    """FREETOKEN_BF16_ACT lower-cased, "" when unset."""
+    return os.environ.get("FREETOKEN_BF16_ACT", "").strip().lower()
 
 
 def adaptive_threads() -> bool:

@@ -246,7 +246,13 @@ class LLM:
         for every sequence at full length and the snapshots come on top."""
         budget = self._kv_budget()
         if self.config.kv_cache_bytes:
-            budget -= self._snapshot_slots * self._state_bytes()
+            held = self._snapshot_slots * self._state_bytes()
+            if self.config.prefix_snapshots and budget - held < 2 * self._page_bytes:
+                raise FreetokenError(
+                    f"prefix_snapshots (--prefix-snapshots) {self.config.prefix_snapshots}: that many state snapshots "
+                    f"take {held / 2**30:.3f} GiB ({self._state_bytes()} B each) of the {budget / 2**30:.3f} GiB KV "
+                    "budget (--kv-cache-gb), leaving no room for pages; ask for fewer or a larger budget")
+            budget -= held
         return max(2, budget // self._page_bytes)
 
     def _kv_budget(self) -> int:

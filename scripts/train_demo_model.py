@@ -769,6 +769,7 @@ def val_loss(model, val, seq_len, windows) -> float:
 
 def log_metric(work: Path, row: dict) -> None:
     print(json.dumps(row), flush=True)
+    work.mkdir(parents=True, exist_ok=True)     # a new run logs its first validation before its first checkpoint
     with open(work / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
 

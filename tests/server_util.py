@@ -160,3 +160,63 @@ class ServerProcess(_Base):
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+# -- fixtures shared by the server, template and client tests ----------------------------------
+
+TEMPLATES = REPO / "tests" / "data" / "templates"
+
+
+def demo_with_template(out: Path, template: Path) -> Path:
+    """The demo model (weights linked, not copied) in `out` with `template` as its chat template."""
+    import json
+    import shutil
+
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        (out / f).symlink_to(DEMO_MODEL / f)
+    cfg = json.loads((DEMO_MODEL / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    shutil.copy(template, out / "chat_template.jinja")
+    return out
+
+
+def family_tokenizers(tmp_path_factory) -> dict:
+    """Template file name -> the project's Tokenizer over the demo vocabulary with that family's
+    chat template (every tests/data/templates/*.jinja)."""
+    import json
+    import shutil
+
+    from freetoken_py.tokenizer import Tokenizer
+
+    out = {}
+    for path in sorted(TEMPLATES.glob("*.jinja")):
+        d = tmp_path_factory.mktemp(path.stem)
+        shutil.copy(DEMO_MODEL / "tokenizer.json", d / "tokenizer.json")
+        (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+        shutil.copy(path, d / "chat_template.jinja")
+        out[path.name] = Tokenizer(d)
+    return out
+
+
+_MCP_SERVER = '''
+import json, sys
+TOOLS = %s
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    result = {"initialize": {"protocolVersion": msg.get("params", {}).get("protocolVersion", "2025-06-18"),
+                             "capabilities": {"tools": {}}, "serverInfo": {"name": "w", "version": "1"}},
+              "tools/list": {"tools": TOOLS},
+              "tools/call": {"content": [{"type": "text", "text": %s}]}}.get(msg["method"])
+    reply = {"result": result} if result is not None else {"error": {"code": -32601, "message": "unknown"}}
+    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], **reply}), flush=True)
+'''
+
+
+def mcp_server_script(tools: list, answer: str = "Sunny, 21 C") -> str:
+    """The source of a stdio MCP server offering `tools` whose every call answers `answer`."""
+    import json
+
+    return _MCP_SERVER % (repr(json.loads(json.dumps(tools))), json.dumps(answer))

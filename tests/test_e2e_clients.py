@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from server_util import REPO, ServerProcess
+import server_util
 
 PINNED = {"@anthropic-ai/claude-code": "2.1.332", "opencode-ai": "1.18.33", "@openai/codex": "0.169.0"}
 DEMO = REPO / "freetoken_py" / "data" / "demo_model"
@@ -154,21 +155,9 @@ def _launch(agent: str, proxy: RecordingProxy, clients: Path, cwd: Path, env: di
 
 # -- the tests --------------------------------------------------------------------------------
 
-MCP_SERVER = '''
-import json, sys
-TOOL = {"name": "get_weather", "description": "Get the weather for a city",
-        "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-for line in sys.stdin:
-    msg = json.loads(line)
-    if "id" not in msg:
-        continue
-    result = {"initialize": {"protocolVersion": msg.get("params", {}).get("protocolVersion", "2025-06-18"),
-                             "capabilities": {"tools": {}}, "serverInfo": {"name": "w", "version": "1"}},
-              "tools/list": {"tools": [TOOL]},
-              "tools/call": {"content": [{"type": "text", "text": "Sunny, 21 C"}]}}.get(msg["method"])
-    reply = {"result": result} if result is not None else {"error": {"code": -32601, "message": "unknown"}}
-    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], **reply}), flush=True)
-'''
+WEATHER = {"name": "get_weather", "description": "Get the weather for a city",
+           "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+MCP_SERVER = server_util.mcp_server_script([WEATHER])
 
 
 def test_claude_code_tool_round_trip(clients, server, tmp_path):
@@ -247,7 +236,8 @@ def test_codex_tool_round_trip(clients, server, tmp_path):
     writes `"arguments": "<junk>"` at this prompt length (~1,100 tokens, past its 512-token
     training window) and no call parses."""
     mcp = tmp_path / "mcp_weather.py"
-    mcp.write_text(MCP_SERVER.replace('"required": ["city"]}', '"required": ["city"], "additionalProperties": False}'))
+    mcp.write_text(server_util.mcp_server_script(
+        [{**WEATHER, "inputSchema": {**WEATHER["inputSchema"], "additionalProperties": False}}]))
     (tmp_path / "instructions.md").write_text(SYSTEM)
     settings = ["-c", f"model_instructions_file={json.dumps(str(tmp_path / 'instructions.md'))}", *CODEX_SLIM,
                 "-c", f"mcp_servers.w={{command={json.dumps(sys.executable)},args=[{json.dumps(str(mcp))}],"

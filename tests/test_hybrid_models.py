@@ -12,43 +12,23 @@ import pytest
 import torch
 
 import hybrid_util
+import parity_util
 from freetoken_py.core import SamplingParams
 from freetoken_py.errors import FreetokenError
 from freetoken_py.layers.gated_deltanet import causal_conv, gdn_core
 from freetoken_py.llm import LLM
 
 ARCHS = ["qwen3_next", "qwen3_5_moe"]
-_BUILT: dict = {}
+ckpt = parity_util.checkpoint_cache(hybrid_util.build)
 _EXPECTED: dict = {}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    def make(name: str):
-        if name not in _BUILT:
-            _BUILT[name] = hybrid_util.build(name, tmp_path_factory.mktemp(name))
-        return _BUILT[name]
-    return make
-
-
 def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, hybrid_util.VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return parity_util.random_prompt(hybrid_util.VOCAB, n, seed)
 
 
 def _llm(path, backend: str, **kw) -> LLM:
     return LLM(path, dtype="float32", show_progress=False, backend=backend, **kw)
-
-
-def _drive(llm: LLM, prompt: list[int], num_decode: int):
-    """Prefill (in max_num_batched_tokens chunks) then num_decode cached decode steps; logits of each sample."""
-    req = llm.add_request(prompt, SamplingParams(max_tokens=num_decode + 1, temperature=0, ignore_eos=True))
-    steps = []
-    while len(req.output_token_ids) <= num_decode:
-        logits = llm.runner.forward_batch(llm.scheduler.schedule())
-        if len(logits):
-            steps.append(logits[0])
-            req.output_token_ids.append(int(logits[0].argmax()))
-    return req.output_token_ids, torch.stack(steps)
 
 
 def test_delta_rule_chunked_and_recurrent_match_transformers():
@@ -86,7 +66,7 @@ def test_chunked_prefill_and_32_cached_decode_steps_match_transformers(arch, bac
     prompt = _prompt(90, seed=1)  # > GDN's 64-token chunk, and 3 prefill chunks of <= 40
     llm = _llm(path, backend, page_size=16, max_num_batched_tokens=40)
     assert llm.runner.states is not None and llm.runner.cache.k.shape[0] == 1  # one full-attention layer has pages
-    tokens, ours = _drive(llm, prompt, 32)
+    tokens, ours = parity_util.drive(llm, prompt, 32)
     with torch.no_grad():
         theirs = hybrid_util.reference(path)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     assert ours.shape == theirs.shape
@@ -149,7 +129,7 @@ def test_real_release_layout_loads_and_equals_the_saved_layout(ckpt, tmp_path, c
 def test_a_dense_layer_explicit_layer_types_and_no_renormalisation_match_transformers(ckpt):
     path = ckpt("qwen3_next_mixed")
     prompt = _prompt(40, seed=3)
-    tokens, ours = _drive(_llm(path, "torch"), prompt, 4)
+    tokens, ours = parity_util.drive(_llm(path, "torch"), prompt, 4)
     with torch.no_grad():
         theirs = hybrid_util.reference(path)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     assert (ours - theirs).abs().max().item() <= 1e-4

@@ -263,3 +263,19 @@ def test_a_corrupted_snapshot_is_refused_and_the_request_recomputes():
     r = e.add(prompt + [1, 2])
     e.run()                                           # resumed from the snapshot at 2P, state checked
     assert r.num_cached_tokens == 2 * P and e.store.num_mismatches == 1
+
+
+@pytest.mark.parametrize("shape", [(24, 3), (4, 8, 8), (5, 3)])
+def test_checksum_same_on_host_and_device_paths_and_sees_one_flipped_bit(shape):
+    """The host (numpy) and device (torch) reductions of word_sum agree on the same bytes (the
+    device path runs on a CPU tensor here), including the odd-size 32-bit fallback, and one
+    flipped bit anywhere changes the sum."""
+    from freetoken_py.kvcache.snapshots import word_sum
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 1e30   # big words: the sum wraps
+    assert word_sum(x, on_host=True) == word_sum(x, on_host=False)
+    for idx in (0, x.numel() // 2, x.numel() - 1):
+        y = x.clone().reshape(-1)
+        y.view(torch.int32)[idx] ^= 1 << 17
+        assert word_sum(y, on_host=True) != word_sum(x, on_host=True)
+        assert word_sum(y, on_host=False) == word_sum(y, on_host=True)

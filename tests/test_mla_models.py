@@ -12,35 +12,17 @@ import pytest
 import torch
 
 import mla_util
+import parity_util
 from freetoken_py.core import SamplingParams
 from freetoken_py.errors import FreetokenError
 from freetoken_py.llm import LLM
 
 ARCHS = ["deepseek_v3", "deepseek_v3_plain", "glm4_moe_lite", "kimi_k25"]
-_BUILT: dict = {}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    def make(name: str):
-        if name not in _BUILT:
-            _BUILT[name] = mla_util.build(name, tmp_path_factory.mktemp(name))
-        return _BUILT[name]
-    return make
+ckpt = parity_util.checkpoint_cache(mla_util.build)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, mla_util.VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _drive(llm: LLM, prompt: list[int], num_decode: int):
-    req = llm.add_request(prompt, SamplingParams(max_tokens=num_decode + 1, temperature=0, ignore_eos=True))
-    steps = []
-    while len(req.output_token_ids) <= num_decode:
-        logits = llm.runner.forward_batch(llm.scheduler.schedule())
-        steps.append(logits[0])
-        req.output_token_ids.append(int(logits[0].argmax()))
-    return req.output_token_ids, torch.stack(steps)
+    return parity_util.random_prompt(mla_util.VOCAB, n, seed)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -50,7 +32,7 @@ def test_prefill_and_32_cached_decode_steps_match_transformers(arch, backend, ck
     prompt = _prompt(21, seed=1)
     llm = LLM(path, dtype="float32", show_progress=False, backend=backend, page_size=16)
     assert (backend == "cpu") == (type(llm.runner.fused).__name__ == "MlaDecoder")
-    tokens, ours = _drive(llm, prompt, 32)
+    tokens, ours = parity_util.drive(llm, prompt, 32)
     with torch.no_grad():
         theirs = mla_util.reference(arch, path)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     assert (ours - theirs).abs().max().item() <= 1e-4
@@ -132,7 +114,7 @@ FP8_KL_BUDGET = 2e-3
 def test_fp8_latent_cache_within_a_kl_budget(backend, ckpt):
     path = ckpt("deepseek_v3")
     prompt = _prompt(24, seed=3)
-    ref_tokens, ref = _drive(LLM(path, dtype="float32", show_progress=False, backend=backend), prompt, 32)
+    ref_tokens, ref = parity_util.drive(LLM(path, dtype="float32", show_progress=False, backend=backend), prompt, 32)
     llm = LLM(path, dtype="float32", show_progress=False, backend=backend, kv_dtype="fp8")
     assert llm.runner.cache.quantized and llm.runner.cache.k_scale.shape == (2, 1)
     req = llm.add_request(prompt, SamplingParams(max_tokens=33, temperature=0, ignore_eos=True))
@@ -220,7 +202,7 @@ def test_cpu_decode_reads_a_bf16_kv_b_in_place_without_fp32_copies(tmp_path):
     assert dec.absorb_bytes == 2 * n   # the old scheme held 8 * n: saved 6 bytes per kv_b element
     assert all(np.shares_memory(a, t.view(torch.int16).numpy()) for a, t in zip(dec.kv_b, kv_bs))
     prompt = _prompt(21, seed=1)
-    tokens, ours = _drive(llm, prompt, 16)
+    tokens, ours = parity_util.drive(llm, prompt, 16)
     with torch.no_grad():
         theirs = mla_util.reference("deepseek_v3", path)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     assert (ours - theirs).abs().max().item() <= 1e-4

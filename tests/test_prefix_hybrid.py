@@ -203,3 +203,68 @@ def test_preempted_requests_resume_from_their_snapshots(hybrid):
     assert [o.token_ids for o in on.generate(prompts, params)] == expected
     assert on.scheduler.num_preemptions > 0 and on.snapshots.num_restored > 0
     assert on.snapshots.num_mismatches == 0 and on.tracker.num_mismatches == 0
+
+
+def test_what_a_cached_turn_and_its_decode_cost_counted(hybrid):
+    """Everything a cached turn does before its first token, counted (no clock): the runner
+    computes exactly the uncached suffix in one pass, the state is never zeroed, and it moves two
+    snapshots' bytes (the restore, the capture at the prompt's last page) and checksums two (the
+    restore's check, the capture's seal). Decoding then copies the state once per page boundary it
+    crosses with no checksum (the rolling snapshot), sealed once when the request publishes it;
+    the next turn resumes from it exactly."""
+    path = hybrid()
+    on, off = _llm(path), _llm(path, enable_prefix_cache=False)
+    pool, store = on.runner.states, on.snapshots
+    slot = pool.bytes_per_slot
+    turn1 = _prompt(45, 1)
+    on.generate([turn1], GREEDY)                          # snapshot of its last page (40)
+    turn2 = turn1 + _prompt(9, 3)                         # 54 tokens: resumes at 40, captures at 48
+    computed, passes = [0], [0]
+    forward = on.runner.forward_batch
+
+    def observe(chunks, *a, **k):
+        computed[0] += sum(ch.num_new for ch in chunks)
+        passes[0] += 1
+        return forward(chunks, *a, **k)
+
+    on.runner.forward_batch = observe
+    counts = lambda: (pool.bytes_zeroed, store.bytes_copied, store.bytes_checksummed)  # noqa: E731
+    z0, c0, s0 = counts()
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    req = on.add_request(turn2, params)
+    while not req.output_token_ids:
+        on.step()
+    z1, c1, s1 = counts()
+    assert req.num_cached_tokens == 40
+    assert (computed[0], passes[0]) == (len(turn2) - 40, 1)
+    assert (z1 - z0, c1 - c0, s1 - s0) == (0, 2 * slot, 2 * slot)
+    while not req.finished:                               # 54 -> 73 computed: crosses 56, 64 and 72
+        on.step()
+        if not req.finished:
+            assert store.bytes_checksummed == s1          # no checksum while it decodes
+    z2, c2, s2 = counts()
+    assert (z2 - z1, c2 - c1, s2 - s1) == (0, 3 * slot, slot)   # three rolling copies, one seal
+    on.runner.forward_batch = forward
+    turn3 = turn2 + req.output_token_ids + _prompt(5, 7)
+    out = _run(on, turn3)
+    _same(out, _run(off, turn3))
+    assert out[0].num_cached_tokens == 72 and store.num_mismatches == 0
+
+
+def test_residency_tiers_run_a_hybrid_with_its_prefix_state(hybrid):
+    """--emulate-gpu on a hybrid: the routed experts go through the residency tiers (telemetry
+    counts them), the Gated DeltaNet layers and their snapshots stay as they are; a two-turn
+    conversation gives the cpu backend's greedy tokens, turn 2 resumed from cached state."""
+    path = hybrid()
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    emu = _llm(path, backend="auto", residency="emulate", residency_profile="rtx4060-laptop-8g")
+    ref = _llm(path, backend="cpu", enable_prefix_cache=False)
+    turn1 = _prompt(45, 11)
+    a, b = emu.generate([turn1], params)[0], ref.generate([turn1], params)[0]
+    assert a.token_ids == b.token_ids
+    turn2 = turn1 + a.token_ids + _prompt(6, 12)
+    a, b = emu.generate([turn2], params)[0], ref.generate([turn2], params)[0]
+    assert a.token_ids == b.token_ids and a.num_cached_tokens == 48
+    res = emu.stats()["residency"]
+    assert res["steps"] > 0 and res["expert_slots"] > 0
+    assert emu.snapshots.num_restored == 1 and emu.snapshots.num_mismatches == 0

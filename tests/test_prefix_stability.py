@@ -8,8 +8,6 @@ Without the placement these fail: loaded tools joined the system block's tool li
 messages were merged into the leading one, which changed the first tokens of the prompt."""
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +17,7 @@ from freetoken_py.server.chat import anthropic_messages, anthropic_tools, openai
 from freetoken_py.server.generation import late_system_mode, render_chat, render_text
 from freetoken_py.server.protocol import ServerLimits
 from freetoken_py.tokenizer import Tokenizer
+import server_util
 
 ROOT = Path(__file__).resolve().parent
 TEMPLATES = ROOT / "data" / "templates"
@@ -29,14 +28,7 @@ NAMES = ["demo"] + sorted(p.name for p in TEMPLATES.glob("*.jinja"))
 
 @pytest.fixture(scope="module")
 def toks(tmp_path_factory):
-    out = {"demo": Tokenizer(DEMO)}
-    for path in sorted(TEMPLATES.glob("*.jinja")):
-        d = tmp_path_factory.mktemp(path.stem)
-        shutil.copy(DEMO / "tokenizer.json", d / "tokenizer.json")
-        (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-        shutil.copy(path, d / "chat_template.jinja")
-        out[path.name] = Tokenizer(d)
-    return out
+    return {"demo": Tokenizer(DEMO), **server_util.family_tokenizers(tmp_path_factory)}
 
 
 def schema(*props):

@@ -6,15 +6,14 @@ and round trips (streamed == non-streamed, the SDK's own parse of every event)."
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import openai
 import pytest
 
-from freetoken_py.cli import DEMO_MODEL
 from freetoken_py.core import SamplingParams
 from server_util import REPO, ServerThread
+import server_util
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather for a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -185,14 +184,7 @@ def test_malformed_bodies(srv):
 def thinking_dir(tmp_path_factory):
     """The demo model with a Qwen3-style template whose generation prompt opens <think> (its
     thinking switch is exercised in tests of part 3)."""
-    out = tmp_path_factory.mktemp("thinking_demo")
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
-        (out / f).symlink_to(DEMO_MODEL / f)
-    cfg = json.loads((DEMO_MODEL / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template")
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    shutil.copy(THINKING_TEMPLATE, out / "chat_template.jinja")
-    return out
+    return server_util.demo_with_template(tmp_path_factory.mktemp("thinking_demo"), THINKING_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

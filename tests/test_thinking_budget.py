@@ -8,18 +8,16 @@ tokens and an answer after it. Without a budget (enabled without one, adaptive) 
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 
 import pytest
 
-from freetoken_py.cli import DEMO_MODEL
 from freetoken_py.core import SamplingParams
 from freetoken_py.server.chat import anthropic_template_kwargs
 from freetoken_py.server.constraints import anthropic_constrained
 from freetoken_py.server.generation import Prepared, render_chat
 from freetoken_py.server.toolcalls import detect_tool_format, parse_output
 from server_util import REPO
+import server_util
 
 TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking-switch.jinja"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -30,13 +28,7 @@ N = 20
 def llm(tmp_path_factory):
     from freetoken_py.llm import LLM
 
-    out = tmp_path_factory.mktemp("thinking_demo")
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
-        (out / f).symlink_to(DEMO_MODEL / f)
-    cfg = json.loads((DEMO_MODEL / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template")
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    shutil.copy(TEMPLATE, out / "chat_template.jinja")
+    out = server_util.demo_with_template(tmp_path_factory.mktemp("thinking_demo"), TEMPLATE)
     return LLM(out, dtype="float32", show_progress=False, enable_prefix_cache=False)
 
 

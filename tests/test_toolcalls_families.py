@@ -23,6 +23,7 @@ from freetoken_py.server.protocol import ServerLimits
 from freetoken_py.server.toolcalls import (OutputParser, ReasoningDelta, TextDelta, ToolCallStart, collect,
                                            detect_reasoning, detect_tool_format, parse_output)
 from freetoken_py.tokenizer import Tokenizer
+import server_util
 
 ROOT = Path(__file__).resolve().parent
 TEMPLATES = ROOT / "data" / "templates"
@@ -66,14 +67,7 @@ FAMILIES = [
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     """name -> the project's Tokenizer over the demo vocabulary with that family's template."""
-    out = {}
-    for path in sorted(TEMPLATES.glob("*.jinja")):
-        d = tmp_path_factory.mktemp(path.stem)
-        shutil.copy(DEMO / "tokenizer.json", d / "tokenizer.json")
-        (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-        shutil.copy(path, d / "chat_template.jinja")
-        out[path.name] = Tokenizer(d)
-    return out
+    return server_util.family_tokenizers(tmp_path_factory)
 
 
 def _call_id(fam: Family, name: str, n: int) -> str:

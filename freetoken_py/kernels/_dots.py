@@ -29,10 +29,11 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from freetoken_py.envs import int_act
+from freetoken_py.envs import bf16_act, int_act
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
-from freetoken_py.kernels._simd import (HAS_AVX2, fp8f_row_dot, fp8f_row_dot4, fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot,
+from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512BF16, bf16_row_dot, bf16_row_dot4, fp8f_row_dot, fp8f_row_dot4,
+                                        fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot,
                                         i8q8_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
                                         q4q8_row_dot4)
 from freetoken_py.kernels import _simd
@@ -56,6 +57,22 @@ def _int_act_mode() -> str:
 
 
 INT_ACT = _int_act_mode()
+
+
+def _bf16_act_mode() -> str:
+    """"bf16" or "fp32": FREETOKEN_BF16_ACT if set (part of the kernel cache stamp), else "bf16"
+    where the compile target has AVX512-BF16."""
+    want = bf16_act() or ("bf16" if HAS_AVX512BF16 else "fp32")
+    if want not in ("bf16", "fp32"):
+        raise ValueError(f"FREETOKEN_BF16_ACT must be 'bf16' or 'fp32', got {want!r}")
+    if want == "bf16" and not HAS_AVX512BF16:
+        warnings.warn("FREETOKEN_BF16_ACT=bf16 needs an x86 CPU with AVX512-BF16; using fp32 activations",
+                      stacklevel=2)
+        return "fp32"
+    return want
+
+
+BF16_ACT = _bf16_act_mode()
 
 
 def widen(v):
@@ -390,6 +407,8 @@ def row_dot(w, s, xv, xg, hb):
 @overload(row_dot, jit_options={"fastmath": True}, inline="always")
 def _row_dot_impl(w, s, xv, xg, hb):
     dtype = w.dtype
+    if dtype == types.uint16 and xv.dtype == types.uint16:     # bf16 x bf16 (prep_bf16_rows)
+        return lambda w, s, xv, xg, hb: bf16_row_dot(w, xv)
     if dtype in (types.uint16, types.float32):
         return lambda w, s, xv, xg, hb: dot(w, xv)
     if dtype == types.uint8 and s.dtype == types.float32:     # fp8: e4m3 bytes, float32 block scales
@@ -417,6 +436,8 @@ def row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
 @overload(row_dot4, jit_options={"fastmath": True}, inline="always")
 def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     dtype = w.dtype
+    if dtype == types.uint16 and x0.dtype == types.uint16:
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: bf16_row_dot4(w, x0, x1, x2, x3)
     if dtype in (types.uint16, types.float32):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
     if dtype == types.uint8 and s.dtype == types.float32:
@@ -552,6 +573,29 @@ def prep_q8_rows(x, gs):
     return xq, xg
 
 
+@njit(fastmath=False, cache=True, inline="always")
+def bf16_bits(v):
+    """float32 -> bf16 bits (uint16), round-to-nearest-even; an fp32 subnormal becomes a signed
+    zero (vdpbf16ps reads subnormal inputs as zero; the flush keeps the scalar tail and the torch
+    reference in step with it). Finite inputs (the activations of a forward pass)."""
+    u = np.float32(v).view(np.uint32)
+    if u & np.uint32(0x7F800000) == np.uint32(0):
+        return np.uint16(np.uint32(u >> np.uint32(16)) & np.uint32(0x8000))
+    r = np.uint32(u + np.uint32(0x7FFF) + np.uint32(np.uint32(u >> np.uint32(16)) & np.uint32(1)))
+    return np.uint16(r >> np.uint32(16))
+
+
+@njit(fastmath=False, cache=True)
+def prep_bf16_rows(x):
+    """x [R, K] float32 -> uint16 [R, K] bf16 bits (bf16_bits per element): the activations of a
+    bf16 x bf16 dot (_simd.bf16_row_dot)."""
+    out = np.empty(x.shape, np.uint16)
+    for r in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[r, j] = bf16_bits(x[r, j])
+    return out
+
+
 def prepare(w, s, x, gs):
     """(xv, xg): activation rows x [R, K] as row_dot wants them for weights like (w, s) (jitted only)."""
     raise NotImplementedError("prepare is only callable from numba-compiled code")
@@ -569,4 +613,6 @@ def _prepare_impl(w, s, x, gs):
         return lambda w, s, x, gs: prep_q8n_rows(x)
     if w.dtype == types.uint8:
         return lambda w, s, x, gs: prep_q4_rows(x, gs)
+    if w.dtype == types.uint16 and BF16_ACT == "bf16":
+        return lambda w, s, x, gs: (prep_bf16_rows(x), np.zeros((x.shape[0], 1), np.float32))
     return lambda w, s, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))

@@ -1001,3 +1001,112 @@ def _nvq8_intrinsics(wide):
 # xq i8 [K] and xg i32 [2 ceil(K/8)] from _dots.prep_nv8_row, K % 64 == 0 (_dots.nvfp4q8_dot checks).
 nvfp4q8_row_dot, nvfp4q8_row_dot4 = _nvq8_intrinsics(False)          # AVX2
 nvfp4q8v_row_dot, nvfp4q8v_row_dot4 = _nvq8_intrinsics(True)         # AVX-512 VNNI
+
+
+# --- bf16 weights x bf16 activations (AVX512-BF16: vdpbf16ps) --------------------------------------
+#
+# llama.cpp's bf16 dot on CPUs with AVX512-BF16: the activation row is rounded to bf16 once
+# (_dots.prep_bf16_row: round-to-nearest-even, fp32 subnormals flushed to signed zero, as the
+# instruction would read them), then each 32 weights are one 64-byte load and one vdpbf16ps per
+# activation row: 16 fp32 lanes += w[2i] * x[2i] + w[2i + 1] * x[2i + 1] (bf16 x bf16 products are
+# exact in fp32; the instruction rounds to nearest-even, reads subnormal inputs as zero and
+# flushes subnormal results, MXCSR aside). Against the widen-to-fp32 dot (`_dots.dot`: zero-extend,
+# shift, FMA per 16 weights) it is one instruction per 32 weights instead of ~4 per 16. A K % 32
+# tail takes a scalar widened loop (subnormals there are not flushed: |w x| < 1e-38 either way).
+# One activation row: 4 accumulators (one dependency chain per 32 weights would be latency-bound);
+# four rows: one accumulator each. llvmlite has no bfloat type: `_BFloat` prints LLVM's `bfloat`.
+# Used only when the compile target has AVX512-BF16 (`HAS_AVX512BF16`); elsewhere, or with
+# FREETOKEN_BF16_ACT=fp32, the exact fp32-activation dot runs.
+
+HAS_AVX512BF16 = _target_has("avx512bf16")
+
+
+class _BFloat(ir.types._BaseFloatType):
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+
+_BFloat._create_instance()
+_BF16_UNROLL = 4      # 32-weight blocks per iteration with one activation row
+
+
+def _check_bf16(*arrays):
+    if not HAS_AVX512BF16:
+        raise TypeError("bf16_row_dot needs AVX512-BF16 (vdpbf16ps); _dots uses the fp32-activation dot elsewhere")
+    for a in arrays:
+        if not (isinstance(a, types.Array) and a.dtype == types.uint16 and a.ndim == 1 and a.layout == "C"):
+            raise TypeError(f"bf16 rows are contiguous 1-D uint16 arrays of bf16 bits, got {a}")
+
+
+def _bf16_widen(builder, bits):
+    """One bf16 (i16 bits) -> float: the bits 16 places up."""
+    return builder.bitcast(builder.shl(builder.zext(bits, _I32), ir.Constant(_I32, 16)), _F32)
+
+
+def _bf16_codegen(num_x):
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        wp = arrays[0].data
+        xps = [a.data for a in arrays[1:]]
+        k = cgutils.unpack_tuple(builder, arrays[0].shape)[0]
+        v32s, v16f = ir.VectorType(_I16, 32), ir.VectorType(_F32, 16)
+        v32bf = ir.VectorType(_BFloat(), 32)
+        dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
+                                            "llvm.x86.avx512bf16.dpbf16ps.512")
+        unroll = _BF16_UNROLL if num_x == 1 else 1
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(num_x)]
+                for _ in range(unroll)]
+
+        def block(blk, acc_set):
+            off = builder.shl(blk, ir.Constant(_I64, 5))
+            w = builder.bitcast(_vload(builder, wp, off, v32s, 2), v32bf)
+            for acc, xp in zip(acc_set, xps):
+                x = builder.bitcast(_vload(builder, xp, off, v32s, 2), v32bf)
+                builder.store(builder.call(dp, [builder.load(acc), x, w]), acc)
+
+        nblk = builder.lshr(k, ir.Constant(_I64, 5))
+        nmain = builder.udiv(nblk, ir.Constant(_I64, unroll))
+        with cgutils.for_range(builder, nmain) as loop:
+            first = builder.mul(loop.index, ir.Constant(_I64, unroll))
+            for u in range(unroll):
+                block(builder.add(first, ir.Constant(_I64, u)), accs[u])
+        done = builder.mul(nmain, ir.Constant(_I64, unroll))
+        with cgutils.for_range(builder, builder.sub(nblk, done)) as loop:
+            block(builder.add(done, loop.index), accs[0])
+        tails = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(num_x)]
+        start = builder.shl(nblk, ir.Constant(_I64, 5))
+        with cgutils.for_range(builder, builder.sub(k, start)) as loop:
+            j = builder.add(start, loop.index)
+            wj = _bf16_widen(builder, builder.load(builder.gep(wp, [j])))
+            for tail, xp in zip(tails, xps):
+                xj = _bf16_widen(builder, builder.load(builder.gep(xp, [j])))
+                builder.store(builder.fadd(builder.load(tail), builder.fmul(wj, xj, flags=_FAST), flags=_FAST), tail)
+        res = []
+        for j in range(num_x):
+            acc = builder.load(accs[0][j])
+            for u in range(1, unroll):
+                acc = builder.fadd(acc, builder.load(accs[u][j]), flags=_FAST)
+            res.append(builder.fadd(_hsum(builder, acc), builder.load(tails[j]), flags=_FAST))
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+@intrinsic
+def bf16_row_dot(typingctx, w, x):
+    """sum_i bf16(w[i]) * bf16(x[i]) in fp32 (vdpbf16ps): w, x uint16 [K] bf16 bits, any K (the
+    activation already rounded and flushed by _dots.prep_bf16_row)."""
+    _check_bf16(w, x)
+    return types.float32(w, x), _bf16_codegen(1)
+
+
+@intrinsic
+def bf16_row_dot4(typingctx, w, x0, x1, x2, x3):
+    """bf16_row_dot of one row with four activation rows (the row loaded once) -> UniTuple(float32, 4)."""
+    _check_bf16(w, x0, x1, x2, x3)
+    return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3), _bf16_codegen(4)

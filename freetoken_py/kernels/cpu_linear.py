@@ -5,9 +5,11 @@
 
 A numba kernel, parallel over blocks of output rows: each weight row is read once per call and
 multiplied with 4 tokens per pass (row_dot4), so T = 1 streams at memory speed and larger T is
-compute-bound at 45-65 GFLOP/s per core. Only fp32 weights at T >= 256 go to torch (a zero-copy
-view, MKL GEMM), where it measured 10-25% faster; bf16 would first need an fp32 copy of the
-weight, which costs more than it gains (measurements in docs/kernels.md).
+compute-bound at 45-65 GFLOP/s per core. fp32 weights at T >= 256 go to torch (a zero-copy
+view, MKL GEMM), where it measured 10-25% faster; bf16 weights with bf16 activations
+(_dots.BF16_ACT, AVX512-BF16 CPUs) at T >= 32 go to torch's bf16 GEMM (a zero-copy bf16 view,
+oneDNN's vdpbf16ps kernels; ~2x our row-dot kernel at prefill sizes), whose outputs are rounded
+to bf16 (measurements in docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -18,10 +20,21 @@ import torch
 from numba import njit, prange
 
 from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows, host_array
-from freetoken_py.kernels._dots import FORMATS, prepare, row_dot, row_dot4
+from freetoken_py.kernels._dots import BF16_ACT, FORMATS, prepare, row_dot, row_dot4
 
 ROWS_PER_TASK = 32         # output rows per prange task
 TORCH_MIN_TOKENS = 256     # from this many tokens, fp32 weights use torch's GEMM (docs/kernels.md)
+TORCH_BF16_MIN_TOKENS = 32  # from this many, bf16 weights use torch's bf16 GEMM when activations are bf16
+
+
+def torch_bf16(w: np.ndarray) -> torch.Tensor:
+    """uint16 bf16 bits (any shape) -> the same memory as a torch bfloat16 tensor (no copy)."""
+    return torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
+
+
+def use_torch_bf16(fmt: str, num_tokens: int) -> bool:
+    """True where a bf16 weight's product with num_tokens rows goes to torch's bf16 GEMM."""
+    return fmt == "bf16" and BF16_ACT == "bf16" and num_tokens >= TORCH_BF16_MIN_TOKENS
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,6 +117,17 @@ def dense_rows(w, s, x, gs, out):
         _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
 
 
+@njit(parallel=True, fastmath=True, cache=True)
+def dense_rows_prepared(w, s, xv, xg, gs, out):
+    """dense_rows for activations already prepared (xv, xg from _dots.prepare, or any form
+    row_dot takes for these weights: bf16 weights with fp32 x, or with prep_bf16_rows(x))."""
+    n = w.shape[0]
+    num_tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(num_tasks):
+        n0 = task * ROWS_PER_TASK
+        _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
+
+
 def dense_linear(dw: DenseWeight, x):
     """x [T, K] float32 (torch or numpy) -> [T, N] float32 of the same kind."""
     xs = host_array(x, np.float32)
@@ -111,6 +135,8 @@ def dense_linear(dw: DenseWeight, x):
         raise ValueError(f"x must be [T, {dw.in_features}], got shape {xs.shape}")
     if xs.shape[0] >= TORCH_MIN_TOKENS and dw.fmt == "fp32":
         out = (torch.from_numpy(xs) @ torch.from_numpy(dw.w).T).numpy()
+    elif use_torch_bf16(dw.fmt, xs.shape[0]):
+        out = (torch.from_numpy(xs).bfloat16() @ torch_bf16(dw.w).T).float().numpy()
     else:
         out = np.empty((xs.shape[0], dw.out_features), np.float32)
         if xs.shape[0]:

@@ -17,6 +17,7 @@ import torch
 from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows, host_array
 from freetoken_py.kernels._dots import ACTIVATIONS, FORMATS
 from freetoken_py.kernels._moe_kernels import moe_rows
+from freetoken_py.kernels.cpu_linear import torch_bf16, use_torch_bf16
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,7 +154,7 @@ def moe_experts(bank: ExpertBank, x, topk_ids, topk_weights, activation: str = "
                          f"topk_weights {wts.shape}")
     out = np.zeros(xs.shape, np.float32)
     if ids.size:
-        moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, xs, ids, wts, kind, bank.group_size, out)
+        add_moe_experts(bank, xs, ids, wts, out, kind)
     return torch.from_numpy(out) if isinstance(x, torch.Tensor) else out
 
 
@@ -161,5 +162,36 @@ def add_moe_experts(bank: ExpertBank, x: np.ndarray, topk_ids: np.ndarray, topk_
                     out: np.ndarray, activation: int = ACTIVATIONS["silu"]) -> None:
     """out [T, D] += the routed experts of x (numpy float32 / int64 / float32, C-contiguous; no
     checks beyond the kernel's own id range check): the fused decode path adds the experts
-    straight into the residual stream. `activation` is an `ACTIVATIONS` code."""
+    straight into the residual stream. `activation` is an `ACTIVATIONS` code. bf16 banks with bf16
+    activations (AVX512-BF16) and SwiGLU take torch's bf16 GEMMs per expert from
+    cpu_linear.TORCH_BF16_MIN_TOKENS rows (prefill)."""
+    if activation == ACTIVATIONS["silu"] and use_torch_bf16(bank.fmt, x.shape[0]):
+        _add_experts_torch_bf16(bank, x, topk_ids, topk_weights, out)
+        return
     moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, x, topk_ids, topk_weights, activation, bank.group_size, out)
+
+
+def _add_experts_torch_bf16(bank: ExpertBank, x: np.ndarray, ids: np.ndarray, wts: np.ndarray, out: np.ndarray) -> None:
+    """out += the routed SwiGLU experts through torch's bf16 GEMMs: per expert hit, its tokens'
+    rows gathered, [n, D] x w13^T -> gate / up (rounded to bf16 by the GEMM), silu(g) * u rounded
+    to bf16, x w2^T, times the routing weight, added into out (the kernels' own numerics but for
+    the GEMMs' bf16 outputs)."""
+    num_e = bank.num_experts
+    flat = ids.reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= num_e):
+        raise ValueError("expert id out of range")
+    k = ids.shape[1]
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(num_e + 1))
+    w13, w2 = torch_bf16(bank.w13), torch_bf16(bank.w2)
+    xb = torch.from_numpy(x).bfloat16()
+    o = torch.from_numpy(out)
+    fw = torch.from_numpy(wts.reshape(-1))
+    for e in range(num_e):
+        if bounds[e] == bounds[e + 1]:
+            continue
+        pairs = torch.from_numpy(order[bounds[e]:bounds[e + 1]])
+        tok = pairs // k
+        g, u = (xb[tok] @ w13[e].T).float().chunk(2, dim=-1)
+        hid = (torch.nn.functional.silu(g) * u).bfloat16()
+        o.index_add_(0, tok, (hid @ w2[e].T).float() * fw[pairs][:, None])

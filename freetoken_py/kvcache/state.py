@@ -40,6 +40,8 @@ class StatePool:
                 self.rec.append(None)
         self._free = list(range(num_slots))
         self._held = [False] * num_slots
+        self.bytes_zeroed = 0  # state bytes written by `reset` (zeroing a slot), counted
+        self.bytes_copied = 0  # state bytes written by `copy` (snapshots taken and restored), counted
 
     @property
     def layers(self) -> list[int]:
@@ -54,13 +56,15 @@ class StatePool:
         """Bytes of one request's state across every recurrent layer (measured from the tensors)."""
         return sum(t[0].numel() * t.element_size() for t in self.conv + self.rec if t is not None)
 
-    def allocate(self) -> int:
-        """A free slot, zeroed."""
+    def allocate(self, zeroed: bool = True) -> int:
+        """A free slot, zeroed (zeroed=False: its old bytes, for a caller that overwrites them
+        all before any read: a snapshot copy, a restore)."""
         if not self._free:
             raise OutOfStateSlotsError(f"all {self.num_slots} state slots are held")
         slot = heapq.heappop(self._free)
         self._held[slot] = True
-        self.reset(slot)
+        if zeroed:
+            self.reset(slot)
         return slot
 
     def free(self, slot: int) -> None:
@@ -72,9 +76,11 @@ class StatePool:
         for t in self.conv + self.rec:
             if t is not None:
                 t[slot].zero_()
+        self.bytes_zeroed += self.bytes_per_slot
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `dst` becomes a copy of slot `src` in every recurrent layer."""
         for t in self.conv + self.rec:
             if t is not None:
                 t[dst].copy_(t[src])
+        self.bytes_copied += self.bytes_per_slot

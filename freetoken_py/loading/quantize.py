@@ -133,6 +133,16 @@ def _save(tensors: dict, path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _ct_config(fmt: str, ignore: list, **weights) -> dict:
+    """A compressed-tensors `quantization_config`: one group of static, symmetric 4-bit weights
+    on every Linear (`weights` adds type, strategy, group_size), no activation quantisation."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                          "weights": {"num_bits": 4, "symmetric": True, "dynamic": False,
+                                                      "observer": "minmax", **weights}}},
+            "ignore": ignore}
+
+
 def _write_config(src: Path, dst: Path, to: str, ignore: list) -> None:
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
@@ -142,19 +152,9 @@ def _write_config(src: Path, dst: Path, to: str, ignore: list) -> None:
         q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK),
              "modules_to_not_convert": ignore}
     elif to == "nvfp4":
-        q = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
-             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                           "weights": {"num_bits": 4, "type": "float", "symmetric": True,
-                                                       "strategy": "tensor_group", "group_size": NVFP4_GROUP,
-                                                       "dynamic": False, "observer": "minmax"}}},
-             "ignore": ignore}
+        q = _ct_config("nvfp4-pack-quantized", ignore, type="float", strategy="tensor_group", group_size=NVFP4_GROUP)
     else:
-        q = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                           "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                       "strategy": "group", "group_size": INT4_GROUP,
-                                                       "dynamic": False, "observer": "minmax"}}},
-             "ignore": ignore}
+        q = _ct_config("pack-quantized", ignore, type="int", strategy="group", group_size=INT4_GROUP)
     cfg["quantization_config"] = q
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
 

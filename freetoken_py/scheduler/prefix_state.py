@@ -19,7 +19,8 @@ This object decides where those are and keeps them in the radix cache:
 - **After a forward** (`after_forward`): a request whose computed length lands on such a point
   has its slot copied into a snapshot, its pages up to there inserted and the snapshot attached
   to the node of the last one. Past that point (decode), the request keeps one *rolling*
-  snapshot, overwritten at each page boundary it crosses.
+  snapshot, overwritten at each page boundary it crosses (a copy, no checksum: it is sealed once,
+  when it is published at release).
 - **Release** (`release`): a request that finishes, aborts or is preempted (publishing) inserts its
   pages up to the rolling snapshot and attaches it; pages past the last snapshot are not cached
   (a hybrid can never resume there). Unpublished, the rolling snapshot is just freed.
@@ -47,7 +48,8 @@ class PrefixStateReuse:
         self._planned: dict[int, list[SnapshotRef]] = {}  # request id -> captures of the pass in flight
 
     def match(self, req: Request, ns: Hashable, tokens: list[int]) -> MatchResult:
-        """Restore the deepest usable snapshot of `tokens` into the request's slot."""
+        """Restore the deepest usable snapshot of `tokens` into the request's slot (m.snapshot is
+        then the restored one; None: nothing restored, the slot is left as it was)."""
         self._end[req.request_id] = req.num_tokens // self.page_size * self.page_size
         while True:
             m = self.cache.match(ns, tokens, with_state=True)
@@ -99,7 +101,7 @@ class PrefixStateReuse:
         pos, S = req.num_computed, self.page_size
         for ref in self._planned.pop(req.request_id, ()):   # captured inside the chunk just computed
             tokens = req.all_token_ids[:ref.position]
-            ref = self.store.seal(ref)
+            ref = self.store.seal(ref, captured=True)
             self.cache.insert(ns, tokens, req.page_table)
             if not self.cache.attach(ns, tokens, ref):
                 self.store.release(ref)
@@ -121,11 +123,11 @@ class PrefixStateReuse:
             if not self.cache.attach(ns, tokens, ref):
                 self.store.release(ref)
             return
-        ref = self._rolling.get(req.request_id)
+        ref = self._rolling.get(req.request_id)   # a copy per page crossed; sealed only when published
         if ref is not None and self.store.valid(ref, ns):
             self._rolling[req.request_id] = self.store.retake(ref, req.state_slot, pos)
         elif self._room():
-            ref = self.store.take(req.state_slot, ns, pos)
+            ref = self.store.take(req.state_slot, ns, pos, seal=False)
             if ref is not None:
                 self._rolling[req.request_id] = ref
 
@@ -141,6 +143,6 @@ class PrefixStateReuse:
         if ns is not None and ref.owner == ns and ref.position <= req.num_computed and self.store.valid(ref, ns):
             if self.cache.snapshot_at(ns, tokens) is None:
                 self.cache.insert(ns, tokens, req.page_table)
-                if self.cache.attach(ns, tokens, ref):
+                if self.cache.attach(ns, tokens, self.store.seal(ref)):   # its one checksum
                     return
         self.store.release(ref)

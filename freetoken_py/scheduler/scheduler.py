@@ -84,13 +84,14 @@ class Scheduler:
         self.tracker.record(req.request_id, pages)
         return True
 
-    def _match_prefix(self, req: Request) -> None:
-        """Start a request with no pages from the longest cached prefix of its tokens."""
+    def _match_prefix(self, req: Request) -> bool:
+        """Start a request with no pages from the longest cached prefix of its tokens. True when
+        a recurrent-state snapshot was restored into its slot (hybrids)."""
         ns = self.namespace(req) if self.prefix_cache is not None else None
         if ns is None or req.page_table:
-            return
+            return False
         if self.state_pool is not None and getattr(self, "states", None) is None:
-            return  # a hybrid without state snapshots: a page hit without its recurrent state would be wrong
+            return False  # a hybrid without state snapshots: a page hit without its recurrent state would be wrong
         limit = (req.num_tokens - 1) // self.page_size * self.page_size  # keep >= 1 token to compute
         if self.states is not None:  # hybrid: only where the recurrent state is known too
             m = self.states.match(req, ns, req.all_token_ids[:limit])
@@ -103,6 +104,7 @@ class Scheduler:
         req.num_computed = m.num_tokens
         if not req.output_token_ids:
             req.num_cached_tokens = m.num_tokens
+        return m.snapshot is not None
 
     def _release(self, req: Request, publish: bool) -> None:
         """Give back the request's pages (publishing its computed full pages to the cache first)."""
@@ -198,11 +200,15 @@ class Scheduler:
             return self._plan(chunks)  # pages are short: readmitting the victim now would only preempt it again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            fresh = False
             if self.state_pool is not None and req.state_slot is None:
                 if self.state_pool.num_free == 0:
                     break
-                req.state_slot = self.state_pool.allocate()  # zeroed; a matched snapshot is restored into it
-            self._match_prefix(req)
+                # with snapshots, zeroed only when none is restored into it (a restore writes every byte)
+                req.state_slot = self.state_pool.allocate(zeroed=self.states is None)
+                fresh = self.states is not None
+            if not self._match_prefix(req) and fresh:
+                self.state_pool.reset(req.state_slot)  # computes from token 0
             n = min(req.num_tokens - req.num_computed, budget)
             if self.states is not None:
                 n = self.states.cut(req, n)

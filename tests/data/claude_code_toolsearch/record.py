@@ -42,20 +42,9 @@ MCP_TOOLS = [
                                                        "to": {"type": "string"}},
                      "required": ["amount", "from", "to"]}},
 ]
-MCP_SERVER = '''
-import json, sys
-TOOLS = %s
-for line in sys.stdin:
-    msg = json.loads(line)
-    if "id" not in msg:
-        continue
-    result = {"initialize": {"protocolVersion": msg.get("params", {}).get("protocolVersion", "2025-06-18"),
-                             "capabilities": {"tools": {}}, "serverInfo": {"name": "w", "version": "1"}},
-              "tools/list": {"tools": TOOLS},
-              "tools/call": {"content": [{"type": "text", "text": "Sunny, 21 C"}]}}.get(msg["method"])
-    reply = {"result": result} if result is not None else {"error": {"code": -32601, "message": "unknown"}}
-    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], **reply}), flush=True)
-''' % json.dumps(MCP_TOOLS)
+import server_util  # noqa: E402  (tests/ is on sys.path from here)
+
+MCP_SERVER = server_util.mcp_server_script(MCP_TOOLS)
 PROMPT = "What is the weather in Paris? Use the weather tool."
 
 
