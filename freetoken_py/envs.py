@@ -17,13 +17,16 @@ ENV_VARS: dict[str, str] = {
     "process does not stall every parallel region; docs/kernels.md).",
     "FREETOKEN_MALLOC_TUNING": "0 leaves glibc malloc's defaults alone (default 1: keep freed "
     "activation buffers in the heap instead of returning them to the OS; see docs/performance.md).",
-    "FREETOKEN_INT_ACT": "int8 | fp32: what int4 and int8 expert/dense weights multiply on CPU (default "
+    "FREETOKEN_INT_ACT": "int8 | fp32: what int4, int8 and nvfp4 expert/dense weights multiply on CPU (default "
     "int8 on x86 with AVX2, else fp32; read once, when the kernels are first imported; docs/kernels.md).",
     "FREETOKEN_BF16_ACT": "bf16 | fp32: what bf16 expert/dense weights multiply on CPU (default bf16 on x86 with "
     "AVX512-BF16: activations rounded to bf16, vdpbf16ps dots; else fp32: exact fp32 activations; read "
     "once, when the kernels are first imported; docs/kernels.md).",
     "FREETOKEN_INT4_ACT": "Old name of FREETOKEN_INT_ACT (same meaning, now for int8 weights too); "
     "read only when FREETOKEN_INT_ACT is unset.",
+    "FREETOKEN_SIMD": "avx2 forces the AVX2 forms of the int4 / int8 / nvfp4 CPU dots on a CPU that has AVX-512 VNNI "
+    "(default: AVX-512 where the compile target has avx512f/bw/vl/vnni; read once, when the kernels are first "
+    "imported; docs/kernels.md).",
 }
 
 
@@ -31,6 +34,11 @@ def int_act() -> str:
     """FREETOKEN_INT_ACT (else its old name FREETOKEN_INT4_ACT) lower-cased, "" when neither is set."""
     value = os.environ.get("FREETOKEN_INT_ACT", "").strip() or os.environ.get("FREETOKEN_INT4_ACT", "")
     return value.strip().lower()
+
+
+def simd() -> str:
+    """FREETOKEN_SIMD lower-cased ("" when unset): "avx2" caps the CPU dots at AVX2."""
+    return os.environ.get("FREETOKEN_SIMD", "").strip().lower()
 
 
 def bf16_act() -> str:

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freetoken_py.kernels import DenseWeight, ExpertBank, dense_linear, moe_experts
-from freetoken_py.kernels._dots import INT_ACT, prep_q8_rows, prep_q8n_rows
+from freetoken_py.kernels._dots import INT_ACT, prep_q8_rows, prep_q8_rows_as, prep_q8n_rows, quad_layout
 from freetoken_py.kernels._simd import HAS_AVX2
 from freetoken_py.quant import dequantize_act_q8, quantize_act_q8, roundtrip_act_q8
 
@@ -32,15 +32,22 @@ def rel_err(out, ref):
     return float((torch.as_tensor(out).double() - ref).norm() / ref.norm())
 
 
-def kernel_layout(q: torch.Tensor) -> np.ndarray:
+def kernel_layout(q: torch.Tensor, quad: bool = False) -> np.ndarray:
     """Reference q [R, K] -> the kernel's layout: per pair of 32-blocks [even of the first x16 |
     even of the second x16 | odd of the first x16 | odd of the second x16]; a last unpaired
-    block [even x16 | odd x16]."""
+    block [even x16 | odd x16]. quad (the AVX-512 dot's layout): the first 4 * (K // 128) blocks
+    per four as [even of each x16 | odd of each x16], the rest as above."""
     r, k = q.shape
     nb = k // 32
+    out = []
+    if quad and nb >= 4:
+        n4 = 128 * (nb // 4)
+        quads = q[:, :n4].reshape(r, nb // 4, 4, 16, 2)              # [R, quad, block, 16, (even, odd)]
+        out.append(quads.permute(0, 1, 4, 2, 3).reshape(r, n4))
+        q, nb = q[:, n4:], nb % 4
     paired = 64 * (nb // 2)
     pairs = q[:, :paired].reshape(r, nb // 2, 2, 16, 2)            # [R, pair, block, 16, (even, odd)]
-    out = [pairs.permute(0, 1, 4, 2, 3).reshape(r, paired)]        # [R, pair, (even, odd), block, 16]
+    out.append(pairs.permute(0, 1, 4, 2, 3).reshape(r, paired))    # [R, pair, (even, odd), block, 16]
     if nb % 2:
         out.append(q[:, paired:].reshape(r, 16, 2).transpose(-1, -2).reshape(r, 32))
     return torch.cat(out, dim=1).numpy()
@@ -65,7 +72,7 @@ def test_kernel_quantiser_is_the_reference_byte_for_byte(gs):
     q, s = quantize_act_q8(x)
     nb = 256 // 32
     assert xq.dtype == np.int8 and xg.shape == (5, nb + 256 // gs)
-    assert np.array_equal(xq, kernel_layout(q)), "int8 values or their even/odd layout differ"
+    assert np.array_equal(xq, kernel_layout(q, quad_layout(gs))), "int8 values or their even/odd layout differ"
     assert np.array_equal(xg[:, :nb], s.numpy())
     corr = 8 * (s.double() * q.double().reshape(5, nb, 32).sum(-1)).reshape(5, 256 // gs, -1).sum(-1)
     assert np.allclose(xg[:, nb:], corr.numpy(), rtol=1e-6, atol=0)
@@ -81,8 +88,9 @@ def test_round_trip_within_half_a_step(rows, blocks, log_scale, seed):
     err = (dequantize_act_q8(q, s) - x).abs().reshape(rows, blocks, 32)
     amax = x.abs().reshape(rows, blocks, 32).amax(-1, keepdim=True)
     assert bool((err <= s.unsqueeze(-1) / 2 + 2.0 ** -20 * amax + 1e-37).all())
-    xq, xg = prep_q8_rows(x.numpy(), 32)
-    assert np.array_equal(xq, kernel_layout(q)) and np.array_equal(xg[:, :blocks], s.numpy())
+    for quad in (False, True):
+        xq, xg = prep_q8_rows_as(x.numpy(), 32, quad)
+        assert np.array_equal(xq, kernel_layout(q, quad)) and np.array_equal(xg[:, :blocks], s.numpy())
 
 
 @pytest.mark.parametrize("gs", [96, 160, 48])
@@ -157,7 +165,7 @@ def test_dot_compiles_to_integer_multiply_adds():
         return row_dot(w, s, xq, xg, hb)
 
     w = np.full(16, 0x98, np.uint8)                                # nibbles 8 and 9: q_w = 0 and 1
-    xq, xg = prep_q8_rows(np.arange(32, dtype=np.float32).reshape(1, 32), 32)
+    xq, xg = prep_q8_rows(np.arange(32, dtype=np.float32).reshape(1, 32), 32)   # one block: the AVX2 form either way
     one = np.ones(1, np.float16).view(np.uint16)                   # scales: fp16 bits
     assert dot(w, one, xq[0], xg[0], 16) == pytest.approx(np.arange(1, 32, 2).sum(), rel=1e-2)
     asm = dot.inspect_asm(dot.signatures[0])

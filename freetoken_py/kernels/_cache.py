@@ -27,13 +27,13 @@ def _hash_sources(stats: tuple, variant: str = "") -> bytes:
 
 def package_stamp() -> bytes:
     """sha256 over every .py file of freetoken_py/kernels (memoised on names, mtimes, sizes) and
-    FREETOKEN_INT_ACT / FREETOKEN_BF16_ACT (envs.int_act, envs.bf16_act), which change the int4/int8
-    and bf16 kernels' code without changing any source."""
+    FREETOKEN_INT_ACT / FREETOKEN_BF16_ACT / FREETOKEN_SIMD (envs.int_act, envs.bf16_act, envs.simd), which
+    change the int4/int8 and bf16 kernels' code without changing any source."""
     names = sorted(n for n in os.listdir(_PACKAGE_DIR) if n.endswith(".py"))
     stats = tuple((n, *(lambda st: (st.st_mtime_ns, st.st_size))(os.stat(os.path.join(_PACKAGE_DIR, n))))
                   for n in names)
-    from freetoken_py.envs import bf16_act, int_act
-    return _hash_sources(stats, int_act() + "/" + bf16_act())
+    from freetoken_py.envs import bf16_act, int_act, simd
+    return _hash_sources(stats, int_act() + "/" + bf16_act() + "|" + simd())
 
 
 def _install() -> None:

@@ -32,10 +32,10 @@ from numba.extending import overload
 from freetoken_py.envs import bf16_act, int_act
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
-from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512BF16, bf16_row_dot, bf16_row_dot4, fp8f_row_dot, fp8f_row_dot4,
-                                        fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot,
-                                        i8q8_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
-                                        q4q8_row_dot4)
+from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, bf16_row_dot, bf16_row_dot4, fp8f_row_dot,
+                                        fp8f_row_dot4, fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot, i8q8_row_dot4, i8q8v_row_dot,
+                                        i8q8v_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
+                                        q4q8_row_dot4, q4q8v_row_dot, q4q8v_row_dot4)
 from freetoken_py.kernels import _simd
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "fp8", "nvfp4")
@@ -279,7 +279,7 @@ else:
 # the AVX-512 VNNI form where the target has it and FREETOKEN_SIMD does not force AVX2, else AVX2;
 # group 16 and K % 64 == 0, else the plain loop below on the same prepared activations (so the
 # numerics never depend on the shape: tiny models' 48-wide experts take it).
-NV_WIDE = _simd.NV_TARGET_AVX512 and __import__("os").environ.get("FREETOKEN_SIMD", "").strip().lower() != "avx2"
+NV_WIDE = HAS_AVX512
 _E2M1_X2_INT = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int32)
 
 
@@ -395,6 +395,23 @@ def dot4(w, x0, x1, x2, x3):
     return a0, a1, a2, a3
 
 
+# int4 / int8 x int8 activations: the AVX-512 VNNI forms (_simd, "AVX-512 VNNI") where the compile target
+# has them and FREETOKEN_SIMD does not force AVX2 (HAS_AVX512, fixed at import like INT_ACT), else AVX2.
+# int4's AVX-512 form needs the quad activation layout, which prep_q8_rows writes exactly when
+# quad_layout(gs) holds, and the dot itself takes its VNNI loops for exactly those group sizes
+# (q4q8v_row_dot branches on hb), so the layout and the dot always agree.
+@njit(cache=True)
+def quad_layout(gs):
+    """True when int4 rows of group size gs use the AVX-512 dot (and its quad activation layout)."""
+    return HAS_AVX512 and (gs <= 64 or gs % 128 == 0)
+
+
+if HAS_AVX512:
+    q4q8_dot, q4q8_dot4, i8q8_dot, i8q8_dot4 = q4q8v_row_dot, q4q8v_row_dot4, i8q8v_row_dot, i8q8v_row_dot4
+else:
+    q4q8_dot, q4q8_dot4, i8q8_dot, i8q8_dot4 = q4q8_row_dot, q4q8_row_dot4, i8q8_row_dot, i8q8_row_dot4
+
+
 def row_dot(w, s, xv, xg, hb):
     """Dot of one weight row with a prepared activation row (jitted code only).
 
@@ -418,11 +435,11 @@ def _row_dot_impl(w, s, xv, xg, hb):
     if dtype == types.uint8 and s.dtype == types.uint8:       # nvfp4: e2m1 nibbles, e4m3 bytes + row factor
         return lambda w, s, xv, xg, hb: nvfp4_dot(w, s, xv, 2 * hb)
     if dtype == types.int8 and xv.dtype == types.int8:
-        return lambda w, s, xv, xg, hb: s[0] * i8q8_row_dot(w, xv, xg)
+        return lambda w, s, xv, xg, hb: s[0] * i8q8_dot(w, xv, xg)
     if dtype == types.int8:
         return lambda w, s, xv, xg, hb: s[0] * dot(w, xv)
     if dtype == types.uint8 and xv.dtype == types.int8:
-        return lambda w, s, xv, xg, hb: q4q8_row_dot(w, s, xv, xg, hb)
+        return lambda w, s, xv, xg, hb: q4q8_dot(w, s, xv, xg, hb)
     if dtype == types.uint8:
         return lambda w, s, xv, xg, hb: q4_row_dot(w, s, xv, xg, hb)
     return None
@@ -448,7 +465,7 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.int8 and x0.dtype == types.int8:
         def impl_q8(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
-            a0, a1, a2, a3 = i8q8_row_dot4(w, x0, x1, x2, x3, g0, g1, g2, g3)
+            a0, a1, a2, a3 = i8q8_dot4(w, x0, x1, x2, x3, g0, g1, g2, g3)
             return s[0] * a0, s[0] * a1, s[0] * a2, s[0] * a3
         return impl_q8
     if dtype == types.int8:
@@ -457,7 +474,7 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
             return s[0] * a0, s[0] * a1, s[0] * a2, s[0] * a3
         return impl
     if dtype == types.uint8 and x0.dtype == types.int8:
-        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: q4q8_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: q4q8_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
     if dtype == types.uint8:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: q4_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
     return None
@@ -498,8 +515,8 @@ def prep_q4_rows(x, gs):
 # fastmath=False explicitly (numba lets an unset flag inherit the fastmath caller's): x / scale must
 # round exactly as the torch reference (quant.q8act) does, not as x * (1 / scale).
 @njit(fastmath=False, cache=True)
-def prep_q8_row(x, gs, xq, xg):
-    """x [K] -> xq int8 [K] in the pair layout below, xg [NB + G] = (s_x, C).
+def prep_q8_row(x, gs, xq, xg, quad):
+    """x [K] -> xq int8 [K] in the pair (or with `quad`, quad) layout below, xg [NB + G] = (s_x, C).
 
     s_x[b] = max|x_b| / 127, q = rint(x / s_x) (half to even, like torch.round); C[g] = 8 * sum
     over the blocks of group g of s_x[b] * sum(q_b): the +8 nibble offset, removed once per group.
@@ -508,17 +525,26 @@ def prep_q8_row(x, gs, xq, xg):
     [q(even of 2p) x16 | q(even of 2p+1) x16 | q(odd of 2p) x16 | q(odd of 2p+1) x16], matching
     the low and high nibbles of one 32-byte load of their packed weights; a last unpaired block
     (odd NB) is [q(even) x16 | q(odd) x16].
+
+    Quad layout (_simd.q4q8v_row_dot, AVX-512; `quad_layout`): the first 4 * (NB // 4) blocks in
+    128-byte quads [q(even of 4q) x16 | .. | q(even of 4q+3) x16 | q(odd of 4q) x16 | .. | q(odd of
+    4q+3) x16] (the low / high nibbles of one 64-byte load), the rest as above.
     """
     nb = x.shape[0] // Q8_BLOCK
     bpg = gs // Q8_BLOCK
     paired = nb - nb % 2
+    quads = 4 * (nb // 4) if quad else 0
     for g in range(nb // bpg):
         xg[nb + g] = np.float32(0.0)
     for b in range(nb):
         x0 = b * Q8_BLOCK
         # even elements at 64p + 16r, odd ones 32 further (b = 2p + r); an unpaired last block [even | odd]
-        ev = (b // 2) * 2 * Q8_BLOCK + (b % 2) * 16 if b < paired else x0
-        od = ev + (Q8_BLOCK if b < paired else Q8_BLOCK // 2)
+        if b < quads:
+            ev = (b // 4) * 4 * Q8_BLOCK + (b % 4) * 16
+            od = ev + 2 * Q8_BLOCK
+        else:
+            ev = (b // 2) * 2 * Q8_BLOCK + (b % 2) * 16 if b < paired else x0
+            od = ev + (Q8_BLOCK if b < paired else Q8_BLOCK // 2)
         amax = np.float32(0.0)
         for j in range(Q8_BLOCK):
             amax = max(amax, abs(x[x0 + j]))
@@ -564,13 +590,19 @@ def prep_q8n_rows(x):
 
 
 @njit(fastmath=True, cache=True)
-def prep_q8_rows(x, gs):
+def prep_q8_rows_as(x, gs, quad):
     """x [R, K] -> (xq int8 [R, K], xg float32 [R, K/32 + K/gs]): prep_q8_row for every row."""
     xq = np.empty(x.shape, np.int8)
     xg = np.empty((x.shape[0], x.shape[1] // Q8_BLOCK + x.shape[1] // gs), np.float32)
     for r in range(x.shape[0]):
-        prep_q8_row(x[r], gs, xq[r], xg[r])
+        prep_q8_row(x[r], gs, xq[r], xg[r], quad)
     return xq, xg
+
+
+@njit(fastmath=True, cache=True)
+def prep_q8_rows(x, gs):
+    """prep_q8_rows_as in the layout this process's int4 dot reads (quad_layout(gs))."""
+    return prep_q8_rows_as(x, gs, quad_layout(gs))
 
 
 @njit(fastmath=False, cache=True, inline="always")

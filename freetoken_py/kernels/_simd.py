@@ -205,6 +205,21 @@ def _target_has(feature: str) -> bool:
 
 HAS_AVX2 = _target_has("avx2")
 HAS_F16C = _target_has("f16c")     # half <-> float converts (vcvtph2ps)
+# The AVX-512 VNNI dots (section below) compile only for a target with all of these; HAS_AVX512 is
+# whether the kernels use them (FREETOKEN_SIMD=avx2 keeps the AVX2 forms, e.g. to compare the two).
+TARGET_AVX512 = all(_target_has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
+
+
+def _simd_mode() -> bool:
+    from freetoken_py.envs import simd
+
+    want = simd()
+    if want not in ("", "avx2", "avx512"):
+        raise ValueError(f"FREETOKEN_SIMD must be 'avx2' or 'avx512' (or unset), got {want!r}")
+    return TARGET_AVX512 and want != "avx2"
+
+
+HAS_AVX512 = _simd_mode()
 
 
 def _pmadd_intrinsics(builder):
@@ -500,6 +515,314 @@ def i8q8_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
     """i8q8_row_dot of one row with four activations at once (|w| taken once) -> UniTuple(float32, 4)."""
     _check_avx2()
     return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3, s0, s1, s2, s3), _i8q8_codegen(4)
+
+
+# --- int4 / int8 weights x int8 activations (AVX-512 VNNI) ---------------------------------------
+#
+# The same arithmetic as the AVX2 dots above with 512-bit vectors and vpdpbusd (u8 x s8, four
+# adjacent products summed into each i32 lane and added to the accumulator, no saturation: one
+# instruction for AVX2's vpmaddubsw + vpmaddwd + add). Zen 5 (this project's AVX-512 box) runs
+# 512-bit ops at full width, so per weight this is about half the instructions. Chosen when the
+# compile target has avx512f/bw/vl/vnni (`TARGET_AVX512`) unless FREETOKEN_SIMD=avx2 (`HAS_AVX512`).
+#
+# int4 (`q4q8v_row_dot`): per **quad** of 32-blocks (128 weights, one 64-byte load of packed
+# bytes) the low nibbles are the even columns of blocks 4q..4q+3 (16 each), the high nibbles the odd
+# ones; prep_q8_row (quad=True) lays the activations out as [even 4q | .. | even 4q+3 | odd 4q | .. |
+# odd 4q+3] (x16 each, 128 bytes), so two vpdpbusd (lo . q_even, then hi . q_odd into the same
+# accumulator) leave block 4q+r's sum in lanes 4r..4r+3: one convert, one FMA with
+# [d_4q x4 | .. | d_4q+3 x4], d_b = s_w[group of b] * s_x[b]. The blocks after the last whole quad
+# (K / 32 % 4 of them) keep the AVX2 pair / single layout and the AVX2 code (256-bit, VEX). Group
+# sizes: 32 (a scale per block: the four fp16 scales one 8-byte load and one vcvtph2ps), 64 (two per
+# quad) and multiples of 128 (whole quads per group, the scale splatted); other multiples of 64 (192,
+# 320, ...) would split a quad between groups: `quad_layout` sends those to the AVX2 form. Overflow:
+# nibbles in [1, 15] x q_x in [-127, 127], at most 32 * 15 * 127 = 60960 per block, i32.
+#
+# int8 (`i8q8v_row_dot`): per pair of 32-blocks (64 weights, one 64-byte load): |w| (vpabsb) as u8,
+# q_x negated where w < 0 (AVX-512 has no vpsignb: a compare into a mask register and a masked
+# subtract), one vpdpbusd -> lanes 0-7 block 2p, 8-15 block 2p+1, convert, FMA with
+# [s_x[2p] x8 | s_x[2p+1] x8]. Each i32 lane sums the same four products as the AVX2 form's
+# vpmaddubsw + vpmaddwd lane, so the two agree to the order of the fp32 sums. An odd last block
+# and the K % 32 tail as in the AVX2 form. Same ranges as there (|w|, |q_x| <= 127).
+#
+# Generic LLVM IR does not produce vpdpbusd either (as with vpmaddubsw), hence the intrinsic. Its
+# old <16 x i32> operand form is used: LLVM 22 upgrades it, older LLVMs only know it.
+
+
+def _check_avx512():
+    if not TARGET_AVX512:
+        raise TypeError("the VNNI dots need an x86 CPU with AVX-512 F/BW/VL/VNNI (the AVX2 forms run elsewhere)")
+
+
+def _dpbusd(builder, acc, u8, s8):
+    """acc (<16 x i32> or <8 x i32>) + sums of 4 adjacent u8 x s8 products of the byte vectors."""
+    n = acc.type.count
+    vi = ir.VectorType(_I32, n)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi, vi, vi]),
+                                        f"llvm.x86.avx512.vpdpbusd.{32 * n}")
+    return builder.call(fn, [acc, builder.bitcast(u8, vi), builder.bitcast(s8, vi)])
+
+
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _q8v_quad(builder, wp, sw4, quad, accs, qps, xsps):
+    """Blocks 4 quad .. 4 quad + 3 (sw4: <4 x float> their weight scales): for each activation
+    acc (<16 x float>) += float(lo . q_even + hi . q_odd) * [s_w s_x of each block x4]."""
+    v64b, v16i, v16f, v4f = (ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16),
+                             ir.VectorType(_F32, 4))
+    b = _vload(builder, wp, builder.shl(quad, _c64(6)), v64b, 1)
+    m15 = ir.Constant(v64b, [15] * 64)
+    lo = builder.and_(b, m15)
+    hi = builder.and_(builder.lshr(b, ir.Constant(v64b, [4] * 64)), m15)
+    base = builder.shl(quad, _c64(7))
+    spread = ir.Constant(ir.VectorType(_I32, 16), [i // 4 for i in range(16)])
+    zero = ir.Constant(v16i, None)
+    for acc, qp, xsp in zip(accs, qps, xsps):
+        qe = _vload(builder, qp, base, v64b, 1)
+        qo = _vload(builder, qp, builder.add(base, _c64(64)), v64b, 1)
+        f = builder.sitofp(_dpbusd(builder, _dpbusd(builder, zero, lo, qe), hi, qo), v16f)
+        d4 = builder.fmul(sw4, _vload(builder, xsp, builder.shl(quad, _c64(2)), v4f, 4), flags=_FAST)
+        d = builder.shuffle_vector(d4, d4, spread)
+        builder.store(builder.fadd(builder.load(acc), builder.fmul(f, d, flags=_FAST), flags=_FAST), acc)
+
+
+Q8V_SETS_1 = 2      # accumulator sets (FMA chains) of the one-activation VNNI int4 dot's flat loop (4 measured 10-25 % slower at K = 768 / 2048)
+
+
+def _q8v_codegen(num_x):
+    """Codegen of the AVX-512 int4 x int8 dot of one row with `num_x` activations (q4q8v_row_dot).
+
+    Three loops by blocks per group (bpg, fixed per call): 1 (g = 32) and 2 (g = 64) walk the quads
+    flat, two per trip into two accumulator sets, computing the quad's four weight scales and its
+    offset corrections alongside (4 or 2 lanes); bpg % 4 == 0 walks groups, the scale splatted and
+    the correction added once per group. One prefetch PF_DIST ahead per quad (64 bytes)."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
+        wp, sp = arrays[0].data, arrays[1].data
+        qps = [a.data for a in arrays[2:2 + num_x]]
+        xsps = [a.data for a in arrays[2 + num_x:]]
+        ngroups = cgutils.unpack_tuple(builder, arrays[1].shape)[0]
+        hb64 = context.cast(builder, args[-1], signature.args[-1], types.int64)
+        bpg = builder.lshr(hb64, _c64(4))
+        nb = builder.mul(ngroups, bpg)
+        cps = [builder.gep(p, [nb]) for p in xsps]
+        nquads = builder.lshr(nb, _c64(2))
+        v16f, v8f, v4f, v2f = (ir.VectorType(_F32, n) for n in (16, 8, 4, 2))
+        one = _c64(1)
+        sets = Q8V_SETS_1 if num_x == 1 else 2
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(num_x)] for _ in range(sets)]
+        acc8s = [cgutils.alloca_once_value(builder, ir.Constant(v8f, None)) for _ in range(num_x)]
+        corr4s = [cgutils.alloca_once_value(builder, ir.Constant(v4f, None)) for _ in range(num_x)]
+        corr2s = [cgutils.alloca_once_value(builder, ir.Constant(v2f, None)) for _ in range(num_x)]
+        corrs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(num_x)]
+
+        def add_corr(g):
+            sg = _scale(builder, sp, g)
+            for corr, cp in zip(corrs, cps):
+                c = builder.fmul(sg, builder.load(builder.gep(cp, [g])), flags=_FAST)
+                builder.store(builder.fadd(builder.load(corr), c, flags=_FAST), corr)
+
+        def add_vec(dst, val):
+            builder.store(builder.fadd(builder.load(dst), val, flags=_FAST), dst)
+
+        def flat_quad(quad, acc_set, per_block):
+            _prefetch(builder, wp, builder.shl(quad, _c64(6)))
+            if per_block:        # g = 32: four scales, four corrections C[4q .. 4q + 3]
+                sw4 = _half_to_float(builder, _vload(builder, sp, builder.shl(quad, _c64(2)),
+                                                     ir.VectorType(_I16, 4), 2), 4)
+                for corr4, cp in zip(corr4s, cps):
+                    add_vec(corr4, builder.fmul(sw4, _vload(builder, cp, builder.shl(quad, _c64(2)), v4f, 4),
+                                                flags=_FAST))
+            else:                # g = 64: groups 2q, 2q + 1
+                sw2 = _scale2(builder, sp, builder.shl(quad, one))
+                sw4 = builder.shuffle_vector(sw2, sw2, ir.Constant(ir.VectorType(_I32, 4), [0, 0, 1, 1]))
+                for corr2, cp in zip(corr2s, cps):
+                    add_vec(corr2, builder.fmul(sw2, _vload(builder, cp, builder.shl(quad, one), v2f, 4), flags=_FAST))
+            _q8v_quad(builder, wp, sw4, quad, accs[acc_set], qps, xsps)
+
+        def flat(per_block):
+            nset = _c64(sets)
+            with cgutils.for_range(builder, builder.udiv(nquads, nset)) as loop:
+                quad = builder.mul(loop.index, nset)
+                for u in range(sets):
+                    flat_quad(builder.add(quad, _c64(u)), u, per_block)
+            rest = builder.urem(nquads, nset)
+            with cgutils.for_range(builder, rest) as loop:
+                flat_quad(builder.add(builder.sub(nquads, rest), loop.index), 0, per_block)
+            pair = builder.shl(nquads, one)               # blocks after the last whole quad: AVX2 forms
+            with builder.if_then(builder.icmp_unsigned("!=", builder.and_(nb, _c64(2)), _c64(0))):
+                if per_block:
+                    _q8_pair(builder, wp, _scale2(builder, sp, builder.shl(pair, one)), pair, acc8s, qps, xsps,
+                             corr2s, cps)
+                else:                                      # the pair is group `pair`
+                    _q8_pair(builder, wp, _splat(builder, _scale(builder, sp, pair), 2), pair, acc8s, qps, xsps)
+                    add_corr(pair)
+            if per_block:
+                with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+                    last = builder.sub(nb, one)
+                    _q8_block(builder, wp, _scale(builder, sp, last), last, acc8s, qps, xsps)
+                    add_corr(last)
+
+        with builder.if_else(builder.icmp_unsigned("<=", bpg, _c64(2))) as (small, nested):
+            with small:
+                with builder.if_else(builder.icmp_unsigned("==", bpg, one)) as (g32, g64):
+                    with g32:
+                        flat(True)
+                    with g64:
+                        flat(False)
+            with nested:
+                qpg = builder.lshr(bpg, _c64(2))
+                with cgutils.for_range(builder, ngroups) as group:
+                    sw4 = _splat(builder, _scale(builder, sp, group.index), 4)
+                    first = builder.mul(group.index, qpg)
+                    with cgutils.for_range(builder, builder.lshr(qpg, one)) as loop:
+                        quad = builder.add(first, builder.shl(loop.index, one))
+                        _prefetch(builder, wp, builder.shl(quad, _c64(6)))
+                        _q8v_quad(builder, wp, sw4, quad, accs[0], qps, xsps)
+                        quad1 = builder.add(quad, one)
+                        _prefetch(builder, wp, builder.shl(quad1, _c64(6)))
+                        _q8v_quad(builder, wp, sw4, quad1, accs[1], qps, xsps)
+                    with builder.if_then(builder.trunc(qpg, ir.IntType(1))):
+                        quad = builder.sub(builder.add(first, qpg), one)
+                        _prefetch(builder, wp, builder.shl(quad, _c64(6)))
+                        _q8v_quad(builder, wp, sw4, quad, accs[0], qps, xsps)
+                    add_corr(group.index)
+        res = []
+        widen = {n: ir.Constant(ir.VectorType(_I32, 16), list(range(n)) + [n] * (16 - n)) for n in (8, 4, 2)}
+
+        def to16(v, n):      # <n x float> -> <16 x float>, zeros above (one shuffle)
+            return builder.shuffle_vector(v, ir.Constant(v.type, None), widen[n])
+
+        for j in range(num_x):   # one horizontal sum: the tail and the corrections folded into the accumulator first
+            acc = to16(builder.load(acc8s[j]), 8)
+            for acc_set in accs:
+                acc = builder.fadd(acc, builder.load(acc_set[j]), flags=_FAST)
+            corr = builder.fadd(to16(builder.load(corr4s[j]), 4), to16(builder.load(corr2s[j]), 2), flags=_FAST)
+            res.append(builder.fsub(_hsum(builder, builder.fsub(acc, corr, flags=_FAST)), builder.load(corrs[j]),
+                                    flags=_FAST))
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+def _q8_auto_codegen(num_x):
+    """The VNNI codegen for group sizes 32, 64 and multiples of 128 (bpg = group / 32 in {1, 2} or
+    a multiple of 4), the AVX2 one (pair layout) otherwise: a branch on hb per call, so one
+    intrinsic serves every group size and the caller needs no branch of its own."""
+    vnni, avx2 = _q8v_codegen(num_x), _q8_codegen(num_x)
+
+    def codegen(context, builder, signature, args):
+        bpg = builder.lshr(context.cast(builder, args[-1], signature.args[-1], types.int64), _c64(4))
+        ok = builder.or_(builder.icmp_unsigned("<=", bpg, _c64(2)),
+                         builder.icmp_unsigned("==", builder.and_(bpg, _c64(3)), _c64(0)))
+        res = cgutils.alloca_once(builder, context.get_value_type(signature.return_type))
+        with builder.if_else(ok) as (quads, pairs):
+            with quads:
+                builder.store(vnni(context, builder, signature, args), res)
+            with pairs:
+                builder.store(avx2(context, builder, signature, args), res)
+        return builder.load(res)
+
+    return codegen
+
+
+@intrinsic
+def q4q8v_row_dot(typingctx, w, s, xq, xg, hb):
+    """q4q8_row_dot with AVX-512 VNNI. xq in prep_q8_row's quad layout for group sizes 32, 64 and
+    multiples of 128 (`_dots.quad_layout`), which take the VNNI loops; other group sizes (192, 320,
+    ...) read the pair layout and run the AVX2 form."""
+    _check_avx512()
+    _check_scales(s)
+    return types.float32(w, s, xq, xg, hb), _q8_auto_codegen(1)
+
+
+@intrinsic
+def q4q8v_row_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
+    """q4q8v_row_dot of one row with four activations at once -> UniTuple(float32, 4)."""
+    _check_avx512()
+    _check_scales(s)
+    sig = types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
+    return sig, _q8_auto_codegen(4)
+
+
+def _i8v_pair(builder, wp, pair, accs, qps, xsps):
+    """Blocks 2 pair, 2 pair + 1: acc (<16 x float>) += float(|w| . (q_x negated where w < 0)) * [s_x x8 | s_x x8]."""
+    v64b, v16i, v16f, v2f = (ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16),
+                             ir.VectorType(_F32, 2))
+    off = builder.shl(pair, _c64(6))
+    w = _vload(builder, wp, off, v64b, 1)
+    absf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64b, [v64b, ir.IntType(1)]), "llvm.abs.v64i8")
+    wabs = builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)])
+    zero8 = ir.Constant(v64b, None)
+    neg = builder.icmp_signed("<", w, zero8)
+    spread = ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8)
+    for acc, qp, xsp in zip(accs, qps, xsps):
+        q = _vload(builder, qp, off, v64b, 1)
+        qs = builder.select(neg, builder.sub(zero8, q), q)
+        f = builder.sitofp(_dpbusd(builder, ir.Constant(v16i, None), wabs, qs), v16f)
+        d2 = _vload(builder, xsp, builder.shl(pair, _c64(1)), v2f, 4)
+        d = builder.shuffle_vector(d2, d2, spread)
+        builder.store(builder.fadd(builder.load(acc), builder.fmul(f, d, flags=_FAST), flags=_FAST), acc)
+
+
+def _i8q8v_codegen(num_x):
+    """AVX-512 int8 x int8 dot of one row with `num_x` activations: the K // 64 pairs of blocks rotate
+    over 4 (one activation) or 2 (four) accumulators, one prefetch PF_DIST ahead per pair; an odd
+    last block by the AVX2 form, then the K % 32 tail in scalar integers."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        wp = arrays[0].data
+        qps = [a.data for a in arrays[1:1 + num_x]]
+        xsps = [a.data for a in arrays[1 + num_x:]]
+        k = cgutils.unpack_tuple(builder, arrays[0].shape)[0]
+        nb = builder.lshr(k, _c64(5))
+        npairs = builder.lshr(nb, _c64(1))
+        unroll = 4 if num_x == 1 else 2
+        v16f, v8f = ir.VectorType(_F32, 16), ir.VectorType(_F32, 8)
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(num_x)] for _ in range(unroll)]
+        acc8s = [cgutils.alloca_once_value(builder, ir.Constant(v8f, None)) for _ in range(num_x)]
+        u64 = _c64(unroll)
+        with cgutils.for_range(builder, builder.udiv(npairs, u64)) as loop:
+            for u in range(unroll):
+                pair = builder.add(builder.mul(loop.index, u64), _c64(u))
+                _prefetch(builder, wp, builder.shl(pair, _c64(6)))
+                _i8v_pair(builder, wp, pair, accs[u], qps, xsps)
+        rest = builder.urem(npairs, u64)
+        with cgutils.for_range(builder, rest) as loop:
+            _i8v_pair(builder, wp, builder.add(builder.sub(npairs, rest), loop.index), accs[0], qps, xsps)
+        with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+            _i8_block(builder, wp, builder.sub(nb, _c64(1)), acc8s, qps, xsps)
+        tails = _i8_tail(builder, wp, k, nb, qps, xsps)
+        res = []
+        for j, tail in enumerate(tails):
+            acc = builder.load(accs[0][j])
+            for u in range(1, unroll):
+                acc = builder.fadd(acc, builder.load(accs[u][j]), flags=_FAST)
+            acc8 = builder.shuffle_vector(builder.load(acc8s[j]), ir.Constant(v8f, None),
+                                          ir.Constant(ir.VectorType(_I32, 16), list(range(8)) + [8] * 8))
+            res.append(builder.fadd(_hsum(builder, builder.fadd(acc, acc8, flags=_FAST)), tail, flags=_FAST))
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+@intrinsic
+def i8q8v_row_dot(typingctx, w, xq, xs):
+    """i8q8_row_dot with AVX-512 VNNI (same arguments, same activation layout)."""
+    _check_avx512()
+    return types.float32(w, xq, xs), _i8q8v_codegen(1)
+
+
+@intrinsic
+def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
+    """i8q8v_row_dot of one row with four activations at once -> UniTuple(float32, 4)."""
+    _check_avx512()
+    return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3, s0, s1, s2, s3), _i8q8v_codegen(4)
 
 
 # --- vector exp (the decode softmax) ---------------------------------------------------------------
@@ -854,13 +1177,6 @@ def _e4m3_half(builder, b8, lanes):
     return _half_to_float(builder, bits, lanes)
 
 
-def _nv_dpbusd(builder, acc, u8, s8):
-    """<16 x i32> acc + sums of 4 adjacent u8 x s8 products of two <64 x i8> (vpdpbusd)."""
-    vi = ir.VectorType(_I32, 16)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi, vi, vi]), "llvm.x86.avx512.vpdpbusd.512")
-    return builder.call(fn, [acc, builder.bitcast(u8, vi), builder.bitcast(s8, vi)])
-
-
 def _nv_lookup(builder, b, n):
     """<n x i8> packed bytes -> (2 e2m1 + 12 of the low nibbles, of the high nibbles) by pshufb."""
     vb = ir.VectorType(_I8, n)
@@ -908,8 +1224,8 @@ def _nv_unit512(builder, wp, sp, unit, accs, qps, sxps, cps):
     col = builder.shl(unit, ir.Constant(_I64, 7))
     lane = builder.shl(unit, ir.Constant(_I64, 4))
     for acc, qp, sxp, cp in zip(accs, qps, sxps, cps):
-        a = _nv_dpbusd(builder, _vload(builder, cp, lane, v16i, 4), lo, _vload(builder, qp, col, v64b, 1))
-        a = _nv_dpbusd(builder, a, hi, _vload(builder, qp, builder.add(col, ir.Constant(_I64, 64)), v64b, 1))
+        a = _dpbusd(builder, _vload(builder, cp, lane, v16i, 4), lo, _vload(builder, qp, col, v64b, 1))
+        a = _dpbusd(builder, a, hi, _vload(builder, qp, builder.add(col, ir.Constant(_I64, 64)), v64b, 1))
         d = builder.fmul(sc, _vload(builder, sxp, lane, v16f, 4), flags=_FAST)
         builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(a, v16f), d, flags=_FAST),
                                    flags=_FAST), acc)
@@ -971,15 +1287,13 @@ def _nvq8_codegen(num_x, wide):
 
 def _check_nvq8(w, s, xq, xg, wide):
     _check_avx2()
-    if wide and not NV_TARGET_AVX512:
-        raise TypeError("nvfp4q8 AVX-512 dots need avx512f/bw/vl/vnni (the AVX2 form runs elsewhere)")
+    if wide:
+        _check_avx512()
     _check_nvfp4(w, s)
     if not (isinstance(xq, types.Array) and xq.dtype == types.int8 and isinstance(xg, types.Array)
             and xg.dtype == types.int32):
         raise TypeError(f"nvfp4 x int8 dots take int8 activations and int32 lane data (prep_nv8_row), got {xq}, {xg}")
 
-
-NV_TARGET_AVX512 = all(_target_has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
 
 
 def _nvq8_intrinsics(wide):
