@@ -25,6 +25,7 @@ ENV_VARS: dict[str, str] = {
     "FREETOKEN_INT4_ACT": "Old name of FREETOKEN_INT_ACT (same meaning, now for int8 weights too); "
     "read only when FREETOKEN_INT_ACT is unset.",
     "FREETOKEN_SIMD": "avx2 forces the AVX2 forms of the int4 / int8 / nvfp4 CPU dots on a CPU that has AVX-512 VNNI "
+    "(and fp32 activations for bf16 weights unless FREETOKEN_BF16_ACT says otherwise) "
     "(default: AVX-512 where the compile target has avx512f/bw/vl/vnni; read once, when the kernels are first "
     "imported; docs/kernels.md).",
 }

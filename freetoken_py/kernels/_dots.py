@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from freetoken_py.envs import bf16_act, int_act
+from freetoken_py.envs import bf16_act, int_act, simd
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
 from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, bf16_row_dot, bf16_row_dot4, fp8f_row_dot,
@@ -61,8 +61,8 @@ INT_ACT = _int_act_mode()
 
 def _bf16_act_mode() -> str:
     """"bf16" or "fp32": FREETOKEN_BF16_ACT if set (part of the kernel cache stamp), else "bf16"
-    where the compile target has AVX512-BF16."""
-    want = bf16_act() or ("bf16" if HAS_AVX512BF16 else "fp32")
+    where the compile target has AVX512-BF16 and FREETOKEN_SIMD is not "avx2"."""
+    want = bf16_act() or ("bf16" if HAS_AVX512BF16 and simd() != "avx2" else "fp32")   # FREETOKEN_SIMD=avx2: AVX2 paths
     if want not in ("bf16", "fp32"):
         raise ValueError(f"FREETOKEN_BF16_ACT must be 'bf16' or 'fp32', got {want!r}")
     if want == "bf16" and not HAS_AVX512BF16:
