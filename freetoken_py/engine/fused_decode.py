@@ -21,6 +21,7 @@ from freetoken_py.models.moe_transformer import MoeTransformer
 
 _EMPTY = np.zeros(0, np.float32)
 _ONE = np.ones(1, np.float32)
+_NO_GATE = np.zeros((0, 0), np.float32)  # decode_attn's output gate: none
 
 
 def _vec(t) -> np.ndarray:
@@ -118,7 +119,7 @@ class FusedDecoder:
                 self.cache.write(i, torch.from_numpy(new_slots), kv[:, nq * hd:(nq + nkv) * hd].view(T, nkv, hd),
                                  kv[:, (nq + nkv) * hd:].view(T, nkv, hd))
             kd.decode_attn(qkv, nq, nkv, hd, not self.fp8, self.fp8, self.k[i], self.v[i], self.k_scale[i],
-                           self.v_scale[i], self.lut, new_slots, ctx, ctx_off, m.scale, attn, *L.o, L.o_bias, h,
+                           self.v_scale[i], self.lut, new_slots, ctx, ctx_off, m.scale, attn, _NO_GATE, *L.o, L.o_bias, h,
                            o_tmp, L.ln2, eps, *L.router, x2, logits, k, a.norm_topk_prob, ids, wts,
                            self.route[0], L.router_bias, *self.route[1:])
             lw = m.weights.layers[i]

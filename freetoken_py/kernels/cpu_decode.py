@@ -94,6 +94,26 @@ def decode_qkv(h, ln_w, eps, w, s, gs, bias, qn, kn, qk_kind, clip, cos, sin, nq
         _qk_post(qkv[t], bias, qn, kn, qk_kind, clip, cos[t], sin[t], nq, nkv, hd, eps)
 
 
+@njit(fastmath=True, cache=True)
+def decode_gated_qkv(h, ln_w, eps, w, s, gs, qn, kn, cos, sin, nq, nkv, hd, x, proj, qkv, gate):
+    """decode_qkv for gated attention (Qwen3-Next / 3.5: q_proj rows per head [query | gate],
+    per-head qk-norm, partial rotary): proj [T, 2*(nq+nkv)*hd] scratch for the fused projection ->
+    qkv [T, (nq+2nkv)*hd] in decode_attn's layout, gate [T, nq*hd] = sigmoid(gate rows)."""
+    rms_rows(h, ln_w, eps, x)
+    dense_rows(w, s, x, gs, proj)
+    q_out = nq * hd
+    none = np.zeros(0, np.float32)
+    for t in range(h.shape[0]):
+        for head in range(nq):
+            src = 2 * head * hd
+            for i in range(hd):
+                qkv[t, head * hd + i] = proj[t, src + i]
+                gate[t, head * hd + i] = np.float32(1.0) / (np.float32(1.0) + np.exp(-proj[t, src + hd + i]))
+        for i in range(2 * nkv * hd):
+            qkv[t, q_out + i] = proj[t, 2 * q_out + i]
+        _qk_post(qkv[t], none, qn, kn, QK_HEAD, -1.0, cos[t], sin[t], nq, nkv, hd, eps)
+
+
 def kv_widen(v, lut):
     """One stored K/V element as float32 (jitted only): fp32 as is, uint16 = bf16 bits,
     uint8 = FP8 e4m3 bits through the 256-entry table (the per-head scale is applied by the caller)."""
@@ -335,11 +355,11 @@ def _chunk_plan(ctx_off, T, heads, width):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, lut, new_slots, ctx, ctx_off,
-                scale, attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids, wts,
-                route_kind, rbias, n_group, topk_group, scaling):
-    """Attention of the new tokens over their contexts, o projection added into h [T, D]; then,
-    when wr has rows (router weights, group size gsr), post-norm into x2 and routing into ids / wts [T, k] (a dense-MLP layer
-    passes a 0-row router and gets x2 only).
+                scale, attn, gate, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids,
+                wts, route_kind, rbias, n_group, topk_group, scaling):
+    """Attention of the new tokens over their contexts, times the output gate where gate [T, nq*hd]
+    has rows (decode_gated_qkv's; 0 rows: none), then decode_tail (o projection added into h,
+    post-norm into x2, routing).
 
     ctx [sum n_t] / ctx_off [T + 1]: the slots each token attends to (its own slot last);
     kscale / vscale [nkv]: FP8 per-head scales (ones otherwise); attn [T, nq*hd], o_tmp [T, D],
@@ -358,6 +378,20 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
                          vscale, lut, exact_last, scale, m[task], l[task], acc[task])
     for t in range(T):
         _combine(m, l, acc, first[t], first[t + 1], attn[t], hd)
+        if gate.shape[0]:
+            for i in range(attn.shape[1]):
+                attn[t, i] *= gate[t, i]
+    decode_tail(attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids, wts,
+                route_kind, rbias, n_group, topk_group, scaling)
+
+
+@njit(fastmath=True, cache=True)
+def decode_tail(attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids, wts,
+                route_kind, rbias, n_group, topk_group, scaling):
+    """A layer's mixer output attn [T, W] -> h [T, D] += o projection (+ o_bias); then post-norm into
+    x2 and, when wr has rows (router weights, group size gsr), routing into ids / wts [T, k] (a
+    dense-MLP layer passes a 0-row router and gets x2 only). o_tmp [T, D], logits [T, E]: scratch."""
+    T = attn.shape[0]
     dense_rows(wo, so, attn, gs, o_tmp)
     for t in range(T):
         for d in range(h.shape[1]):
@@ -370,6 +404,27 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
                 _route_sigmoid(logits[t], rbias, top_k, n_group, topk_group, renorm, scaling, ids[t], wts[t])
             else:
                 _route(logits[t], top_k, renorm, ids[t], wts[t])
+
+
+@njit(fastmath=True, cache=True)
+def add_swiglu(x2, w13, s13, gs13, w2, s2, gs2, wg, sg, gsg, gu, act, out, glog, h):
+    """h [T, D] += w2(silu(gate) * up) of x2 [T, D] (w13: the gate | up rows, [2I, D]), times
+    sigmoid(wg . x2) per token when wg has a row (the Qwen3-Next / 3.5 shared-expert gate; 0 rows:
+    ungated, a shared expert or a dense MLP). gu [T, 2I], act [T, I], out [T, D], glog [T, 1]: scratch."""
+    dense_rows(w13, s13, x2, gs13, gu)
+    inter = act.shape[1]
+    for t in range(x2.shape[0]):
+        for i in range(inter):
+            g = gu[t, i]
+            act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[t, inter + i]
+    dense_rows(w2, s2, act, gs2, out)
+    gated = wg.shape[0] > 0
+    if gated:
+        dense_rows(wg, sg, x2, gsg, glog)
+    for t in range(x2.shape[0]):
+        c = np.float32(1.0) / (np.float32(1.0) + np.exp(-glog[t, 0])) if gated else np.float32(1.0)
+        for d in range(h.shape[1]):
+            h[t, d] += c * out[t, d]
 
 
 def fp8_table() -> np.ndarray:

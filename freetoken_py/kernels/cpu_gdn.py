@@ -28,6 +28,8 @@ import numpy as np
 from numba import njit, prange
 
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
+from freetoken_py.kernels.cpu_decode import rms_rows
+from freetoken_py.kernels.cpu_linear import dense_rows
 
 _CONV_BLOCK = 512  # channels per conv task
 
@@ -172,3 +174,17 @@ def gdn_core(qkv, z, b, a, conv_w, conv_state, rec_state, slots, A_log, dt_bias,
             eg = np.exp(decay * _softplus(a[n, t, h] + dt_bias[h]))
             _step(S, qn, kn, row[v0 + h * dv:v0 + (h + 1) * dv], bt, eg, mem, o)
             _gated_norm(o, z[n, t, h * dv:(h + 1) * dv], norm_w, eps, out[n, t, h * dv:(h + 1) * dv])
+
+
+@njit(fastmath=True, cache=True)
+def gdn_decode(h, ln_w, eps, w, s, gs, x, proj, C, Vd, Hv, conv_w, conv_state, rec_state, slots, A_log, dt_bias,
+               norm_w, geps, Hk, dk, out):
+    """One decode token of each of N requests through a GDN layer up to out_proj, in one call:
+    x = rms_norm(h [N, D]) (x: scratch), proj [N, rows] = the fused in_proj (w, s, gs: a DenseWeight's
+    arrays), then gdn_core over their state slots -> out [N, Hv*dv]."""
+    N = h.shape[0]
+    rms_rows(h, ln_w, eps, x)
+    dense_rows(w, s, x, gs, proj)
+    p = proj.reshape((N, 1, proj.shape[1]))
+    gdn_core(p[:, :, :C], p[:, :, C:C + Vd], p[:, :, C + Vd:C + Vd + Hv], p[:, :, C + Vd + Hv:], conv_w, conv_state,
+             rec_state, slots, A_log, dt_bias, norm_w, geps, Hk, dk, out.reshape((N, 1, out.shape[1])))
