@@ -7,8 +7,13 @@ loops, the fallback where the vector dots do not apply). numba compile is exclud
 formats are interleaved round by round (each timed call right after an untimed one of the same
 kernel) and each reports its median; on a shared box only the ratios mean anything. "_x4": four activation rows per pass (the prefill / grouped form). Where
 the process runs the AVX-512 VNNI int4 / int8 dots, "_avx2" rows time the AVX2 forms in the same
-loop (avx512_speedup = their time / the VNNI one's). Prints one JSON line: ms per call and
-Gweights/s (weights x activation rows) per format, and each format's time relative to int8 and int4.
+loop (avx512_speedup = their time / the VNNI one's; for nvfp4 that row is "nvfp4_avx2").
+"fp8_unfolded": the 64-lane fp8 dot that scales each block's partial sum (before the scale was
+folded into the decode); "nvfp4_fp32": nvfp4's exact fp32-activation vector dot
+(FREETOKEN_INT_ACT=fp32), against "nvfp4", which multiplies int8-quantised activations. Nothing is
+cached on disk (numba's cache of a function outside the kernels package does not see kernel
+edits). Prints one JSON line: ms per call (median; ms_min: the fastest) and Gweights/s (weights x
+activation rows) per format, and each format's time relative to int8 and int4.
 
     python bench/fmt_dots.py [--n 2048 --k 2048 --rounds 200] [--tiny]
 """
@@ -23,8 +28,10 @@ import torch
 from numba import njit
 
 from freetoken_py.kernels._buffers import empty_rows, encode_rows
-from freetoken_py.kernels._dots import INT_ACT, fp8_row_dot, nvfp4_row_dot, prep_q8_rows_as, prep_q8n_rows, prepare, row_dot, row_dot4
-from freetoken_py.kernels._simd import HAS_AVX2, HAS_AVX512, i8q8_row_dot, i8q8_row_dot4, q4q8_row_dot, q4q8_row_dot4
+from freetoken_py.kernels._dots import (INT_ACT, fp8_row_dot, nvfp4_dot, nvfp4_multiplier, nvfp4_factor, nvfp4_row_dot,
+                                        prep_nv8_rows, prep_q8_rows_as, prep_q8n_rows, prepare, row_dot, row_dot4)
+from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512, fp8_row_dot_v64, i8q8_row_dot, i8q8_row_dot4, nvfp4q8_row_dot,
+                                        q4q8_row_dot, q4q8_row_dot4)
 
 GROUPS = {"int8": 32, "int4": 32, "fp8": 128, "nvfp4": 16}
 
@@ -76,6 +83,30 @@ def int8_avx2_x4(w, s, x, gs, out):
 
 
 @njit(fastmath=True, cache=False)
+def fp8_unfolded(w, s, x, gs, out):
+    for n in range(w.shape[0]):
+        out[n] = fp8_row_dot_v64(w[n], s[n], x[0], gs)
+    return out
+
+
+@njit(fastmath=True, cache=False)
+def nvfp4_fp32(w, s, x, gs, out):
+    for n in range(w.shape[0]):
+        out[n] = nvfp4_dot(w[n], s[n], x[0], gs)
+    return out
+
+
+@njit(fastmath=True, cache=False)
+def nvfp4_avx2(w, s, x, gs, out):
+    """The AVX2 nvfp4 x int8 dot where the process runs the AVX-512 one (same activation layout)."""
+    xq, xg = prep_nv8_rows(x)
+    k = x.shape[1]
+    for n in range(w.shape[0]):
+        out[n] = nvfp4q8_row_dot(w[n], s[n], xq[0], xg[0]) * (nvfp4_multiplier(nvfp4_factor(s[n], k // 16)) * np.float32(128.0))
+    return out
+
+
+@njit(fastmath=True, cache=False)
 def matvec(w, s, x, gs, out):
     xv, xg = prepare(w, s, x, gs)
     hb = gs // 2
@@ -121,6 +152,10 @@ def main() -> None:
         out, out4 = np.empty(a.n, np.float32), np.empty((a.n, 4), np.float32)
         mats[fmt] = (w, s, gs, x, out, matvec)
         if fmt in ("fp8", "nvfp4"):
+            mats[fmt + "_x4"] = (w, s, gs, x4, out4, matvec4)
+            mats[fmt + ("_unfolded" if fmt == "fp8" else "_fp32")] = (w, s, gs, x, out, fp8_unfolded if fmt == "fp8" else nvfp4_fp32)
+            if fmt == "nvfp4" and HAS_AVX512 and INT_ACT == "int8":
+                mats["nvfp4_avx2"] = (w, s, gs, x, out, nvfp4_avx2)
             mats[fmt + "_loop"] = (w, s, gs, x, out, fp8_loop if fmt == "fp8" else nvfp4_loop)
         if fmt in ("int8", "int4"):
             mats[fmt + "_x4"] = (w, s, gs, x4, out4, matvec4)
@@ -140,6 +175,7 @@ def main() -> None:
     res = {"bench": "fmt_dots", "n": a.n, "k": a.k, "rounds": a.rounds, "int_act": INT_ACT, "threads": 1,
            "simd": "avx512" if HAS_AVX512 else "avx2" if HAS_AVX2 else "generic",
            "ms": {f: round(v, 4) for f, v in ms.items()},
+           "ms_min": {f: round(1e3 * float(np.min(t)), 4) for f, t in times.items()},
            "gweights_per_s": {f: round(a.n * a.k * (4 if "_x4" in f else 1) / (v * 1e-3) / 1e9, 2) for f, v in ms.items()},
            "avx512_speedup": {f: round(ms[f + "_avx2"] / ms[f], 2) for f in ms if f + "_avx2" in ms},
            "vs_int8": {f: round(v / ms["int8"], 2) for f, v in ms.items()},

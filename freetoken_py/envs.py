@@ -17,14 +17,14 @@ ENV_VARS: dict[str, str] = {
     "process does not stall every parallel region; docs/kernels.md).",
     "FREETOKEN_MALLOC_TUNING": "0 leaves glibc malloc's defaults alone (default 1: keep freed "
     "activation buffers in the heap instead of returning them to the OS; see docs/performance.md).",
-    "FREETOKEN_INT_ACT": "int8 | fp32: what int4 and int8 expert/dense weights multiply on CPU (default "
+    "FREETOKEN_INT_ACT": "int8 | fp32: what int4, int8 and nvfp4 expert/dense weights multiply on CPU (default "
     "int8 on x86 with AVX2, else fp32; read once, when the kernels are first imported; docs/kernels.md).",
     "FREETOKEN_BF16_ACT": "bf16 | fp32: what bf16 expert/dense weights multiply on CPU (default bf16 on x86 with "
     "AVX512-BF16: activations rounded to bf16, vdpbf16ps dots; else fp32: exact fp32 activations; read "
     "once, when the kernels are first imported; docs/kernels.md).",
     "FREETOKEN_INT4_ACT": "Old name of FREETOKEN_INT_ACT (same meaning, now for int8 weights too); "
     "read only when FREETOKEN_INT_ACT is unset.",
-    "FREETOKEN_SIMD": "avx2 forces the AVX2 forms of the int4 / int8 CPU dots on a CPU that has AVX-512 VNNI "
+    "FREETOKEN_SIMD": "avx2 forces the AVX2 forms of the int4 / int8 / nvfp4 CPU dots on a CPU that has AVX-512 VNNI "
     "(and fp32 activations for bf16 weights unless FREETOKEN_BF16_ACT says otherwise) "
     "(default: AVX-512 where the compile target has avx512f/bw/vl/vnni; read once, when the kernels are first "
     "imported; docs/kernels.md).",

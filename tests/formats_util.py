@@ -292,3 +292,19 @@ def dequantised_copy(path: Path, dst: Path, reference, stored_suffixes: tuple[st
         if side.suffix != ".safetensors" and side.name not in ("config.json", "hf_quant_config.json"):
             shutil.copy(side, dst / side.name)
     return dst
+
+
+def assert_matches(ours, theirs, backend):
+    """nvfp4 logits against their reference: the torch backend, and the cpu kernels with fp32
+    activations (FREETOKEN_INT_ACT=fp32, CPUs without AVX2), within 1e-4; the cpu kernels with int8
+    activations (x86 AVX2, docs/kernels.md) within the KL budget of the int4 experts
+    (tests/test_formats_ct_int4.py). A wrong nibble, scale or group moves the logits by far more
+    (fp4 against the float model: > 1e-2 max, tests/test_formats_nvfp4.py)."""
+    from freetoken_py.kernels._dots import INT_ACT
+
+    if backend == "torch" or INT_ACT != "int8":
+        assert (ours - theirs).abs().max().item() <= 1e-4, backend
+        return
+    kl = torch.nn.functional.kl_div(torch.log_softmax(ours, -1), torch.log_softmax(theirs, -1), log_target=True,
+                                    reduction="sum").item()
+    assert kl <= 2.5e-4 and (ours - theirs).abs().max().item() <= 0.1, (kl, backend)

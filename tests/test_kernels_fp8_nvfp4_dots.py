@@ -1,7 +1,9 @@
 """fp8 / nvfp4 row dots (the _simd vector forms and the plain fallback loops) against the
 format's own decoder (kernels._buffers.decode_rows) times the activations in float64, including
 activations of a few thousand (a fast-math rewrite of (v * 2^120) * x into v * (2^120 * x) made
-the old loop return NaN there) and shapes that take each path."""
+the old loop return NaN there) and shapes that take each path. nvfp4 on x86 with AVX2 multiplies
+int8-quantised activations (INT_ACT "int8", tests/test_kernels_nvfp4_q8.py): its reference takes
+the activations as the kernel rounds them (quant.roundtrip_act_q8)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +12,8 @@ import torch
 from numba import njit
 
 from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows
-from freetoken_py.kernels._dots import prepare, row_dot, row_dot4
+from freetoken_py.kernels._dots import INT_ACT, prepare, row_dot, row_dot4
+from freetoken_py.quant import roundtrip_act_q8
 
 
 @njit(fastmath=True)
@@ -24,7 +27,8 @@ def _rows(w, s, x, gs, out, out4):
 
 # (fmt, K, group): fp8 64-lane / 16-lane (partial last block) / plain loop (K % 16 != 0);
 # nvfp4 vector (group 16) / plain loop (group 32)
-CASES = [("fp8", 1024, 128), ("fp8", 400, 128), ("fp8", 200, 128), ("fp8", 96, 32),
+# fp8 1024 / 128 and 1088 / 128 (a partial 64-column last block): the folded-scale dot
+CASES = [("fp8", 1024, 128), ("fp8", 1088, 128), ("fp8", 400, 128), ("fp8", 200, 128), ("fp8", 96, 32),
          ("nvfp4", 1024, 16), ("nvfp4", 96, 16), ("nvfp4", 256, 32)]
 
 
@@ -41,8 +45,27 @@ def test_dot_matches_decoded_weights(fmt, k, gs, amp):
     x[:, ::5] *= 1e-6
     out, out4 = np.empty(n, np.float32), np.empty((4, n), np.float32)
     _rows(w, s, x, gs, out, out4)
-    ref = x.astype(np.float64) @ ref_w.T
-    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(ref_w).T) + 1e-30
+    xr = roundtrip_act_q8(torch.from_numpy(x)).numpy() if fmt == "nvfp4" and INT_ACT == "int8" else x
+    ref = xr.astype(np.float64) @ ref_w.T
+    bound = 1e-5 * (np.abs(xr).astype(np.float64) @ np.abs(ref_w).T) + 1e-30
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(out4))
     assert np.all(np.abs(out - ref[0]) <= bound[0])
     assert np.all(np.abs(out4 - ref) <= bound)
+
+
+@pytest.mark.parametrize("big", [100.0, 1000.0, 3e30])
+def test_fp8_large_block_scales_stay_finite(big):
+    """The folded-scale dot multiplies each block scale by 2^120 (finite below 2^8): a row with a
+    block scale from 2^7 up multiplies by 2^120 and then by the scale (a branch per block)."""
+    g = torch.Generator().manual_seed(7)
+    n, k, gs = 8, 1024, 128
+    w, s = empty_rows("fp8", (n,), k, gs)
+    encode_rows(torch.randn(n, k, generator=g), "fp8", gs, w, s)
+    s[::2, 3] = big                                  # even rows: one big block; odd rows fold throughout
+    ref_w = decode_rows(w, s, "fp8", gs).double().numpy()
+    x = torch.randn(4, k, generator=g).numpy()
+    out, out4 = np.empty(n, np.float32), np.empty((4, n), np.float32)
+    _rows(w, s, x, gs, out, out4)
+    ref = x.astype(np.float64) @ ref_w.T
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(ref_w).T)
+    assert np.all(np.abs(out - ref[0]) <= bound[0]) and np.all(np.abs(out4 - ref) <= bound)

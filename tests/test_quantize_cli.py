@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import random_prompt, reference_model
+from formats_util import assert_matches
 from freetoken_py.core import SamplingParams
 from freetoken_py.llm import LLM
 
@@ -175,5 +176,5 @@ def test_quantize_nvfp4_round_trip(checkpoint_factory, tmp_path):
         sd = {k: t[b + k] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
         assert torch.equal(NVFP4PackedCompressor.decompress(sd, scheme)["weight"], mine.to(torch.bfloat16))
     ref = theirs(_decompressed_copy(out, tmp_path / "plain", decompress))
-    for backend in ("torch", "cpu"):
-        assert (first_logits(out, backend) - ref).abs().max().item() <= 1e-4, backend
+    for backend in ("torch", "cpu"):          # cpu: int8 activations on AVX2 (formats_util.assert_matches)
+        assert_matches(first_logits(out, backend), ref, backend)

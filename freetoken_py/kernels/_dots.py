@@ -32,10 +32,11 @@ from numba.extending import overload
 from freetoken_py.envs import bf16_act, int_act, simd
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
-from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, bf16_row_dot, bf16_row_dot4, fp8_row_dot4_v,
-                                        fp8_row_dot_v, fp8_row_dot_v64, i8q8_row_dot, i8q8_row_dot4, i8q8v_row_dot,
+from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, bf16_row_dot, bf16_row_dot4, fp8f_row_dot,
+                                        fp8f_row_dot4, fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot, i8q8_row_dot4, i8q8v_row_dot,
                                         i8q8v_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
                                         q4q8_row_dot4, q4q8v_row_dot, q4q8v_row_dot4)
+from freetoken_py.kernels import _simd
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "fp8", "nvfp4")
 ACT_SILU, ACT_GPTOSS = 0, 1
@@ -118,7 +119,7 @@ def e4m3_value(b):
     return nb if m7 >= np.uint32(8) else (-sub if sign else sub)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, inline="always")
 def fp8_row_dot(w, s, x, bk):
     """sum_b s[b] * sum_{j in block b} e4m3(w[j]) * x[j]: e4m3 bytes [K], one scale per bk columns
     (a partial last block), fp32 activations as they are."""
@@ -132,7 +133,7 @@ def fp8_row_dot(w, s, x, bk):
     return acc
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, inline="always")
 def fp8_row_dot4(w, s, x0, x1, x2, x3, bk):
     """fp8_row_dot with four activation rows: each byte decoded once."""
     k = x0.shape[0]
@@ -186,7 +187,7 @@ def nvfp4_multiplier(f):
     return f if f > np.float32(0.0) else np.float32(1.0) / -f
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, inline="always")
 def nvfp4_row_dot(w, s, x, gs):
     """sum_g eff_g * sum_{j in g} e2m1(w nibble j) * x[j]: codes [K/2] (low nibble = even
     column), scales [K/gs + 4] (e4m3 bytes + the row factor), fp32 activations as they are."""
@@ -203,7 +204,7 @@ def nvfp4_row_dot(w, s, x, gs):
     return acc * mul
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, inline="always")
 def nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs):
     """nvfp4_row_dot with four activation rows: each byte decoded once."""
     ng = x0.shape[0] // gs
@@ -234,30 +235,36 @@ def nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs):
 _NVFP4_SIMD = platform.machine().lower() in ("x86_64", "amd64")
 
 
-@njit(fastmath=True, cache=True)
+# inline="always" on these per-row dispatchers and on the plain loops they fall back to: a call of
+# a separate @njit function costs ~70 ns per row (a 2048 x 2048 fp8 matvec 247 vs 119 us, the same
+# vector dot inside), and ~30 ns even as a branch not taken (256 x 256: 10.1 vs 2.6 us; docs/kernels.md)
+@njit(fastmath=True, cache=True, inline="always")
 def fp8_dot(w, s, x, bk):
+    # (a fourth branch, the 64-lane unfolded dot, made every row 4x slower at K = 256 even untaken)
     if bk % 64 == 0 and x.shape[0] % 64 == 0:
-        return fp8_row_dot_v64(w, s, x, bk)
+        return fp8f_row_dot(w, s, x, bk)
     if bk % 16 == 0 and x.shape[0] % 16 == 0:
         return fp8_row_dot_v(w, s, x, bk)
     return fp8_row_dot(w, s, x, bk)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, inline="always")
 def fp8_dot4(w, s, x0, x1, x2, x3, bk):
+    if bk % 64 == 0 and x0.shape[0] % 64 == 0:
+        return fp8f_row_dot4(w, s, x0, x1, x2, x3, bk)
     if bk % 16 == 0 and x0.shape[0] % 16 == 0:
         return fp8_row_dot4_v(w, s, x0, x1, x2, x3, bk)
     return fp8_row_dot4(w, s, x0, x1, x2, x3, bk)
 
 
 if _NVFP4_SIMD:
-    @njit(fastmath=True, cache=True)
+    @njit(fastmath=True, cache=True, inline="always")
     def nvfp4_dot(w, s, x, gs):
         if gs == 16 and x.shape[0] % 32 == 0:
             return nvfp4_row_dot_v(w, s, x) * nvfp4_multiplier(nvfp4_factor(s, x.shape[0] // 16))
         return nvfp4_row_dot(w, s, x, gs)
 
-    @njit(fastmath=True, cache=True)
+    @njit(fastmath=True, cache=True, inline="always")
     def nvfp4_dot4(w, s, x0, x1, x2, x3, gs):
         if gs == 16 and x0.shape[0] % 32 == 0:
             mul = nvfp4_multiplier(nvfp4_factor(s, x0.shape[0] // 16))
@@ -266,6 +273,113 @@ if _NVFP4_SIMD:
         return nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs)
 else:
     nvfp4_dot, nvfp4_dot4 = nvfp4_row_dot, nvfp4_row_dot4
+
+
+# nvfp4 x int8 activations (INT_ACT == "int8"; _simd's "nvfp4 (e2m1) weights x int8 activations"):
+# the AVX-512 VNNI form where the target has it and FREETOKEN_SIMD does not force AVX2, else AVX2;
+# group 16 and K % 64 == 0, else the plain loop below on the same prepared activations (so the
+# numerics never depend on the shape: tiny models' 48-wide experts take it).
+NV_WIDE = HAS_AVX512
+_E2M1_X2_INT = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int32)
+
+
+@njit(cache=True, inline="always")
+def nv8_index(c, k):
+    """Position of column c's int8 activation in prep_nv8_row's layout: per 128-column unit (a last
+    shorter one of n columns) [q of the even columns | q of the odd ones]."""
+    base = (c >> 7) << 7
+    n = min(128, k - base)
+    r = c - base
+    return base + (r >> 1) + (n >> 1) * (r & 1)
+
+
+# fastmath=False: x / scale rounds as quant.q8act's torch reference does (see prep_q8_row)
+@njit(fastmath=False, cache=True)
+def prep_nv8_row(x, xq, xg):
+    """x [K] (K even) -> xq int8 [K] (int8 per 32-block as prep_q8n_row, a partial last block as if
+    zero-padded; nv8_index layout), xg int32 [2L], L = ceil(K/8): per lane l (columns 8l..8l+7)
+    xg[l] = the float32 bits of its block's s_x, xg[L + l] = -12 * sum of its q (the nibble offset)."""
+    k = x.shape[0]
+    nl = (k + 7) // 8
+    for l in range(nl):
+        xg[nl + l] = 0
+    for b in range((k + Q8_BLOCK - 1) // Q8_BLOCK):
+        x0 = b * Q8_BLOCK
+        x1 = min(x0 + Q8_BLOCK, k)
+        amax = np.float32(0.0)
+        for j in range(x0, x1):
+            amax = max(amax, abs(x[j]))
+        scale = amax / np.float32(127.0)
+        div = scale if scale > np.float32(0.0) else np.float32(1.0)
+        for j in range(x0, x1):
+            q = np.int8(min(max(np.rint(x[j] / div), np.float32(-127.0)), np.float32(127.0)))
+            xq[nv8_index(j, k)] = q
+            xg[nl + j // 8] -= 12 * np.int32(q)
+        for l in range(x0 // 8, (x1 + 7) // 8):
+            xg[l] = np.float32(scale).view(np.int32)
+
+
+@njit(fastmath=True, cache=True)
+def prep_nv8_rows(x):
+    """x [R, K] -> (xq int8 [R, K], xg int32 [R, 2 ceil(K/8)]): prep_nv8_row for every row."""
+    nl = (x.shape[1] + 7) // 8
+    xq = np.empty(x.shape, np.int8)
+    xg = np.empty((x.shape[0], 2 * nl), np.int32)
+    for r in range(x.shape[0]):
+        prep_nv8_row(x[r], xq[r], xg[r])
+    return xq, xg
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def nvfp4q8_row_dot(w, s, xq, xg, gs):
+    """The nvfp4 x int8 dot in plain loops, any shape: per run of columns sharing a group and a
+    32-block, s_g * s_x * the integer sum of 2 e2m1 * q_x; times the row factor / 2."""
+    k = xq.shape[0]
+    ng = k // gs
+    acc = np.float32(0.0)
+    for g in range(ng):
+        sg = e4m3_value(s[g])
+        j = g * gs
+        end = (g + 1) * gs
+        while j < end:
+            je = min(end, (j // Q8_BLOCK + 1) * Q8_BLOCK)
+            isum = 0
+            for c in range(j, je):
+                b = w[c >> 1]
+                nib = (b >> np.uint8(4)) if c & 1 else (b & np.uint8(15))
+                isum += _E2M1_X2_INT[nib] * np.int32(xq[nv8_index(c, k)])
+            acc += sg * np.int32(xg[j // 8]).view(np.float32) * np.float32(isum)
+            j = je
+    return acc * nvfp4_multiplier(nvfp4_factor(s, ng)) * np.float32(0.5)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def nvfp4q8_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, gs):
+    return (nvfp4q8_row_dot(w, s, x0, g0, gs), nvfp4q8_row_dot(w, s, x1, g1, gs),
+            nvfp4q8_row_dot(w, s, x2, g2, gs), nvfp4q8_row_dot(w, s, x3, g3, gs))
+
+
+if INT_ACT == "int8":
+    _nv1, _nv4 = ((_simd.nvfp4q8v_row_dot, _simd.nvfp4q8v_row_dot4) if NV_WIDE else
+                  (_simd.nvfp4q8_row_dot, _simd.nvfp4q8_row_dot4))
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def nvfp4q8_dot(w, s, xq, xg, gs):
+        k = xq.shape[0]
+        if gs == 16 and k % 64 == 0:
+            return _nv1(w, s, xq, xg) * (nvfp4_multiplier(nvfp4_factor(s, k // 16)) * np.float32(128.0))
+        return nvfp4q8_row_dot(w, s, xq, xg, gs)
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def nvfp4q8_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, gs):
+        k = x0.shape[0]
+        if gs == 16 and k % 64 == 0:
+            m = nvfp4_multiplier(nvfp4_factor(s, k // 16)) * np.float32(128.0)
+            a0, a1, a2, a3 = _nv4(w, s, x0, x1, x2, x3, g0, g1, g2, g3)
+            return a0 * m, a1 * m, a2 * m, a3 * m
+        return nvfp4q8_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, gs)
+else:
+    nvfp4q8_dot, nvfp4q8_dot4 = nvfp4q8_row_dot, nvfp4q8_row_dot4
 
 
 @njit(fastmath=True, cache=True)
@@ -316,6 +430,8 @@ def _row_dot_impl(w, s, xv, xg, hb):
         return lambda w, s, xv, xg, hb: dot(w, xv)
     if dtype == types.uint8 and s.dtype == types.float32:     # fp8: e4m3 bytes, float32 block scales
         return lambda w, s, xv, xg, hb: fp8_dot(w, s, xv, 2 * hb)
+    if dtype == types.uint8 and s.dtype == types.uint8 and xv.dtype == types.int8:   # nvfp4 x int8 activations
+        return lambda w, s, xv, xg, hb: nvfp4q8_dot(w, s, xv, xg, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.uint8:       # nvfp4: e2m1 nibbles, e4m3 bytes + row factor
         return lambda w, s, xv, xg, hb: nvfp4_dot(w, s, xv, 2 * hb)
     if dtype == types.int8 and xv.dtype == types.int8:
@@ -343,6 +459,8 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
     if dtype == types.uint8 and s.dtype == types.float32:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8_dot4(w, s, x0, x1, x2, x3, 2 * hb)
+    if dtype == types.uint8 and s.dtype == types.uint8 and x0.dtype == types.int8:
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4q8_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.uint8:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.int8 and x0.dtype == types.int8:
@@ -517,7 +635,9 @@ def prepare(w, s, x, gs):
 
 @overload(prepare, jit_options={"fastmath": True})
 def _prepare_impl(w, s, x, gs):
-    if w.dtype == types.uint8 and s.dtype in (types.float32, types.uint8):   # fp8, nvfp4: exact fp32 activations
+    if w.dtype == types.uint8 and s.dtype == types.uint8 and INT_ACT == "int8":   # nvfp4 x int8 activations
+        return lambda w, s, x, gs: prep_nv8_rows(x)
+    if w.dtype == types.uint8 and s.dtype in (types.float32, types.uint8):   # fp8 (nvfp4 with INT_ACT fp32): fp32 as is
         return lambda w, s, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))
     if w.dtype == types.uint8 and INT_ACT == "int8":
         return lambda w, s, x, gs: prep_q8_rows(x, gs)

@@ -999,6 +999,85 @@ def fp8_row_dot_v64(typingctx, w, s, x, bk):
     return types.float32(w, s, x, bk), _fp8_codegen(1, 64)
 
 
+
+# fp8 with the block scale folded into the decode (`_dots.fp8_dot`'s first choice: K and the block
+# multiples of 64): per block b the rebase multiply becomes a multiply by s_b * 2^120 (a block with
+# |s_b| >= 2^7, where that would overflow, multiplies by 2^120 and then by s_b: a branch per block,
+# never taken in real checkpoints), and the products go straight into the accumulators:
+# per 16 weights sign-extend, shift, mask, multiply, FMA, and no per-block partial sums to scale and
+# reset (the loop above spends ~1.5 FP ops per 16 weights on those). 1.1x the 64-lane loop's speed
+# in L2 (2048 x 256 rows, one thread). The weight times its scale is rounded once to fp32, where the
+# loop above scales the block's sum; both are within fp32 rounding of the exact dot. Tried and not
+# kept: decoding through fp16 bits (`_e4m3_half`, vcvtph2ps) in this loop: 1.2x slower with one
+# activation row, even with four; a software prefetch per 64 bytes: no gain from DRAM (one thread,
+# 64 MB rotated: 27.7 vs 29.4 GB/s median).
+
+
+def _fp8f_codegen(num_x):
+    """Folded-scale fp8 dot of one row with `num_x` activations, 64 lanes (4 x 16-lane FMA chains)."""
+    lanes = 64
+
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
+        wp, sp = arrays[0].data, arrays[1].data
+        xps = [a.data for a in arrays[2:2 + num_x]]
+        ngroups = cgutils.unpack_tuple(builder, arrays[1].shape)[0]
+        bk = context.cast(builder, args[-1], signature.args[-1], types.int64)
+        vf, vb, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I8, lanes), ir.VectorType(_I32, lanes)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(num_x)]
+        k = cgutils.unpack_tuple(builder, arrays[2].shape)[0]
+        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32]), "llvm.fabs.f32")
+        with cgutils.for_range(builder, ngroups) as group:
+            g = group.index
+            start = builder.mul(g, bk)
+            rest = builder.sub(k, start)                  # a partial last block (a multiple of 64 here)
+            n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
+            n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+            nvec = builder.udiv(n, ir.Constant(_I64, lanes))
+            s_b = builder.load(builder.gep(sp, [g]))
+            fold = builder.fcmp_ordered("<", builder.call(fabs, [s_b]), ir.Constant(_F32, 128.0))
+
+            def block_loop(folded):
+                sgv = _splat(builder, builder.fmul(s_b, ir.Constant(_F32, 2.0 ** 120)) if folded else s_b, lanes)
+                with cgutils.for_range(builder, nvec) as blk:
+                    off = builder.add(start, builder.mul(blk.index, ir.Constant(_I64, lanes)))
+                    bits = builder.and_(builder.shl(builder.sext(_vload(builder, wp, off, vb, 1), vi),
+                                                    ir.Constant(vi, [20] * lanes)),
+                                        ir.Constant(vi, [0x87FFFFFF - (1 << 32)] * lanes))
+                    v = builder.bitcast(bits, vf)
+                    if not folded:        # |s| >= 2^7: s * 2^120 would overflow; the exact value first
+                        v = builder.fmul(v, ir.Constant(vf, [2.0 ** 120] * lanes))
+                    v = builder.fmul(v, sgv, flags=_CONTRACT)
+                    for acc, xp in zip(accs, xps):
+                        t = builder.fmul(v, _vload(builder, xp, off, vf, 4), flags=_CONTRACT)
+                        builder.store(builder.fadd(builder.load(acc), t, flags=_FAST), acc)
+
+            with builder.if_else(fold) as (then, otherwise):
+                with then:
+                    block_loop(True)
+                with otherwise:
+                    block_loop(False)
+        res = [_hsum(builder, builder.load(acc)) for acc in accs]
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+@intrinsic
+def fp8f_row_dot(typingctx, w, s, x, bk):
+    """fp8_row_dot_v with the block scale folded into the decode: K and bk multiples of 64."""
+    _check_fp8(w, s)
+    return types.float32(w, s, x, bk), _fp8f_codegen(1)
+
+
+@intrinsic
+def fp8f_row_dot4(typingctx, w, s, x0, x1, x2, x3, bk):
+    """fp8f_row_dot with four activation rows -> UniTuple(float32, 4)."""
+    _check_fp8(w, s)
+    return types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3, bk), _fp8f_codegen(4)
+
 _E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]   # 2 * e2m1(nibble), as int8
 
 
@@ -1064,6 +1143,178 @@ def nvfp4_row_dot4_v(typingctx, w, s, x0, x1, x2, x3):
     """nvfp4_row_dot_v with four activation rows -> UniTuple(float32, 4)."""
     _check_nvfp4(w, s)
     return types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3), _nvfp4_codegen(4)
+
+
+# --- nvfp4 (e2m1) weights x int8 activations (AVX-512 VNNI, AVX2) --------------------------------
+#
+# 2 x e2m1 is an integer (0, 1, 2, 3, 4, 6, 8, 12 with the sign of bit 3), so a group's dot with
+# int8 activations is an integer dot. Each nibble becomes 2 x e2m1 + 12 in [0, 24] (unsigned, for
+# vpdpbusd / vpmaddubsw's u8 operand) by one table shuffle; the +12 is removed in integers: each
+# i32 lane (8 columns) starts from corr = -12 x the sum of its 8 q_x, precomputed per activation
+# row (`_dots.prep_nv8_row`). Activations: int8 per 32-block, scale s_x (quant.q8act's rule), laid
+# out per 128-column unit as [q of the 64 even columns | q of the 64 odd columns] (a last 64-column
+# unit: [even x32 | odd x32]) so the low / high nibbles of the unit's 64 bytes (one zmm; AVX2: two
+# 32-byte halves) meet their activations. Either way i32 lane L covers columns 8L..8L+7, group g
+# (16 columns) lanes 2g and 2g + 1: one convert, then one FMA with [s_g x2 | ...] * s_x per lane
+# (s_x per lane precomputed as well). The e4m3 group scales are decoded as fp16 bits (`_e4m3_half`:
+# exact, subnormals included) with vcvtph2ps; the result leaves out a factor 128 (1/2 for 2 x e2m1,
+# 256 for the fp16 rebase) and the row factor, which `_dots.nvfp4q8_dot` applies.
+# Ranges: u8 <= 24, |q_x| <= 127: a vpmaddubsw pair <= 6096 and the sum of the low and high
+# nibbles' pairs <= 12192 (no i16 saturation), an i32 lane <= 24384 + 12192.
+
+_NV_OFF = 12
+_NV_TABLE = [v + _NV_OFF for v in _E2M1_X2]          # 2 x e2m1 + 12 per nibble, u8 in [0, 24]
+
+
+def _e4m3_half(builder, b8, lanes):
+    """<lanes x i8> e4m3 bytes -> <lanes x float> value / 256, exact: the byte sign-extended to 16
+    bits and shifted 7 up puts the sign at bit 15 and the 7 magnitude bits at fp16's exponent /
+    mantissa boundary (bit 14, a copy of the sign, cleared): an fp16 of value e4m3 / 2^8, e4m3
+    subnormals becoming fp16 subnormals, which vcvtph2ps (fpext) converts exactly."""
+    vs = ir.VectorType(_I16, lanes)
+    bits = builder.and_(builder.shl(builder.sext(b8, vs), ir.Constant(vs, [7] * lanes)),
+                        ir.Constant(vs, [0xBF80 - (1 << 16)] * lanes))
+    return _half_to_float(builder, bits, lanes)
+
+
+def _nv_lookup(builder, b, n):
+    """<n x i8> packed bytes -> (2 e2m1 + 12 of the low nibbles, of the high nibbles) by pshufb."""
+    vb = ir.VectorType(_I8, n)
+    name = {16: "llvm.x86.ssse3.pshuf.b.128", 32: "llvm.x86.avx2.pshuf.b", 64: "llvm.x86.avx512.pshuf.b.512"}[n]
+    shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vb, [vb, vb]), name)
+    table = ir.Constant(vb, [v for _ in range(n // 16) for v in _NV_TABLE])
+    m15 = ir.Constant(vb, [15] * n)
+    lo = builder.call(shuf, [table, builder.and_(b, m15)])
+    hi = builder.call(shuf, [table, builder.and_(builder.lshr(b, ir.Constant(vb, [4] * n)), m15)])
+    return lo, hi
+
+
+def _nv_group_scales(builder, sp, g0, ngroups):
+    """e4m3 group scales g0 .. g0 + ngroups - 1 -> <2 ngroups x float> [s_g0 x2 | s_g0+1 x2 | ...] / 256."""
+    b = _vload(builder, sp, g0, ir.VectorType(_I8, ngroups), 1)
+    dup = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(_I32, 2 * ngroups), [i // 2 for i in range(2 * ngroups)]))
+    return _e4m3_half(builder, dup, 2 * ngroups)
+
+
+def _nv_half(builder, wp, sp, wbyte, qe, qo, lane, accs, qps, sxps, cps):
+    """32 packed bytes at wbyte (64 columns, 4 groups; AVX2): acc (<8 x float>) += float(corr +
+    lo . q_even + hi . q_odd) * [s_g x2 ..] * s_x, q_even at qe, q_odd at qo, lanes from `lane`."""
+    v32b, v16s, v8i, v8f = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8),
+                            ir.VectorType(_F32, 8))
+    ubsw, wd = _pmadd_intrinsics(builder)
+    lo, hi = _nv_lookup(builder, _vload(builder, wp, wbyte, v32b, 1), 32)
+    sc = _nv_group_scales(builder, sp, builder.lshr(wbyte, ir.Constant(_I64, 3)), 4)
+    for acc, qp, sxp, cp in zip(accs, qps, sxps, cps):
+        s16 = builder.add(builder.call(ubsw, [lo, _vload(builder, qp, qe, v32b, 1)]),
+                          builder.call(ubsw, [hi, _vload(builder, qp, qo, v32b, 1)]))
+        a = builder.add(builder.call(wd, [s16, ir.Constant(v16s, [1] * 16)]), _vload(builder, cp, lane, v8i, 4))
+        d = builder.fmul(sc, _vload(builder, sxp, lane, v8f, 4), flags=_FAST)
+        builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(a, v8f), d, flags=_FAST),
+                                   flags=_FAST), acc)
+
+
+def _nv_unit512(builder, wp, sp, unit, accs, qps, sxps, cps):
+    """One 128-column unit (64 packed bytes, 8 groups; AVX-512): acc (<16 x float>) += float(corr +
+    lo . q_even + hi . q_odd) * [s_g x2 ..] * s_x (two vpdpbusd into the corrections)."""
+    v64b, v16i, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+    wbyte = builder.shl(unit, ir.Constant(_I64, 6))
+    _prefetch(builder, wp, wbyte)
+    lo, hi = _nv_lookup(builder, _vload(builder, wp, wbyte, v64b, 1), 64)
+    sc = _nv_group_scales(builder, sp, builder.shl(unit, ir.Constant(_I64, 3)), 8)
+    col = builder.shl(unit, ir.Constant(_I64, 7))
+    lane = builder.shl(unit, ir.Constant(_I64, 4))
+    for acc, qp, sxp, cp in zip(accs, qps, sxps, cps):
+        a = _dpbusd(builder, _vload(builder, cp, lane, v16i, 4), lo, _vload(builder, qp, col, v64b, 1))
+        a = _dpbusd(builder, a, hi, _vload(builder, qp, builder.add(col, ir.Constant(_I64, 64)), v64b, 1))
+        d = builder.fmul(sc, _vload(builder, sxp, lane, v16f, 4), flags=_FAST)
+        builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(a, v16f), d, flags=_FAST),
+                                   flags=_FAST), acc)
+
+
+def _nvq8_codegen(num_x, wide):
+    """nvfp4 (group 16) x int8 dot of one row with `num_x` activations, K % 64 == 0 (see the section
+    notes). args: w u8 [K/2], s u8 [K/16 + 4], xq_0.. i8 [K], xg_0.. i32 [2 ceil(K/8)] (s_x per lane
+    as float bits, then the lane corrections). `wide`: the 128-column units by AVX-512 VNNI, two
+    per trip into two accumulators (one FMA chain per unit is latency-bound), else by AVX2 halves;
+    a last 64-column unit by the AVX2 half either way."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        wp, sp = arrays[0].data, arrays[1].data
+        qps = [a.data for a in arrays[2:2 + num_x]]
+        xgps = [a.data for a in arrays[2 + num_x:]]
+        k = cgutils.unpack_tuple(builder, arrays[2].shape)[0]
+        nlanes = builder.lshr(builder.add(k, ir.Constant(_I64, 7)), ir.Constant(_I64, 3))
+        sxps = [builder.bitcast(p, _F32.as_pointer()) for p in xgps]
+        cps = [builder.gep(p, [nlanes]) for p in xgps]
+        nunits = builder.lshr(k, ir.Constant(_I64, 7))
+        c = lambda v: ir.Constant(_I64, v)       # noqa: E731
+        v16f, v8f = ir.VectorType(_F32, 16), ir.VectorType(_F32, 8)
+        acc8s = [cgutils.alloca_once_value(builder, ir.Constant(v8f, None)) for _ in range(num_x)]
+        acc16s = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(num_x)] for _ in range(2)]
+        if wide:
+            with cgutils.for_range(builder, builder.lshr(nunits, c(1))) as loop:
+                unit = builder.shl(loop.index, c(1))
+                _nv_unit512(builder, wp, sp, unit, acc16s[0], qps, sxps, cps)
+                _nv_unit512(builder, wp, sp, builder.add(unit, c(1)), acc16s[1], qps, sxps, cps)
+            with builder.if_then(builder.trunc(nunits, ir.IntType(1))):
+                _nv_unit512(builder, wp, sp, builder.sub(nunits, c(1)), acc16s[0], qps, sxps, cps)
+        else:
+            with cgutils.for_range(builder, nunits) as loop:
+                col = builder.shl(loop.index, c(7))
+                wbyte = builder.shl(loop.index, c(6))
+                lane = builder.shl(loop.index, c(4))
+                _prefetch(builder, wp, wbyte)
+                for h in range(2):
+                    _nv_half(builder, wp, sp, builder.add(wbyte, c(32 * h)), builder.add(col, c(32 * h)),
+                             builder.add(col, c(64 + 32 * h)), builder.add(lane, c(8 * h)), acc8s, qps, sxps, cps)
+        with builder.if_then(builder.trunc(builder.lshr(k, c(6)), ir.IntType(1))):     # a last 64-column unit
+            col = builder.shl(nunits, c(7))
+            _nv_half(builder, wp, sp, builder.shl(nunits, c(6)), col, builder.add(col, c(32)),
+                     builder.shl(nunits, c(4)), acc8s, qps, sxps, cps)
+        res = []
+        for j in range(num_x):
+            tot = _hsum(builder, builder.load(acc8s[j]))
+            if wide:
+                a16 = builder.fadd(builder.load(acc16s[0][j]), builder.load(acc16s[1][j]), flags=_FAST)
+                tot = builder.fadd(tot, _hsum(builder, a16), flags=_FAST)
+            res.append(tot)
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+def _check_nvq8(w, s, xq, xg, wide):
+    _check_avx2()
+    if wide:
+        _check_avx512()
+    _check_nvfp4(w, s)
+    if not (isinstance(xq, types.Array) and xq.dtype == types.int8 and isinstance(xg, types.Array)
+            and xg.dtype == types.int32):
+        raise TypeError(f"nvfp4 x int8 dots take int8 activations and int32 lane data (prep_nv8_row), got {xq}, {xg}")
+
+
+
+def _nvq8_intrinsics(wide):
+    @intrinsic
+    def one(typingctx, w, s, xq, xg):
+        _check_nvq8(w, s, xq, xg, wide)
+        return types.float32(w, s, xq, xg), _nvq8_codegen(1, wide)
+
+    @intrinsic
+    def four(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3):
+        _check_nvq8(w, s, x0, g0, wide)
+        return types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3, g0, g1, g2, g3), _nvq8_codegen(4, wide)
+
+    return one, four
+
+
+# sum_g (e4m3(s[g]) / 256) * sum_{j in g} 2 e2m1(nibble j) * q_x[j] * s_x[j / 32]: times 128 and the
+# row factor it is the dot of the row with the dequantised activations. w u8 [K/2], s u8 [K/16 + 4],
+# xq i8 [K] and xg i32 [2 ceil(K/8)] from _dots.prep_nv8_row, K % 64 == 0 (_dots.nvfp4q8_dot checks).
+nvfp4q8_row_dot, nvfp4q8_row_dot4 = _nvq8_intrinsics(False)          # AVX2
+nvfp4q8v_row_dot, nvfp4q8v_row_dot4 = _nvq8_intrinsics(True)         # AVX-512 VNNI
 
 
 # --- bf16 weights x bf16 activations (AVX512-BF16: vdpbf16ps) --------------------------------------

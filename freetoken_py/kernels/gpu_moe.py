@@ -64,8 +64,8 @@ def _load():
 
 
 def seen_by_cpu_kernels(v: torch.Tensor) -> torch.Tensor:
-    """An activation [n, K] fp32, on any device, as the CPU kernels multiply it with int8 / int4
-    weights (`_dots.INT_ACT`): on the int8 path every 32-element block rounded to int8 against
+    """An activation [n, K] fp32, on any device, as the CPU kernels multiply it with int8 / int4 /
+    nvfp4 weights (`_dots.INT_ACT`): on the int8 path every 32-element block rounded to int8 against
     max|block| / 127 and back (a partial last block as if zero-padded; the arithmetic of
     `quant.roundtrip_act_q8`, which works on the host), else as is."""
     from freetoken_py.kernels._dots import INT_ACT
@@ -254,13 +254,11 @@ def quant_swiglu(x: torch.Tensor, parts: tuple, fmt: str, group_size: int = 32) 
     their device: x [n, D] -> [n, D] in x's dtype, from the dequantised weights in fp32 with x
     and h seen as the CPU kernels see them. The accelerator's path without the Triton kernels."""
     q13, s13, q2, s2 = parts
-    if fmt == "nvfp4":   # the numba nvfp4 kernel reads fp32 activations as they are: no rounding of x, h
+    if fmt == "nvfp4":   # the numba nvfp4 kernel rounds x and h as the int4 one does (INT_ACT)
         from freetoken_py.quant.nvfp4 import dequantize_nvfp4
 
         w13, w2 = dequantize_nvfp4(q13, s13, group_size), dequantize_nvfp4(q2, s2, group_size)
-        gate, up = torch.nn.functional.linear(x.float(), w13).chunk(2, dim=-1)
-        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2).to(x.dtype)
-    if fmt == "int4":
+    elif fmt == "int4":
         w13, w2 = dequant_int4(q13, s13, group_size), dequant_int4(q2, s2, group_size)
     else:
         w13, w2 = q13.float() * s13.float(), q2.float() * s2.float()      # [N, K] * [N, 1]
