@@ -37,14 +37,17 @@ def compile_expert_kernels() -> None:
     """Compile the CPU expert kernel for every format here, untimed, with the argument types the
     probe uses. A cold numba compile (~50 s on this machine) is the kernel's one-time cost, cached
     on disk and shared with the kernel tests — not part of the probe's 30 s."""
+    # at the probe's own widths: which dot a row runs (e.g. the AVX-512 VNNI int4 dot, from 128
+    # columns) is chosen by shape, so a toy shape would leave the probe's kernels uncompiled
     try:
-        from freetoken_py.kernels.cpu_moe import ExpertBank, moe_experts
+        from freetoken_py.engine.cpu_backend import EXPERT_FORMATS
+        from freetoken_py.hw import measure_expert as me
+        from freetoken_py.kernels.cpu_moe import moe_experts
     except ImportError:
         return
-    gate, down = torch.randn(2, 32, 64), torch.randn(2, 64, 32)
-    for fmt in ("fp32", "bf16", "int8", "int4"):
-        bank = ExpertBank.from_weights(gate, gate, down, fmt=fmt, group_size=32)
-        moe_experts(bank, torch.randn(1, 64), torch.tensor([[0, 1]]), torch.full((1, 2), 0.5))
+    for fmt in EXPERT_FORMATS:    # every format the probe measures (fp8 and nvfp4 too)
+        bank = me.base_bank(fmt)
+        moe_experts(bank, torch.randn(1, me.HIDDEN), torch.tensor([[0, 1]]), torch.full((1, 2), 0.5))
 
 
 @pytest.fixture(scope="module")
