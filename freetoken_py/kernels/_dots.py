@@ -294,6 +294,23 @@ def nv8_index(c, k):
 
 
 # fastmath=False: x / scale rounds as quant.q8act's torch reference does (see prep_q8_row)
+@njit(fastmath=False, cache=True, inline="always")
+def q8_block_scale(x, x0, x1):
+    """(s_x, divisor) of the activation block x[x0:x1]: s_x = max|x| / 127, the divisor s_x or 1
+    for an all-zero block (the int8 activation rule of quant.q8act, shared by every prep below)."""
+    amax = np.float32(0.0)
+    for j in range(x0, x1):
+        amax = max(amax, abs(x[j]))
+    scale = amax / np.float32(127.0)
+    return scale, (scale if scale > np.float32(0.0) else np.float32(1.0))
+
+
+@njit(fastmath=False, cache=True, inline="always")
+def q8_code(v, div):
+    """rint(v / div) clamped to [-127, 127] (half to even, like torch.round), as a float32."""
+    return min(max(np.rint(v / div), np.float32(-127.0)), np.float32(127.0))
+
+
 @njit(fastmath=False, cache=True)
 def prep_nv8_row(x, xq, xg):
     """x [K] (K even) -> xq int8 [K] (int8 per 32-block as prep_q8n_row, a partial last block as if
@@ -306,13 +323,9 @@ def prep_nv8_row(x, xq, xg):
     for b in range((k + Q8_BLOCK - 1) // Q8_BLOCK):
         x0 = b * Q8_BLOCK
         x1 = min(x0 + Q8_BLOCK, k)
-        amax = np.float32(0.0)
+        scale, div = q8_block_scale(x, x0, x1)
         for j in range(x0, x1):
-            amax = max(amax, abs(x[j]))
-        scale = amax / np.float32(127.0)
-        div = scale if scale > np.float32(0.0) else np.float32(1.0)
-        for j in range(x0, x1):
-            q = np.int8(min(max(np.rint(x[j] / div), np.float32(-127.0)), np.float32(127.0)))
+            q = np.int8(q8_code(x[j], div))
             xq[nv8_index(j, k)] = q
             xg[nl + j // 8] -= 12 * np.int32(q)
         for l in range(x0 // 8, (x1 + 7) // 8):
@@ -545,15 +558,11 @@ def prep_q8_row(x, gs, xq, xg, quad):
         else:
             ev = (b // 2) * 2 * Q8_BLOCK + (b % 2) * 16 if b < paired else x0
             od = ev + (Q8_BLOCK if b < paired else Q8_BLOCK // 2)
-        amax = np.float32(0.0)
-        for j in range(Q8_BLOCK):
-            amax = max(amax, abs(x[x0 + j]))
-        scale = amax / np.float32(127.0)
-        div = scale if scale > np.float32(0.0) else np.float32(1.0)
+        scale, div = q8_block_scale(x, x0, x0 + Q8_BLOCK)
         qsum = 0
         for j in range(Q8_BLOCK // 2):
-            qe = min(max(np.rint(x[x0 + 2 * j] / div), np.float32(-127.0)), np.float32(127.0))
-            qo = min(max(np.rint(x[x0 + 2 * j + 1] / div), np.float32(-127.0)), np.float32(127.0))
+            qe = q8_code(x[x0 + 2 * j], div)
+            qo = q8_code(x[x0 + 2 * j + 1], div)
             xq[ev + j] = np.int8(qe)
             xq[od + j] = np.int8(qo)
             qsum += np.int32(qe) + np.int32(qo)
@@ -569,13 +578,9 @@ def prep_q8n_row(x, xq, xs):
     for b in range(xs.shape[0]):
         x0 = b * Q8_BLOCK
         x1 = min(x0 + Q8_BLOCK, x.shape[0])
-        amax = np.float32(0.0)
+        scale, div = q8_block_scale(x, x0, x1)
         for j in range(x0, x1):
-            amax = max(amax, abs(x[j]))
-        scale = amax / np.float32(127.0)
-        div = scale if scale > np.float32(0.0) else np.float32(1.0)
-        for j in range(x0, x1):
-            xq[j] = np.int8(min(max(np.rint(x[j] / div), np.float32(-127.0)), np.float32(127.0)))
+            xq[j] = np.int8(q8_code(x[j], div))
         xs[b] = scale
 
 
