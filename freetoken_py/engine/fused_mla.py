@@ -90,8 +90,8 @@ class MlaDecoder:
 def add_ffn(m: MoeTransformer, i: int, lw, x: np.ndarray, h: np.ndarray, banks, act) -> None:
     """h += layer i's feed-forward of the normed rows x: a dense SwiGLU MLP, or the routed experts
     (straight into h through the fused banks when there are some) plus the shared expert, gated by
-    sigmoid(shared_gate(x)) where the model has that gate (Qwen3-Next / 3.5). Shared by the MLA and
-    hybrid decode steps."""
+    sigmoid(shared_gate(x)) where the checkpoint has that gate (the generic loader reads any
+    `shared_expert_gate`). The hybrid decode step runs its own numba form (cpu_decode.add_swiglu)."""
     xt = torch.from_numpy(x)
     if lw.router is None:
         h += _swiglu(lw.mlp13, lw.mlp2, xt).numpy()
