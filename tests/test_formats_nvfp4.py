@@ -9,6 +9,10 @@ is no reference on CPU (FAMILIES.md F4: off by 2.68 on MoE experts)."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -315,3 +319,15 @@ def test_probe_reads_both_nvfp4_formats(ct_qwen, mo_qwen):
         mb = read_model_bytes(q)
         assert mb.weight_format == want and mb.format_error is None
         assert mb.expert_dtype == "U8"                  # the real bytes: half a byte per weight (+ scales)
+
+
+@pytest.mark.skipif(os.environ.get("FREETOKEN_INT_ACT") == "fp32", reason="this process already runs the exact path")
+def test_cpu_kernels_with_fp32_activations_match_within_1e_4():
+    """The exact path (FREETOKEN_INT_ACT=fp32: fp32 activations, what CPUs without AVX2 run) held
+    to 1e-4 on both nvfp4 layouts, here too: the cpu parity test above, in a process that runs it
+    (the mode is fixed at import), so the int8-activation default does not hide an exact-path bug."""
+    env = {**os.environ, "FREETOKEN_INT_ACT": "fp32"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "test_nvfp4_logits_match_the_dequantised_reference and cpu"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and re.search(r"\b2 passed", proc.stdout), proc.stdout[-2000:] + proc.stderr[-2000:]
