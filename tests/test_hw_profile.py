@@ -169,3 +169,19 @@ def test_get_profile_measures_then_revalidates_then_reprofiles(monkeypatch, tmp_
     fake.calls.clear()
     get_profile(reprofile=True, progress=False, probes=fake.probes())
     assert {q for _, q in fake.calls} == {False}
+
+
+def test_report_says_when_the_run_compiled_kernels():
+    from freetoken_py.hw.report import machine_notes
+
+    base = machine()
+    hot = Figure.from_samples("cpu_expert_nvfp4", [5.0, 5.1, 5.2], "fake",
+                              {"kernels_compiled": 12, "first_call_s": 95.6, "cpu_share": 1.0}, 0.5)
+    prof = dataclasses.replace(base, figures={**base.figures, "cpu_expert_nvfp4": hot})
+    said = [n for n in machine_notes(prof) if n.startswith("numba compiled")]
+    assert said == ["numba compiled 12 kernels for 1 figure(s) during this run (96 s, not timed): "
+                    "once per install and kernel variant, then loaded from its disk cache."]
+    # a revalidated start shows the cached figures: their first run's compiles are old news
+    later = dataclasses.replace(prof, revalidation={"mode": "revalidated"})
+    assert not [n for n in machine_notes(later) if n.startswith("numba compiled")]
+    assert not [n for n in machine_notes(base) if n.startswith("numba compiled")]

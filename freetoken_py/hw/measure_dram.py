@@ -31,6 +31,16 @@ def make_buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
+def compiles_during(fn) -> int:
+    """Run fn(); how many functions numba compiled meanwhile (a disk-cache load is not a
+    compile: numba fires its "numba:compile" event only after a cache miss)."""
+    from numba.core import event
+
+    with event.install_recorder("numba:compile") as rec:
+        fn()
+    return sum(1 for _, e in rec.buffer if e.is_start)
+
+
 _KERNELS: dict[str, object] = {}
 
 
@@ -90,7 +100,8 @@ def read_samples(buf: np.ndarray, threads: int, reps: int, budget_s: float) -> l
 
 
 def measure_dram_read(buf: np.ndarray, threads: int, name: str, reps: int = 7,
-                      budget_s: float = 2.0) -> Figure:
+                      budget_s: float = 2.0, setup_s: float = 0.0) -> Figure:
+    compiled = compiles_during(_kernels)     # numba compiles, or loads from its disk cache
     t0, cpu0 = time.perf_counter(), time.process_time()
     samples = read_samples(buf, threads, reps, budget_s)
     # CPU seconds / (wall x threads): well below 1 means other processes held the cores
@@ -98,5 +109,6 @@ def measure_dram_read(buf: np.ndarray, threads: int, name: str, reps: int = 7,
     how = "numba prange sum" if threads > 1 else "numba serial sum"
     method = (f"{how} over a {buf.nbytes >> 20} MiB float32 buffer, {threads} thread(s); "
               f"median of {len(samples)} passes")
-    params = {"buffer_bytes": int(buf.nbytes), "threads": threads, "cpu_share": round(share, 2)}
+    params = {"buffer_bytes": int(buf.nbytes), "threads": threads, "cpu_share": round(share, 2),
+              "kernels_compiled": compiled, "setup_s": round(setup_s, 2)}
     return Figure.from_samples(name, samples, method, params, time.perf_counter() - t0)

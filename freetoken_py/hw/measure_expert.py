@@ -130,11 +130,14 @@ def sample(work: ExpertWorkload, sample_s: float = 0.1) -> float:
 
 
 def samples(work: ExpertWorkload, count: int, budget_s: float,
-            threads: int) -> tuple[list[float], float, float]:
+            threads: int) -> tuple[list[float], float, float, int]:
     """(GB/s samples, seconds of the untimed first call — numba compiles the kernel or loads it
-    from its disk cache —, CPU share of the timed calls: CPU seconds / (wall x threads))."""
+    from its disk cache —, CPU share of the timed calls: CPU seconds / (wall x threads), numba
+    compiles during the first call)."""
+    from freetoken_py.hw.measure_dram import compiles_during
+
     start = time.perf_counter()
-    sample(work, sample_s=0.0)
+    compiled = compiles_during(lambda: sample(work, sample_s=0.0))
     first_call_s = time.perf_counter() - start
     out, start, cpu0 = [], time.perf_counter(), time.process_time()
     for i in range(count):
@@ -142,21 +145,22 @@ def samples(work: ExpertWorkload, count: int, budget_s: float,
         if i >= 1 and time.perf_counter() - start > budget_s:
             break
     share = (time.process_time() - cpu0) / ((time.perf_counter() - start) * threads)
-    return out, first_call_s, share
+    return out, first_call_s, share, compiled
 
 
 def measure_expert_kernel(work: ExpertWorkload, name: str, threads: int, count: int = 5,
-                          budget_s: float = 1.5) -> Figure:
+                          budget_s: float = 1.5, setup_s: float = 0.0) -> Figure:
     from freetoken_py.hw.measure_dram import numba_threads
 
     with numba_threads(threads) as threads:
         t0 = time.perf_counter()
-        got, first_call_s, share = samples(work, count, budget_s, threads)
+        got, first_call_s, share, compiled = samples(work, count, budget_s, threads)
     method = (f"cpu_moe.moe_experts, {work.fmt}, batch 1, top-{TOP_K} of {work.num_experts} "
               f"experts ({work.bank_bytes >> 20} MiB, D={HIDDEN}, I={INTER}) rotated so no "
               f"call hits the cache; median of {len(got)} samples of <= 0.1 s")
     params = {"format": work.fmt, "hidden": HIDDEN, "inter": INTER, "top_k": TOP_K,
               "num_experts": work.num_experts, "bytes_per_expert": int(work.bank.bytes_per_expert),
               "bank_bytes": work.bank_bytes, "group_size": GROUP_SIZE, "threads": threads,
-              "cpu_share": round(share, 2), "first_call_s": round(first_call_s, 2)}
+              "cpu_share": round(share, 2), "first_call_s": round(first_call_s, 2),
+              "kernels_compiled": compiled, "setup_s": round(setup_s, 2)}
     return Figure.from_samples(name, got, method, params, time.perf_counter() - t0)

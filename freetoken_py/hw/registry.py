@@ -19,6 +19,7 @@ for the duration of one profiling run; `close()` frees it.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional, Sequence
 
 from freetoken_py.hw.profile import CpuInfo, Figure, GpuSystem, MemoryInfo
@@ -57,8 +58,12 @@ def dram_probes(ctx: ProbeContext) -> list[Probe]:
         return ctx.resource(("dram", nbytes), lambda: m.make_buffer(nbytes))
 
     def run(name: str, threads: int) -> Callable[[bool], list[Figure]]:
-        return lambda quick: [m.measure_dram_read(buffer(quick), threads, name,
-                                                  reps=3 if quick else 7)]
+        def go(quick: bool) -> list[Figure]:
+            t0 = time.perf_counter()
+            buf = buffer(quick)
+            return [m.measure_dram_read(buf, threads, name, reps=3 if quick else 7,
+                                        setup_s=time.perf_counter() - t0)]
+        return go
 
     return [Probe(("dram_read_all_cores",), f"DRAM read, {ctx.threads} cores",
                   run("dram_read_all_cores", ctx.threads)),
@@ -97,9 +102,11 @@ def expert_probes(ctx: ProbeContext) -> tuple[list[Probe], dict[str, str]]:
 
     def run(fmt: str) -> Callable[[bool], list[Figure]]:
         def go(quick: bool) -> list[Figure]:
+            t0 = time.perf_counter()
             work = expert_workload(ctx, fmt, quick)
             return [me.measure_expert_kernel(work, f"cpu_expert_{fmt}", ctx.threads,
-                                             count=3 if quick else 5)]
+                                             count=3 if quick else 5,
+                                             setup_s=time.perf_counter() - t0)]
         return go
 
     return [Probe((f"cpu_expert_{f}",), f"CPU expert kernel, {f}", run(f)) for f in formats], {}

@@ -83,6 +83,13 @@ def machine_notes(profile: Any) -> list[str]:
         notes.append(f"{len(starved)} CPU figure(s) were measured while other processes held the "
                      f"cores (as little as {worst:.0%} of the CPU time the probe asked for): they "
                      f"understate this machine; run `freetoken probe --reprofile` when it is quiet.")
+    if profile.revalidation.get("mode") == "measured":
+        compiled = {n: f for n, f in profile.figures.items() if f.params.get("kernels_compiled")}
+        if compiled:
+            secs = sum(f.params.get("first_call_s", 0.0) for f in compiled.values())
+            notes.append(f"numba compiled {sum(f.params['kernels_compiled'] for f in compiled.values())} "
+                         f"kernels for {len(compiled)} figure(s) during this run ({secs:.0f} s, not "
+                         f"timed): once per install and kernel variant, then loaded from its disk cache.")
     missing_isa = [k for k in ("avx512f", "avx512_bf16", "avx512_vnni", "amx") if not cpu.isa.get(k)]
     if missing_isa:
         notes.append(f"ISA ({cpu.isa_source}) lacks {', '.join(missing_isa)}.")
