@@ -84,6 +84,10 @@ def test_probe_json_is_complete_and_fast(first_run):
     for gpu in prof["gpu"]["gpus"]:
         assert GPU_FIELDS <= set(gpu)
     assert CPU_FIGURES <= set(prof["figures"])
+    # each format at the group its checkpoints use: NVFP4's 16 (a g32 bank ran the fallback loop)
+    from freetoken_py.quant.nvfp4 import GROUP as NVFP4_GROUP
+    nv = prof["figures"].get("cpu_expert_nvfp4")
+    assert nv is None or nv["params"]["group_size"] == NVFP4_GROUP, nv
     for f in prof["figures"].values():
         assert f["gbps"] > 0 and f["method"] and f["samples"]
     # every figure is either measured or says why not

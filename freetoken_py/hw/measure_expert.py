@@ -20,6 +20,13 @@ HIDDEN = 1024          # D
 INTER = 256            # I, the expert width
 TOP_K = 8
 GROUP_SIZE = 32
+# a format whose group is part of its definition runs at that group: NVFP4's is 16 (at 32 the
+# kernel takes its any-shape fallback loop, ~40x slower: the figure once said 0.4 GB/s)
+FORMAT_GROUP = {"nvfp4": 16}
+
+
+def group_size(fmt: str) -> int:
+    return FORMAT_GROUP.get(fmt, GROUP_SIZE)
 BANK_L3_MULTIPLE = 4   # bank >= 4x L3 (2x for a quick check)
 _BASE_EXPERTS = 2      # experts converted by from_weights; the bank repeats them (tiled_bank)
 
@@ -93,7 +100,7 @@ def tiled_bank(bank: Any, num_experts: int) -> Optional[Any]:
 def base_bank(fmt: str, seed: int = 0) -> Any:
     """A few random experts converted to `fmt` by the production `ExpertBank.from_weights`."""
     return kernel_module().ExpertBank.from_weights(*_random_weights(_BASE_EXPERTS, seed), fmt=fmt,
-                                                   group_size=GROUP_SIZE)
+                                                   group_size=group_size(fmt))
 
 
 def build_workload(fmt: str, l3_bytes: Optional[int], quick: bool = False, seed: int = 0,
@@ -106,7 +113,7 @@ def build_workload(fmt: str, l3_bytes: Optional[int], quick: bool = False, seed:
     num = max(math.ceil(target / base.bytes_per_expert), 2 * TOP_K)
     num = math.ceil(num / TOP_K) * TOP_K
     bank = tiled_bank(base, num) or mod.ExpertBank.from_weights(
-        *_random_weights(num, seed), fmt=fmt, group_size=GROUP_SIZE)
+        *_random_weights(num, seed), fmt=fmt, group_size=group_size(fmt))
     routes = [torch.arange(i, i + TOP_K, dtype=torch.int64).view(1, TOP_K)
               for i in range(0, num, TOP_K)]
     x = torch.randn((1, HIDDEN), generator=torch.Generator().manual_seed(seed + 1))
@@ -160,7 +167,7 @@ def measure_expert_kernel(work: ExpertWorkload, name: str, threads: int, count: 
               f"call hits the cache; median of {len(got)} samples of <= 0.1 s")
     params = {"format": work.fmt, "hidden": HIDDEN, "inter": INTER, "top_k": TOP_K,
               "num_experts": work.num_experts, "bytes_per_expert": int(work.bank.bytes_per_expert),
-              "bank_bytes": work.bank_bytes, "group_size": GROUP_SIZE, "threads": threads,
+              "bank_bytes": work.bank_bytes, "group_size": group_size(work.fmt), "threads": threads,
               "cpu_share": round(share, 2), "first_call_s": round(first_call_s, 2),
               "kernels_compiled": compiled, "setup_s": round(setup_s, 2)}
     return Figure.from_samples(name, got, method, params, time.perf_counter() - t0)

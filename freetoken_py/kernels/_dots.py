@@ -343,7 +343,7 @@ def prep_nv8_rows(x):
     return xq, xg
 
 
-@njit(fastmath=True, cache=True, inline="always")
+@njit(fastmath=True, cache=True)
 def nvfp4q8_row_dot(w, s, xq, xg, gs):
     """The nvfp4 x int8 dot in plain loops, any shape: per run of columns sharing a group and a
     32-block, s_g * s_x * the integer sum of 2 e2m1 * q_x; times the row factor / 2."""
@@ -366,7 +366,7 @@ def nvfp4q8_row_dot(w, s, xq, xg, gs):
     return acc * nvfp4_multiplier(nvfp4_factor(s, ng)) * np.float32(0.5)
 
 
-@njit(fastmath=True, cache=True, inline="always")
+@njit(fastmath=True, cache=True)
 def nvfp4q8_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, gs):
     return (nvfp4q8_row_dot(w, s, x0, g0, gs), nvfp4q8_row_dot(w, s, x1, g1, gs),
             nvfp4q8_row_dot(w, s, x2, g2, gs), nvfp4q8_row_dot(w, s, x3, g3, gs))
