@@ -32,15 +32,10 @@ import common  # noqa: E402
 from formats_decode import build, quantised  # noqa: E402
 
 _START = r"""
-import ctypes, gc, json, sys
+import gc, json, sys
 from freetoken_py.llm import LLM
 from freetoken_py.formats import packed
-
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
+from freetoken_py.hw.procmem import release_free_heap, reset_peak, status_bytes as status
 
 
 def start(path, mode):
@@ -54,15 +49,9 @@ out = {}
 for mode in modes:
     del llm
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)   # freed heap back first (kernels.threads.tune_allocator keeps it)
-    except (OSError, AttributeError):
-        pass
+    release_free_heap()
     before = status("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                            # the peak back to the current RSS
-    except OSError:
+    if not reset_peak():                            # the peak back to the current RSS
         before = status("VmHWM")
     deq = packed.DEQUANTISED_BYTES
     llm = start(path, mode)

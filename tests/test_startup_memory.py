@@ -31,34 +31,12 @@ import gc, json, sys
 from freetoken_py.llm import LLM
 from freetoken_py.engine import expert_store
 from freetoken_py.formats import packed
-
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
+from freetoken_py.hw.procmem import release_free_heap as trim, reset_peak, status_bytes as status
 
 
 def start(path, mode):
     return LLM(path, dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=64, show_progress=False,
                expert_cache=mode, enable_prefix_cache=False)
-
-
-def trim():
-    try:        # glibc keeps freed blocks (kernels.threads.tune_allocator): hand them back first
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def reset_peak():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")        # the peak RSS back to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
 
 
 warm, big, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
