@@ -57,6 +57,20 @@ _SNAPSHOT_EVERY = typer.Option(0, "--snapshot-every-pages",
                                help="Hybrid models: pages between periodic state snapshots of a long prefill "
                                "(0 = auto: where a snapshot's bytes equal the K/V of the tokens it saves; the "
                                "prompt's last page and the decode position are snapshotted anyway).")
+# options `run` and `serve` share (one definition, one help text)
+_DTYPE = typer.Option("auto", "--dtype", help="Compute dtype: auto, float32, bfloat16, float16.")
+_MAX_MODEL_LEN = typer.Option(0, "--max-model-len", min=0, help="Context limit (0 = the model's).")
+_KV_CACHE_GB = typer.Option(0.0, "--kv-cache-gb", min=0.0, help="KV cache size (0 = auto).")
+_BACKEND = typer.Option("auto", "--backend", help="auto, cpu (numba kernels) or torch (reference).")
+_EXPERT_DTYPE = typer.Option("auto", "--expert-dtype",
+                             help="cpu backend and the residency tiers: expert weights as auto (as loaded), "
+                             "bf16, fp32, int8, int4.")
+_DENSE_DTYPE = typer.Option("auto", "--dense-dtype",
+                            help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8, "
+                            "int4 (router and lm_head stay int8).")
+_EXPERT_CACHE = typer.Option("auto", "--expert-cache", help="cpu backend / --expert-dtype: auto (map the packed-expert cache "
+                             "file, else build and write it), off, or rebuild.")
+_THREADS = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores).")
 _PREFILL_EXPERT_DTYPE = typer.Option("auto", "--prefill-expert-dtype",
                                      help="cpu backend: experts of prefill chunks as auto (= --expert-dtype), bf16, "
                                      "fp32 or int8, from a second copy mapped from its cache file; decode steps keep "
@@ -80,20 +94,15 @@ def run(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (chat mode)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, float32, bfloat16, float16."),
-    max_model_len: int = typer.Option(0, "--max-model-len", min=0, help="Context limit (0 = the model's)."),
-    kv_cache_gb: float = typer.Option(0.0, "--kv-cache-gb", min=0.0, help="KV cache size (0 = auto)."),
-    backend: str = typer.Option("auto", "--backend", help="auto, cpu (numba kernels) or torch (reference)."),
-    expert_dtype: str = typer.Option("auto", "--expert-dtype",
-                                     help="cpu backend and the residency tiers: expert weights as auto (as loaded), "
-                                     "bf16, fp32, int8, int4."),
-    dense_dtype: str = typer.Option("auto", "--dense-dtype",
-                                    help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8, "
-                                    "int4 (router and lm_head stay int8)."),
-    expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend / --expert-dtype: auto (map the packed-expert cache "
-                                     "file, else build and write it), off, or rebuild."),
+    dtype: str = _DTYPE,
+    max_model_len: int = _MAX_MODEL_LEN,
+    kv_cache_gb: float = _KV_CACHE_GB,
+    backend: str = _BACKEND,
+    expert_dtype: str = _EXPERT_DTYPE,
+    dense_dtype: str = _DENSE_DTYPE,
+    expert_cache: str = _EXPERT_CACHE,
     prefill_expert_dtype: str = _PREFILL_EXPERT_DTYPE,
-    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
+    threads: int = _THREADS,
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8 "
                                  "(e4m3: twice the tokens in the same memory)."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache",
@@ -153,21 +162,16 @@ def serve(
                                         help="On SIGTERM: seconds running requests may finish before they are aborted."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model id reported by /v1/models (default: folder name)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, float32, bfloat16, float16."),
-    max_model_len: int = typer.Option(0, "--max-model-len", min=0, help="Context limit (0 = the model's)."),
+    dtype: str = _DTYPE,
+    max_model_len: int = _MAX_MODEL_LEN,
     max_num_seqs: int = typer.Option(16, "--max-num-seqs", min=1, help="Sequences decoded together."),
-    kv_cache_gb: float = typer.Option(0.0, "--kv-cache-gb", min=0.0, help="KV cache size (0 = auto)."),
-    backend: str = typer.Option("auto", "--backend", help="auto, cpu (numba kernels) or torch (reference)."),
-    expert_dtype: str = typer.Option("auto", "--expert-dtype",
-                                     help="cpu backend and the residency tiers: expert weights as auto (as loaded), "
-                                     "bf16, fp32, int8, int4."),
-    dense_dtype: str = typer.Option("auto", "--dense-dtype",
-                                    help="cpu backend: attention/router/lm_head weights as auto, bf16, fp32, int8, "
-                                    "int4 (router and lm_head stay int8)."),
-    expert_cache: str = typer.Option("auto", "--expert-cache", help="cpu backend / --expert-dtype: auto (map the packed-expert cache "
-                                     "file, else build and write it), off, or rebuild."),
+    kv_cache_gb: float = _KV_CACHE_GB,
+    backend: str = _BACKEND,
+    expert_dtype: str = _EXPERT_DTYPE,
+    dense_dtype: str = _DENSE_DTYPE,
+    expert_cache: str = _EXPERT_CACHE,
     prefill_expert_dtype: str = _PREFILL_EXPERT_DTYPE,
-    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads for numba and torch (0 = all cores)."),
+    threads: int = _THREADS,
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache storage: auto (the checkpoint's dtype; fp32 for fp16 on the cpu backend), fp32, bf16 or fp8."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not reuse KV pages across requests."),
     prefix_snapshots: int = _PREFIX_SNAPSHOTS,
