@@ -101,3 +101,36 @@ def test_full_precision_bf16_scales_load_exactly(checkpoint_factory, tmp_path):
     name = f"model.layers.{layer}.mlp.experts.3.gate_proj.weight"
     assert torch.equal(w13[3, :llm.model.expert_store.banks[layer].inter], ct_reference(src, name))
     assert llm.model.weights.layers[0].qkv.dense.fmt == "fp32"   # attention on the ignore list: stays float
+
+
+def test_the_residency_tiers_run_a_ct_int4_checkpoint_in_its_own_bytes(ct_ckpt):
+    """`--residency emulate` on a compressed-tensors INT4 checkpoint, no --expert-dtype: the banks
+    and slots hold the checkpoint's nibbles and scales as stored, and the logits stay within the
+    int4 kernels' KL budget of the exact path (compressed-tensors' decompression on the torch
+    backend): the tiers compute the experts with the activations the int4 kernels see, the dense
+    weights (through the torch loader here) exactly. A nibble-order or scale bug moves them ~0.5."""
+    from freetoken_py.core import SamplingParams
+    from freetoken_py.llm import LLM
+
+    from conftest import random_prompt
+
+    llm = LLM(ct_ckpt, dtype="float32", show_progress=False, residency="emulate", expert_cache="off",
+              enable_prefix_cache=False)
+    ex = llm.residency
+    t = load_file(ct_ckpt / "model.safetensors")
+    layer = next(i for i, s in enumerate(llm.args.sparse_layers) if s)
+    bank = ex.cpu_banks[layer]
+    assert ex.fmt.name == "int4" and (bank.fmt, bank.group_size) == ("int4", 32)
+    assert ex.slots.slot_bytes == bank.bytes_per_expert
+    packed = t[f"model.layers.{layer}.mlp.experts.0.down_proj.weight_packed"].view(torch.uint8).numpy()
+    assert np.array_equal(bank.w2[0], packed)
+    prompt = random_prompt(12, 1)
+    llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+    ours = llm.runner.forward_batch(llm.scheduler.schedule())[0]
+    ref, _ = first_logits(ct_ckpt, "torch")
+    kl = torch.nn.functional.kl_div(torch.log_softmax(ours, -1), torch.log_softmax(ref, -1), log_target=True,
+                                    reduction="sum").item()
+    assert kl <= 2.5e-4 and (ours - ref).abs().max().item() <= 0.1
+    tel = ex.telemetry.totals()
+    assert tel.hit_pairs + tel.stream_pairs > 0   # the accelerator tier computed from the slots
+    assert tel.pcie_bytes > 0 and tel.pcie_bytes % ex.slots.slot_bytes == 0   # copies at the checkpoint's bytes

@@ -211,3 +211,29 @@ def test_fp8_fused_qwen35_experts_load_and_match_our_torch_dequantisation(tmp_pa
     odd, _ = _fused_fp8(real, tmp_path / "odd", (64, 16))          # 2I = 64 rows in one 64-row block
     with pytest.raises(ModelLoadError, match=r"gate_up_proj_scale_inv' has an odd block rows"):
         open_checkpoint(odd)
+
+
+def test_the_residency_tiers_run_an_fp8_checkpoint_in_its_own_bytes(fp8_ckpt):
+    """`--residency emulate` on an FP8 checkpoint, no --expert-dtype: the banks and the slots hold
+    the checkpoint's e4m3 bytes and block scales (not a float copy), the tiers compute from
+    them, and the logits equal transformers' dequantised reference within 1e-4."""
+    from freetoken_py.core import SamplingParams
+    from freetoken_py.llm import LLM
+
+    from conftest import random_prompt
+
+    llm = LLM(fp8_ckpt, dtype="float32", show_progress=False, residency="emulate", expert_cache="off",
+              enable_prefix_cache=False)
+    ex = llm.residency
+    layer = next(i for i, s in enumerate(llm.args.sparse_layers) if s)
+    bank = ex.cpu_banks[layer]
+    assert ex.fmt.name == "fp8" and (bank.fmt, bank.group_size) == ("fp8", 16)
+    a = llm.args
+    weights = 3 * a.moe_intermediate_size * a.hidden_size
+    assert ex.slots.slot_bytes == bank.bytes_per_expert < 2 * weights   # 1 byte a weight + scales; fp32 is 4
+    llm.add_request(random_prompt(12, 1), SamplingParams(max_tokens=1, temperature=0))
+    ours = llm.runner.forward_batch(llm.scheduler.schedule())[0]
+    assert (ours - reference_logits(fp8_ckpt)).abs().max().item() <= 1e-4
+    t = ex.telemetry.totals()
+    assert t.hit_pairs + t.stream_pairs > 0   # the accelerator tier computed from the slots
+    assert t.pcie_bytes > 0 and t.pcie_bytes % ex.slots.slot_bytes == 0   # copies at the checkpoint's bytes

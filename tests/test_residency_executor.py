@@ -877,8 +877,10 @@ def test_calibrated_host_costs_are_measured_and_reach_the_prediction_not_the_dec
     fmt = ExpertFormat.of_float(torch.zeros(8, 64, 32), torch.zeros(8, 32, 32))   # w13 [E, 2I, D], w2 [E, D, I]
     measured = with_host_costs(PROFILES["rtx4090"], 8, fmt, top_k=2, calls=8)
     assert measured.host_layer_s > 0 and measured.cpu_call_s >= 0 and measured.pcie_gbps == PROFILES["rtx4090"].pcie_gbps
-    int4_s, int4_call_s = measure_host_costs(16, 4, 64, 10.0, 1 << 20, calls=8, warmup=2, expert_format="int4")
-    assert 0 < int4_s < 0.5 and 0 <= int4_call_s < 0.5
+    for expert_format, group in (("int4", 32), ("fp8", 128), ("nvfp4", 16)):   # the formats a checkpoint brings
+        q_s, q_call_s = measure_host_costs(16, 4, 64, 10.0, 1 << 20, calls=8, warmup=2, expert_format=expert_format,
+                                           group_size=group)
+        assert 0 < q_s < 0.5 and 0 <= q_call_s < 0.5, expert_format
     with pytest.raises(ValueError, match="top_k"):
         measure_host_costs(4, 8, 64, 10.0, 1 << 20)
 

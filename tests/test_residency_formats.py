@@ -20,7 +20,9 @@ from freetoken_py.residency.formats import ExpertFormat, bank_parts
 from freetoken_py.residency.slots import SlotCache
 from freetoken_py.residency.streamer import Streamer
 
-FORMATS = [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128), ("bf16", 32), ("fp32", 32)]
+FORMATS = [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128), ("fp8", 16), ("fp8", 128), ("bf16", 32),
+           ("fp32", 32)]
+QUANT = ("int8", "int4", "fp8")
 
 
 def bank_of(fmt: str, group: int, experts: int = 5, inter: int = 0, hidden: int = 128, seed: int = 0):
@@ -42,7 +44,7 @@ def test_the_accelerators_expert_is_the_cpu_kernels_expert(fmt, group):
     kernels on the bank, against the float64 reference (activations seen as the kernels see them)."""
     bank = bank_of(fmt, group)
     f, parts = ExpertFormat.of_bank(bank), bank_parts(bank)
-    assert f.name == (fmt if fmt in ("int8", "int4") else "float") and f.expert_bytes == bank.bytes_per_expert
+    assert f.name == (fmt if fmt in QUANT else "float") and f.expert_bytes == bank.bytes_per_expert
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, bank.hidden, generator=g)
     ids = torch.tensor([[0, 3], [4, 1], [3, 2]])
@@ -52,7 +54,7 @@ def test_the_accelerators_expert_is_the_cpu_kernels_expert(fmt, group):
         for j in range(2):
             ours[t] += w[t, j] * f.compute(x[t:t + 1], one(parts, int(ids[t, j])))[0]
     ref = moe_ref_slack(bank, x, ids, w, "silu")
-    tol = 1e-4 if fmt in ("int8", "int4") else 1e-5
+    tol = 1e-4 if fmt in QUANT else 1e-5
     assert close_to_ref(ours, ref, tol)
     assert close_to_ref(moe_experts(bank, x, ids, w), ref, tol)
 
@@ -88,14 +90,17 @@ def test_a_cut_expert_adds_up_to_the_whole(fmt, group):
             f.rest(expert, f.cut_block // 2)
 
 
-def test_slots_and_streamer_move_quantised_experts_byte_for_byte():
-    """Four parts per slot (int4: packed weights and fp16 scale bits of w13 and w2, the bank's
+@pytest.mark.parametrize("fmt,group,dtypes", [
+    ("int4", 64, [torch.uint8, torch.int16, torch.uint8, torch.int16]),
+    ("fp8", 128, [torch.uint8, torch.float32, torch.uint8, torch.float32])])
+def test_slots_and_streamer_move_quantised_experts_byte_for_byte(fmt, group, dtypes):
+    """Four parts per slot (int4: packed weights and fp16 scale bits of w13 and w2; fp8: e4m3 bytes and fp32 row-block scales; the bank.s
     own memory): copies into
     slots and staging are the host bank's bytes, a cut's staging holds exactly its columns, and a
     shrink moving experts between chunks keeps every part."""
-    bank = bank_of("int4", 64, experts=8)
+    bank = bank_of(fmt, group, experts=8)
     f, host = ExpertFormat.of_bank(bank), bank_parts(bank)
-    assert [p.dtype for p in host] == [torch.uint8, torch.int16, torch.uint8, torch.int16]
+    assert [p.dtype for p in host] == dtypes
     assert host[0].data_ptr() == bank.w13.ctypes.data and host[3].data_ptr() == bank.s2.ctypes.data
     slots = SlotCache(6, f.specs, chunk_slots=2)
     assert slots.slot_bytes == bank.bytes_per_expert
@@ -106,7 +111,7 @@ def test_slots_and_streamer_move_quantised_experts_byte_for_byte():
         assert all(torch.equal(a, b) for a, b in zip(slots.get((1, e)), one(host, e)))
     staged = st.to_staging(1, 7)
     assert all(torch.equal(a, b) for a, b in zip(staged, one(host, 7)))
-    cols = 64
+    cols = f.cut_block
     cut = st.to_staging_columns(1, 3, cols)
     want = [torch.cat(p) for p in f.column_pieces(one(host, 3), cols)]
     assert [tuple(t.shape) for t in cut] == [tuple(s) for s in f.column_shapes(cols)]

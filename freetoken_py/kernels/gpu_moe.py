@@ -250,10 +250,16 @@ def dequant_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) ->
 
 
 def quant_swiglu(x: torch.Tensor, parts: tuple, fmt: str, group_size: int = 32) -> torch.Tensor:
-    """One int8 / int4 expert (q13, s13, q2, s2, as `moe_pairs_quant` takes them) in torch, on
+    """One int8 / int4 / nvfp4 / fp8 expert (q13, s13, q2, s2, as `moe_pairs_quant` takes them) in torch, on
     their device: x [n, D] -> [n, D] in x's dtype, from the dequantised weights in fp32 with x
     and h seen as the CPU kernels see them. The accelerator's path without the Triton kernels."""
     q13, s13, q2, s2 = parts
+    if fmt == "fp8":     # the numba fp8 kernel multiplies exact fp32 activations: no rounding of x or h
+        from freetoken_py.quant.fp8 import dequantize_fp8
+
+        w13, w2 = dequantize_fp8(q13, s13, group_size), dequantize_fp8(q2, s2, group_size)
+        gate, up = torch.nn.functional.linear(x.float(), w13).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2).to(x.dtype)
     if fmt == "nvfp4":   # the numba nvfp4 kernel rounds x and h as the int4 one does (INT_ACT)
         from freetoken_py.quant.nvfp4 import dequantize_nvfp4
 

@@ -59,11 +59,12 @@ def _load_tier_experts(model_dir: Path, c: EngineConfig):
 
 def _native_tier_format(model_dir: Path):
     """(format, group size) of a checkpoint whose experts the tiers hold as stored without
-    `--expert-dtype` (NVFP4: its own bytes in the banks and slots), else None."""
+    `--expert-dtype` (NVFP4, compressed-tensors INT4, FP8 block-scaled: its own bytes in the
+    banks and slots), else None (float checkpoints: torch's stacked experts)."""
     from freetoken_py.models.loader import open_checkpoint
 
     dec = open_checkpoint(model_dir).decoder
-    return (dec.exec_format, dec.group_size) if dec.exec_format == "nvfp4" else None
+    return (dec.exec_format, dec.group_size) if dec.exec_format in ("nvfp4", "int4", "fp8") else None
 
 
 def attach_tiers(model, c: EngineConfig):

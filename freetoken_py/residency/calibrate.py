@@ -39,13 +39,14 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
     tier's time, so `cpu_call_s` is the fixed part); `layer_bytes`: the routed expert bytes of one
     real layer-step, read between calls to evict the caches (capped at 64 MiB); `cpu_kernels`:
     the CPU tier runs the numba kernels (as the executor does for bf16 / fp32 SiLU experts when
-    attached with them), else torch on the host weights; `expert_format` "int8" / "int4": the
-    experts quantised in banks, as `--expert-dtype` holds them (the numba kernels then always;
-    int4 with `group_size`, the experts one group wide if that is more than 32 columns)."""
+    attached with them), else torch on the host weights; `expert_format` "int8" / "int4" / "fp8" /
+    "nvfp4": the experts quantised in banks, as `--expert-dtype` or a quantised checkpoint holds
+    them (the numba kernels then always; int4 and fp8 with `group_size`, the experts one group
+    wide if that is more than 32 columns; nvfp4 in its groups of 16)."""
     from freetoken_py.kernels.cpu_moe import ExpertBank
     from freetoken_py.residency.adaptive import AdaptivePolicy
     from freetoken_py.residency.executor import ResidencyExecutor
-    from freetoken_py.residency.formats import ExpertFormat, bank_parts
+    from freetoken_py.residency.formats import QUANTISED, ExpertFormat, bank_parts
     from freetoken_py.residency.planner import CostModel
     from freetoken_py.residency.profiles import GB, PROFILES, emulated
     from freetoken_py.residency.slots import SlotCache
@@ -54,11 +55,13 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
         raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
     d = min(hidden, _MAX_HIDDEN)
     g = torch.Generator().manual_seed(seed)
-    inter = max(_INTER, group_size) if expert_format == "int4" else _INTER
+    if expert_format == "nvfp4":
+        group_size, d = 16, max(16, d // 16 * 16)        # nvfp4 banks: whole groups of 16 on both axes
+    inter = max(_INTER, group_size) if expert_format in ("int4", "fp8") else _INTER
     w13 = [(torch.rand(num_experts, 2 * inter, d, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
     w2 = [(torch.rand(num_experts, d, inter, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
     banks = None
-    if expert_format in ("int8", "int4"):   # the store's banks: the host banks and the CPU tier's
+    if expert_format in QUANTISED:   # the store's banks: the host banks and the CPU tier's
         banks = [ExpertBank.from_weights(a[:, :inter], a[:, inter:], b, fmt=expert_format, group_size=group_size)
                  for a, b in zip(w13, w2)]
         host = [bank_parts(b) for b in banks]

@@ -13,6 +13,11 @@ the streamer copies part by part, and the CPU tier's numba kernels read the host
         factor, quant/nvfp4.py): q13 [2I, D/2] uint8, s13 [2I, D/16 + 4] uint8, q2 [D, I/2], s2
         [D, I/16 + 4]; computed from its dequantised weights with fp32 activations, as the numba
         kernel reads them; not cut (each scale row ends in its factor), no Triton kernel yet
+    fp8 (an FP8 block-scaled checkpoint's own bank: e4m3 bytes, one fp32 scale per row and block of
+        g columns, the checkpoint's g x g block scale repeated on its rows, kernels.cpu_moe): q13
+        [2I, D] uint8, s13 [2I, ceil(D/g)] fp32, q2 [D, I], s2 [D, ceil(I/g)]; computed from its
+        dequantised weights with the activations exact in fp32, as the numba fp8 kernel takes
+        them; cut in whole column blocks; no Triton kernel yet
 
 The accelerator tier computes a quantised expert (`compute`, torch; on a GPU at decode, the
 same arithmetic in `kernels.gpu_moe.moe_pairs_quant`'s Triton kernels) from its dequantised
@@ -27,6 +32,7 @@ computes columns [0, cols), the CPU [cols, I). `cut_block` is the granularity a 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,16 +43,17 @@ from freetoken_py.residency.slots import parts_bytes
 
 Parts = tuple  # one expert's tensors (views of a host bank or of a slot)
 
-QUANTISED = ("int8", "int4", "nvfp4")
+QUANTISED = ("int8", "int4", "nvfp4", "fp8")
+GROUPED = ("int4", "fp8")     # scales per group of columns: a cut takes whole groups of the down part
 
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    name: str                 # "float", "int8", "int4" or "nvfp4"
+    name: str                 # "float", "int8", "int4", "nvfp4" or "fp8"
     inter: int                # I
     hidden: int               # D
     specs: tuple              # per part: (shape of one expert's part, dtype)
-    group_size: int = 32      # int4's scale group
+    group_size: int = 32      # int4's scale group; fp8's column block
 
     @property
     def dtype(self) -> torch.dtype:
@@ -61,7 +68,7 @@ class ExpertFormat:
     def cut_block(self) -> int:
         if self.name == "nvfp4":    # whole experts only: a scale row's factor sits at its end
             return self.inter
-        return max(32, self.group_size) if self.name == "int4" else 32
+        return math.lcm(32, self.group_size) if self.name in GROUPED else 32
 
     # ---- building --------------------------------------------------------------------------
     @classmethod
@@ -98,7 +105,7 @@ class ExpertFormat:
             raise ValueError(f"a {self.name} expert is cut in blocks of {self.cut_block} columns, not at {cols}")
         if self.name == "int8":
             return cols, 1          # one scale per row: the whole (1) column goes with either side
-        return cols // 2, cols // self.group_size
+        return (cols if self.name == "fp8" else cols // 2), cols // self.group_size
 
     def column_pieces(self, parts: Parts, cols: int) -> list[list[torch.Tensor]]:
         """The first `cols` columns of I (host views), per part as pieces stacked along dim 0:
@@ -110,7 +117,7 @@ class ExpertFormat:
             w13, w2 = parts
             return [rows(w13), [w2[:, :wc]]]
         q13, s13, q2, s2 = parts
-        return [rows(q13), rows(s13), [q2[:, :wc]], [s2[:, :sc] if self.name == "int4" else s2]]
+        return [rows(q13), rows(s13), [q2[:, :wc]], [s2[:, :sc] if self.name in GROUPED else s2]]
 
     def column_shapes(self, cols: int) -> list[tuple[int, ...]]:
         """The shapes `column_pieces(parts, cols)` stack into, per part."""
@@ -125,7 +132,7 @@ class ExpertFormat:
             w13, w2 = parts
             return rows(w13), w2[:, wc:]
         q13, s13, q2, s2 = parts
-        return rows(q13), rows(s13), q2[:, wc:], s2[:, sc:] if self.name == "int4" else s2
+        return rows(q13), rows(s13), q2[:, wc:], s2[:, sc:] if self.name in GROUPED else s2
 
     def _shape_parts(self) -> Parts:
         return tuple(torch.empty(shape, dtype=dt, device="meta") for shape, dt in self.specs)
@@ -139,7 +146,7 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 
 def bank_parts(bank) -> Parts:
     """A `kernels.cpu_moe.ExpertBank`'s arrays as torch tensors sharing their memory: (w13, w2)
-    in bf16 / fp32 for the float formats, (q13, s13, q2, s2) for int8 / int4."""
+    in bf16 / fp32 for the float formats, (q13, s13, q2, s2) for int8 / int4 / nvfp4 / fp8."""
     if bank.fmt == "fp32":
         return torch.from_numpy(bank.w13), torch.from_numpy(bank.w2)
     if bank.fmt == "bf16":   # uint16 bits -> the same bytes as bf16
