@@ -17,7 +17,10 @@ from pathlib import Path
 # Arguments that must match for a resume to continue the same run.
 RUN_KEYS = ("seed", "vocab", "hidden", "layers", "experts", "top_k", "moe_intermediate", "heads",
             "kv_heads", "seq_len", "short_seq_len", "long_from", "batch_size", "lr", "min_lr_frac", "warmup", "steps",
-            "chat_frac", "num_chats", "aux_coef", "weight_decay", "code_comments")
+            "chat_frac", "num_chats", "aux_coef", "weight_decay", "code_comments",
+            "false_copy_ul", "false_copy_n")
+# keys added after runs were checkpointed: a checkpoint without one ran with this value
+LATER_KEYS = {"false_copy_ul": 0.0, "false_copy_n": 4}
 
 
 def save(work: Path, model, opt, gen, state: dict) -> Path:
@@ -78,8 +81,9 @@ def resume(ckpt: Path, model, opt, gen, args) -> dict:
     from safetensors.torch import load_file
 
     state = load_model(ckpt, model)
-    differ = {k: (state["args"].get(k), getattr(args, k)) for k in RUN_KEYS
-              if state["args"].get(k) != getattr(args, k)}
+    saved = {**LATER_KEYS, **state["args"]}
+    differ = {k: (saved.get(k), getattr(args, k)) for k in RUN_KEYS
+              if saved.get(k) != getattr(args, k)}
     if differ:
         raise SystemExit(f"checkpoint {ckpt} is from a different run: {differ} (use another --run)")
     tensors = load_file(str(ckpt / "state.safetensors"))

@@ -774,6 +774,42 @@ def log_metric(work: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def false_copies(x, n: int):
+    """For each position t of each row (the logit that predicts x[t+1]): the token that followed the
+    latest earlier occurrence of the n-gram x[t-n+1..t] in the row, where that token is *not*
+    x[t+1]; -1 where the n-gram did not occur before or copying it would be right.  These are the
+    predictions an induction ("copy what came next last time") guess gets wrong: the step a
+    greedy loop is made of.  Returns int64 [rows, L-1]."""
+    import numpy as np
+    xs = x.numpy()
+    out = np.full((xs.shape[0], xs.shape[1] - 1), -1, dtype=np.int64)
+    for r, row in enumerate(xs.tolist()):
+        last: dict = {}
+        for t in range(n - 1, len(row) - 1):
+            key = tuple(row[t - n + 1:t + 1])
+            j = last.get(key)
+            if j is not None and row[j + 1] != row[t + 1]:
+                out[r, t] = row[j + 1]
+            last[key] = t
+    return out
+
+
+def false_copy_loss(logits, x, n: int):
+    """Token-level unlikelihood (Welleck et al. 2019, "Neural text generation with unlikelihood
+    training") restricted to false copies: -log(1 - p(c)) for each false-copy candidate c of
+    `false_copies`, summed and divided by the number of predicted tokens.  Returns (loss, share
+    of positions that had a candidate)."""
+    import torch
+    cand = torch.from_numpy(false_copies(x, n))
+    rows, cols = (cand >= 0).nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return logits.sum() * 0.0, 0.0
+    lp = torch.log_softmax(logits[rows, cols].float(), dim=-1)    # [M, vocab]
+    p = lp.gather(-1, cand[rows, cols].unsqueeze(-1)).squeeze(-1).exp()
+    ul = -torch.log1p(-p.clamp(max=1 - 1e-6)).sum() / cand.numel()
+    return ul, rows.numel() / cand.numel()
+
+
 def train(model, opt, batches, data, args, work, state):
     """Steps from state["step"] to args.steps (or until --max-minutes), checkpointing."""
     import torch
@@ -785,7 +821,11 @@ def train(model, opt, batches, data, args, work, state):
             g["lr"] = lr_at(step, args)
         x = batches.next(*shape_at(step, args))  # [rows, row length]
         out = model(input_ids=x, labels=x)
-        out.loss.backward()
+        loss, ul, ul_share = out.loss, None, 0.0
+        if args.false_copy_ul:
+            ul, ul_share = false_copy_loss(out.logits, x, args.false_copy_n)
+            loss = loss + args.false_copy_ul * ul
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -798,6 +838,7 @@ def train(model, opt, batches, data, args, work, state):
         if step % args.log_every == 0 or step == args.steps:
             print(f"step {step:6d}/{args.steps}  lm_loss {lm:.3f}  ema {state['ema']:.3f}  "
                   f"aux {aux:.3f}  lr {lr_at(step - 1, args):.2e}  "
+                  + (f"ul {float(ul):.3f} ({ul_share:.1%} of positions)  " if ul is not None else "") +
                   f"{(state['tokens'] - tokens0) / el:.0f} tok/s  {el:.0f}s", flush=True)
         timed_out = args.max_minutes and el > 60 * args.max_minutes
         if step % args.val_every == 0 or step == args.steps or timed_out:
@@ -939,6 +980,10 @@ def parse_args(argv=None):
     ap.add_argument("--num-chats", type=int, default=6000)
     ap.add_argument("--code-comments", choices=("keep", "drop"), default="drop",
                     help="drop: training code loses its comment-only lines (run main-nc, 2026-12-02)")
+    ap.add_argument("--false-copy-ul", type=float, default=0.0,
+                    help="weight of the false-copy unlikelihood loss (0: off; see false_copy_loss)")
+    ap.add_argument("--false-copy-n", type=int, default=4,
+                    help="n-gram length whose earlier occurrence makes a copy candidate")
     ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1,

@@ -246,6 +246,28 @@ def test_eval_metrics_cut_parse_and_repetition(continuation, parse, blank, repea
     assert row["parse"] == (parse + 1) / 2 and row["blank"] == blank / 2
 
 
+def test_false_copies_mark_only_wrong_induction_guesses():
+    import torch
+    train = _script("train_demo_model")
+    # ... 1 2 3 4 | 5 ... 1 2 3 4 | 6: the copy guess after the second "1 2 3 4" is 5, and wrong
+    x = torch.tensor([[1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 7],
+                      [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 9]])   # row 2: the copies are right
+    fc = train.false_copies(x, 4)
+    assert fc.shape == (2, 11)
+    want = [-1] * 11
+    want[9] = 5                                   # logit 9 predicts x[10] = 6; the guess was 5
+    assert fc[0].tolist() == want
+    assert (fc[1] == -1).all()
+    # the loss is -log(1 - p(guess)) over the row's predicted tokens, and only there
+    logits = torch.randn(2, 12, 16, requires_grad=True)
+    ul, share = train.false_copy_loss(logits, x, 4)
+    p = torch.softmax(logits[0, 9], -1)[5]
+    assert torch.allclose(ul, -torch.log1p(-p) / 22)
+    assert share == 1 / 22
+    ul.backward()
+    assert logits.grad[0, 9, 5] > 0 and logits.grad[1].abs().sum() == 0   # it pushes p(guess) down
+
+
 def _write(root, rel, text):
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
