@@ -145,7 +145,7 @@ def heldout_prompts(files: list[tuple[str, str]], n: int) -> list[dict]:
     while queues and len(out) < n:
         for q in list(queues):
             for rel, text in q:
-                prompt = _first_documented_def(text)
+                prompt = first_documented_def(text)
                 if prompt:
                     out.append({"file": rel, "prompt": prompt})
                     break
@@ -156,7 +156,7 @@ def heldout_prompts(files: list[tuple[str, str]], n: int) -> list[dict]:
     return out
 
 
-def _first_documented_def(text: str) -> str | None:
+def first_documented_def(text: str) -> str | None:
     """Header + docstring of the first def/class (any depth) whose docstring is 1-12 lines."""
     tree = ast.parse(text)
     lines = text.splitlines(keepends=True)

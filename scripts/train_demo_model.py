@@ -810,35 +810,126 @@ def false_copy_loss(logits, x, n: int):
     return ul, rows.numel() / cand.numel()
 
 
+def ul_prompts(args, data) -> list[list[int]]:
+    """Token ids of one prompt per training file (never a validation or held-out one): the
+    header and docstring of its first documented def/class, made as the held-out evaluation makes
+    its prompts (demo_corpus.first_documented_def), 8-256 tokens. Cached in the data dir."""
+    path = data_dir(args) / "ul_prompts.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    files, _ = demo_corpus.collect()
+    texts = []
+    for rel, text in files:
+        if is_val(rel):
+            continue
+        if args.code_comments == "drop":
+            text = demo_corpus.drop_comment_lines(text)
+        try:
+            prompt = demo_corpus.first_documented_def(text)
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        if prompt:
+            texts.append(prompt)
+    ids = [e.ids for e in data["tok"].encode_batch(texts) if 8 <= len(e.ids) <= 256]
+    path.write_text(json.dumps(ids))
+    return ids
+
+
+def repeated_ngram_mask(seq: list[int], start: int, n: int) -> list[bool]:
+    """For each token of seq[start:]: is it part of an n-gram (within seq[start:]) that occurred
+    earlier in seq? Welleck et al.'s sequence-level unlikelihood candidates: the tokens of the
+    repeats a greedy continuation falls into."""
+    seen, mark = set(), [False] * (len(seq) - start)
+    for t in range(n - 1, len(seq)):
+        key = tuple(seq[t - n + 1:t + 1])
+        if key in seen and t - n + 1 >= start:
+            for j in range(t - n + 1, t + 1):
+                mark[j - start] = True
+        seen.add(key)
+    return mark
+
+
+def seq_ul_loss(model, prompts: list[list[int]], new_tokens: int, n: int, pad: int, stops: set):
+    """Sequence-level unlikelihood (Welleck et al. 2019, sec. 5.2): greedy-decode `new_tokens`
+    after each prompt with the model itself (no grad), then -log(1 - p(token)) at every
+    continuation token that is part of a repeated n-gram (`repeated_ngram_mask`), summed over the
+    batch and divided by its continuation tokens. A stop token ends a continuation. Returns
+    (loss, share of continuation tokens marked)."""
+    import torch
+    model.eval()
+    seqs, starts = [], []
+    router = model.config.output_router_logits
+    model.config.output_router_logits = False   # (the aux loss is a training term; generate's masks break it)
+    with torch.no_grad():
+        width = max(len(p) for p in prompts)
+        x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])            # left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=pad, eos_token_id=sorted(stops))
+    model.config.output_router_logits = router
+    model.train()
+    for p, row in zip(prompts, out[:, width:].tolist()):
+        cont = []
+        for t in row:
+            if t in stops:
+                break
+            cont.append(t)
+        seqs.append(p + cont)
+        starts.append(len(p))
+    length = max(len(s) for s in seqs)
+    x = torch.tensor([s + [pad] * (length - len(s)) for s in seqs])                   # right-padded
+    marks = torch.zeros(len(seqs), length, dtype=torch.bool)
+    for i, (s, st) in enumerate(zip(seqs, starts)):
+        marks[i, st:len(s)] = torch.tensor(repeated_ngram_mask(s, st, n), dtype=torch.bool)
+    total = sum(len(s) - st for s, st in zip(seqs, starts))
+    logits = model(input_ids=x).logits                                                # [B, L, V]
+    rows, cols = marks[:, 1:].nonzero(as_tuple=True)                                 # token cols + 1 predicted at cols
+    if rows.numel() == 0 or total == 0:
+        return logits.sum() * 0.0, 0.0
+    lp = torch.log_softmax(logits[rows, cols].float(), dim=-1)
+    p = lp.gather(-1, x[rows, cols + 1].unsqueeze(-1)).squeeze(-1).exp()
+    return -torch.log1p(-p.clamp(max=1 - 1e-6)).sum() / total, rows.numel() / total
+
+
 def train(model, opt, batches, data, args, work, state):
     """Steps from state["step"] to args.steps (or until --max-minutes), checkpointing."""
     import torch
     model.train()
     t0, tokens0, step = time.time(), state["tokens"], state["step"]
     last_ckpt = time.time()
+    prompts = ul_prompts(args, data) if args.seq_ul else None
+    tok = data.get("tok")
+    stops = {tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")} if tok is not None else set()
     while step < args.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
-        x = batches.next(*shape_at(step, args))  # [rows, row length]
-        out = model(input_ids=x, labels=x)
-        loss, ul, ul_share = out.loss, None, 0.0
-        if args.false_copy_ul:
-            ul, ul_share = false_copy_loss(out.logits, x, args.false_copy_n)
-            loss = loss + args.false_copy_ul * ul
+        if args.seq_ul and float(torch.rand((), generator=batches.gen)) < args.seq_ul:
+            pick = torch.randint(len(prompts), (args.seq_ul_prompts,), generator=batches.gen).tolist()
+            loss, share = seq_ul_loss(model, [prompts[i] for i in pick], args.seq_ul_tokens, args.seq_ul_n,
+                                      tok.token_to_id("<|endoftext|>"), stops)
+            state["seq_ul"] = share if state.get("seq_ul") is None else 0.95 * state["seq_ul"] + 0.05 * share
+            line = f"seq-ul {float(loss):.3f}  repeated share {share:.1%} (ema {state['seq_ul']:.1%})  "
+        else:
+            x = batches.next(*shape_at(step, args))  # [rows, row length]
+            out = model(input_ids=x, labels=x)
+            loss, ul, ul_share = out.loss, None, 0.0
+            if args.false_copy_ul:
+                ul, ul_share = false_copy_loss(out.logits, x, args.false_copy_n)
+                loss = loss + args.false_copy_ul * ul
+            state["tokens"] += x.numel()
+            aux = float(out.aux_loss.detach())
+            lm = float(out.loss.detach()) - args.aux_coef * aux
+            state["ema"] = lm if state["ema"] is None else 0.95 * state["ema"] + 0.05 * lm
+            line = (f"lm_loss {lm:.3f}  ema {state['ema']:.3f}  aux {aux:.3f}  "
+                    + (f"ul {float(ul):.3f} ({ul_share:.1%} of positions)  " if ul is not None else ""))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        state["tokens"] += x.numel()
-        aux = float(out.aux_loss.detach())
-        lm = float(out.loss.detach()) - args.aux_coef * aux
-        state["ema"] = lm if state["ema"] is None else 0.95 * state["ema"] + 0.05 * lm
         el = time.time() - t0
         if step % args.log_every == 0 or step == args.steps:
-            print(f"step {step:6d}/{args.steps}  lm_loss {lm:.3f}  ema {state['ema']:.3f}  "
-                  f"aux {aux:.3f}  lr {lr_at(step - 1, args):.2e}  "
-                  + (f"ul {float(ul):.3f} ({ul_share:.1%} of positions)  " if ul is not None else "") +
+            print(f"step {step:6d}/{args.steps}  {line}lr {lr_at(step - 1, args):.2e}  "
                   f"{(state['tokens'] - tokens0) / el:.0f} tok/s  {el:.0f}s", flush=True)
         timed_out = args.max_minutes and el > 60 * args.max_minutes
         if step % args.val_every == 0 or step == args.steps or timed_out:
@@ -984,6 +1075,14 @@ def parse_args(argv=None):
                     help="weight of the false-copy unlikelihood loss (0: off; see false_copy_loss)")
     ap.add_argument("--false-copy-n", type=int, default=4,
                     help="n-gram length whose earlier occurrence makes a copy candidate")
+    ap.add_argument("--finetune-from", default="",
+                    help="start from this run's latest weights (fresh optimizer, this run's schedule)")
+    ap.add_argument("--seq-ul", type=float, default=0.0,
+                    help="share of steps that are sequence-level unlikelihood steps on the model's own "
+                         "greedy continuations of training-file prompts (0: off; see seq_ul_loss)")
+    ap.add_argument("--seq-ul-prompts", type=int, default=8, help="prompts per sequence-level step")
+    ap.add_argument("--seq-ul-tokens", type=int, default=64, help="tokens decoded per prompt")
+    ap.add_argument("--seq-ul-n", type=int, default=4, help="n-gram length of a repeat (sequence-level)")
     ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1,
@@ -1025,6 +1124,12 @@ def main(argv=None):
     if found is not None:
         state = ckpt.resume(found, model, opt, batches.gen, args)
         print(f"resumed from {found} at step {state['step']}", flush=True)
+    elif args.finetune_from:
+        base = ckpt.latest(args.work_dir / args.finetune_from)
+        if base is None:
+            raise SystemExit(f"--finetune-from {args.finetune_from}: no checkpoint in {args.work_dir / args.finetune_from}")
+        ckpt.load_model(base, model)
+        print(f"fine-tuning from {base}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     rows = f"{shape_at(0, args)} then {shape_at(args.steps - 1, args)}"
     print(f"model: {n_params / 1e6:.2f}M parameters; {args.steps} steps of "

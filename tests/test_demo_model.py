@@ -268,6 +268,54 @@ def test_false_copies_mark_only_wrong_induction_guesses():
     assert logits.grad[0, 9, 5] > 0 and logits.grad[1].abs().sum() == 0   # it pushes p(guess) down
 
 
+def test_repeated_ngram_mask_marks_the_repeats_of_a_continuation():
+    train = _script("train_demo_model")
+    # prompt 1 2 3 4 | continuation 5 1 2 3 4 6 7 6 7 6 7: "1 2 3 4" repeats the prompt's 4-gram,
+    # and "6 7 6 7" is a 4-gram seen again at its second occurrence ("7 6 7 6" too)
+    seq = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 7, 6, 7, 6, 7]
+    mark = train.repeated_ngram_mask(seq, 4, 4)
+    assert mark == [False, True, True, True, True, False, False, True, True, True, True]
+    assert not any(train.repeated_ngram_mask([1, 2, 3, 4, 5, 6, 7, 8], 2, 4))   # no repeat, nothing marked
+    # a repeat that starts inside the prompt is the prompt's, not the continuation's
+    assert train.repeated_ngram_mask([1, 2, 3, 1, 2, 3], 4, 3) == [False, False]
+
+
+def test_seq_ul_step_decodes_and_penalises_only_repeats():
+    """On a tiny random model: the loss is -log(1 - p) summed over the marked continuation tokens of
+    the model's own greedy continuations (recomputed here from generate + the mask), over their count."""
+    import torch
+    train = _script("train_demo_model")
+    args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
+                             "--vocab", "64"])
+    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS + train.MARKER_TOKENS)}
+    torch.manual_seed(0)
+    model = train.build_model(args, 64, ids)
+    prompts = [[20, 21, 22, 23, 24], [30, 31, 32]]
+    pad, stops = ids["<|endoftext|>"], {ids["<|endoftext|>"], ids["<|im_end|>"]}
+    loss, share = train.seq_ul_loss(model, prompts, 12, 2, pad, stops)
+    want, count, total = 0.0, 0, 0
+    model.eval()
+    model.config.output_router_logits = False
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=sorted(stops))[0, len(p):].tolist()
+        cont = out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
+        seq = p + cont
+        with torch.no_grad():
+            probs = torch.softmax(model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
+        for j, m in enumerate(train.repeated_ngram_mask(seq, len(p), 2)):
+            t = len(p) + j
+            if m:
+                want += -torch.log1p(-probs[t - 1, seq[t]]).item()
+                count += 1
+        total += len(cont)
+    assert total > 0 and count > 0 and share == count / total    # a random tiny model loops at once
+    assert abs(loss.item() - want / total) <= 1e-5 * max(1.0, want / total)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
 def _write(root, rel, text):
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
