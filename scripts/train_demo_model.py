@@ -908,7 +908,7 @@ def train(model, opt, batches, data, args, work, state):
             loss, share = seq_ul_loss(model, [prompts[i] for i in pick], args.seq_ul_tokens, args.seq_ul_n,
                                       tok.token_to_id("<|endoftext|>"), stops)
             state["seq_ul"] = share if state.get("seq_ul") is None else 0.95 * state["seq_ul"] + 0.05 * share
-            line = f"seq-ul {float(loss):.3f}  repeated share {share:.1%} (ema {state['seq_ul']:.1%})  "
+            line = f"seq-ul {float(loss.detach()):.3f}  repeated share {share:.1%} (ema {state['seq_ul']:.1%})  "
         else:
             x = batches.next(*shape_at(step, args))  # [rows, row length]
             out = model(input_ids=x, labels=x)
