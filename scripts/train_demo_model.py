@@ -856,26 +856,8 @@ def seq_ul_loss(model, prompts: list[list[int]], new_tokens: int, n: int, pad: i
     batch and divided by its continuation tokens. A stop token ends a continuation. Returns
     (loss, share of continuation tokens marked)."""
     import torch
-    model.eval()
-    seqs, starts = [], []
-    router = model.config.output_router_logits
-    model.config.output_router_logits = False   # (the aux loss is a training term; generate's masks break it)
-    with torch.no_grad():
-        width = max(len(p) for p in prompts)
-        x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])            # left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=pad, eos_token_id=sorted(stops))
-    model.config.output_router_logits = router
-    model.train()
-    for p, row in zip(prompts, out[:, width:].tolist()):
-        cont = []
-        for t in row:
-            if t in stops:
-                break
-            cont.append(t)
-        seqs.append(p + cont)
-        starts.append(len(p))
+    conts = _generate(model, prompts, new_tokens, pad, stops)
+    seqs, starts = [p + c for p, c in zip(prompts, conts)], [len(p) for p in prompts]
     length = max(len(s) for s in seqs)
     x = torch.tensor([s + [pad] * (length - len(s)) for s in seqs])                   # right-padded
     marks = torch.zeros(len(seqs), length, dtype=torch.bool)
@@ -891,19 +873,104 @@ def seq_ul_loss(model, prompts: list[list[int]], new_tokens: int, n: int, pad: i
     return -torch.log1p(-p.clamp(max=1 - 1e-6)).sum() / total, rows.numel() / total
 
 
+def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, stops: set, **sampling) -> list[list[int]]:
+    """The model's continuations of `prompts` (batched, left-padded; greedy unless sampling says
+    otherwise), each cut before its first stop token."""
+    import torch
+    model.eval()
+    router = model.config.output_router_logits
+    model.config.output_router_logits = False   # (the aux loss is a training term; generate's masks break it)
+    try:
+        with torch.no_grad():
+            width = max(len(p) for p in prompts)
+            x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=pad,
+                                 eos_token_id=sorted(stops), **(sampling or {"do_sample": False}))
+    finally:
+        model.config.output_router_logits = router
+        model.train()
+    conts = []
+    for row in out[:, width:].tolist():
+        cont = []
+        for t in row:
+            if t in stops:
+                break
+            cont.append(t)
+        conts.append(cont)
+    return conts
+
+
+def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_tokens: int, pad: int, stops: set,
+                   temperature: float = 0.7):
+    """REINFORCE with a syntax reward (as compiler-feedback fine-tuning does): `samples`
+    continuations per prompt sampled at `temperature` (below 1, so that the samples lie near the
+    greedy continuation the evaluation scores and some of them earn a reward), each rewarded 1 when it looks like Python by
+    the held-out evaluation's own checks (eval_demo_model: prompt + continuation cut at its last
+    line parses with `ast`, at least one non-blank line, no line repeated 3+ times), else 0; the
+    advantage is the reward minus its prompt's mean. Loss: -sum(advantage x log p(continuation
+    token)) over the continuation tokens, divided by their count. Returns (loss, mean reward)."""
+    import torch
+    group = [p for p in prompts for _ in range(samples)]
+    conts = _generate(model, group, new_tokens, pad, stops, do_sample=True, temperature=temperature, top_k=0,
+                      top_p=1.0)
+    reward = syntax_rewards(tok, group, conts)
+    return reinforce_loss(model, group, conts, reward, samples, pad), float(reward.mean())
+
+
+def syntax_rewards(tok, prompts: list[list[int]], conts: list[list[int]]):
+    """1.0 per continuation that looks like Python by the held-out evaluation's checks, else 0.0."""
+    import torch
+    import eval_demo_model as ev
+    out = []
+    for p, c in zip(prompts, conts):
+        prompt, text = tok.decode(p), tok.decode(c)
+        out.append(float(ev.parses(prompt, text) and not ev.is_blank(text) and not ev.is_repeated(text)))
+    return torch.tensor(out)
+
+
+def reinforce_loss(model, group: list[list[int]], conts: list[list[int]], reward, samples: int, pad: int):
+    """-sum((reward - its prompt's mean) x log p(continuation token)) / continuation tokens, over
+    `group` (each prompt `samples` times in a row) and its continuations."""
+    import torch
+    adv = (reward.view(-1, samples) - reward.view(-1, samples).mean(dim=1, keepdim=True)).view(-1)
+    seqs = [p + c for p, c in zip(group, conts)]
+    length = max(len(s) for s in seqs)
+    x = torch.tensor([s + [pad] * (length - len(s)) for s in seqs])
+    mask = torch.zeros(len(seqs), length, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(group, conts)):
+        mask[i, len(p):len(p) + len(c)] = True
+    total = int(mask.sum())
+    if total == 0 or not adv.abs().sum():
+        return sum(p.sum() * 0.0 for p in model.parameters())
+    logits = model(input_ids=x).logits                                                # [B, L, V]
+    rows, cols = mask[:, 1:].nonzero(as_tuple=True)                                  # token cols + 1 predicted at cols
+    lp = torch.log_softmax(logits[rows, cols].float(), dim=-1).gather(-1, x[rows, cols + 1].unsqueeze(-1)).squeeze(-1)
+    return -(adv[rows] * lp).sum() / total
+
+
 def train(model, opt, batches, data, args, work, state):
     """Steps from state["step"] to args.steps (or until --max-minutes), checkpointing."""
     import torch
     model.train()
     t0, tokens0, step = time.time(), state["tokens"], state["step"]
     last_ckpt = time.time()
-    prompts = ul_prompts(args, data) if args.seq_ul else None
+    prompts = ul_prompts(args, data) if args.seq_ul or args.seq_rl else None
     tok = data.get("tok")
     stops = {tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")} if tok is not None else set()
     while step < args.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
-        if args.seq_ul and float(torch.rand((), generator=batches.gen)) < args.seq_ul:
+        kind = float(torch.rand((), generator=batches.gen)) if args.seq_ul or args.seq_rl else 1.0
+        if kind >= args.seq_ul and kind < args.seq_ul + args.seq_rl:
+            pick = torch.randint(len(prompts), (args.seq_ul_prompts,), generator=batches.gen).tolist()
+            torch.manual_seed(int(torch.randint(2**31, (1,), generator=batches.gen)))   # generate's sampling RNG
+            loss, reward = syntax_rl_loss(model, [prompts[i] for i in pick], tok, args.seq_rl_samples,
+                                          args.seq_ul_tokens, tok.token_to_id("<|endoftext|>"), stops,
+                                          args.seq_rl_temperature)
+            state["reward"] = reward if state.get("reward") is None else 0.95 * state["reward"] + 0.05 * reward
+            line = f"seq-rl {float(loss.detach()):.3f}  reward {reward:.2f} (ema {state['reward']:.2f})  "
+        elif kind < args.seq_ul:
             pick = torch.randint(len(prompts), (args.seq_ul_prompts,), generator=batches.gen).tolist()
             loss, share = seq_ul_loss(model, [prompts[i] for i in pick], args.seq_ul_tokens, args.seq_ul_n,
                                       tok.token_to_id("<|endoftext|>"), stops)
@@ -1083,6 +1150,10 @@ def parse_args(argv=None):
     ap.add_argument("--seq-ul-prompts", type=int, default=8, help="prompts per sequence-level step")
     ap.add_argument("--seq-ul-tokens", type=int, default=64, help="tokens decoded per prompt")
     ap.add_argument("--seq-ul-n", type=int, default=4, help="n-gram length of a repeat (sequence-level)")
+    ap.add_argument("--seq-rl", type=float, default=0.0,
+                    help="share of steps that are REINFORCE steps with the syntax reward (0: off; see syntax_rl_loss)")
+    ap.add_argument("--seq-rl-samples", type=int, default=4, help="sampled continuations per prompt")
+    ap.add_argument("--seq-rl-temperature", type=float, default=0.7, help="their sampling temperature")
     ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1,

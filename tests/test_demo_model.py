@@ -316,6 +316,45 @@ def test_seq_ul_step_decodes_and_penalises_only_repeats():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
+def test_syntax_rl_rewards_what_the_eval_counts_and_weighs_by_advantage():
+    """The REINFORCE step's pieces: the reward is the eval's own checks (a parseable line earns 1, an
+    unclosed bracket, a blank or a line repeated 3 times 0), advantages are centred per prompt, and
+    the loss is -sum(advantage x log p(token)) over the continuation tokens / their count (recomputed
+    here token by token on the shipped model); its gradient raises the rewarded continuation."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+    train = _script("train_demo_model")
+    model = AutoModelForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32)
+    tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    pad = tok.token_to_id("<|endoftext|>")
+    p1, p2 = tok.encode('def f(x):\n    """Double x."""\n').ids, tok.encode('class A:\n    """An A."""\n').ids
+    group = [p1, p1, p2, p2]
+    conts = [tok.encode(t).ids for t in ("    return 2 * x\n", "    return (x\n",
+                                           "    a = 1\n    a = 1\n    a = 1\n", "\n\n")]
+    reward = train.syntax_rewards(tok, group, conts)
+    assert reward.tolist() == [1.0, 0.0, 0.0, 0.0]
+    adv = [0.5, -0.5, 0.0, 0.0]
+    loss = train.reinforce_loss(model, group, conts, reward, 2, pad)
+    want, total = 0.0, sum(map(len, conts))
+    with torch.no_grad():
+        for a, p, c in zip(adv, group, conts):
+            lp = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0].float(), -1)
+            want -= a * sum(lp[len(p) + j - 1, t].item() for j, t in enumerate(c))
+    assert abs(loss.item() - want / total) <= 1e-4 * max(1.0, abs(want / total))
+    def logp(c):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([p1 + c])).logits[0].float(), -1)
+        return sum(lp[len(p1) + j - 1, t].item() for j, t in enumerate(c))
+    before = logp(conts[0])
+    loss.backward()
+    with torch.no_grad():
+        for prm in model.parameters():
+            if prm.grad is not None:
+                prm -= 1e-2 * prm.grad
+    assert logp(conts[0]) > before                  # one descent step makes the rewarded sample likelier
+
+
 def _write(root, rel, text):
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
