@@ -17,6 +17,8 @@ backend, as `freetoken run` uses it). Reported per model, in one JSON line:
   nothing but blank lines parses trivially);
 - repeated: share that degenerate into a repeated line (a line with a letter or digit in it
   appears 3+ times in the cut continuation); blank: share with no non-blank line;
+  distinct_first_lines: distinct first non-blank lines over prompts (added later: one line
+  written for every prompt passes the checks above);
 - ppl / bits_per_byte: held-out perplexity per token and, comparable across tokenizers, bits per
   byte of the same text (the first 40 held-out files, first 6,000 characters each, windows of 512
   tokens after an <|endoftext|>), scored by transformers (an independent forward).
@@ -75,7 +77,15 @@ def score(prompts: list[str], continuations: list[str]) -> dict:
     return {"parse": sum(ok) / n,
             "parse_nonblank": sum(o and not b for o, b in zip(ok, blank)) / n,
             "repeated": sum(map(is_repeated, continuations)) / n,
-            "blank": sum(blank) / n}
+            "blank": sum(blank) / n,
+            # (added after the first runs: a model that writes one safe line for every prompt
+            # scores well above; this says how many different first lines it writes)
+            "distinct_first_lines": len({first_line(c) for c in continuations}) / n}
+
+
+def first_line(continuation: str) -> str:
+    """The first non-blank line of the cut continuation, stripped ('' if none)."""
+    return next((l.strip() for l in cut_at_last_line(continuation).splitlines() if l.strip()), "")
 
 
 def greedy_continuations(model_dir: Path, prompts: list[str]) -> tuple[list[str], float]:

@@ -902,7 +902,7 @@ def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, stops:
 
 
 def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_tokens: int, pad: int, stops: set,
-                   temperature: float = 0.7):
+                   temperature: float = 0.7, full: bool = False, min_lines: int = 1):
     """REINFORCE with a syntax reward (as compiler-feedback fine-tuning does): `samples`
     continuations per prompt sampled at `temperature` (below 1, so that the samples lie near the
     greedy continuation the evaluation scores and some of them earn a reward), each rewarded 1 when it looks like Python by
@@ -914,18 +914,24 @@ def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_token
     group = [p for p in prompts for _ in range(samples)]
     conts = _generate(model, group, new_tokens, pad, stops, do_sample=True, temperature=temperature, top_k=0,
                       top_p=1.0)
-    reward = syntax_rewards(tok, group, conts)
+    reward = syntax_rewards(tok, group, conts, full=new_tokens if full else 0, min_lines=min_lines)
     return reinforce_loss(model, group, conts, reward, samples, pad), float(reward.mean())
 
 
-def syntax_rewards(tok, prompts: list[list[int]], conts: list[list[int]]):
-    """1.0 per continuation that looks like Python by the held-out evaluation's checks, else 0.0."""
+def syntax_rewards(tok, prompts: list[list[int]], conts: list[list[int]], full: int = 0, min_lines: int = 1):
+    """1.0 per continuation that looks like Python by the held-out evaluation's checks (parses once
+    cut at its last line, not blank, no line repeated 3+ times) and is not a way around them: at
+    least `min_lines` non-blank lines kept by the cut, and, with `full`, all `full` tokens written
+    (no stop token: a short safe line and an early stop would earn the reward for any prompt, and a
+    run of such rewards collapses the model onto one line); else 0.0."""
     import torch
     import eval_demo_model as ev
     out = []
     for p, c in zip(prompts, conts):
         prompt, text = tok.decode(p), tok.decode(c)
-        out.append(float(ev.parses(prompt, text) and not ev.is_blank(text) and not ev.is_repeated(text)))
+        kept = [line for line in ev.cut_at_last_line(text).splitlines() if line.strip()]
+        out.append(float(ev.parses(prompt, text) and not ev.is_repeated(text) and len(kept) >= max(1, min_lines)
+                         and (not full or len(c) >= full)))
     return torch.tensor(out)
 
 
@@ -967,7 +973,7 @@ def train(model, opt, batches, data, args, work, state):
             torch.manual_seed(int(torch.randint(2**31, (1,), generator=batches.gen)))   # generate's sampling RNG
             loss, reward = syntax_rl_loss(model, [prompts[i] for i in pick], tok, args.seq_rl_samples,
                                           args.seq_ul_tokens, tok.token_to_id("<|endoftext|>"), stops,
-                                          args.seq_rl_temperature)
+                                          args.seq_rl_temperature, args.seq_rl_full, args.seq_rl_min_lines)
             state["reward"] = reward if state.get("reward") is None else 0.95 * state["reward"] + 0.05 * reward
             line = f"seq-rl {float(loss.detach()):.3f}  reward {reward:.2f} (ema {state['reward']:.2f})  "
         elif kind < args.seq_ul:
@@ -1154,6 +1160,9 @@ def parse_args(argv=None):
                     help="share of steps that are REINFORCE steps with the syntax reward (0: off; see syntax_rl_loss)")
     ap.add_argument("--seq-rl-samples", type=int, default=4, help="sampled continuations per prompt")
     ap.add_argument("--seq-rl-temperature", type=float, default=0.7, help="their sampling temperature")
+    ap.add_argument("--seq-rl-full", action="store_true",
+                    help="reward only continuations that run the full --seq-ul-tokens (no early stop)")
+    ap.add_argument("--seq-rl-min-lines", type=int, default=1, help="non-blank lines a rewarded continuation keeps")
     ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1,

@@ -246,6 +246,13 @@ def test_eval_metrics_cut_parse_and_repetition(continuation, parse, blank, repea
     assert row["parse"] == (parse + 1) / 2 and row["blank"] == blank / 2
 
 
+def test_eval_counts_distinct_first_lines():
+    ev = _script("eval_demo_model")
+    conts = ["\n    return r\n", "    return r  \n    x = 1\n", "    x = 2\n", "    y"]   # the last: no complete line
+    assert [ev.first_line(c) for c in conts] == ["return r", "return r", "x = 2", ""]
+    assert ev.score([PROMPT] * 4, conts)["distinct_first_lines"] == 3 / 4
+
+
 def test_false_copies_mark_only_wrong_induction_guesses():
     import torch
     train = _script("train_demo_model")
@@ -334,6 +341,8 @@ def test_syntax_rl_rewards_what_the_eval_counts_and_weighs_by_advantage():
                                            "    a = 1\n    a = 1\n    a = 1\n", "\n\n")]
     reward = train.syntax_rewards(tok, group, conts)
     assert reward.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert train.syntax_rewards(tok, group, conts, min_lines=2).tolist() == [0.0] * 4     # one line is not enough
+    assert train.syntax_rewards(tok, group, conts, full=len(conts[0]) + 1)[0] == 0.0      # stopped early
     adv = [0.5, -0.5, 0.0, 0.0]
     loss = train.reinforce_loss(model, group, conts, reward, 2, pad)
     want, total = 0.0, sum(map(len, conts))
