@@ -811,10 +811,13 @@ def false_copy_loss(logits, x, n: int):
 
 
 def ul_prompts(args, data) -> list[list[int]]:
-    """Token ids of one prompt per training file (never a validation or held-out one): the
-    header and docstring of its first documented def/class, made as the held-out evaluation makes
-    its prompts (demo_corpus.first_documented_def), 8-256 tokens. Cached in the data dir."""
-    path = data_dir(args) / "ul_prompts.json"
+    """Token ids of prompts from the training files (never a validation or held-out one): the
+    header and docstring of each file's first documented def/class, made as the held-out
+    evaluation makes its prompts (demo_corpus.first_documented_def), 8-256 tokens; with
+    `--seq-prompts mixed` also each file's first one-line top-level import (2+ tokens). Cached in
+    the data dir."""
+    mixed = args.seq_prompts == "mixed"
+    path = data_dir(args) / ("ul_prompts_mixed.json" if mixed else "ul_prompts.json")
     if path.exists():
         return json.loads(path.read_text())
     files, _ = demo_corpus.collect()
@@ -830,7 +833,11 @@ def ul_prompts(args, data) -> list[list[int]]:
             continue
         if prompt:
             texts.append(prompt)
-    ids = [e.ids for e in data["tok"].encode_batch(texts) if 8 <= len(e.ids) <= 256]
+        if mixed:   # the file's first one-line top-level import: how a module starts (the README's "import os")
+            line = next((l for l in text.splitlines() if l.startswith(("import ", "from "))), None)
+            if line and "(" not in line and not line.rstrip().endswith("\\"):
+                texts.append(line.rstrip() + "\n")
+    ids = [e.ids for e in data["tok"].encode_batch(texts) if (2 if mixed else 8) <= len(e.ids) <= 256]
     path.write_text(json.dumps(ids))
     return ids
 
@@ -1156,6 +1163,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq-ul-prompts", type=int, default=8, help="prompts per sequence-level step")
     ap.add_argument("--seq-ul-tokens", type=int, default=64, help="tokens decoded per prompt")
     ap.add_argument("--seq-ul-n", type=int, default=4, help="n-gram length of a repeat (sequence-level)")
+    ap.add_argument("--seq-prompts", choices=("docstring", "mixed"), default="docstring",
+                    help="prompts of the sequence-level steps: def/class + docstring, or those and import lines")
     ap.add_argument("--seq-rl", type=float, default=0.0,
                     help="share of steps that are REINFORCE steps with the syntax reward (0: off; see syntax_rl_loss)")
     ap.add_argument("--seq-rl-samples", type=int, default=4, help="sampled continuations per prompt")
