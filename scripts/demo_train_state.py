@@ -14,17 +14,15 @@ import json
 import shutil
 from pathlib import Path
 
-# Arguments that must match for a resume to continue the same run.
-RUN_KEYS = ("seed", "vocab", "hidden", "layers", "experts", "top_k", "moe_intermediate", "heads",
-            "kv_heads", "seq_len", "short_seq_len", "long_from", "batch_size", "lr", "min_lr_frac", "warmup", "steps",
-            "chat_frac", "num_chats", "aux_coef", "weight_decay", "code_comments",
-            "false_copy_ul", "false_copy_n", "finetune_from", "seq_ul", "seq_ul_prompts", "seq_ul_tokens", "seq_ul_n", "seq_rl", "seq_rl_samples", "seq_rl_temperature",
-            "seq_rl_full", "seq_rl_min_lines", "seq_prompts")
 # keys added after runs were checkpointed: a checkpoint without one ran with this value
 LATER_KEYS = {"false_copy_ul": 0.0, "false_copy_n": 4, "finetune_from": "", "seq_ul": 0.0, "seq_ul_prompts": 8,
               "seq_ul_tokens": 64, "seq_ul_n": 4, "seq_rl": 0.0, "seq_rl_samples": 4,
               "seq_rl_temperature": 0.7, "seq_rl_full": False, "seq_rl_min_lines": 1,
               "seq_prompts": "docstring"}
+# Arguments that must match for a resume to continue the same run.
+RUN_KEYS = ("seed", "vocab", "hidden", "layers", "experts", "top_k", "moe_intermediate", "heads",
+            "kv_heads", "seq_len", "short_seq_len", "long_from", "batch_size", "lr", "min_lr_frac", "warmup", "steps",
+            "chat_frac", "num_chats", "aux_coef", "weight_decay", "code_comments", *LATER_KEYS)
 
 
 def save(work: Path, model, opt, gen, state: dict) -> Path:

@@ -806,8 +806,13 @@ def false_copy_loss(logits, x, n: int):
         return logits.sum() * 0.0, 0.0
     lp = torch.log_softmax(logits[rows, cols].float(), dim=-1)    # [M, vocab]
     p = lp.gather(-1, cand[rows, cols].unsqueeze(-1)).squeeze(-1).exp()
-    ul = -torch.log1p(-p.clamp(max=1 - 1e-6)).sum() / cand.numel()
-    return ul, rows.numel() / cand.numel()
+    return unlikelihood(p).sum() / cand.numel(), rows.numel() / cand.numel()
+
+
+def unlikelihood(p):
+    """-log(1 - p), elementwise: the cost of giving probability p to a token that should not come."""
+    import torch
+    return -torch.log1p(-p.clamp(max=1 - 1e-6))
 
 
 def ul_prompts(args, data) -> list[list[int]]:
@@ -862,22 +867,29 @@ def seq_ul_loss(model, prompts: list[list[int]], new_tokens: int, n: int, pad: i
     continuation token that is part of a repeated n-gram (`repeated_ngram_mask`), summed over the
     batch and divided by its continuation tokens. A stop token ends a continuation. Returns
     (loss, share of continuation tokens marked)."""
-    import torch
     conts = _generate(model, prompts, new_tokens, pad, stops)
-    seqs, starts = [p + c for p, c in zip(prompts, conts)], [len(p) for p in prompts]
+    seqs = [p + c for p, c in zip(prompts, conts)]
+    marks = [[False] * len(p) + repeated_ngram_mask(s, len(p), n) for p, s in zip(prompts, seqs)]
+    total = sum(map(len, conts))
+    lp, _ = token_logprobs(model, seqs, marks, pad)
+    if lp is None or total == 0:
+        return sum(p.sum() * 0.0 for p in model.parameters()), 0.0
+    return unlikelihood(lp.exp()).sum() / total, lp.numel() / total
+
+
+def token_logprobs(model, seqs: list[list[int]], marks: list[list[bool]], pad: int):
+    """log p(seqs[i][t] | seqs[i][:t]) at every marked position t >= 1, one forward over the
+    right-padded batch: (log-probs [M], the row of each [M]); (None, None) when nothing is marked."""
+    import torch
     length = max(len(s) for s in seqs)
-    x = torch.tensor([s + [pad] * (length - len(s)) for s in seqs])                   # right-padded
-    marks = torch.zeros(len(seqs), length, dtype=torch.bool)
-    for i, (s, st) in enumerate(zip(seqs, starts)):
-        marks[i, st:len(s)] = torch.tensor(repeated_ngram_mask(s, st, n), dtype=torch.bool)
-    total = sum(len(s) - st for s, st in zip(seqs, starts))
-    logits = model(input_ids=x).logits                                                # [B, L, V]
-    rows, cols = marks[:, 1:].nonzero(as_tuple=True)                                 # token cols + 1 predicted at cols
-    if rows.numel() == 0 or total == 0:
-        return logits.sum() * 0.0, 0.0
+    x = torch.tensor([s + [pad] * (length - len(s)) for s in seqs])
+    mask = torch.tensor([m + [False] * (length - len(m)) for m in marks])
+    rows, cols = mask[:, 1:].nonzero(as_tuple=True)                  # token cols + 1 is predicted at cols
+    if rows.numel() == 0:
+        return None, None
+    logits = model(input_ids=x).logits                                 # [B, L, V]
     lp = torch.log_softmax(logits[rows, cols].float(), dim=-1)
-    p = lp.gather(-1, x[rows, cols + 1].unsqueeze(-1)).squeeze(-1).exp()
-    return -torch.log1p(-p.clamp(max=1 - 1e-6)).sum() / total, rows.numel() / total
+    return lp.gather(-1, x[rows, cols + 1].unsqueeze(-1)).squeeze(-1), rows
 
 
 def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, stops: set, **sampling) -> list[list[int]]:
@@ -917,7 +929,6 @@ def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_token
     line parses with `ast`, at least one non-blank line, no line repeated 3+ times), else 0; the
     advantage is the reward minus its prompt's mean. Loss: -sum(advantage x log p(continuation
     token)) over the continuation tokens, divided by their count. Returns (loss, mean reward)."""
-    import torch
     group = [p for p in prompts for _ in range(samples)]
     conts = _generate(model, group, new_tokens, pad, stops, do_sample=True, temperature=temperature, top_k=0,
                       top_p=1.0)
@@ -945,20 +956,13 @@ def syntax_rewards(tok, prompts: list[list[int]], conts: list[list[int]], full: 
 def reinforce_loss(model, group: list[list[int]], conts: list[list[int]], reward, samples: int, pad: int):
     """-sum((reward - its prompt's mean) x log p(continuation token)) / continuation tokens, over
     `group` (each prompt `samples` times in a row) and its continuations."""
-    import torch
     adv = (reward.view(-1, samples) - reward.view(-1, samples).mean(dim=1, keepdim=True)).view(-1)
     seqs = [p + c for p, c in zip(group, conts)]
-    length = max(len(s) for s in seqs)
-    x = torch.tensor([s + [pad] * (length - len(s)) for s in seqs])
-    mask = torch.zeros(len(seqs), length, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(group, conts)):
-        mask[i, len(p):len(p) + len(c)] = True
-    total = int(mask.sum())
-    if total == 0 or not adv.abs().sum():
+    total = sum(map(len, conts))
+    lp, rows = token_logprobs(model, seqs, [[False] * len(p) + [True] * len(c) for p, c in zip(group, conts)], pad) \
+        if adv.abs().sum() else (None, None)
+    if lp is None:
         return sum(p.sum() * 0.0 for p in model.parameters())
-    logits = model(input_ids=x).logits                                                # [B, L, V]
-    rows, cols = mask[:, 1:].nonzero(as_tuple=True)                                  # token cols + 1 predicted at cols
-    lp = torch.log_softmax(logits[rows, cols].float(), dim=-1).gather(-1, x[rows, cols + 1].unsqueeze(-1)).squeeze(-1)
     return -(adv[rows] * lp).sum() / total
 
 
@@ -975,7 +979,7 @@ def train(model, opt, batches, data, args, work, state):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         kind = float(torch.rand((), generator=batches.gen)) if args.seq_ul or args.seq_rl else 1.0
-        if kind >= args.seq_ul and kind < args.seq_ul + args.seq_rl:
+        if args.seq_ul <= kind < args.seq_ul + args.seq_rl:
             pick = torch.randint(len(prompts), (args.seq_ul_prompts,), generator=batches.gen).tolist()
             torch.manual_seed(int(torch.randint(2**31, (1,), generator=batches.gen)))   # generate's sampling RNG
             loss, reward = syntax_rl_loss(model, [prompts[i] for i in pick], tok, args.seq_rl_samples,
@@ -1184,6 +1188,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.short_seq_len and (args.seq_len % args.short_seq_len or args.short_seq_len > args.seq_len):
         ap.error("--short-seq-len must divide --seq-len")
+    if min(args.seq_ul, args.seq_rl) < 0 or args.seq_ul + args.seq_rl > 1:
+        ap.error("--seq-ul and --seq-rl are shares of the steps: each >= 0, together <= 1")
+    if args.seq_rl and args.seq_rl_samples < 2:
+        ap.error("--seq-rl-samples must be at least 2 (the advantage is a sample's reward minus its prompt's mean)")
     return args
 
 

@@ -50,7 +50,7 @@ def _fused_ok(device: torch.device, fmt: ExpertFormat) -> bool:
     there (a one-time self-check; on a failure the torch path stays, with a warning saying why)."""
     import warnings
 
-    if not gpu_moe.available(device) or fmt.name in ("nvfp4", "fp8"):   # (no Triton kernel for them yet: torch path)
+    if not gpu_moe.available(device) or fmt.name not in ("float", *gpu_moe.QUANT_FORMATS):   # (no Triton kernel: torch)
         return False
     if fmt.name == "float":
         problem = gpu_moe.self_check(device, fmt.dtype)
