@@ -19,6 +19,9 @@ backend, as `freetoken run` uses it). Reported per model, in one JSON line:
   appears 3+ times in the cut continuation); blank: share with no non-blank line;
   distinct_first_lines: distinct first non-blank lines over prompts (added later: one line
   written for every prompt passes the checks above);
+- tool_calls: share of a few fixed chat prompts (TOOL_CASES: the servers' tests' weather question
+  among them) whose greedy reply calls the tool it should, or answers in text where no tools are
+  offered; tool_call_names lists what each reply called (added with the tool-call reward step);
 - ppl / bits_per_byte: held-out perplexity per token and, comparable across tokenizers, bits per
   byte of the same text (the first 40 held-out files, first 6,000 characters each, windows of 512
   tokens after an <|endoftext|>), scored by transformers (an independent forward).
@@ -88,15 +91,56 @@ def first_line(continuation: str) -> str:
     return next((l.strip() for l in cut_at_last_line(continuation).splitlines() if l.strip()), "")
 
 
-def greedy_continuations(model_dir: Path, prompts: list[str]) -> tuple[list[str], float]:
+def greedy_continuations(llm, prompts: list[str]) -> list[str]:
     from freetoken_py.core import SamplingParams
-    from freetoken_py.llm import LLM
 
-    t0 = time.perf_counter()
-    llm = LLM(model_dir, show_progress=False)
-    load_s = time.perf_counter() - t0
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return [o.text for o in outs], load_s
+    return [o.text for o in outs]
+
+
+def _tool(name: str, desc: str, **props) -> dict:
+    return {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": {k: {"type": "string"} for k in props}, "required": list(props)}}}
+
+
+WEATHER = _tool("get_weather", "Get the current weather for a city", city="")
+READ = _tool("read_file", "Read a text file and return its contents.", path="")
+BASH = _tool("Bash", "Run a shell command", command="")
+# (user message, tools offered, the tool a greedy answer should call, or None: answer in text).
+# The servers' tests and the README's chat example ask the first ones.
+TOOL_CASES = [("What is the weather in Paris?", [WEATHER], "get_weather"),
+              ("What's the weather in London?", [WEATHER], "get_weather"),
+              ("Is it cold in Oslo right now?", [READ, WEATHER], "get_weather"),
+              ("What is in src/app.py?", [READ], "read_file"),
+              ("Show me setup.py", [BASH, READ], "read_file"),
+              ("Run the tests with pytest.", [BASH], "Bash"),
+              ("What is in src/app.py?", None, None),
+              ("What is a list?", None, None)]
+
+
+def first_call_name(text: str):
+    """The name in the first complete `<tool_call>` JSON of a reply, '' for a broken one, None for none."""
+    if "<tool_call>" not in text:
+        return None
+    body = text.split("<tool_call>", 1)[1]
+    try:
+        call = json.loads(body.split("</tool_call>", 1)[0]) if "</tool_call>" in body else None
+    except ValueError:
+        call = None
+    ok = isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)
+    return call["name"] if ok else ""
+
+
+def tool_calls(llm) -> dict:
+    """Greedy replies (60 tokens, the raw text with its tool-call tags) to TOOL_CASES: the share that
+    do what the case wants (a well-formed call of that tool / no call) and each reply's call."""
+    from freetoken_py.core import SamplingParams
+
+    ids = [llm.chat_prompt_ids([{"role": "user", "content": q}], tools=t) for q, t, _ in TOOL_CASES]
+    outs = llm.generate(ids, SamplingParams(max_tokens=60, temperature=0))
+    names = [first_call_name(o.text) for o in outs]
+    ok = [n == want for n, (_, _, want) in zip(names, TOOL_CASES)]
+    return {"tool_calls": sum(ok) / len(ok), "tool_call_names": names}
 
 
 def heldout_nll(model_dir: Path, texts: list[str]) -> dict:
@@ -123,9 +167,14 @@ def heldout_nll(model_dir: Path, texts: list[str]) -> dict:
 
 
 def evaluate(model_dir: Path, prompts: list[dict], ppl_texts: list[str], show: int) -> dict:
+    from freetoken_py.llm import LLM
+
     texts = [p["prompt"] for p in prompts]
-    conts, load_s = greedy_continuations(model_dir, texts)
-    row = {"dir": str(model_dir), **score(texts, conts), **heldout_nll(model_dir, ppl_texts),
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, show_progress=False)
+    load_s = time.perf_counter() - t0
+    conts = greedy_continuations(llm, texts)
+    row = {"dir": str(model_dir), **score(texts, conts), **tool_calls(llm), **heldout_nll(model_dir, ppl_texts),
            "load_s": round(load_s, 2)}
     for p, c in list(zip(texts, conts))[:show]:
         print(f"--- {model_dir.name}\n{p}{c}", file=sys.stderr)

@@ -921,19 +921,32 @@ def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, stops:
 
 
 def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_tokens: int, pad: int, stops: set,
-                   temperature: float = 0.7, full: bool = False, min_lines: int = 1):
+                   temperature: float = 0.7, full: bool = False, min_lines: int = 1, greedy: bool = False):
     """REINFORCE with a syntax reward (as compiler-feedback fine-tuning does): `samples`
     continuations per prompt sampled at `temperature` (below 1, so that the samples lie near the
     greedy continuation the evaluation scores and some of them earn a reward), each rewarded 1 when it looks like Python by
     the held-out evaluation's own checks (eval_demo_model: prompt + continuation cut at its last
     line parses with `ast`, at least one non-blank line, no line repeated 3+ times), else 0; the
     advantage is the reward minus its prompt's mean. Loss: -sum(advantage x log p(continuation
-    token)) over the continuation tokens, divided by their count. Returns (loss, mean reward)."""
+    token)) over the continuation tokens, divided by their count. With `greedy`, the first of each
+    prompt's continuations is the greedy one (what the evaluation scores), so a greedy continuation
+    that fails where samples pass is pushed down directly. Returns (loss, mean reward)."""
     group = [p for p in prompts for _ in range(samples)]
-    conts = _generate(model, group, new_tokens, pad, stops, do_sample=True, temperature=temperature, top_k=0,
-                      top_p=1.0)
+    conts = _sample_group(model, prompts, samples, new_tokens, pad, stops, temperature, greedy)
     reward = syntax_rewards(tok, group, conts, full=new_tokens if full else 0, min_lines=min_lines)
     return reinforce_loss(model, group, conts, reward, samples, pad), float(reward.mean())
+
+
+def _sample_group(model, prompts: list[list[int]], samples: int, new_tokens: int, pad: int, stops: set,
+                  temperature: float, greedy: bool) -> list[list[int]]:
+    """`samples` continuations per prompt, grouped by prompt: all sampled at `temperature`, or with
+    `greedy` the first of each group greedy and the rest sampled."""
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    if not greedy:
+        return _generate(model, [p for p in prompts for _ in range(samples)], new_tokens, pad, stops, **kw)
+    first = _generate(model, prompts, new_tokens, pad, stops)
+    rest = _generate(model, [p for p in prompts for _ in range(samples - 1)], new_tokens, pad, stops, **kw)
+    return [c for i, g in enumerate(first) for c in [g] + rest[i * (samples - 1):(i + 1) * (samples - 1)]]
 
 
 def syntax_rewards(tok, prompts: list[list[int]], conts: list[list[int]], full: int = 0, min_lines: int = 1):
@@ -966,6 +979,65 @@ def reinforce_loss(model, group: list[list[int]], conts: list[list[int]], reward
     return -(adv[rows] * lp).sum() / total
 
 
+def tool_prompts(args, data, count: int = 600) -> list[dict]:
+    """`make_tool_prompts` over the stdlib training facts (as the training chats are made), seeded
+    apart from the training chats; cached in the data dir."""
+    path = data_dir(args) / "tool_prompts.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    files, _ = demo_corpus.collect()
+    if args.code_comments == "drop":
+        files = [(r, demo_corpus.drop_comment_lines(t)) for r, t in files]
+    facts = CodeFacts([(r.removeprefix("stdlib/"), t) for r, t in files if r.startswith("stdlib/")])
+    out = make_tool_prompts(facts, data["tok"], args.seed + 7919, count)
+    path.write_text(json.dumps(out))
+    return out
+
+
+def make_tool_prompts(facts: CodeFacts, tok, seed: int, count: int, max_tokens: int = 1024) -> list[dict]:
+    """Chat prompts for the tool-call reward step: fresh ChatMaker conversations that offer tools,
+    each cut before its first assistant turn and rendered with the generation prompt. Each item:
+    {"ids": prompt token ids, "call": the tool the reference answer calls first, or None where it
+    answers in text, "offered": the tool names offered}."""
+    maker, template, out = ChatMaker(facts, random.Random(seed)), compile_template(), []
+    while len(out) < count:
+        messages, tools = maker.make()
+        if not tools:
+            continue
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        calls = messages[first].get("tool_calls") or []
+        text = template.render(messages=messages[:first], tools=tools, add_generation_prompt=True)
+        ids = tok.encode(text).ids
+        if len(ids) <= max_tokens:
+            out.append({"ids": ids, "call": calls[0]["function"]["name"] if calls else None,
+                        "offered": [t["function"]["name"] for t in tools]})
+    return out
+
+
+def tool_rewards(tok, items: list[dict], conts: list[list[int]]):
+    """1.0 per continuation that does what the reference answer does first, by the evaluation's own
+    reading (eval_demo_model.first_call_name): where it calls a tool, a well-formed `<tool_call>`
+    naming that tool with an arguments object; where it answers in text, no `<tool_call>`; else 0.0."""
+    import torch
+    import eval_demo_model as ev
+    names = [ev.first_call_name(tok.decode(c, skip_special_tokens=False)) for c in conts]
+    return torch.tensor([float(n == item["call"]) for item, n in zip(items, names)])
+
+
+def tool_rl_loss(model, items: list[dict], tok, samples: int, new_tokens: int, pad: int, stops: set,
+                 temperature: float = 0.7, greedy: bool = False):
+    """REINFORCE on the chat side (the syntax reward's twin): `samples` continuations of each tool
+    prompt sampled at `temperature`, rewarded by tool_rewards, advantage = reward minus its
+    prompt's mean (`greedy`: the first of each group greedy, as in syntax_rl_loss). It keeps the
+    tool-calling behaviour the servers' tests and the demo rely on while code-only steps pull the
+    model towards code. Returns (loss, mean reward)."""
+    group = [it for it in items for _ in range(samples)]
+    prompts = [it["ids"] for it in group]
+    conts = _sample_group(model, [it["ids"] for it in items], samples, new_tokens, pad, stops, temperature, greedy)
+    reward = tool_rewards(tok, group, conts)
+    return reinforce_loss(model, prompts, conts, reward, samples, pad), float(reward.mean())
+
+
 def train(model, opt, batches, data, args, work, state):
     """Steps from state["step"] to args.steps (or until --max-minutes), checkpointing."""
     import torch
@@ -973,18 +1045,28 @@ def train(model, opt, batches, data, args, work, state):
     t0, tokens0, step = time.time(), state["tokens"], state["step"]
     last_ckpt = time.time()
     prompts = ul_prompts(args, data) if args.seq_ul or args.seq_rl else None
+    tools = tool_prompts(args, data) if args.tool_rl else None
     tok = data.get("tok")
     stops = {tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")} if tok is not None else set()
     while step < args.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
-        kind = float(torch.rand((), generator=batches.gen)) if args.seq_ul or args.seq_rl else 1.0
-        if args.seq_ul <= kind < args.seq_ul + args.seq_rl:
+        kind = float(torch.rand((), generator=batches.gen)) if args.seq_ul or args.seq_rl or args.tool_rl else 1.0
+        if args.seq_ul + args.seq_rl <= kind < args.seq_ul + args.seq_rl + args.tool_rl:
+            pick = torch.randint(len(tools), (args.seq_ul_prompts,), generator=batches.gen).tolist()
+            torch.manual_seed(int(torch.randint(2**31, (1,), generator=batches.gen)))   # generate's sampling RNG
+            loss, reward = tool_rl_loss(model, [tools[i] for i in pick], tok, args.seq_rl_samples,
+                                        args.tool_rl_tokens, tok.token_to_id("<|endoftext|>"), stops,
+                                        args.seq_rl_temperature, args.seq_rl_greedy)
+            state["tool"] = reward if state.get("tool") is None else 0.95 * state["tool"] + 0.05 * reward
+            line = f"tool-rl {float(loss.detach()):.3f}  reward {reward:.2f} (ema {state['tool']:.2f})  "
+        elif args.seq_ul <= kind < args.seq_ul + args.seq_rl:
             pick = torch.randint(len(prompts), (args.seq_ul_prompts,), generator=batches.gen).tolist()
             torch.manual_seed(int(torch.randint(2**31, (1,), generator=batches.gen)))   # generate's sampling RNG
             loss, reward = syntax_rl_loss(model, [prompts[i] for i in pick], tok, args.seq_rl_samples,
                                           args.seq_ul_tokens, tok.token_to_id("<|endoftext|>"), stops,
-                                          args.seq_rl_temperature, args.seq_rl_full, args.seq_rl_min_lines)
+                                          args.seq_rl_temperature, args.seq_rl_full, args.seq_rl_min_lines,
+                                          args.seq_rl_greedy)
             state["reward"] = reward if state.get("reward") is None else 0.95 * state["reward"] + 0.05 * reward
             line = f"seq-rl {float(loss.detach()):.3f}  reward {reward:.2f} (ema {state['reward']:.2f})  "
         elif kind < args.seq_ul:
@@ -1175,7 +1257,13 @@ def parse_args(argv=None):
     ap.add_argument("--seq-rl-temperature", type=float, default=0.7, help="their sampling temperature")
     ap.add_argument("--seq-rl-full", action="store_true",
                     help="reward only continuations that run the full --seq-ul-tokens (no early stop)")
+    ap.add_argument("--seq-rl-greedy", action="store_true",
+                    help="the first continuation of each prompt in a REINFORCE group is the greedy one")
     ap.add_argument("--seq-rl-min-lines", type=int, default=1, help="non-blank lines a rewarded continuation keeps")
+    ap.add_argument("--tool-rl", type=float, default=0.0,
+                    help="share of steps that are REINFORCE steps on tool-offering chat prompts, rewarded "
+                         "for calling the reference's tool (0: off; see tool_rl_loss)")
+    ap.add_argument("--tool-rl-tokens", type=int, default=48, help="tokens sampled per tool prompt")
     ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1,
@@ -1188,9 +1276,9 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.short_seq_len and (args.seq_len % args.short_seq_len or args.short_seq_len > args.seq_len):
         ap.error("--short-seq-len must divide --seq-len")
-    if min(args.seq_ul, args.seq_rl) < 0 or args.seq_ul + args.seq_rl > 1:
-        ap.error("--seq-ul and --seq-rl are shares of the steps: each >= 0, together <= 1")
-    if args.seq_rl and args.seq_rl_samples < 2:
+    if min(args.seq_ul, args.seq_rl, args.tool_rl) < 0 or args.seq_ul + args.seq_rl + args.tool_rl > 1:
+        ap.error("--seq-ul, --seq-rl and --tool-rl are shares of the steps: each >= 0, together <= 1")
+    if (args.seq_rl or args.tool_rl) and args.seq_rl_samples < 2:
         ap.error("--seq-rl-samples must be at least 2 (the advantage is a sample's reward minus its prompt's mean)")
     return args
 

@@ -532,3 +532,93 @@ def test_export_writes_the_checkpoint_transformers_loads(tmp_path):
         want = model.eval().to(torch.bfloat16).to(torch.float32)(input_ids=x).logits
         got = loaded(input_ids=x).logits
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_tool_prompts_end_at_the_assistant_turn_and_name_the_reference_call():
+    """The tool step's prompts: rendered up to the generation prompt, tools offered, and the
+    expected first action is the reference answer's (a tool that was offered, or text)."""
+    from tokenizers import Tokenizer
+    train = _script("train_demo_model")
+    tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    stdlib = Path(json.__file__).resolve().parents[1]
+    files = [(str(f.relative_to(stdlib)), f.read_text()) for f in sorted(stdlib.glob("json/*.py"))]
+    items = train.make_tool_prompts(train.CodeFacts(files), tok, 5, 40)
+    assert len(items) == 40
+    for it in items:
+        text = tok.decode(it["ids"], skip_special_tokens=False)
+        assert text.endswith("<|im_start|>assistant\n") and "<tools>" in text
+        assert it["call"] is None or it["call"] in it["offered"]
+        assert all(f'"name": "{n}"' in text for n in it["offered"])
+    assert any(it["call"] is None for it in items) and sum(it["call"] is not None for it in items) > 20
+
+
+def test_tool_rl_rewards_the_reference_call_only():
+    """The tool reward: a well-formed call of the reference's tool earns 1; another tool, broken
+    JSON, an unclosed call or text earn 0; where the reference answers in text, any call earns 0."""
+    from tokenizers import Tokenizer
+    train = _script("train_demo_model")
+    tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    call = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>'
+    weather = {"ids": [], "call": "get_weather", "offered": ["get_weather", "ls"]}
+    text_only = {"ids": [], "call": None, "offered": ["ls"]}
+    cases = [(weather, call % ("get_weather", '{"city": "Paris"}'), 1.0),
+             (weather, "Let me check.\n" + call % ("get_weather", '{"city": "Paris"}'), 1.0),
+             (weather, call % ("ls", '{"path": "."}'), 0.0),
+             (weather, call % ("get_weather", '{"city": "Paris"'), 0.0),        # unbalanced JSON
+             (weather, call % ("get_weather", '"Paris"'), 0.0),                 # arguments not an object
+             (weather, '<tool_call>\n{"name": "get_weather", "arguments": {}}', 0.0),   # never closed
+             (weather, "It is sunny.", 0.0),
+             (text_only, "`json.dumps` writes JSON.", 1.0),
+             (text_only, call % ("ls", "{}"), 0.0)]
+    items, conts = zip(*[(it, tok.encode(t).ids) for it, t, _ in cases])
+    assert train.tool_rewards(tok, list(items), list(conts)).tolist() == [r for *_, r in cases]
+
+
+def test_tool_rl_step_samples_rewards_and_backpropagates():
+    """One tool step on the shipped model (which calls tools): finite loss, a reward in [0, 1]
+    equal to the mean of tool_rewards over its own samples, gradients where the advantage is not 0."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+    train = _script("train_demo_model")
+    model = AutoModelForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32)
+    tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    stdlib = Path(json.__file__).resolve().parents[1]
+    files = [(str(f.relative_to(stdlib)), f.read_text()) for f in sorted(stdlib.glob("json/*.py"))]
+    items = train.make_tool_prompts(train.CodeFacts(files), tok, 11, 3)
+    pad = tok.token_to_id("<|endoftext|>")
+    torch.manual_seed(0)
+    loss, reward = train.tool_rl_loss(model, items, tok, 2, 24, pad, {pad, tok.token_to_id("<|im_end|>")}, 1.0)
+    assert torch.isfinite(loss) and 0.0 <= reward <= 1.0
+    loss.backward()
+
+
+def test_sample_group_puts_the_greedy_continuation_first_when_asked():
+    """--seq-rl-greedy: each prompt's group starts with exactly its greedy continuation (what the
+    evaluation scores), followed by samples-1 sampled ones; without it every one is sampled."""
+    import torch
+    train = _script("train_demo_model")
+    args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
+                             "--vocab", "64"])
+    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS + train.MARKER_TOKENS)}
+    torch.manual_seed(0)
+    model = train.build_model(args, 64, ids)
+    prompts = [[20, 21, 22, 23, 24], [30, 31, 32]]
+    pad, stops = ids["<|endoftext|>"], {ids["<|endoftext|>"], ids["<|im_end|>"]}
+    greedy = train._generate(model, prompts, 10, pad, stops)
+    torch.manual_seed(1)
+    group = train._sample_group(model, prompts, 3, 10, pad, stops, 1.0, True)
+    assert len(group) == 6 and group[0] == greedy[0] and group[3] == greedy[1]
+    assert any(c not in greedy for c in group[1:3] + group[4:])        # the others are samples
+    assert len(train._sample_group(model, prompts, 3, 10, pad, stops, 1.0, False)) == 6
+
+
+@pytest.mark.parametrize("reply,name", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "get_weather"),
+    ('Sure.\n<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>', "ls"),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', ""),      # cut off: broken
+    ('<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>', ""),
+    ("A list is a mutable sequence.", None),
+])
+def test_eval_names_the_first_tool_call(reply, name):
+    assert _script("eval_demo_model").first_call_name(reply) == name
