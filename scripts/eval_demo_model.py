@@ -22,6 +22,8 @@ backend, as `freetoken run` uses it). Reported per model, in one JSON line:
 - tool_calls: share of a few fixed chat prompts (TOOL_CASES: the servers' tests' weather question
   among them) whose greedy reply calls the tool it should, or answers in text where no tools are
   offered; tool_call_names lists what each reply called (added with the tool-call reward step);
+- readme: the README's first command's greedy continuation of "import os" (its text, whether
+  it parses and whether it repeats a line 3+ times), the first output a new user sees;
 - ppl / bits_per_byte: held-out perplexity per token and, comparable across tokenizers, bits per
   byte of the same text (the first 40 held-out files, first 6,000 characters each, windows of 512
   tokens after an <|endoftext|>), scored by transformers (an independent forward).
@@ -47,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "freetoken_py" / "data" / "demo_model"
 MAX_TOKENS = 64
 PPL_FILES, PPL_CHARS, PPL_WINDOW = 40, 6000, 512
+README_PROMPT = "import os"   # the README's first command: freetoken run "import os" --max-tokens 64 --temperature 0
 
 
 def cut_at_last_line(continuation: str) -> str:
@@ -174,7 +177,10 @@ def evaluate(model_dir: Path, prompts: list[dict], ppl_texts: list[str], show: i
     llm = LLM(model_dir, show_progress=False)
     load_s = time.perf_counter() - t0
     conts = greedy_continuations(llm, texts)
+    (readme,) = greedy_continuations(llm, [README_PROMPT])
     row = {"dir": str(model_dir), **score(texts, conts), **tool_calls(llm), **heldout_nll(model_dir, ppl_texts),
+           "readme": {"prompt": README_PROMPT, "parses": parses(README_PROMPT, readme),
+                      "repeated": is_repeated(readme), "text": readme},
            "load_s": round(load_s, 2)}
     for p, c in list(zip(texts, conts))[:show]:
         print(f"--- {model_dir.name}\n{p}{c}", file=sys.stderr)

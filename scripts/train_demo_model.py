@@ -819,10 +819,12 @@ def ul_prompts(args, data) -> list[list[int]]:
     """Token ids of prompts from the training files (never a validation or held-out one): the
     header and docstring of each file's first documented def/class, made as the held-out
     evaluation makes its prompts (demo_corpus.first_documented_def), 8-256 tokens; with
-    `--seq-prompts mixed` also each file's first one-line top-level import (2+ tokens). Cached in
-    the data dir."""
-    mixed = args.seq_prompts == "mixed"
-    path = data_dir(args) / ("ul_prompts_mixed.json" if mixed else "ul_prompts.json")
+    `--seq-prompts mixed` also each file's first one-line top-level import (2+ tokens; `typed`:
+    every other one without its newline, as `freetoken run "import os"` gets it). Cached in the
+    data dir."""
+    mixed = args.seq_prompts in ("mixed", "typed")
+    path = data_dir(args) / {"docstring": "ul_prompts.json", "mixed": "ul_prompts_mixed.json",
+                             "typed": "ul_prompts_typed.json"}[args.seq_prompts]
     if path.exists():
         return json.loads(path.read_text())
     files, _ = demo_corpus.collect()
@@ -839,12 +841,22 @@ def ul_prompts(args, data) -> list[list[int]]:
         if prompt:
             texts.append(prompt)
         if mixed:   # the file's first one-line top-level import: how a module starts (the README's "import os")
-            line = next((l for l in text.splitlines() if l.startswith(("import ", "from "))), None)
-            if line and "(" not in line and not line.rstrip().endswith("\\"):
-                texts.append(line.rstrip() + "\n")
+            line = import_prompt(text, typed=args.seq_prompts == "typed" and len(texts) % 2 == 0)
+            if line:
+                texts.append(line)
     ids = [e.ids for e in data["tok"].encode_batch(texts) if (2 if mixed else 8) <= len(e.ids) <= 256]
     path.write_text(json.dumps(ids))
     return ids
+
+
+def import_prompt(text: str, typed: bool = False) -> str | None:
+    """A file's first one-line top-level import (`import x` / `from x import y`, no brackets or
+    continuation) with its newline, or as a user types it on a command line (`typed`: no newline,
+    like the README's `freetoken run "import os"`); None where the file has none."""
+    line = next((l for l in text.splitlines() if l.startswith(("import ", "from "))), None)
+    if not line or "(" in line or line.rstrip().endswith("\\"):
+        return None
+    return line.rstrip() + ("" if typed else "\n")
 
 
 def repeated_ngram_mask(seq: list[int], start: int, n: int) -> list[bool]:
@@ -1087,7 +1099,7 @@ def train(model, opt, batches, data, args, work, state):
             lm = float(out.loss.detach()) - args.aux_coef * aux
             state["ema"] = lm if state["ema"] is None else 0.95 * state["ema"] + 0.05 * lm
             line = (f"lm_loss {lm:.3f}  ema {state['ema']:.3f}  aux {aux:.3f}  "
-                    + (f"ul {float(ul):.3f} ({ul_share:.1%} of positions)  " if ul is not None else ""))
+                    + (f"ul {float(ul.detach()):.3f} ({ul_share:.1%} of positions)  " if ul is not None else ""))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -1249,8 +1261,9 @@ def parse_args(argv=None):
     ap.add_argument("--seq-ul-prompts", type=int, default=8, help="prompts per sequence-level step")
     ap.add_argument("--seq-ul-tokens", type=int, default=64, help="tokens decoded per prompt")
     ap.add_argument("--seq-ul-n", type=int, default=4, help="n-gram length of a repeat (sequence-level)")
-    ap.add_argument("--seq-prompts", choices=("docstring", "mixed"), default="docstring",
-                    help="prompts of the sequence-level steps: def/class + docstring, or those and import lines")
+    ap.add_argument("--seq-prompts", choices=("docstring", "mixed", "typed"), default="docstring",
+                    help="prompts of the sequence-level steps: def/class + docstring; mixed: and import lines; "
+                         "typed: and import lines, every other one without its newline (as typed)")
     ap.add_argument("--seq-rl", type=float, default=0.0,
                     help="share of steps that are REINFORCE steps with the syntax reward (0: off; see syntax_rl_loss)")
     ap.add_argument("--seq-rl-samples", type=int, default=4, help="sampled continuations per prompt")

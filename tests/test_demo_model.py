@@ -622,3 +622,14 @@ def test_sample_group_puts_the_greedy_continuation_first_when_asked():
 ])
 def test_eval_names_the_first_tool_call(reply, name):
     assert _script("eval_demo_model").first_call_name(reply) == name
+
+
+@pytest.mark.parametrize("text,typed,want", [
+    ('"""Doc."""\nimport os\nimport sys\n', False, "import os\n"),
+    ('"""Doc."""\nimport os\nimport sys\n', True, "import os"),                  # as a user types it
+    ("from a import b  \nx = 1\n", False, "from a import b\n"),
+    ("from a import (b,\n    c)\nimport os\n", False, None),                    # the first is bracketed
+    ("def f():\n    import os\n", False, None),                                 # not top level
+])
+def test_import_prompt_is_the_files_first_one_line_import(text, typed, want):
+    assert _script("train_demo_model").import_prompt(text, typed) == want
