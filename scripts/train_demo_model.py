@@ -889,19 +889,21 @@ def seq_ul_loss(model, prompts: list[list[int]], new_tokens: int, n: int, pad: i
     return unlikelihood(lp.exp()).sum() / total, lp.numel() / total
 
 
-def token_logprobs(model, seqs: list[list[int]], marks: list[list[bool]], pad: int):
+def token_logprobs(model, seqs: list[list[int]], marks: list[list[bool]], pad: int, full: bool = False):
     """log p(seqs[i][t] | seqs[i][:t]) at every marked position t >= 1, one forward over the
-    right-padded batch: (log-probs [M], the row of each [M]); (None, None) when nothing is marked."""
+    right-padded batch: (log-probs [M], the row of each [M]); (None, None) when nothing is marked.
+    With `full`, a third item: the whole log-softmax row [M, vocab] of each marked position."""
     import torch
     length = max(len(s) for s in seqs)
     x = torch.tensor([s + [pad] * (length - len(s)) for s in seqs])
     mask = torch.tensor([m + [False] * (length - len(m)) for m in marks])
     rows, cols = mask[:, 1:].nonzero(as_tuple=True)                  # token cols + 1 is predicted at cols
     if rows.numel() == 0:
-        return None, None
+        return (None, None, None) if full else (None, None)
     logits = model(input_ids=x).logits                                 # [B, L, V]
     lp = torch.log_softmax(logits[rows, cols].float(), dim=-1)
-    return lp.gather(-1, x[rows, cols + 1].unsqueeze(-1)).squeeze(-1), rows
+    picked = lp.gather(-1, x[rows, cols + 1].unsqueeze(-1)).squeeze(-1)
+    return (picked, rows, lp) if full else (picked, rows)
 
 
 def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, stops: set, **sampling) -> list[list[int]]:
@@ -933,7 +935,8 @@ def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, stops:
 
 
 def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_tokens: int, pad: int, stops: set,
-                   temperature: float = 0.7, full: bool = False, min_lines: int = 1, greedy: bool = False):
+                   temperature: float = 0.7, full: bool = False, min_lines: int = 1, greedy: bool = False,
+                   ref=None, kl: float = 0.0):
     """REINFORCE with a syntax reward (as compiler-feedback fine-tuning does): `samples`
     continuations per prompt sampled at `temperature` (below 1, so that the samples lie near the
     greedy continuation the evaluation scores and some of them earn a reward), each rewarded 1 when it looks like Python by
@@ -946,7 +949,7 @@ def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_token
     group = [p for p in prompts for _ in range(samples)]
     conts = _sample_group(model, prompts, samples, new_tokens, pad, stops, temperature, greedy)
     reward = syntax_rewards(tok, group, conts, full=new_tokens if full else 0, min_lines=min_lines)
-    return reinforce_loss(model, group, conts, reward, samples, pad), float(reward.mean())
+    return reinforce_loss(model, group, conts, reward, samples, pad, ref, kl), float(reward.mean())
 
 
 def _sample_group(model, prompts: list[list[int]], samples: int, new_tokens: int, pad: int, stops: set,
@@ -978,17 +981,30 @@ def syntax_rewards(tok, prompts: list[list[int]], conts: list[list[int]], full: 
     return torch.tensor(out)
 
 
-def reinforce_loss(model, group: list[list[int]], conts: list[list[int]], reward, samples: int, pad: int):
+def reinforce_loss(model, group: list[list[int]], conts: list[list[int]], reward, samples: int, pad: int,
+                   ref=None, kl: float = 0.0):
     """-sum((reward - its prompt's mean) x log p(continuation token)) / continuation tokens, over
-    `group` (each prompt `samples` times in a row) and its continuations."""
+    `group` (each prompt `samples` times in a row) and its continuations. With a reference model
+    `ref` and `kl` > 0, plus kl x the exact KL(model || ref) of the next-token distributions at
+    every continuation position, summed and divided the same way (RLHF's leash: it keeps the
+    policy near where it started, so a reward met by one safe line for every prompt cannot pull
+    the whole model onto it)."""
+    import torch
     adv = (reward.view(-1, samples) - reward.view(-1, samples).mean(dim=1, keepdim=True)).view(-1)
     seqs = [p + c for p, c in zip(group, conts)]
+    marks = [[False] * len(p) + [True] * len(c) for p, c in zip(group, conts)]
     total = sum(map(len, conts))
-    lp, rows = token_logprobs(model, seqs, [[False] * len(p) + [True] * len(c) for p, c in zip(group, conts)], pad) \
-        if adv.abs().sum() else (None, None)
+    use_kl = ref is not None and kl > 0
+    lp, rows, full = token_logprobs(model, seqs, marks, pad, full=True) if adv.abs().sum() or use_kl \
+        else (None, None, None)
     if lp is None:
         return sum(p.sum() * 0.0 for p in model.parameters())
-    return -(adv[rows] * lp).sum() / total
+    loss = -(adv[rows] * lp).sum() / total
+    if use_kl:
+        with torch.no_grad():
+            _, _, ref_full = token_logprobs(ref, seqs, marks, pad, full=True)
+        loss = loss + kl * (full.exp() * (full - ref_full)).sum() / total
+    return loss
 
 
 def tool_prompts(args, data, count: int = 600) -> list[dict]:
@@ -1037,7 +1053,7 @@ def tool_rewards(tok, items: list[dict], conts: list[list[int]]):
 
 
 def tool_rl_loss(model, items: list[dict], tok, samples: int, new_tokens: int, pad: int, stops: set,
-                 temperature: float = 0.7, greedy: bool = False):
+                 temperature: float = 0.7, greedy: bool = False, ref=None, kl: float = 0.0):
     """REINFORCE on the chat side (the syntax reward's twin): `samples` continuations of each tool
     prompt sampled at `temperature`, rewarded by tool_rewards, advantage = reward minus its
     prompt's mean (`greedy`: the first of each group greedy, as in syntax_rl_loss). It keeps the
@@ -1047,10 +1063,10 @@ def tool_rl_loss(model, items: list[dict], tok, samples: int, new_tokens: int, p
     prompts = [it["ids"] for it in group]
     conts = _sample_group(model, [it["ids"] for it in items], samples, new_tokens, pad, stops, temperature, greedy)
     reward = tool_rewards(tok, group, conts)
-    return reinforce_loss(model, prompts, conts, reward, samples, pad), float(reward.mean())
+    return reinforce_loss(model, prompts, conts, reward, samples, pad, ref, kl), float(reward.mean())
 
 
-def train(model, opt, batches, data, args, work, state):
+def train(model, opt, batches, data, args, work, state, ref=None):
     """Steps from state["step"] to args.steps (or until --max-minutes), checkpointing."""
     import torch
     model.train()
@@ -1069,7 +1085,7 @@ def train(model, opt, batches, data, args, work, state):
             torch.manual_seed(int(torch.randint(2**31, (1,), generator=batches.gen)))   # generate's sampling RNG
             loss, reward = tool_rl_loss(model, [tools[i] for i in pick], tok, args.seq_rl_samples,
                                         args.tool_rl_tokens, tok.token_to_id("<|endoftext|>"), stops,
-                                        args.seq_rl_temperature, args.seq_rl_greedy)
+                                        args.seq_rl_temperature, args.seq_rl_greedy, ref, args.kl)
             state["tool"] = reward if state.get("tool") is None else 0.95 * state["tool"] + 0.05 * reward
             line = f"tool-rl {float(loss.detach()):.3f}  reward {reward:.2f} (ema {state['tool']:.2f})  "
         elif args.seq_ul <= kind < args.seq_ul + args.seq_rl:
@@ -1078,7 +1094,7 @@ def train(model, opt, batches, data, args, work, state):
             loss, reward = syntax_rl_loss(model, [prompts[i] for i in pick], tok, args.seq_rl_samples,
                                           args.seq_ul_tokens, tok.token_to_id("<|endoftext|>"), stops,
                                           args.seq_rl_temperature, args.seq_rl_full, args.seq_rl_min_lines,
-                                          args.seq_rl_greedy)
+                                          args.seq_rl_greedy, ref, args.kl)
             state["reward"] = reward if state.get("reward") is None else 0.95 * state["reward"] + 0.05 * reward
             line = f"seq-rl {float(loss.detach()):.3f}  reward {reward:.2f} (ema {state['reward']:.2f})  "
         elif kind < args.seq_ul:
@@ -1276,6 +1292,8 @@ def parse_args(argv=None):
     ap.add_argument("--tool-rl", type=float, default=0.0,
                     help="share of steps that are REINFORCE steps on tool-offering chat prompts, rewarded "
                          "for calling the reference's tool (0: off; see tool_rl_loss)")
+    ap.add_argument("--kl", type=float, default=0.0,
+                    help="weight of KL(model || the --finetune-from weights) in the REINFORCE steps (0: off)")
     ap.add_argument("--tool-rl-tokens", type=int, default=48, help="tokens sampled per tool prompt")
     ap.add_argument("--chat-frac", type=float, default=0.2, help="share of rows that are chats")
     ap.add_argument("--seed", type=int, default=1234)
@@ -1291,6 +1309,8 @@ def parse_args(argv=None):
         ap.error("--short-seq-len must divide --seq-len")
     if min(args.seq_ul, args.seq_rl, args.tool_rl) < 0 or args.seq_ul + args.seq_rl + args.tool_rl > 1:
         ap.error("--seq-ul, --seq-rl and --tool-rl are shares of the steps: each >= 0, together <= 1")
+    if args.kl and not args.finetune_from:
+        ap.error("--kl needs --finetune-from (the KL is to the weights the fine-tune starts from)")
     if (args.seq_rl or args.tool_rl) and args.seq_rl_samples < 2:
         ap.error("--seq-rl-samples must be at least 2 (the advantage is a sample's reward minus its prompt's mean)")
     return args
@@ -1333,7 +1353,13 @@ def main(argv=None):
     print(f"model: {n_params / 1e6:.2f}M parameters; {args.steps} steps of "
           f"{args.batch_size * args.seq_len} tokens, (row length, rows) {rows}; work dir {work}",
           flush=True)
-    state = train(model, opt, batches, data, args, work, state)
+    ref = None
+    if args.kl:          # the REINFORCE steps' KL reference: the weights the fine-tune started from
+        ref = build_model(args, tok.get_vocab_size(), ids)
+        ckpt.load_model(ckpt.latest(args.work_dir / args.finetune_from), ref)
+        ref.eval().requires_grad_(False)
+        ref.config.output_router_logits = False
+    state = train(model, opt, batches, data, args, work, state, ref)
     print(f"stopped at step {state['step']}/{args.steps}: {state['tokens']} tokens in "
           f"{state['train_s']:.0f}s, val loss {state['val']:.3f}", flush=True)
     if args.out is not None and state["step"] >= args.steps:

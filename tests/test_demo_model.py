@@ -633,3 +633,44 @@ def test_eval_names_the_first_tool_call(reply, name):
 ])
 def test_import_prompt_is_the_files_first_one_line_import(text, typed, want):
     assert _script("train_demo_model").import_prompt(text, typed) == want
+
+
+def test_reinforce_kl_term_is_the_exact_kl_to_the_reference():
+    """--kl: a reference equal to the model adds nothing; with a perturbed reference and no
+    advantage, the loss is kl x sum over continuation positions of KL(p || p_ref), recomputed here
+    from two plain forwards, divided by the continuation tokens; its gradient pulls towards ref."""
+    import copy
+
+    import torch
+    train = _script("train_demo_model")
+    args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
+                             "--vocab", "64"])
+    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS + train.MARKER_TOKENS)}
+    torch.manual_seed(0)
+    model = train.build_model(args, 64, ids)
+    model.config.output_router_logits = False
+    group, conts = [[20, 21, 22], [20, 21, 22]], [[30, 31, 32, 33], [40, 41]]
+    pad = ids["<|endoftext|>"]
+    reward = torch.tensor([1.0, 0.0])
+    same = copy.deepcopy(model).eval()
+    base = train.reinforce_loss(model, group, conts, reward, 2, pad)
+    assert abs(train.reinforce_loss(model, group, conts, reward, 2, pad, same, 0.5).item() - base.item()) < 1e-6
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.add_(0.05 * torch.randn_like(prm))
+    flat = torch.tensor([0.5, 0.5])                       # no advantage: only the KL term is left
+    loss = train.reinforce_loss(model, group, conts, flat, 2, pad, ref, 0.5)
+    want = 0.0
+    with torch.no_grad():
+        for p, c in zip(group, conts):
+            seq = torch.tensor([p + c])
+            lp = torch.log_softmax(model(input_ids=seq).logits[0].float(), -1)
+            lr = torch.log_softmax(ref(input_ids=seq).logits[0].float(), -1)
+            for j in range(len(c)):
+                t = len(p) + j - 1
+                want += float((lp[t].exp() * (lp[t] - lr[t])).sum())
+    want *= 0.5 / sum(map(len, conts))
+    assert want > 0 and abs(loss.item() - want) <= 1e-5 * max(1.0, want)
+    loss.backward()
+    assert any(prm.grad is not None and prm.grad.abs().sum() > 0 for prm in model.parameters())
