@@ -19,7 +19,8 @@ LATER_KEYS = {"false_copy_ul": 0.0, "false_copy_n": 4, "finetune_from": "", "seq
               "seq_ul_tokens": 64, "seq_ul_n": 4, "seq_rl": 0.0, "seq_rl_samples": 4,
               "seq_rl_temperature": 0.7, "seq_rl_full": False, "seq_rl_min_lines": 1,
               "seq_prompts": "docstring", "tool_rl": 0.0, "tool_rl_tokens": 48,
-              "seq_rl_greedy": False, "kl": 0.0}
+              "seq_rl_greedy": False, "kl": 0.0,
+              "seq_rl_distinct": False}
 # Arguments that must match for a resume to continue the same run.
 RUN_KEYS = ("seed", "vocab", "hidden", "layers", "experts", "top_k", "moe_intermediate", "heads",
             "kv_heads", "seq_len", "short_seq_len", "long_from", "batch_size", "lr", "min_lr_frac", "warmup", "steps",

@@ -936,7 +936,7 @@ def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, stops:
 
 def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_tokens: int, pad: int, stops: set,
                    temperature: float = 0.7, full: bool = False, min_lines: int = 1, greedy: bool = False,
-                   ref=None, kl: float = 0.0):
+                   ref=None, kl: float = 0.0, distinct: bool = False):
     """REINFORCE with a syntax reward (as compiler-feedback fine-tuning does): `samples`
     continuations per prompt sampled at `temperature` (below 1, so that the samples lie near the
     greedy continuation the evaluation scores and some of them earn a reward), each rewarded 1 when it looks like Python by
@@ -945,11 +945,27 @@ def syntax_rl_loss(model, prompts: list[list[int]], tok, samples: int, new_token
     advantage is the reward minus its prompt's mean. Loss: -sum(advantage x log p(continuation
     token)) over the continuation tokens, divided by their count. With `greedy`, the first of each
     prompt's continuations is the greedy one (what the evaluation scores), so a greedy continuation
-    that fails where samples pass is pushed down directly. Returns (loss, mean reward)."""
+    that fails where samples pass is pushed down directly; with `distinct`, a continuation earns
+    nothing when its first line is another prompt's too (own_first_lines). Returns (loss, mean reward)."""
+    import torch
     group = [p for p in prompts for _ in range(samples)]
     conts = _sample_group(model, prompts, samples, new_tokens, pad, stops, temperature, greedy)
     reward = syntax_rewards(tok, group, conts, full=new_tokens if full else 0, min_lines=min_lines)
+    if distinct:
+        reward = reward * torch.tensor(own_first_lines([tok.decode(c) for c in conts], samples))
     return reinforce_loss(model, group, conts, reward, samples, pad, ref, kl), float(reward.mean())
+
+
+def own_first_lines(texts: list[str], samples: int) -> list[float]:
+    """1.0 per continuation whose first kept line no continuation of another prompt in the batch
+    also starts with (texts grouped by prompt, `samples` each), else 0.0: a line every prompt gets
+    is a collapse, not an answer (run ft-k1: one `if` line for 93 of 100 held-out prompts)."""
+    import eval_demo_model as ev
+    firsts = [ev.first_line(t) for t in texts]
+    owners: dict[str, set] = {}
+    for i, f in enumerate(firsts):
+        owners.setdefault(f, set()).add(i // samples)
+    return [float(len(owners[f]) == 1) for f in firsts]
 
 
 def _sample_group(model, prompts: list[list[int]], samples: int, new_tokens: int, pad: int, stops: set,
@@ -1094,7 +1110,7 @@ def train(model, opt, batches, data, args, work, state, ref=None):
             loss, reward = syntax_rl_loss(model, [prompts[i] for i in pick], tok, args.seq_rl_samples,
                                           args.seq_ul_tokens, tok.token_to_id("<|endoftext|>"), stops,
                                           args.seq_rl_temperature, args.seq_rl_full, args.seq_rl_min_lines,
-                                          args.seq_rl_greedy, ref, args.kl)
+                                          args.seq_rl_greedy, ref, args.kl, args.seq_rl_distinct)
             state["reward"] = reward if state.get("reward") is None else 0.95 * state["reward"] + 0.05 * reward
             line = f"seq-rl {float(loss.detach()):.3f}  reward {reward:.2f} (ema {state['reward']:.2f})  "
         elif kind < args.seq_ul:
@@ -1288,6 +1304,8 @@ def parse_args(argv=None):
                     help="reward only continuations that run the full --seq-ul-tokens (no early stop)")
     ap.add_argument("--seq-rl-greedy", action="store_true",
                     help="the first continuation of each prompt in a REINFORCE group is the greedy one")
+    ap.add_argument("--seq-rl-distinct", action="store_true",
+                    help="no syntax reward for a first line that another prompt's continuation in the batch shares")
     ap.add_argument("--seq-rl-min-lines", type=int, default=1, help="non-blank lines a rewarded continuation keeps")
     ap.add_argument("--tool-rl", type=float, default=0.0,
                     help="share of steps that are REINFORCE steps on tool-offering chat prompts, rewarded "

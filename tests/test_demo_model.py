@@ -674,3 +674,13 @@ def test_reinforce_kl_term_is_the_exact_kl_to_the_reference():
     assert want > 0 and abs(loss.item() - want) <= 1e-5 * max(1.0, want)
     loss.backward()
     assert any(prm.grad is not None and prm.grad.abs().sum() > 0 for prm in model.parameters())
+
+
+def test_own_first_lines_zeroes_a_line_that_two_prompts_share():
+    """--seq-rl-distinct: the same first line within one prompt's samples is fine; the same first
+    line for two prompts earns nothing (the collapse run ft-k1 fell into)."""
+    train = _script("train_demo_model")
+    texts = ["    return x\n", "    return x\n",                   # prompt 0: its own line twice
+             "    if not x:\n        pass\n", "    y = 1\n",     # prompt 1
+             "\n    if not x:\n        return\n", "    z = 2\n"]  # prompt 2 shares prompt 1's first line
+    assert train.own_first_lines(texts, 2) == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
