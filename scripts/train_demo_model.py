@@ -149,6 +149,11 @@ def compile_template(source: str = CHAT_TEMPLATE):
 class CodeFacts:
     """Facts mined from the stdlib ASTs that the synthetic chats talk about."""
 
+    @classmethod
+    def of_stdlib(cls, files: list[tuple[str, str]]) -> "CodeFacts":
+        """The facts of the corpus's stdlib files (demo_corpus.collect's `stdlib/...` paths)."""
+        return cls([(r.removeprefix("stdlib/"), t) for r, t in files if r.startswith("stdlib/")])
+
     def __init__(self, files: list[tuple[str, str]]):
         self.functions = []   # (module, name, signature, doc first paragraph, source)
         self.modules = []     # (module, doc first paragraph)
@@ -630,7 +635,7 @@ def prepare_data(args, work: Path) -> dict:
         files = [(r, demo_corpus.drop_comment_lines(t)) for r, t in files]
     train_files = [(r, t) for r, t in files if not is_val(r)]
     val_files = [(r, t) for r, t in files if is_val(r)]
-    facts = CodeFacts([(r.removeprefix("stdlib/"), t) for r, t in files if r.startswith("stdlib/")])
+    facts = CodeFacts.of_stdlib(files)
     chats = make_chats(facts, args.num_chats, args.seed)
     code_bytes = sum(len(t.encode()) for _, t in train_files)
     print(f"python {sys.version.split()[0]}: {len(train_files)} training files "
@@ -1032,7 +1037,7 @@ def tool_prompts(args, data, count: int = 600) -> list[dict]:
     files, _ = demo_corpus.collect()
     if args.code_comments == "drop":
         files = [(r, demo_corpus.drop_comment_lines(t)) for r, t in files]
-    facts = CodeFacts([(r.removeprefix("stdlib/"), t) for r, t in files if r.startswith("stdlib/")])
+    facts = CodeFacts.of_stdlib(files)
     out = make_tool_prompts(facts, data["tok"], args.seed + 7919, count)
     path.write_text(json.dumps(out))
     return out
@@ -1357,13 +1362,13 @@ def main(argv=None):
     state = {"step": 0, "tokens": 0, "ema": None, "train_s": 0.0, "val": None,
              "args": {k: v for k, v in vars(args).items() if k in ckpt.RUN_KEYS}}
     found = ckpt.latest(work)
+    base = ckpt.latest(args.work_dir / args.finetune_from) if args.finetune_from else None
+    if args.finetune_from and base is None:
+        raise SystemExit(f"--finetune-from {args.finetune_from}: no checkpoint in {args.work_dir / args.finetune_from}")
     if found is not None:
         state = ckpt.resume(found, model, opt, batches.gen, args)
         print(f"resumed from {found} at step {state['step']}", flush=True)
-    elif args.finetune_from:
-        base = ckpt.latest(args.work_dir / args.finetune_from)
-        if base is None:
-            raise SystemExit(f"--finetune-from {args.finetune_from}: no checkpoint in {args.work_dir / args.finetune_from}")
+    elif base is not None:
         ckpt.load_model(base, model)
         print(f"fine-tuning from {base}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
@@ -1374,7 +1379,7 @@ def main(argv=None):
     ref = None
     if args.kl:          # the REINFORCE steps' KL reference: the weights the fine-tune started from
         ref = build_model(args, tok.get_vocab_size(), ids)
-        ckpt.load_model(ckpt.latest(args.work_dir / args.finetune_from), ref)
+        ckpt.load_model(base, ref)
         ref.eval().requires_grad_(False)
         ref.config.output_router_logits = False
     state = train(model, opt, batches, data, args, work, state, ref)

@@ -287,16 +287,28 @@ def test_repeated_ngram_mask_marks_the_repeats_of_a_continuation():
     assert train.repeated_ngram_mask([1, 2, 3, 1, 2, 3], 4, 3) == [False, False]
 
 
+def _tiny_model(train):
+    """A tiny random qwen3_moe built by the training script (seed 0) and its special-token ids."""
+    import torch
+    args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
+                             "--vocab", "64"])
+    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS + train.MARKER_TOKENS)}
+    torch.manual_seed(0)
+    return train.build_model(args, 64, ids), ids
+
+
+def _json_facts(train):
+    """CodeFacts of the running stdlib's json package: a few real files for ChatMaker."""
+    stdlib = Path(json.__file__).resolve().parents[1]
+    return train.CodeFacts([(str(f.relative_to(stdlib)), f.read_text()) for f in sorted(stdlib.glob("json/*.py"))])
+
+
 def test_seq_ul_step_decodes_and_penalises_only_repeats():
     """On a tiny random model: the loss is -log(1 - p) summed over the marked continuation tokens of
     the model's own greedy continuations (recomputed here from generate + the mask), over their count."""
     import torch
     train = _script("train_demo_model")
-    args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
-                             "--vocab", "64"])
-    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS + train.MARKER_TOKENS)}
-    torch.manual_seed(0)
-    model = train.build_model(args, 64, ids)
+    model, ids = _tiny_model(train)
     prompts = [[20, 21, 22, 23, 24], [30, 31, 32]]
     pad, stops = ids["<|endoftext|>"], {ids["<|endoftext|>"], ids["<|im_end|>"]}
     loss, share = train.seq_ul_loss(model, prompts, 12, 2, pad, stops)
@@ -540,9 +552,7 @@ def test_tool_prompts_end_at_the_assistant_turn_and_name_the_reference_call():
     from tokenizers import Tokenizer
     train = _script("train_demo_model")
     tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
-    stdlib = Path(json.__file__).resolve().parents[1]
-    files = [(str(f.relative_to(stdlib)), f.read_text()) for f in sorted(stdlib.glob("json/*.py"))]
-    items = train.make_tool_prompts(train.CodeFacts(files), tok, 5, 40)
+    items = train.make_tool_prompts(_json_facts(train), tok, 5, 40)
     assert len(items) == 40
     for it in items:
         text = tok.decode(it["ids"], skip_special_tokens=False)
@@ -575,21 +585,26 @@ def test_tool_rl_rewards_the_reference_call_only():
 
 
 def test_tool_rl_step_samples_rewards_and_backpropagates():
-    """One tool step on the shipped model (which calls tools): finite loss, a reward in [0, 1]
-    equal to the mean of tool_rewards over its own samples, gradients where the advantage is not 0."""
+    """One tool step on the shipped model: its reward is tool_rewards' mean over its own samples and
+    its loss reinforce_loss over them (both recomputed here from the same seeded samples)."""
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
     train = _script("train_demo_model")
     model = AutoModelForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32)
     tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
-    stdlib = Path(json.__file__).resolve().parents[1]
-    files = [(str(f.relative_to(stdlib)), f.read_text()) for f in sorted(stdlib.glob("json/*.py"))]
-    items = train.make_tool_prompts(train.CodeFacts(files), tok, 11, 3)
+    items = train.make_tool_prompts(_json_facts(train), tok, 11, 3)
     pad = tok.token_to_id("<|endoftext|>")
+    stops = {pad, tok.token_to_id("<|im_end|>")}
     torch.manual_seed(0)
-    loss, reward = train.tool_rl_loss(model, items, tok, 2, 24, pad, {pad, tok.token_to_id("<|im_end|>")}, 1.0)
-    assert torch.isfinite(loss) and 0.0 <= reward <= 1.0
+    loss, reward = train.tool_rl_loss(model, items, tok, 2, 24, pad, stops, 1.0)
+    torch.manual_seed(0)                                  # the same samples again, scored here
+    conts = train._sample_group(model, [it["ids"] for it in items], 2, 24, pad, stops, 1.0, False)
+    group = [it for it in items for _ in range(2)]
+    want = train.tool_rewards(tok, group, conts)
+    assert reward == float(want.mean())
+    ref = train.reinforce_loss(model, [it["ids"] for it in group], conts, want, 2, pad)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
     loss.backward()
 
 
@@ -598,11 +613,7 @@ def test_sample_group_puts_the_greedy_continuation_first_when_asked():
     evaluation scores), followed by samples-1 sampled ones; without it every one is sampled."""
     import torch
     train = _script("train_demo_model")
-    args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
-                             "--vocab", "64"])
-    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS + train.MARKER_TOKENS)}
-    torch.manual_seed(0)
-    model = train.build_model(args, 64, ids)
+    model, ids = _tiny_model(train)
     prompts = [[20, 21, 22, 23, 24], [30, 31, 32]]
     pad, stops = ids["<|endoftext|>"], {ids["<|endoftext|>"], ids["<|im_end|>"]}
     greedy = train._generate(model, prompts, 10, pad, stops)
@@ -643,11 +654,7 @@ def test_reinforce_kl_term_is_the_exact_kl_to_the_reference():
 
     import torch
     train = _script("train_demo_model")
-    args = train.parse_args(["--hidden", "32", "--layers", "1", "--experts", "4", "--moe-intermediate", "16",
-                             "--vocab", "64"])
-    ids = {t: i for i, t in enumerate(train.SPECIAL_TOKENS + train.MARKER_TOKENS)}
-    torch.manual_seed(0)
-    model = train.build_model(args, 64, ids)
+    model, ids = _tiny_model(train)
     model.config.output_router_logits = False
     group, conts = [[20, 21, 22], [20, 21, 22]], [[30, 31, 32, 33], [40, 41]]
     pad = ids["<|endoftext|>"]
