@@ -148,10 +148,18 @@ def llama_cpp_source() -> Path:
     return root / "vendor" / "llama.cpp"
 
 
+def _gguf_py() -> None:
+    """Make llama.cpp's own `gguf` package (its source tree's gguf-py) importable: the one its
+    converter and quantizer match, not a PyPI release that may lag behind."""
+    path = str(llama_cpp_source() / "gguf-py")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
 def gguf_decode_bytes(gguf: Path, top_k: int, num_experts: int) -> int:
     """Bytes llama.cpp streams per decode token from a GGUF: every tensor but the token embedding
     (one row is gathered), the routed experts at top_k / num_experts of their size."""
-    sys.path.insert(0, str(llama_cpp_source() / "gguf-py"))
+    _gguf_py()
     from gguf import GGUFReader
 
     total = 0
@@ -190,8 +198,10 @@ def quantize_gguf(src: Path, ftype_name: str, output_type: str | None = None) ->
     the ftype (Q6_K for Q4_0, Q8_0 for Q8_0)."""
     import ctypes
 
-    import gguf
     import llama_cpp
+
+    _gguf_py()
+    import gguf
 
     tail = f"-{ftype_name.lower()}" + (f"-out{output_type.lower()}" if output_type else "")
     out = src.with_name(src.stem.rsplit("-", 1)[0] + f"{tail}.gguf")

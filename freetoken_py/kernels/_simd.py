@@ -1014,8 +1014,12 @@ def fp8_row_dot_v64(typingctx, w, s, x, bk):
 
 
 def _fp8f_codegen(num_x):
-    """Folded-scale fp8 dot of one row with `num_x` activations, 64 lanes (4 x 16-lane FMA chains)."""
-    lanes = 64
+    """Folded-scale fp8 dot of one row with `num_x` activations. Lanes per step: 64 with AVX-512
+    (4 x 16-lane FMA chains); with AVX2's 16 vector registers, 32 (4 x 8-lane chains) for one
+    activation row and 16 for four: at 64 the accumulators, the decoded weights and the scale
+    spilled to the stack every step (measured on Zen 3, 2 threads: a [32768, 2048] matvec 12.4 ->
+    16.0 GB/s at 32 lanes, the 64-token product 37 -> 44 GFLOP/s; docs/kernels.md)."""
+    lanes = 64 if HAS_AVX512 else (32 if num_x == 1 else 16)
 
     def codegen(context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
