@@ -88,7 +88,9 @@ def run(
     top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0),
     top_k: Optional[int] = typer.Option(None, "--top-k", min=0),
     min_p: Optional[float] = typer.Option(None, "--min-p", min=0.0, max=1.0),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.0),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, "--repetition-penalty", min=0.0,
+        help="HF-style, over prompt + output; also in greedy (default: generation_config.json, else 1.0)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),

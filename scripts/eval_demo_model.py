@@ -94,10 +94,14 @@ def first_line(continuation: str) -> str:
     return next((l.strip() for l in cut_at_last_line(continuation).splitlines() if l.strip()), "")
 
 
-def greedy_continuations(llm, prompts: list[str]) -> list[str]:
-    from freetoken_py.core import SamplingParams
+def greedy_params(llm, max_tokens: int, repetition_penalty: float | None = None):
+    """Greedy as `freetoken run --temperature 0` decodes: the model's generation_config.json defaults
+    that apply in greedy decoding (its repetition_penalty) unless repetition_penalty overrides them."""
+    return llm.default_sampling(max_tokens=max_tokens, temperature=0, repetition_penalty=repetition_penalty)
 
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+
+def greedy_continuations(llm, prompts: list[str], repetition_penalty: float | None = None) -> list[str]:
+    outs = llm.generate(prompts, greedy_params(llm, MAX_TOKENS, repetition_penalty))
     return [o.text for o in outs]
 
 
@@ -134,13 +138,11 @@ def first_call_name(text: str):
     return call["name"] if ok else ""
 
 
-def tool_calls(llm) -> dict:
+def tool_calls(llm, repetition_penalty: float | None = None) -> dict:
     """Greedy replies (60 tokens, the raw text with its tool-call tags) to TOOL_CASES: the share that
     do what the case wants (a well-formed call of that tool / no call) and each reply's call."""
-    from freetoken_py.core import SamplingParams
-
     ids = [llm.chat_prompt_ids([{"role": "user", "content": q}], tools=t) for q, t, _ in TOOL_CASES]
-    outs = llm.generate(ids, SamplingParams(max_tokens=60, temperature=0))
+    outs = llm.generate(ids, greedy_params(llm, 60, repetition_penalty))
     names = [first_call_name(o.text) for o in outs]
     ok = [n == want for n, (_, _, want) in zip(names, TOOL_CASES)]
     return {"tool_calls": sum(ok) / len(ok), "tool_call_names": names}
@@ -169,16 +171,19 @@ def heldout_nll(model_dir: Path, texts: list[str]) -> dict:
             "ppl_tokens": tokens}
 
 
-def evaluate(model_dir: Path, prompts: list[dict], ppl_texts: list[str], show: int) -> dict:
+def evaluate(model_dir: Path, prompts: list[dict], ppl_texts: list[str], show: int,
+             repetition_penalty: float | None = None) -> dict:
     from freetoken_py.llm import LLM
 
     texts = [p["prompt"] for p in prompts]
     t0 = time.perf_counter()
     llm = LLM(model_dir, show_progress=False)
     load_s = time.perf_counter() - t0
-    conts = greedy_continuations(llm, texts)
-    (readme,) = greedy_continuations(llm, [README_PROMPT])
-    row = {"dir": str(model_dir), **score(texts, conts), **tool_calls(llm), **heldout_nll(model_dir, ppl_texts),
+    rp = repetition_penalty
+    conts = greedy_continuations(llm, texts, rp)
+    (readme,) = greedy_continuations(llm, [README_PROMPT], rp)
+    row = {"dir": str(model_dir), "repetition_penalty": greedy_params(llm, 1, rp).repetition_penalty,
+           **score(texts, conts), **tool_calls(llm, rp), **heldout_nll(model_dir, ppl_texts),
            "readme": {"prompt": README_PROMPT, "parses": parses(README_PROMPT, readme),
                       "repeated": is_repeated(readme), "text": readme},
            "load_s": round(load_s, 2)}
@@ -198,6 +203,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--show", type=int, default=0, help="print the first N samples to stderr")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repetition-penalty", type=float, default=None,
+                    help="override each model's generation_config.json repetition_penalty (1.0: none)")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
@@ -227,7 +234,7 @@ def main(argv=None) -> dict:
            "heldout_files": len(files), "ppl_bytes": sum(len(t.encode()) for t in ppl_texts)}
     for name, d in (("old", args.old), ("new", args.new)):
         if d is not None:
-            row[name] = evaluate(d, prompts, ppl_texts, args.show)
+            row[name] = evaluate(d, prompts, ppl_texts, args.show, args.repetition_penalty)
     if tmp is not None:
         row["new"]["run"] = args.new_run
         tmp.cleanup()

@@ -149,3 +149,32 @@ def test_a_visible_gpu_without_the_tiers_runs_the_cpu_kernels_and_says_so(monkey
     assert out.err.strip().splitlines()[0] == GPU_HINT and json.loads(out.out)["token_ids"] == ref
     run_main(RunOptions(**opts, residency=dict(residency="emulate", residency_profile="rtx4090")))
     assert GPU_HINT not in capsys.readouterr().err
+
+
+def test_generation_config_repetition_penalty_is_a_default_in_greedy_too(tmp_path):
+    """A checkpoint's generation_config.json `repetition_penalty` is a default, as in transformers'
+    generate (where it applies under do_sample=False as well) and vLLM: greedy tokens equal
+    transformers' on the same files, and differ from plain greedy (so ignoring it would fail)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "demo"
+    shutil.copytree(DEMO_MODEL, model_dir)
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen_path.write_text(json.dumps({**gen, "repetition_penalty": 1.3, "min_p": 0.05}))
+    llm = LLM(model_dir, dtype="float32", show_progress=False)
+    params = llm.default_sampling(temperature=0, max_tokens=24, ignore_eos=True)
+    assert params.repetition_penalty == 1.3 and params.min_p == 0.05
+    assert llm.default_sampling(repetition_penalty=1.0).repetition_penalty == 1.0  # explicit wins
+    prompt = llm.tokenizer.encode("import os\n")
+    ours = llm.generate([prompt], params)[0].token_ids
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        penalised = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)[0, len(prompt):].tolist()
+        plain = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                             eos_token_id=None, repetition_penalty=1.0)[0, len(prompt):].tolist()
+    assert penalised != plain
+    assert ours == penalised

@@ -23,7 +23,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class GenerationDefaults:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    sampling: dict  # temperature / top_p / top_k from generation_config.json, if any
+    sampling: dict  # temperature / top_p / top_k / min_p / repetition_penalty from generation_config.json
 
 
 def resolve_dtype(name: str, stored: str) -> torch.dtype:
@@ -156,7 +156,12 @@ def read_generation_defaults(model_dir: Path) -> GenerationDefaults:
     gen = read_json(path) if path.exists() else {}
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-    sampling = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen and gen.get("do_sample", True)}
+    # As transformers' generate and vLLM's `--generation-config auto`: the sampling knobs count when
+    # the config samples; repetition_penalty is a logits processor and counts in greedy decoding too.
+    sampling = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p")
+                if gen.get(k) is not None and gen.get("do_sample", True)}
+    if gen.get("repetition_penalty") not in (None, 1.0):
+        sampling["repetition_penalty"] = gen["repetition_penalty"]
     return GenerationDefaults(eos_ids, gen.get("bos_token_id", cfg.get("bos_token_id")), sampling)
 
 
