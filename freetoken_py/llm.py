@@ -19,7 +19,7 @@ from freetoken_py.core import FinishReason, Request, RequestOutput, SamplingPara
 from freetoken_py.engine.cpu_backend import prefill_expert_memory
 from freetoken_py.engine.runner import ModelRunner, ScheduledChunk
 from freetoken_py.engine.sampler import sample
-from freetoken_py.errors import ContextLengthError, FreetokenError
+from freetoken_py.errors import ContextLengthError, FreetokenError, ModelLoadError
 from freetoken_py.kvcache import PageAllocator, page_bytes
 from freetoken_py.kvcache.pool import FP8
 from freetoken_py.kvcache.radix import RadixCache
@@ -58,6 +58,10 @@ class LLM:
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.generation = read_generation_defaults(model_dir)
+        try:                            # its sampling defaults in range, said at load with the file's name
+            SamplingParams(**self.generation.sampling)
+        except FreetokenError as e:
+            raise ModelLoadError(f"{model_dir / 'generation_config.json'}: {e}") from None
         self.max_model_len = self.config.max_model_len or self.args.max_position_embeddings
         auto_kv = getattr(self.model, "kv_dtype", self.model.dtype)  # cpu backend: bf16 for bf16 checkpoints
         self.kv_dtype = {"auto": auto_kv, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]

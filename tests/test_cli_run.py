@@ -178,3 +178,21 @@ def test_generation_config_repetition_penalty_is_a_default_in_greedy_too(tmp_pat
                              eos_token_id=None, repetition_penalty=1.0)[0, len(prompt):].tolist()
     assert penalised != plain
     assert ours == penalised
+
+
+@pytest.mark.parametrize("field,value,says", [("repetition_penalty", "abc", "'repetition_penalty' must be a number, got 'abc'"),
+                                              ("top_k", 2.5, "'top_k' must be an integer, got 2.5"),
+                                              ("repetition_penalty", -2, "repetition_penalty must be > 0"),
+                                              ("min_p", 7, "min_p must be in [0, 1]")])
+def test_a_malformed_generation_config_default_is_a_one_line_error_naming_the_file(tmp_path, field, value, says):
+    """A wrong type or an out-of-range sampling default in generation_config.json is refused at
+    load (the field and the file named, exit code 2, no traceback), not at the first request."""
+    import shutil
+
+    model_dir = tmp_path / "demo"
+    shutil.copytree(DEMO_MODEL, model_dir)
+    gen_path = model_dir / "generation_config.json"
+    gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), field: value}))
+    proc = freetoken("run", "import os", "--model", str(model_dir), "--max-tokens", "2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"freetoken: error: {gen_path}: {says}"

@@ -162,6 +162,10 @@ def read_generation_defaults(model_dir: Path) -> GenerationDefaults:
                 if gen.get(k) is not None and gen.get("do_sample", True)}
     if gen.get("repetition_penalty") not in (None, 1.0):
         sampling["repetition_penalty"] = gen["repetition_penalty"]
+    for key, value in sampling.items():   # (ranges: SamplingParams' own checks, run by LLM at load)
+        if isinstance(value, bool) or not isinstance(value, int if key == "top_k" else (int, float)):
+            kind = "an integer" if key == "top_k" else "a number"
+            raise ModelLoadError(f"{path}: {key!r} must be {kind}, got {value!r}")
     return GenerationDefaults(eos_ids, gen.get("bos_token_id", cfg.get("bos_token_id")), sampling)
 
 
