@@ -142,16 +142,15 @@ def ref():
 
 
 class StandInCudart:
-    """Stands in for the CUDA runtime (torch.cuda.cudart(): not in a CPU build), as a discrete
-    GPU without cudaDevAttrHostRegisterReadOnlySupported answers: the read-only flag is refused
-    (cudaErrorNotSupported, 801), a plain registration works, or every call fails (`broken`)."""
+    """Stands in for the CUDA runtime (torch.cuda.cudart(): not in a CPU build): a registration
+    works, or every call fails (`broken`: cudaErrorNotSupported, 801)."""
 
     def __init__(self, broken: bool = False):
         self.broken, self.calls, self.unregistered = broken, [], []
 
     def cudaHostRegister(self, ptr, nbytes, flags):
         self.calls.append((ptr, nbytes, flags))
-        return 801 if self.broken or flags & 8 else 0
+        return 801 if self.broken else 0
 
     def cudaHostUnregister(self, ptr):
         self.unregistered.append(ptr)

@@ -242,11 +242,11 @@ def test_peak_memory_has_no_second_copy_of_the_experts(tmp_path):
     assert old > bound
 
 
-def test_pinning_falls_back_from_read_only_and_unregisters_on_collection(monkeypatch):
-    """utils.host_memory.register against a stand-in CUDA runtime: a copy-on-write mapping is
-    registered read-only where the GPU allows it, else plainly; the runtime's error is cleared
-    after each refusal; the memory is unregistered when its owner is collected, not before.
-    pin_banks warns once for the arrays that failed and keeps going."""
+def test_registration_unregisters_on_collection_and_refuses_file_mappings(monkeypatch, tmp_path):
+    """utils.host_memory.register against a stand-in CUDA runtime: memory of the process's own is
+    registered plainly and unregistered when its owner is collected, not before; an address in a
+    file mapping is refused without asking the driver (registering one hung on the H200 box); a
+    driver refusal is reported with its text and the runtime's error is cleared."""
     import gc
 
     from freetoken_py.utils import host_memory
@@ -256,28 +256,77 @@ def test_pinning_falls_back_from_read_only_and_unregisters_on_collection(monkeyp
     monkeypatch.setattr(host_memory, "clear_cuda_error", lambda: cleared.append(1))
     owner = np.zeros(4096, np.uint8)
     ptr = owner.ctypes.data
-    assert host_memory.register(ptr, owner.nbytes, owner, read_only=True) == (True, False, None)
-    assert [c[2] for c in rt.calls] == [1 | 8, 1] and len(cleared) == 1 and rt.unregistered == []
-    assert host_memory.register(ptr, 0, owner).ok and len(rt.calls) == 2     # nothing to pin
+    assert host_memory.register(ptr, owner.nbytes, owner) == (True, None)
+    assert rt.calls == [(ptr, 4096, host_memory.PORTABLE)] and cleared == [] and rt.unregistered == []
+    assert host_memory.register(ptr, 0, owner).ok and len(rt.calls) == 1     # nothing to pin
     del owner
     gc.collect()
     assert rt.unregistered == [ptr]
 
+    f = tmp_path / "bank.bin"
+    f.write_bytes(b"\1" * 8192)
+    with open(f, "r+b") as fh:
+        m = mmap.mmap(fh.fileno(), 8192, flags=mmap.MAP_PRIVATE)
+    view = np.frombuffer(m, np.uint8)
+    assert host_memory.file_mapped(view.ctypes.data) and not host_memory.file_mapped(np.ones(8).ctypes.data)
+    r = host_memory.register(view.ctypes.data, view.nbytes, view)
+    assert not r.ok and "file mapping" in r.error and len(rt.calls) == 1     # the driver was not asked
+    del view
+    m.close()
+
     rt = StandInCudart(broken=True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     bank = ExpertBank.empty("int8", 2, 64, 32, 32)
     r = host_memory.register(bank.w13.ctypes.data, bank.w13.nbytes, bank.w13)
-    assert not r.ok and "operation not supported" in r.error
-    with pytest.warns(es.ExpertCacheWarning, match=r"failed for 4 arrays \(operation not supported"):
-        assert es.pin_banks([None, bank], file_backed=True) == 0
-    assert rt.unregistered == [] and len(rt.calls) == 1 + 4 * 2      # each array: read-only, then plain
-    rt = StandInCudart()                     # read-only refused, plain accepted: said once, with the size
+    assert not r.ok and "operation not supported" in r.error and cleared == [1]
+
+
+def test_pin_banks_copies_a_mapped_cache_file_into_memory_and_registers_the_copies(
+        checkpoint_factory, tmp_path, monkeypatch):
+    """The GPU tiers' page-locking (engine.expert_store.pin_banks) on a store mapped from its cache
+    file: each bank is replaced in the store's list by a copy in the process's own memory, byte
+    for byte equal to the file's, and the copies (never the mapping) are registered; a copy that
+    would not fit is a one-line error naming the fix, before any copying; arrays the driver
+    refuses stay pageable, said in one warning."""
+    from freetoken_py.models import loader
+    from freetoken_py.utils import host_memory
+
+    rt = StandInCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    total = sum(a.nbytes for a in (bank.w13, bank.s13, bank.w2, bank.s2))
-    with pytest.warns(es.ExpertCacheWarning, match="became private locked memory") as seen:
-        assert es.pin_banks([bank], file_backed=True) == total
-    assert len(seen) == 1 and len(rt.calls) == 4 * 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    path = private_copy(checkpoint_factory("qwen3_moe"), tmp_path)
+    model = load_model(path, "float32", show_progress=False, experts="skip")
+    es.open_expert_store(path, model.args, model.dtype, "int8", 32, cache="auto", show_progress=False)
+    store = es.open_expert_store(path, model.args, model.dtype, "int8", 32, cache="auto", show_progress=False)
+    assert store.source == "cache"
+    mapped = list(store.banks)
+    arrays = [getattr(b, n) for b in mapped if b is not None for n in es.BANK_ARRAYS]
+    assert all(host_memory.file_mapped(a.ctypes.data) for a in arrays if a.nbytes)
+    total = sum(a.nbytes for a in arrays)
+
+    monkeypatch.setattr(loader, "host_memory_bytes", lambda: 1)
+    with pytest.raises(FreetokenError) as err:
+        es.pin_banks(store.banks, file_backed=True)
+    assert "\n" not in str(err.value) and "--gpu-experts" in str(err.value)
+    assert store.banks == mapped and rt.calls == []
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    assert es.pin_banks(store.banks, file_backed=True) == total
+    copies = [getattr(b, n) for b in store.banks if b is not None for n in es.BANK_ARRAYS]
+    assert not any(host_memory.file_mapped(a.ctypes.data) for a in copies)
+    assert sorted(c[0] for c in rt.calls) == sorted(a.ctypes.data for a in copies if a.nbytes)
+    assert_same_banks(store.banks, mapped)
+    for b in store.banks:
+        if b is not None:
+            assert all(getattr(b, n).ctypes.data % es.PAGE_BYTES == 0 for n in es.BANK_ARRAYS)
+
+    rt = StandInCudart(broken=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    layers = sum(b is not None for b in store.banks)
+    with pytest.warns(es.ExpertCacheWarning, match=rf"failed for {4 * layers} arrays \(operation not supported"):
+        assert es.pin_banks(store.banks) == 0
 
 
 def test_opening_the_store_pins_nothing(checkpoint_factory, tmp_path, monkeypatch):
@@ -326,8 +375,8 @@ def test_experts_packed_in_memory_must_fit_beside_what_the_process_holds(checkpo
 def test_cuda_registration_pins_in_place_and_a_refusal_leaves_no_error_behind():
     """On a real GPU (bench/gpu_session.sh runs it): an array is page-locked where it lies and
     copies from it arrive intact; registering it again is refused (already registered), and the
-    next kernel launch does not see that refusal (host_memory.clear_cuda_error); the read-only
-    registration, or its plain fallback, is accepted."""
+    next kernel launch does not see that refusal (host_memory.clear_cuda_error); a mapped file
+    is refused without the driver being asked."""
     from freetoken_py.utils import host_memory
 
     a = np.arange(1 << 20, dtype=np.float32)
@@ -339,5 +388,5 @@ def test_cuda_registration_pins_in_place_and_a_refusal_leaves_no_error_behind():
     torch.cuda.synchronize()
     assert torch.equal(x.cpu(), torch.from_numpy(a)) and y.sum().item() == 4
     b = np.ones(1 << 20, np.float32)
-    assert host_memory.register(b.ctypes.data, b.nbytes, b, read_only=True).ok
+    assert host_memory.register(b.ctypes.data, b.nbytes, b).ok
     assert torch.from_numpy(b).to("cuda", non_blocking=True).sum().item() == b.size

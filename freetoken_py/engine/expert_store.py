@@ -17,16 +17,17 @@ import hashlib
 import mmap
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 
 from freetoken_py import envs
 from freetoken_py.engine import expert_cache as fc
 from freetoken_py.errors import FreetokenError
-from freetoken_py.kernels._buffers import PAGE_BYTES, row_layout, scale_dtype
+from freetoken_py.kernels._buffers import PAGE_BYTES, aligned_empty, row_layout, scale_dtype
 from freetoken_py.kernels.cpu_moe import ExpertBank
 from freetoken_py.models import loader
 from freetoken_py.models.args import ModelArgs
@@ -80,12 +81,17 @@ def open_expert_store(model_dir: Path | str, args: ModelArgs, dtype: torch.dtype
 def _check_in_memory(job: "_Job", fix: str) -> None:
     """Packed experts that would not fit beside what this process already holds fail now, in one
     line with `fix`, not with the out-of-memory killer halfway through the packing."""
+    _check_room(job.header["file_bytes"], f"{job.model_dir}: the packed {job.fmt} experts take", fix)
+
+
+def _check_room(need: int, subject: str, fix: str) -> None:
+    """`need` more bytes that would not fit beside what this process already holds (mapped file
+    pages, the checkpoint's views, left out) is a one-line error: `subject` ... `fix`."""
     mem = psutil.Process().memory_info()
-    # what the process holds of its own: mapped file pages (the checkpoint's views) are not
-    need, used, have = job.header["file_bytes"], mem.rss - getattr(mem, "shared", 0), loader.host_memory_bytes()
+    used, have = mem.rss - getattr(mem, "shared", 0), loader.host_memory_bytes()
     if used + need > have:
-        raise FreetokenError(f"{job.model_dir}: the packed {job.fmt} experts take {need / 2**30:.1f} GiB and this "
-                             f"process, holding {used / 2**30:.1f} GiB already, can hold {have / 2**30:.1f} GiB; {fix}")
+        raise FreetokenError(f"{subject} {need / 2**30:.1f} GiB and this process, holding {used / 2**30:.1f} GiB "
+                             f"already, can hold {have / 2**30:.1f} GiB; {fix}")
 
 
 def _warn(msg: str) -> None:
@@ -213,8 +219,6 @@ class _Job:
 def _transient_bank(fmt: str, group_size: int, layer: dict) -> ExpertBank:
     """An empty bank with the cache plan's arrays (`layer`: name -> dtype, shape) in one
     anonymous mapping, each array page-aligned; unmapped when the last array is dropped."""
-    import numpy as np
-
     sizes = [(n, np.dtype(layer[n]["dtype"]), layer[n]["shape"]) for n in fc.ARRAYS]
     spans = [-(-int(np.prod(shape, dtype=np.int64)) * dt.itemsize // PAGE_BYTES) * PAGE_BYTES
              for _, dt, shape in sizes]
@@ -243,33 +247,54 @@ def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:
                                  f"({args.moe_intermediate_size}) divisible by the group size {group_size}")
 
 
-def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False) -> int:
-    """Page-lock the banks' memory where it lies, so host->device expert copies are asynchronous
-    (the residency tiers on a CUDA GPU call this; nothing else needs it). Returns the bytes
-    registered. UNTESTED: no GPU on the development machine; an array that fails stays pageable
-    (its copies are synchronous; the banks still work), one warning says how many. Each array
-    is unregistered when it is garbage-collected, before its memory can go back (it holds the
-    mapping or buffer it views): a later bank mapped at the same address registers afresh, and
-    the device never reads pages that are no longer the array's. `file_backed` banks map the
-    cache file copy-on-write: registered read-only where the GPU allows it (the pages stay
-    shared), else plainly (`utils.host_memory.register`)."""
+def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False, show_progress: bool = False) -> int:
+    """Page-lock the banks' memory, so host->device expert copies are asynchronous (the residency
+    tiers on a CUDA GPU call this; nothing else needs it). Returns the bytes registered. Banks
+    built in memory are registered where they lie. `file_backed` banks (mapped from the cache
+    file) are first copied into memory of the process's own, page-aligned, replacing them in
+    `banks`, and the copies are registered: `cudaHostRegister` on the file mapping did not return
+    within 85 s for 256 MiB on the H200 machine (the same size of anonymous memory: 0.01 s), and
+    registering a copy-on-write mapping plainly would give it private copies of its pages anyway.
+    The copy must fit beside what the process holds (one-line error before it starts). An array
+    the driver refuses stays pageable (its copies are synchronous; the banks still work), one
+    warning says how many. Each array is unregistered when it is garbage-collected, before its
+    memory can go back."""
     if not torch.cuda.is_available():
         return 0
     from freetoken_py.utils.host_memory import register
 
-    done, private, failed, error = 0, 0, 0, None
+    if file_backed:
+        _into_memory(banks, show_progress)
+    done, failed, error = 0, 0, None
     for bank in banks:
         for a in () if bank is None else (bank.w13, bank.s13, bank.w2, bank.s2):
-            r = register(a.ctypes.data, a.nbytes, a, read_only=file_backed)
+            r = register(a.ctypes.data, a.nbytes, a)
             if r.ok:
                 done += a.nbytes
-                private += a.nbytes if file_backed and not r.read_only else 0
             else:
                 failed, error = failed + 1, r.error
-    if private:
-        _warn(f"expert store: this GPU cannot page-lock the cache file read-only; {private / 2**30:.1f} GiB of it "
-              "became private locked memory (as much as experts built in memory)")
     if failed:
         _warn(f"expert store: cudaHostRegister failed for {failed} arrays ({error}); their copies to the GPU "
               "will not be asynchronous")
     return done
+
+
+BANK_ARRAYS = ("w13", "s13", "w2", "s2")
+
+
+def _into_memory(banks: list[ExpertBank | None], show_progress: bool) -> None:
+    """Replace each bank in `banks` by a copy of its arrays in page-aligned memory of the
+    process's own (the mapped file's pages stay in the page cache, reclaimable, once unmapped)."""
+    need = sum(getattr(b, name).nbytes for b in banks if b is not None for name in BANK_ARRAYS)
+    _check_room(need, "the page-locked host copy of the experts (for the GPU tiers) takes",
+                "free memory, or leave out --gpu-experts (the cpu backend reads the cache file in place)")
+    layers = [i for i, b in enumerate(banks) if b is not None]
+    with progress_bar("Page-locking experts", total=len(layers), enabled=show_progress) as advance:
+        for i in layers:
+            fields = {}
+            for name in BANK_ARRAYS:
+                a = getattr(banks[i], name)
+                fields[name] = aligned_empty(a.shape, a.dtype)
+                np.copyto(fields[name], a)
+            banks[i] = replace(banks[i], **fields)
+            advance()

@@ -4,7 +4,7 @@ Duck-typed on the model (`model.weights.layers[i].w13 / w2 / router`, `model.arg
 package does not import `models`; with `--expert-dtype` the experts come instead as the expert
 store's banks (`banks=`), in any of its formats (formats.py). Under "emulate" the accelerator tier runs on CPU tensors and
 every time is taken from the injected profile; "cuda" is the same code on the GPU (slots and the
-copy stream in VRAM, host banks pinned) and is untested where no GPU was lent.
+copy stream in VRAM, host banks pinned); it ran on an H200 once (2026-12-04: the placement tests pass).
 """
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def _pin_in_place(model, moe: list[int], host: list) -> None:
     """Page-lock the torch expert stacks where they lie (`utils.host_memory.register`: no second
     copy, no rounding up to a power of two). A stack the driver will not register is copied into
     PyTorch's pinned memory instead, layer by layer, replacing the model's own reference (one
-    host copy, not two). UNTESTED without a GPU."""
+    host copy, not two; a stack viewing the checkpoint's file mapping is refused by `register`,
+    so it is copied too)."""
     from freetoken_py.utils.host_memory import register
 
     layers = model.weights.layers

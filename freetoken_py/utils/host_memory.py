@@ -1,10 +1,11 @@
 """Page-locking host memory where it lies (`cudaHostRegister`), so host -> GPU copies from it are
 asynchronous DMA without a second, pinned copy (PyTorch's pinned allocator would also round each
 block up to a power of two). Used for the expert store's banks and the residency tiers' float
-expert stacks; only ever called with a CUDA GPU present.
-
-UNTESTED on a GPU (none on the development machine): a failure only returns False (the memory
-still serves every copy, synchronously) and never leaves the CUDA runtime's error behind.
+expert stacks; only ever called with a CUDA GPU present, and only on memory the process owns
+(anonymous memory): registering a file mapping did not return within 85 s for 256 MiB on the
+H200 machine (2026-12-04, `engine.expert_store.pin_banks` copies a mapped cache file first),
+while the same size of anonymous memory took 0.01 s. A failure only returns a refusal (the
+memory still serves every copy, synchronously) and never leaves the CUDA runtime's error behind.
 """
 from __future__ import annotations
 
@@ -14,35 +15,45 @@ from typing import NamedTuple, Optional
 import torch
 
 PORTABLE = 1     # cudaHostRegisterPortable: pinned for every CUDA context (as torch.cuda._pin_memory_utils)
-READ_ONLY = 8    # cudaHostRegisterReadOnly (CUDA >= 11.1): the device only reads; not every GPU has it
 
 
 class Registered(NamedTuple):
     ok: bool                  # page-locked (or nothing to lock)
-    read_only: bool           # with the device-read-only flag
     error: Optional[str]      # the CUDA error's text when not ok
 
 
-def register(ptr: int, nbytes: int, owner, read_only: bool = False) -> Registered:
+def register(ptr: int, nbytes: int, owner) -> Registered:
     """Page-lock [ptr, ptr + nbytes) until `owner` (the object whose lifetime holds that memory:
     an array or tensor viewing it) is collected, then unregister it, before the memory can go
-    back. `read_only` (a copy-on-write file mapping): register it device-read-only first, so the
-    pages stay shared with the page cache; where the GPU lacks that flag
-    (`cudaDevAttrHostRegisterReadOnlySupported` is 0 on many discrete cards), register it plainly,
-    which gives the mapping private copies of its pages (as much memory as a bank built in
-    memory)."""
+    back. Memory of the process's own only: an address in a file mapping is refused without
+    asking the driver (`file_mapped`); the caller copies it (or leaves it pageable)."""
     if nbytes == 0:
-        return Registered(True, read_only, None)
+        return Registered(True, None)
+    if file_mapped(ptr):
+        return Registered(False, "a file mapping: copy it into memory of the process's own first")
     cudart = torch.cuda.cudart()
-    error = None
-    for flags in ((PORTABLE | READ_ONLY, PORTABLE) if read_only else (PORTABLE,)):
-        err = cudart.cudaHostRegister(ptr, nbytes, flags)
-        if int(err) == 0:
-            weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
-            return Registered(True, bool(flags & READ_ONLY), None)
-        error = _error_text(cudart, err)
-        clear_cuda_error()
-    return Registered(False, False, error)
+    err = cudart.cudaHostRegister(ptr, nbytes, PORTABLE)
+    if int(err) == 0:
+        weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
+        return Registered(True, None)
+    error = _error_text(cudart, err)
+    clear_cuda_error()
+    return Registered(False, error)
+
+
+def file_mapped(ptr: int) -> bool:
+    """Whether address `ptr` lies in a mapping of a file (a line of /proc/self/maps with an inode);
+    False where that cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= ptr < hi:
+                    return len(fields) > 4 and fields[4] != "0"
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def clear_cuda_error() -> None:
