@@ -109,9 +109,10 @@ def test_quantiser_rejects_ragged_rows():
 @needs_int8_path
 @pytest.mark.parametrize("num_t", [1, 3, 5, 7])
 # 32-blocks per row: 384 = 6 pairs, 416 = 6 pairs + 1, 448 = 7 pairs (gs 64: one pair per group), 480 = 7 + 1;
-# gs 192: three pairs per group (the odd-pairs branch of a multi-pair group)
+# gs 192: three pairs per group (the odd-pairs branch of a multi-pair group). gs 32 walks quads of pairs
+# first (_simd._q8_quad): 256 = one quad, 320 = a quad + 1 pair, 384 = + 2, 448 = + 3, 1056 = 4 quads + 1 block
 @pytest.mark.parametrize("gs,k", [(32, 384), (64, 384), (128, 384), (32, 416), (32, 448), (64, 448), (32, 480),
-                                  (192, 576)])
+                                  (192, 576), (32, 256), (32, 320), (32, 1056)])
 def test_dense_int4_against_quantised_and_fp32_activations(gs, k, num_t):
     g = torch.Generator().manual_seed(gs + num_t + k)
     dw = DenseWeight.from_tensor(torch.randn(45, k, generator=g) * 0.1, "int4", gs)   # 45 rows
@@ -170,6 +171,7 @@ def test_dot_compiles_to_integer_multiply_adds():
     assert dot(w, one, xq[0], xg[0], 16) == pytest.approx(np.arange(1, 32, 2).sum(), rel=1e-2)
     asm = dot.inspect_asm(dot.signatures[0])
     assert "vpmaddubsw" in asm and "vpmaddwd" in asm
+    assert "vphaddd" in asm                       # the quad step's merge of eight block sums (g = 32)
 
 
 FALLBACK = """
