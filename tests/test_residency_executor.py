@@ -466,6 +466,34 @@ def test_float_expert_stacks_are_page_locked_where_they_lie(checkpoint_factory, 
     assert sorted(rt.unregistered) == sorted(p for ptrs in before.values() for p in ptrs)
 
 
+def test_a_float_expert_stack_viewing_a_file_is_copied_before_it_is_page_locked(checkpoint_factory, monkeypatch,
+                                                                                 tmp_path):
+    """A stack that views a file mapping (a checkpoint stored fused in the load dtype) is never
+    registered (that hung on the H200 box): it is copied into the process's own memory, the copy
+    registered and made the model's and the streamer's stack, with the same values."""
+    import numpy as np
+
+    from freetoken_py.models.loader import load_model
+    from freetoken_py.residency.attach import _pin_in_place
+    from freetoken_py.utils import host_memory
+
+    rt = StandInCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    model = load_model(checkpoint_factory("qwen3_moe"), "float32", show_progress=False)
+    layers = model.weights.layers
+    i = next(i for i, lw in enumerate(layers) if lw.w13 is not None)
+    f = tmp_path / "w13.bin"
+    layers[i].w13.numpy().tofile(f)
+    mapped = torch.from_numpy(np.memmap(f, np.float32, "c", shape=tuple(layers[i].w13.shape)))
+    assert host_memory.file_mapped(mapped.data_ptr())
+    layers[i].w13 = mapped
+    host = [None] * len(layers)
+    _pin_in_place(model, [i], host)
+    w13 = layers[i].w13
+    assert not host_memory.file_mapped(w13.data_ptr()) and torch.equal(w13, mapped) and host[i][0] is w13
+    assert [c[0] for c in rt.calls] == [w13.data_ptr(), layers[i].w2.data_ptr()]
+
+
 def test_out_of_memory_inside_a_forward_shrinks_the_slots_and_retries(checkpoint_factory, tmp_path):
     """An allocation failure in the middle of a forward (here raised once by a router, standing
     in for a prefill's activations on a GPU another process filled) gives back half the expert

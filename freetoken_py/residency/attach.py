@@ -112,9 +112,10 @@ def _pin_in_place(model, moe: list[int], host: list) -> None:
     """Page-lock the torch expert stacks where they lie (`utils.host_memory.register`: no second
     copy, no rounding up to a power of two). A stack the driver will not register is copied into
     PyTorch's pinned memory instead, layer by layer, replacing the model's own reference (one
-    host copy, not two; a stack viewing the checkpoint's file mapping is refused by `register`,
-    so it is copied too)."""
-    from freetoken_py.utils.host_memory import register
+    host copy, not two). A stack that views the checkpoint's file mapping (stored fused, in the
+    load dtype) is copied into the process's own memory first and the copy registered: a file
+    mapping is never registered (`utils.host_memory`)."""
+    from freetoken_py.utils.host_memory import file_mapped, register
 
     layers = model.weights.layers
     model.experts = None   # the torch executor's references to the weights go first (they may be replaced)
@@ -122,6 +123,8 @@ def _pin_in_place(model, moe: list[int], host: list) -> None:
         pair = []
         for t in (layers[i].w13, layers[i].w2):
             t = t.contiguous()
+            if file_mapped(t.data_ptr()):
+                t = t.clone()
             pair.append(t if register(t.data_ptr(), t.nbytes, t).ok else t.pin_memory())
         layers[i].w13, layers[i].w2 = pair
         host[i] = tuple(pair)
