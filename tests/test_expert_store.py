@@ -286,8 +286,8 @@ def test_pin_banks_copies_a_mapped_cache_file_into_memory_and_registers_the_copi
     """The GPU tiers' page-locking (engine.expert_store.pin_banks) on a store mapped from its cache
     file: each bank is replaced in the store's list by a copy in the process's own memory, byte
     for byte equal to the file's, and the copies (never the mapping) are registered; a copy that
-    would not fit is a one-line error naming the fix, before any copying; arrays the driver
-    refuses stay pageable, said in one warning."""
+    would not fit is a one-line error naming the fix, before any copying; a bank built in memory
+    is registered where it lies; arrays the driver refuses stay pageable, said in one warning."""
     from freetoken_py.models import loader
     from freetoken_py.utils import host_memory
 
@@ -300,27 +300,33 @@ def test_pin_banks_copies_a_mapped_cache_file_into_memory_and_registers_the_copi
     store = es.open_expert_store(path, model.args, model.dtype, "int8", 32, cache="auto", show_progress=False)
     assert store.source == "cache"
     mapped = list(store.banks)
-    arrays = [getattr(b, n) for b in mapped if b is not None for n in es.BANK_ARRAYS]
+    arrays = [getattr(b, n) for b in mapped if b is not None for n in es.fc.ARRAYS]
     assert all(host_memory.file_mapped(a.ctypes.data) for a in arrays if a.nbytes)
     total = sum(a.nbytes for a in arrays)
 
-    monkeypatch.setattr(loader, "host_memory_bytes", lambda: 1)
-    with pytest.raises(FreetokenError) as err:
-        es.pin_banks(store.banks, file_backed=True)
+    with monkeypatch.context() as m:
+        m.setattr(loader, "host_memory_bytes", lambda: 1)
+        with pytest.raises(FreetokenError) as err:
+            es.pin_banks(store.banks)
     assert "\n" not in str(err.value) and "--gpu-experts" in str(err.value)
     assert store.banks == mapped and rt.calls == []
-    monkeypatch.undo()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
-    assert es.pin_banks(store.banks, file_backed=True) == total
-    copies = [getattr(b, n) for b in store.banks if b is not None for n in es.BANK_ARRAYS]
+    assert es.pin_banks(store.banks) == total
+    copies = [getattr(b, n) for b in store.banks if b is not None for n in es.fc.ARRAYS]
     assert not any(host_memory.file_mapped(a.ctypes.data) for a in copies)
     assert sorted(c[0] for c in rt.calls) == sorted(a.ctypes.data for a in copies if a.nbytes)
     assert_same_banks(store.banks, mapped)
     for b in store.banks:
         if b is not None:
-            assert all(getattr(b, n).ctypes.data % es.PAGE_BYTES == 0 for n in es.BANK_ARRAYS)
+            assert all(getattr(b, n).ctypes.data % es.PAGE_BYTES == 0 for n in es.fc.ARRAYS)
+
+    rt = StandInCudart()                     # a bank built in memory: registered where it lies, not copied
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    built = [None, ExpertBank.empty("int8", 2, 64, 32, 32)]
+    own = [getattr(built[1], n) for n in es.fc.ARRAYS]
+    assert es.pin_banks(built) == sum(a.nbytes for a in own) and all(
+        getattr(built[1], n) is a for n, a in zip(es.fc.ARRAYS, own))
+    assert sorted(c[0] for c in rt.calls) == sorted(a.ctypes.data for a in own if a.nbytes)
 
     rt = StandInCudart(broken=True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)

@@ -247,27 +247,27 @@ def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:
                                  f"({args.moe_intermediate_size}) divisible by the group size {group_size}")
 
 
-def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False, show_progress: bool = False) -> int:
+def pin_banks(banks: list[ExpertBank | None], show_progress: bool = False) -> int:
     """Page-lock the banks' memory, so host->device expert copies are asynchronous (the residency
-    tiers on a CUDA GPU call this; nothing else needs it). Returns the bytes registered. Banks
-    built in memory are registered where they lie. `file_backed` banks (mapped from the cache
-    file) are first copied into memory of the process's own, page-aligned, replacing them in
-    `banks`, and the copies are registered: `cudaHostRegister` on the file mapping did not return
-    within 85 s for 256 MiB on the H200 machine (the same size of anonymous memory: 0.01 s), and
-    registering a copy-on-write mapping plainly would give it private copies of its pages anyway.
-    The copy must fit beside what the process holds (one-line error before it starts). An array
-    the driver refuses stays pageable (its copies are synchronous; the banks still work), one
-    warning says how many. Each array is unregistered when it is garbage-collected, before its
-    memory can go back."""
+    tiers on a CUDA GPU call this; nothing else needs it). Returns the bytes registered. Banks in
+    memory of the process's own (built in memory) are registered where they lie; banks mapped
+    from the cache file (`utils.host_memory.file_mapped`) are first copied into page-aligned
+    memory of the process's own, replacing them in `banks`, and the copies are registered:
+    `cudaHostRegister` on the file mapping did not return within 85 s for 256 MiB on the H200
+    machine (the same size of anonymous memory: 0.01 s), and registering a copy-on-write mapping
+    plainly would give it private copies of its pages anyway. The copy must fit beside what the
+    process holds (one-line error before it starts). An array the driver refuses stays pageable
+    (its copies are synchronous; the banks still work), one warning says how many. Each array is
+    unregistered when it is garbage-collected, before its memory can go back."""
     if not torch.cuda.is_available():
         return 0
-    from freetoken_py.utils.host_memory import register
+    from freetoken_py.utils.host_memory import file_mapped, register
 
-    if file_backed:
-        _into_memory(banks, show_progress)
+    _into_memory(banks, [i for i, b in enumerate(banks) if b is not None and file_mapped(b.w13.ctypes.data)],
+                 show_progress)
     done, failed, error = 0, 0, None
     for bank in banks:
-        for a in () if bank is None else (bank.w13, bank.s13, bank.w2, bank.s2):
+        for a in () if bank is None else (getattr(bank, name) for name in fc.ARRAYS):
             r = register(a.ctypes.data, a.nbytes, a)
             if r.ok:
                 done += a.nbytes
@@ -279,20 +279,19 @@ def pin_banks(banks: list[ExpertBank | None], file_backed: bool = False, show_pr
     return done
 
 
-BANK_ARRAYS = ("w13", "s13", "w2", "s2")
-
-
-def _into_memory(banks: list[ExpertBank | None], show_progress: bool) -> None:
-    """Replace each bank in `banks` by a copy of its arrays in page-aligned memory of the
-    process's own (the mapped file's pages stay in the page cache, reclaimable, once unmapped)."""
-    need = sum(getattr(b, name).nbytes for b in banks if b is not None for name in BANK_ARRAYS)
+def _into_memory(banks: list[ExpertBank | None], layers: list[int], show_progress: bool) -> None:
+    """Replace banks[i] for i in `layers` (mapped from the cache file) by a copy of its arrays in
+    page-aligned memory of the process's own (the file's pages stay in the page cache,
+    reclaimable, once unmapped)."""
+    if not layers:
+        return
+    need = sum(getattr(banks[i], name).nbytes for i in layers for name in fc.ARRAYS)
     _check_room(need, "the page-locked host copy of the experts (for the GPU tiers) takes",
                 "free memory, or leave out --gpu-experts (the cpu backend reads the cache file in place)")
-    layers = [i for i, b in enumerate(banks) if b is not None]
     with progress_bar("Page-locking experts", total=len(layers), enabled=show_progress) as advance:
         for i in layers:
             fields = {}
-            for name in BANK_ARRAYS:
+            for name in fc.ARRAYS:
                 a = getattr(banks[i], name)
                 fields[name] = aligned_empty(a.shape, a.dtype)
                 np.copyto(fields[name], a)

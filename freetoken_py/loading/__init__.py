@@ -52,7 +52,7 @@ def _load_tier_experts(model_dir: Path, c: EngineConfig):
     model = load_model(model_dir, c.dtype, c.show_progress, experts="skip")
     store = open_expert_store(model_dir, model.args, model.dtype, fmt, group, c.expert_cache, c.show_progress)
     if c.residency == "cuda":      # page-locked where they lie: the streamer's copies are asynchronous
-        pin_banks(store.banks, file_backed=store.path is not None, show_progress=c.show_progress)
+        pin_banks(store.banks, show_progress=c.show_progress)
     model.expert_store = store
     return model
 
