@@ -11,6 +11,8 @@ checkpoint's size.
 The quantised checkpoints are written by `freetoken quantize` from a random bf16 one (built
 with transformers' classes). Prints one JSON line: per format tokens/s, bytes per token, GB/s,
 the DRAM roofline fraction, llama.cpp's figures and the ratios, and the start-up RSS.
+Rounds interleave the engines of one peer group (fp8 with Q8_0; int4 and nvfp4 with Q4_0); each
+group's engines are freed before the next group loads, so the box never holds all five models.
 The peer's output tensor (lm_head) is stored as ours runs it (`--peer-output same`, the default):
 a compressed-tensors or fp8 checkpoint usually leaves lm_head in bf16 (its ignore list), and at
 this vocabulary (151,936 x 2048) a bf16 lm_head is 622 MB of the bytes read per token, so with
@@ -19,6 +21,7 @@ expert formats. `--peer-output default` keeps llama.cpp's default output type.
 """
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -117,21 +120,32 @@ def main() -> None:
     src = build(args)
     prompt = common.random_prompt(args.vocab, args.prompt_len)
     n, fmts = args.decode_tokens, args.formats.split(",")
-    engines, bpt, peer_bpt, sizes, rss, peer_out = {}, {}, {}, {}, {}, {}
+    samples, bpt, peer_bpt, sizes, rss, peer_out = {}, {}, {}, {}, {}, {}
+    # one peer group at a time (fp8 with Q8_0, then int4 + nvfp4 with Q4_0), its engines dropped
+    # before the next loads: all five resident at once come to about the box's 24 GiB, and the
+    # page cache then thrashes (our samples swung 24 -> 15 tok/s within a run)
+    groups: dict[str, list[str]] = {}
     for f in fmts:
-        path = quantised(src, f)
-        sizes[f] = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-        rss[f] = {"first_start": startup_rss(path, "rebuild"), "mapped_start": startup_rss(path, "auto")}
-        llm = LLM(path, dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048, show_progress=False,
-                  enable_prefix_cache=False)
-        engines[f"freetoken-{f}"] = common.freetoken_timers(llm)
-        bpt[f] = _bytes_per_token(llm)
-        if not args.no_llama_cpp:
-            gguf, peer_out[f] = peer_gguf(src, f, path, args.peer_output)
-            if f"llama.cpp-{FORMATS[f]}-{peer_out[f]}" not in engines:
-                engines[f"llama.cpp-{FORMATS[f]}-{peer_out[f]}"] = common.llama_cpp_timers(gguf, args.threads)
-            peer_bpt[f] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
-    samples = common.time_rounds(engines, prompt, n, args.rounds)
+        groups.setdefault(FORMATS[f], []).append(f)
+    for kind, members in groups.items():
+        engines = {}
+        for f in members:
+            path = quantised(src, f)
+            sizes[f] = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+            rss[f] = {"first_start": startup_rss(path, "rebuild"), "mapped_start": startup_rss(path, "auto")}
+            llm = LLM(path, dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048,
+                      show_progress=False, enable_prefix_cache=False)
+            engines[f"freetoken-{f}"] = common.freetoken_timers(llm)
+            bpt[f] = _bytes_per_token(llm)
+            if not args.no_llama_cpp:
+                gguf, peer_out[f] = peer_gguf(src, f, path, args.peer_output)
+                if f"llama.cpp-{kind}-{peer_out[f]}" not in engines:
+                    engines[f"llama.cpp-{kind}-{peer_out[f]}"] = common.llama_cpp_timers(gguf, args.threads)
+                peer_bpt[f] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
+            del llm
+        samples.update(common.time_rounds(engines, prompt, n, args.rounds))
+        del engines
+        gc.collect()
     dram, method = common.dram_gbps()
     out = {"bench": "formats_decode", "model": f"qwen3_moe shape: hidden {args.hidden}, {args.layers} layers, "
            f"{args.experts} experts of width {args.width}, top-{min(8, args.experts)}, vocab {args.vocab}",

@@ -233,3 +233,35 @@ def test_bank_view_shares_memory_and_matches_a_built_bank(dtype):
         ExpertBank.view_of(w13.half(), w2.half())
     with pytest.raises(ValueError, match="expected w13"):
         ExpertBank.view_of(w13, w2[:, :, :32].contiguous())
+
+
+def test_row_blocks_follow_pairs_per_expert():
+    """Decode-like routing (<= 4 pairs per expert) takes the long row blocks while each stage keeps
+    >= 4 tasks per thread; prefill-like routing, or too few tasks, keeps the prefill blocks."""
+    from freetoken_py.kernels._moe_kernels import RB1, RB2, RB_FEW, row_blocks
+
+    few = np.array([0, 1, 2, 4, 8], np.int64)               # 4 experts hit by 1, 1, 2, 4 pairs
+    many = np.array([0, 1, 6, 7], np.int64)                 # one expert hit by 5 pairs
+    assert row_blocks(few, 768, 2048, 2) == (RB_FEW, RB_FEW)
+    assert row_blocks(many, 768, 2048, 2) == (RB1, RB2)
+    assert row_blocks(few, 768, 2048, 12) == (RB_FEW, RB2)  # 4 x 12 = 48 stage-1 tasks >= 4 x 12, 32 stage-2 < 48
+    assert row_blocks(few, 64, 256, 2) == (RB1, RB2)         # 4 x 1 and 4 tasks: fewer than 8
+
+
+@pytest.mark.parametrize("fmt, group_size", [("fp32", 32), ("int4", 32), ("fp8", 128)])
+@pytest.mark.parametrize("num_t, k", [(1, 4), (2, 3)])
+def test_decode_row_blocks_match_reference(fmt, group_size, num_t, k):
+    """Widths where decode takes RB_FEW-row tasks (a partial last block in both stages: I = 160,
+    D = 1088 = 17 x 64) give the reference's result."""
+    from freetoken_py.kernels._moe_kernels import RB_FEW, group_pairs, row_blocks
+    from freetoken_py.kernels.threads import configured_threads
+
+    num_e, inter, hidden = 6, 160, 1088
+    ids, w = routing(num_t, num_e, k, seed=11)
+    off = group_pairs(ids.reshape(-1).numpy().astype(np.int64), num_e)[2]
+    threads = min(configured_threads(), 4)
+    assert row_blocks(off, inter, hidden, threads) == (RB_FEW, RB_FEW)
+    bank = ExpertBank.from_weights(*random_experts(num_e, inter, hidden, seed=4), fmt=fmt, group_size=group_size)
+    x = torch.randn(num_t, hidden, generator=torch.Generator().manual_seed(5))
+    out = moe_experts(bank, x, ids, w)
+    assert close_to_ref(out, moe_ref_slack(bank, x, ids, w, "silu"), TOL.get(fmt, 1e-4))

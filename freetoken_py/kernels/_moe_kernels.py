@@ -15,6 +15,11 @@ single-token dot — T = 1 decode and grouped prefill are the same loops:
     stage 2  prange over blocks of RB2 rows of D (all experts): out[t, d] += w_p * (down_d . h_p)
 
 Stage 2 owns whole output rows, so the top-k sum needs no atomics and no extra pass.
+
+Row blocks (``row_blocks``): RB1 / RB2 rows per task where the experts are hit by several pairs
+(prefill: a block's activations are reused over its rows); RB_FEW where every expert is hit by
+at most 4 pairs (decode: one row pass serves them all, so a task is a plain stream of weight rows,
+and longer streams read memory faster), as long as each stage keeps >= 4 tasks per thread.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from freetoken_py.kernels._dots import act, prepare, row_dot, row_dot4
 
 RB1 = 16   # gate/up rows per stage-1 task: 16 x (2 rows) x D bytes, small enough to balance 2 threads
 RB2 = 16   # down rows per stage-2 task
+RB_FEW = 64   # rows per task in both stages where no expert has more than 4 pairs (decode)
 
 
 @njit(fastmath=True, cache=True)
@@ -57,6 +63,21 @@ def group_pairs(ids, num_experts):
             u += 1
     off[num_u] = ids.shape[0]
     return order, eids, off
+
+
+@njit(cache=True)
+def row_blocks(off, inter, hidden, threads):
+    """(stage-1 rows, stage-2 rows) per task for pairs grouped as by group_pairs (see the module doc).
+    Decode at Qwen3-30B-A3B's widths, 8 experts, 2 threads: fp8 15 -> 23 GB/s, int4 20 -> 21
+    (docs/kernels.md)."""
+    most = 0
+    for u in range(off.shape[0] - 1):
+        most = max(most, off[u + 1] - off[u])
+    num_u = off.shape[0] - 1
+    few = most <= 4
+    rb1 = RB_FEW if few and num_u * ((inter + RB_FEW - 1) // RB_FEW) >= 4 * threads else RB1
+    rb2 = RB_FEW if few and (hidden + RB_FEW - 1) // RB_FEW >= 4 * threads else RB2
+    return rb1, rb2
 
 
 @njit(fastmath=True, cache=True)
@@ -121,8 +142,10 @@ def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, out):
-    """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed."""
+def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out):
+    """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed;
+    threads = numba's thread count for the row blocks (an argument: numba.get_num_threads inside
+    the kernel would stop it from being cached)."""
     k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1)          # pair p = t * k + j
     wts = topk_weights.reshape(-1)
@@ -130,17 +153,18 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, out):
     inter = w13.shape[1] // 2
     hidden = w2.shape[1]
     order, eids, off = group_pairs(ids, w13.shape[0])
+    rb1, rb2 = row_blocks(off, inter, hidden, threads)
     num_pairs = ids.shape[0]
     h = np.empty((num_pairs, inter), np.float32)
-    nb1 = (inter + RB1 - 1) // RB1
+    nb1 = (inter + rb1 - 1) // rb1
     for task in prange(eids.shape[0] * nb1):
         u = task // nb1
-        i0 = (task - u * nb1) * RB1
+        i0 = (task - u * nb1) * rb1
         e = eids[u]
         _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
-                       min(inter, i0 + RB1), kind, gs // 2, h)
+                       min(inter, i0 + rb1), kind, gs // 2, h)
     hv, hg = prepare(w2, s2, h, gs)
-    nb2 = (hidden + RB2 - 1) // RB2
+    nb2 = (hidden + rb2 - 1) // rb2
     for task in prange(nb2):
-        d0 = task * RB2
-        _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, min(hidden, d0 + RB2), gs // 2, out)
+        d0 = task * rb2
+        _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, min(hidden, d0 + rb2), gs // 2, out)

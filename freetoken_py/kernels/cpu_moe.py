@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -168,7 +169,8 @@ def add_moe_experts(bank: ExpertBank, x: np.ndarray, topk_ids: np.ndarray, topk_
     if activation == ACTIVATIONS["silu"] and use_torch_bf16(bank.fmt, x.shape[0]):
         _add_experts_torch_bf16(bank, x, topk_ids, topk_weights, out)
         return
-    moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, x, topk_ids, topk_weights, activation, bank.group_size, out)
+    moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, x, topk_ids, topk_weights, activation, bank.group_size,
+             numba.get_num_threads(), out)
 
 
 def _add_experts_torch_bf16(bank: ExpertBank, x: np.ndarray, ids: np.ndarray, wts: np.ndarray, out: np.ndarray) -> None:
