@@ -180,15 +180,26 @@ def _logits(model, tok, text):
     return logits
 
 
-def test_transformers_loads_it_and_logits_are_finite(hf_model):
+def test_transformers_and_our_engine_agree_on_it(hf_model):
+    """The shipped checkpoint as transformers reads it equals what our engine computes from the same
+    files (fp32, every prompt position): a checkpoint that only one of the two reads right fails."""
     import torch
     from tokenizers import Tokenizer
 
+    from freetoken_py.evals.kld import window_logits
+    from freetoken_py.llm import LLM
+
     tok = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
     text = "import os\n\ndef main():\n"
+    ids = tok.encode(text).ids
     logits = _logits(hf_model, tok, text)
-    assert logits.shape == (1, len(tok.encode(text).ids), tok.get_vocab_size())
+    assert logits.shape == (1, len(ids), tok.get_vocab_size())
+    llm = LLM(DEMO_DIR, dtype="float32", backend="cpu", max_num_seqs=1, max_model_len=256,
+              show_progress=False, enable_prefix_cache=False)
+    ours = window_logits(llm, ids, chunk=len(ids))
     assert torch.isfinite(logits).all()
+    assert (ours - logits[0]).abs().max() < 1e-4, (ours - logits[0]).abs().max()
+    assert torch.equal(ours.argmax(-1), logits[0].argmax(-1))
 
 
 def test_it_opens_a_tool_call_when_tools_are_offered_and_only_then(hf_model):

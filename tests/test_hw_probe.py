@@ -39,7 +39,9 @@ def _interleaved(fns: dict, rounds: int) -> dict[str, float]:
 def test_dram_figure_agrees_with_an_independent_reduction():
     cpu, mem = sysinfo.collect_cpu(), sysinfo.collect_memory()
     nbytes = measure_dram.buffer_bytes(cpu.l3_bytes, mem.available_bytes, quick=True)
-    assert nbytes >= 8 * (cpu.l3_bytes or 0)
+    # >= 8x L3 unless a cap binds: a VM can report its host's whole shared L3 (480 MiB on a 2-vCPU Xeon 6
+    # slice, where 64 MiB and 2 GiB buffers read alike: docs/probe.md), and the buffer stays <= 1 GiB there
+    assert nbytes >= min(8 * (cpu.l3_bytes or 0), measure_dram.MAX_BUFFER_BYTES, mem.available_bytes // 8)
     buf = measure_dram.make_buffer(nbytes)
     threads = max(1, min(cpu.physical_cores, cpu.usable_cores))
     tbuf = torch.from_numpy(buf)

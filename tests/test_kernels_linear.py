@@ -7,6 +7,8 @@ int8-activation path (`_dots.INT_ACT`): the reference multiplies the per-32-bloc
 """
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -93,7 +95,31 @@ def test_import_is_lazy():
                                 "moe_experts", "warmup"]))
 
 
-def test_warmup_runs_every_path_of_a_format():
-    from freetoken_py.kernels import warmup
+WARM_THEN_RUN = """
+import json
+import torch
+from freetoken_py.kernels import DenseWeight, ExpertBank, dense_linear, moe_experts, warmup
+from freetoken_py.kernels._moe_kernels import moe_rows
+from freetoken_py.kernels.cpu_linear import dense_rows, dense_rows_prepared
+count = lambda: [len(f.signatures) for f in (moe_rows, dense_rows, dense_rows_prepared)]
+warmup(("int8",))
+before = count()
+g = torch.Generator().manual_seed(1)
+bank = ExpertBank.from_weights(torch.randn(4, 64, 96, generator=g), torch.randn(4, 64, 96, generator=g),
+                               torch.randn(4, 96, 64, generator=g), fmt="int8", group_size=32)
+moe_experts(bank, torch.randn(1, 96, generator=g), torch.tensor([[0, 3]]), torch.full((1, 2), 0.5))
+dense_linear(DenseWeight.from_tensor(torch.randn(48, 96, generator=g), fmt="int8", group_size=32),
+             torch.randn(3, 96, generator=g).numpy())
+print(json.dumps([before, count()]))
+"""
 
-    assert warmup(("bf16",)) > 0
+
+def test_warmup_compiles_the_signatures_production_uses():
+    """After warmup of a format, a real-sized expert call and dense call of that format compile nothing
+    new: warmup hit exactly the argument types production passes (counted from numba's dispatchers, in a
+    fresh process so no other test has compiled them first)."""
+    res = subprocess.run([sys.executable, "-c", WARM_THEN_RUN], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    before, after = json.loads(res.stdout.strip().splitlines()[-1])
+    assert before[0] >= 1 and before[1] + before[2] >= 1    # warmup compiled the expert and dense kernels
+    assert after == before                                  # and production's calls needed nothing more

@@ -28,6 +28,7 @@ FORMAT_GROUP = {"nvfp4": 16}
 def group_size(fmt: str) -> int:
     return FORMAT_GROUP.get(fmt, GROUP_SIZE)
 BANK_L3_MULTIPLE = 4   # bank >= 4x L3 (2x for a quick check)
+MAX_BANK_BYTES = 2**30  # but <= 1 GiB: a VM may report its host's whole L3 (480 MiB), see docs/probe.md
 _BASE_EXPERTS = 2      # experts converted by from_weights; the bank repeats them (tiled_bank)
 
 
@@ -109,7 +110,7 @@ def build_workload(fmt: str, l3_bytes: Optional[int], quick: bool = False, seed:
 
     mod = kernel_module()
     base = base if base is not None else base_bank(fmt, seed)
-    target = (l3_bytes or 32 * 2**20) * (BANK_L3_MULTIPLE // 2 if quick else BANK_L3_MULTIPLE)
+    target = min((l3_bytes or 32 * 2**20) * (BANK_L3_MULTIPLE // 2 if quick else BANK_L3_MULTIPLE), MAX_BANK_BYTES)
     num = max(math.ceil(target / base.bytes_per_expert), 2 * TOP_K)
     num = math.ceil(num / TOP_K) * TOP_K
     bank = tiled_bank(base, num) or mod.ExpertBank.from_weights(
