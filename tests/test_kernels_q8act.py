@@ -155,23 +155,38 @@ def top1_ref(w13, w2, e, x, q8):
     return torch.einsum("tdi,ti->td", w2[e], seen(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]))
 
 
+AVX2_DOT_ASM = """
+import numpy as np
+from numba import njit
+from freetoken_py.kernels._dots import prep_q8_rows, row_dot
+from freetoken_py.kernels._simd import HAS_AVX512
+assert not HAS_AVX512                                          # FREETOKEN_SIMD=avx2 took effect
+
+@njit(fastmath=True)
+def dot(w, s, xq, xg, hb):
+    return row_dot(w, s, xq, xg, hb)
+
+w = np.full(16, 0x98, np.uint8)                                # nibbles 8 and 9: q_w = 0 and 1
+xq, xg = prep_q8_rows(np.arange(32, dtype=np.float32).reshape(1, 32), 32)
+one = np.ones(1, np.float16).view(np.uint16)                   # scales: fp16 bits
+print(dot(w, one, xq[0], xg[0], 16))
+print(" ".join(sorted({op for op in ("vpmaddubsw", "vpmaddwd", "vphaddd", "vpdpbusd")
+                       if op in dot.inspect_asm(dot.signatures[0])})))
+"""
+
+
 @pytest.mark.skipif(not HAS_AVX2, reason="AVX2 intrinsics only compile for an AVX2 target")
-def test_dot_compiles_to_integer_multiply_adds():
-    from numba import njit
-
-    from freetoken_py.kernels._dots import row_dot
-
-    @njit(fastmath=True)
-    def dot(w, s, xq, xg, hb):
-        return row_dot(w, s, xq, xg, hb)
-
-    w = np.full(16, 0x98, np.uint8)                                # nibbles 8 and 9: q_w = 0 and 1
-    xq, xg = prep_q8_rows(np.arange(32, dtype=np.float32).reshape(1, 32), 32)   # one block: the AVX2 form either way
-    one = np.ones(1, np.float16).view(np.uint16)                   # scales: fp16 bits
-    assert dot(w, one, xq[0], xg[0], 16) == pytest.approx(np.arange(1, 32, 2).sum(), rel=1e-2)
-    asm = dot.inspect_asm(dot.signatures[0])
-    assert "vpmaddubsw" in asm and "vpmaddwd" in asm
-    assert "vphaddd" in asm                       # the quad step's merge of eight block sums (g = 32)
+def test_avx2_dot_compiles_to_integer_multiply_adds():
+    """The AVX2 form of the int4 x int8 dot (the process's form on AVX2-only CPUs; forced with
+    FREETOKEN_SIMD=avx2 on AVX-512 ones, whose own VNNI form test_kernels_vnni.py checks): pmaddubsw /
+    pmaddwd products and the quad step's vphaddd merge of eight block sums (g = 32), no VNNI."""
+    env = dict(os.environ, FREETOKEN_SIMD="avx2")
+    res = subprocess.run([sys.executable, "-c", AVX2_DOT_ASM], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    value, ops = res.stdout.strip().splitlines()[-2:]
+    assert float(value) == pytest.approx(np.arange(1, 32, 2).sum(), rel=1e-2)
+    assert ops.split() == ["vphaddd", "vpmaddubsw", "vpmaddwd"]
 
 
 FALLBACK = """
