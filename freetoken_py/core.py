@@ -19,6 +19,17 @@ class Grammar:
     name: str = "grammar"
 
 
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the `top` most likely tokens at its position, best first."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -34,10 +45,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: Grammar | None = None  # constrained decoding: only tokens the grammar allows are sampled
+    # log-probabilities, from the model's raw distribution (log-softmax of the logits, before the
+    # grammar mask, penalties, temperature and top-k/p filters): None = not computed (no cost);
+    # k >= 0 = each token's own and its k most likely alternatives
+    logprobs: int | None = None  # of every generated token
+    prompt_logprobs: int | None = None  # of every prompt token after the first (bypasses the prefix cache)
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             "max_tokens must be >= 1 (0 only with prompt_logprobs: score the prompt, generate nothing)"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
@@ -82,6 +103,8 @@ class Request:
     max_len: int = 0  # prompt + output may not exceed this (context window); set by the scheduler
     generator: object | None = None  # torch.Generator when seeded
     constraint: object | None = None  # engine/grammar.TokenConstraint when params.grammar is set
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # [None, tok 1, ...] (params.prompt_logprobs)
     # timings (perf_counter seconds)
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -117,6 +140,8 @@ class RequestOutput:
     new_text: str = ""  # text added by the latest step (streaming)
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # params.logprobs: one per token of token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: [None, ...] per prompt token
     ttft_s: float | None = None
     total_s: float | None = None
 

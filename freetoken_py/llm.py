@@ -18,7 +18,7 @@ from freetoken_py.config import EngineConfig
 from freetoken_py.core import FinishReason, Request, RequestOutput, SamplingParams
 from freetoken_py.engine.cpu_backend import prefill_expert_memory
 from freetoken_py.engine.runner import ModelRunner, ScheduledChunk
-from freetoken_py.engine.sampler import sample
+from freetoken_py.engine.sampler import logprobs_of, sample
 from freetoken_py.errors import ContextLengthError, FreetokenError, ModelLoadError
 from freetoken_py.kvcache import PageAllocator, page_bytes
 from freetoken_py.kvcache.pool import FP8
@@ -92,6 +92,7 @@ class LLM:
                                      self.model.device.type == "cuda") if self.residency is not None else None)
         self._idle_tried = False     # idle() ran since the last step
         self._streams: dict[int, _Stream] = {}
+        self._deferred: list[tuple[Request, Request]] = []  # (request, the sibling whose prompt it waits for)
         self._grammar_compiler = None   # engine/grammar.GrammarCompiler, on the first constrained request
         self._calibrate_kv()
         self._warm_kernels()
@@ -142,7 +143,10 @@ class LLM:
 
     def _cache_namespace(self, req: Request):
         """Cache key namespace: model identity, KV dtype and scales, client salt. None = not cacheable
-        (FP8 scales not calibrated yet; `_calibrate_kv` does that in the constructor)."""
+        (FP8 scales not calibrated yet; `_calibrate_kv` does that in the constructor), and a request
+        asking for prompt logprobs: every prompt position's logits must be computed."""
+        if req.params.prompt_logprobs is not None:
+            return None
         if self._namespace_base is None:  # fixed once the scales are (they never change after)
             scales = self.runner.cache.scales_fingerprint()
             if scales is None:
@@ -367,7 +371,10 @@ class LLM:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, tools=tools))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, after: Request | None = None) -> Request:
+        """`after`: a request with the same prompt (n > 1 completions): this one waits until that
+        one's prompt is computed and published, then takes its pages from the prefix cache
+        instead of computing the prompt again."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         if not ids:
@@ -390,8 +397,24 @@ class LLM:
             req.constraint = self.grammar_compiler.matcher(params.grammar)
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
         self._streams[req.request_id] = _Stream(detok)
-        self.scheduler.add(req)
+        if after is not None and not self._prompt_done(after):
+            self._deferred.append((req, after))
+        else:
+            self.scheduler.add(req)
         return req
+
+    @staticmethod
+    def _prompt_done(req: Request) -> bool:
+        return req.finished or req.num_computed >= len(req.prompt_token_ids)
+
+    def _admit_deferred(self) -> None:
+        """Requests waiting for a sibling's prompt go to the scheduler once it is computed (and
+        its pages published: publish_prompts runs after the forward that completes it)."""
+        if self._deferred:
+            ready = [(r, a) for r, a in self._deferred if self._prompt_done(a)]
+            self._deferred = [(r, a) for r, a in self._deferred if not self._prompt_done(a)]
+            for req, _ in ready:
+                self.scheduler.add(req)
 
     @property
     def grammar_compiler(self):
@@ -405,15 +428,18 @@ class LLM:
 
     def abort(self, req: Request) -> None:
         self._streams.pop(req.request_id, None)
+        waiting = [(r, a) for r, a in self._deferred if r is not req]
         if not req.finished:
             req.finish_reason = FinishReason.ABORT
             req.finish_time = time.perf_counter()
-            self.scheduler.finish(req)
+            if len(waiting) == len(self._deferred):   # a deferred one holds nothing yet
+                self.scheduler.finish(req)
+        self._deferred = waiting
 
     # ---- the loop -----------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._deferred)
 
     @property
     def idle_work(self) -> bool:
@@ -438,6 +464,7 @@ class LLM:
         self._idle_tried = False
         if self.kv_split is not None and self.kv_split.grown:
             self.kv_split.return_pages()
+        self._admit_deferred()
         chunks = self.scheduler.schedule()
         aborted = self._check_integrity()  # after scheduling: covers the pages this step just allocated
         chunks = [c for c in chunks if not c.req.finished]
@@ -445,13 +472,48 @@ class LLM:
             if self.scheduler.has_work and not aborted:
                 raise FreetokenError("KV cache too small to make progress; raise --kv-cache-gb")
             return aborted
-        logits = self._forward(chunks)
+        scoring = any(c.req.params.prompt_logprobs is not None and c.req.num_computed < len(c.req.prompt_token_ids)
+                      for c in chunks)
+        logits = self._forward_scoring(chunks) if scoring else self._forward(chunks)
         self.scheduler.publish_prompts(chunks)
         sampled = [c.req for c in chunks if c.req.num_computed == c.req.num_tokens]
+        if any(r.params.max_tokens == 0 for r in sampled):   # prompt only (scored): nothing to sample
+            keep = [i for i, r in enumerate(sampled) if r.params.max_tokens]
+            done = [self._finish_scored(r) for r in sampled if not r.params.max_tokens]
+            logits, sampled = logits[keep], [sampled[i] for i in keep]
+            aborted = aborted + done
         tokens = sample(logits, sampled)
         return aborted + [self._postprocess(req, tok) for req, tok in zip(sampled, tokens)]
 
-    def _forward(self, chunks: list[ScheduledChunk]):
+    def _forward_scoring(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """A step where some prompt's logprobs were asked for: the logits of every row (the
+        prompt's teacher-forced distributions; only such steps pay for them), recorded as
+        those prompts' logprobs; returns the sampling rows, as `_forward` does."""
+        starts = [c.req.num_computed for c in chunks]
+        rows = self._forward(chunks, all_rows=True)  # [sum num_new, V]
+        picks, off = [], 0
+        for ch, start in zip(chunks, starts):
+            req, n, k = ch.req, len(ch.req.prompt_token_ids), ch.req.params.prompt_logprobs
+            if k is not None:
+                scored = req.prompt_logprobs or [None]   # token 0 has no logprob
+                lo, hi = max(start, len(scored) - 1), min(start + ch.num_new, n - 1)  # row p scores token p + 1
+                if lo < hi:   # (a recompute after preemption scores nothing twice)
+                    scored.extend(logprobs_of(rows[off + lo - start:off + hi - start],
+                                              req.prompt_token_ids[lo + 1:hi + 1], k))
+                req.prompt_logprobs = scored
+            off += ch.num_new
+            if start + ch.num_new == req.num_tokens:
+                picks.append(off - 1)
+        return rows[picks]
+
+    def _finish_scored(self, req: Request) -> RequestOutput:
+        """max_tokens 0 (with prompt logprobs): the prompt is scored, the request ends."""
+        req.finish_reason, req.finish_time = FinishReason.LENGTH, time.perf_counter()
+        req.first_token_time = req.first_token_time or req.finish_time
+        self.scheduler.finish(req)
+        return self._output(req, self._streams[req.request_id])
+
+    def _forward(self, chunks: list[ScheduledChunk], all_rows: bool = False):
         """forward_batch; with the residency tiers on, an out-of-memory error inside it (a long
         prefill's activations on a GPU whose memory another process took) gives back about half
         the expert slots (at least one chunk; the elastic sizing then stays under what is left)
@@ -476,7 +538,7 @@ class LLM:
             recorded = len(recorder.trace.steps) if recorder is not None else 0
             mark = ex.checkpoint() if ex is not None else None
             try:
-                return self.runner.forward_batch(chunks)
+                return self.runner.forward_batch(chunks, all_rows)
             except oom:
                 if recorder is not None:     # the failed pass's routing is not a step of the trace
                     recorder.rewind(recorded)
@@ -565,6 +627,8 @@ class LLM:
             text=text[:visible], finish_reason=req.finish_reason.value if req.finished else None,
             stop_reason=req.stop_reason, new_text=new_text, new_token_ids=new_ids,
             num_cached_tokens=req.num_cached_tokens,
+            logprobs=req.logprobs if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
             total_s=(req.finish_time - req.arrival_time) if req.finish_time else None)
 

@@ -1,14 +1,18 @@
 """Token sampling: grammar mask, penalties, temperature, top-k, top-p, min-p; per-request seeded
 generators. A request with a constraint (engine/grammar.TokenConstraint) has the tokens its
 grammar forbids set to -inf before anything else, and the constraint advances with the token
-sampled; without one the only cost is the attribute check."""
+sampled; without one the only cost is the attribute check.
+
+Log-probabilities (params.logprobs / prompt_logprobs) are the model's raw distribution: the
+log-softmax of the logits before the grammar mask, penalties, temperature and the top-k/p/min-p
+filters (vLLM's default), so they do not depend on how the token was chosen."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from freetoken_py.core import Request, SamplingParams
+from freetoken_py.core import Request, SamplingParams, TokenLogprob
 
 
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
@@ -45,13 +49,27 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     """logits: [B, V] fp32, one row per request. Returns one token id per request."""
     out: list[int] = []
     for row, req in zip(logits, reqs):
+        raw = row
         if req.constraint is not None:
             row = req.constraint.apply(row, req.output_token_ids)
         tok = _sample_row(row, req)
         if req.constraint is not None:
             req.constraint.advance(tok)
+        if req.params.logprobs is not None:
+            req.logprobs.append(logprobs_of(raw[None], [tok], req.params.logprobs)[0])
         out.append(tok)
     return out
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """logits: [R, V] raw model logits; tokens: [R] the token taken at each row. Each token's
+    log-softmax and the row's k best (largest first; ties: torch.topk's order)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    own = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(t, v) for t, v in zip(tokens, own)]
+    vals, ids = torch.topk(lp, k, dim=-1)  # [R, k], sorted
+    return [TokenLogprob(t, v, tuple(zip(i, x))) for t, v, i, x in zip(tokens, own, ids.tolist(), vals.tolist())]
 
 
 def _sample_row(row: torch.Tensor, req: Request) -> int:
