@@ -110,7 +110,7 @@ def test_models_lists_the_context_length(client, srv):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(n=2), "n=1"),
+    (dict(n=17), "max-num-seqs"),
     (dict(temperature=-1), "temperature"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(top_p=1.5), "top_p"),

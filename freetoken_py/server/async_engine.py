@@ -52,6 +52,7 @@ class Stream:
     done: bool = False  # set on the loop when the terminal item is delivered
     num_output_tokens: int = 0
     started: bool = False  # engine thread: its first output was counted (prompt tokens)
+    after: Stream | None = None  # n > 1: the sibling whose prompt pages this one reuses (LLM.add_request)
 
     async def next(self, timeout: float | None):
         """The next output, a StreamError, or None when `timeout` passes first (send a ping)."""
@@ -156,19 +157,33 @@ class AsyncEngine:
     def context_limit(self) -> int:
         return min(self.llm.max_model_len, self.llm.kv_capacity_tokens)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> Stream:
-        if not self.accepting or self.failed:
-            raise EngineStoppedError(self.failed or "the server is shutting down")
-        if self.num_active >= self.max_queue:
-            self.stats.num_rejected_queue_full += 1
-            raise QueueFullError(f"all {self.max_queue} request slots are busy; retry shortly")
+    def submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+               after: Stream | None = None) -> Stream:
+        self._admit(1)
         self.check_prompt(len(prompt_ids))
-        stream = Stream(prompt_ids, params, cache_salt)
+        stream = Stream(prompt_ids, params, cache_salt, after=after)
         self.num_active += 1
         self.stats.num_requests += 1
         self._streams.add(stream)
         self._inbox.put(("add", stream))
         return stream
+
+    def submit_n(self, prompt_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None
+                 ) -> list[Stream]:
+        """n completions of one prompt (all admitted or none): the first computes the prompt, the
+        others wait for it and read its pages from the prefix cache."""
+        self._admit(len(params))
+        first = self.submit(prompt_ids, params[0], cache_salt)
+        return [first] + [self.submit(prompt_ids, p, cache_salt, after=first) for p in params[1:]]
+
+    def _admit(self, n: int) -> None:
+        if not self.accepting or self.failed:
+            raise EngineStoppedError(self.failed or "the server is shutting down")
+        if self.num_active + n > self.max_queue:
+            self.stats.num_rejected_queue_full += 1
+            raise QueueFullError(f"all {self.max_queue} request slots are busy; retry shortly"
+                                 if n == 1 else f"{n} completions need {n} of the {self.max_queue} request "
+                                 f"slots and {self.max_queue - self.num_active} are free; retry shortly")
 
     def abort(self, stream: Stream) -> None:
         """Cancel a request (client gone). Safe to call twice or after it finished."""
@@ -256,7 +271,9 @@ class AsyncEngine:
 
     def _add(self, stream: Stream) -> None:
         try:
-            stream.req = self.llm.add_request(stream.prompt_ids, stream.params, cache_salt=stream.cache_salt)
+            after = stream.after.req if stream.after is not None else None
+            stream.req = self.llm.add_request(stream.prompt_ids, stream.params, cache_salt=stream.cache_salt,
+                                              after=after)
             self._live[stream.req.request_id] = stream
         except FreetokenError as exc:  # checked on the loop already; a late failure is terminal
             self._post(stream, StreamError("invalid", str(exc)))

@@ -166,6 +166,18 @@ async def collect_or_disconnect(receive, st, stream, parser: OutputParser) -> Co
     return got
 
 
+async def collect_all_or_disconnect(receive, st, streams: list, parsers: list) -> list[Collected] | None:
+    """`collect_or_disconnect` for the n choices of one request (n > 1): all of them, or None
+    when the client hung up first (every one is then aborted)."""
+    ping = st.limits.ping_interval_s
+    work = asyncio.ensure_future(asyncio.gather(*(collect(st.engine, s, p, ping) for s, p in zip(streams, parsers))))
+    got = await until_disconnect(receive, work, lambda: [st.engine.abort(s) for s in streams])
+    for g in got or []:
+        if g.final.error:
+            raise stream_error(g.final)
+    return got
+
+
 def stream_error(final: Final) -> ApiError:
     """The error that ended a generation, as an HTTP error (shutdown -> 503, else 500)."""
     status = 503 if final.error.kind == "overloaded" else 500

@@ -34,9 +34,19 @@ class Final:
     error: StreamError | None
 
 
-async def engine_events(engine: AsyncEngine, stream: Stream, parser, ping_s: float) -> AsyncIterator:
+@dataclass(frozen=True)
+class Logprobs:
+    """With `logprobs=True`: an output's new tokens' logprobs (core.TokenLogprob), before the
+    parser events of its text; `prompt` on the first output of a request that scored its prompt."""
+    tokens: list
+    prompt: list | None = None
+
+
+async def engine_events(engine: AsyncEngine, stream: Stream, parser, ping_s: float,
+                        logprobs: bool = False) -> AsyncIterator:
     """Parser events from the request's outputs; None whenever `ping_s` passes with nothing to
     send; ends with a Final. Leaving early (client gone, cancellation) aborts the request."""
+    first = True
     try:
         while True:
             item = await stream.next(ping_s)
@@ -49,6 +59,11 @@ async def engine_events(engine: AsyncEngine, stream: Stream, parser, ping_s: flo
             if item.finish_reason == "abort":  # the engine aborted it (e.g. KV integrity check)
                 yield Final(None, StreamError("internal", str(item.stop_reason or "request aborted by the engine")))
                 return
+            if logprobs:
+                done = len(item.token_ids)
+                new = item.logprobs[done - len(item.new_token_ids):done] if item.logprobs is not None else []
+                yield Logprobs(new, item.prompt_logprobs if first else None)
+                first = False
             for ev in parser.feed(item.new_text):
                 yield ev
             if item.finished:
@@ -58,6 +73,37 @@ async def engine_events(engine: AsyncEngine, stream: Stream, parser, ping_s: flo
                 return
     finally:
         engine.abort(stream)
+
+
+async def merged(gens: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async generators as they come (n > 1 choices streamed together).
+    Leaving early cancels the pumps, which closes each generator (its `finally` aborts)."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield item
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(gen) -> None:
+        try:
+            async for item in gen:
+                await q.put(item)
+        finally:
+            q.put_nowait(end)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        left = len(gens)
+        while left:
+            item = await q.get()
+            if item is end:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class SSEResponse(StreamingResponse):
