@@ -163,10 +163,12 @@ def test_n2_chat_streamed_carries_both_indices(srv):
     ("/completions", dict(n=2, best_of=3), "best_of"),
     ("/completions", dict(suffix="x"), "suffix"),
     ("/completions", dict(max_tokens=0), "max_tokens"),
+    ("/responses", dict(top_logprobs=21, include=["message.output_text.logprobs"]), "top_logprobs"),
 ])
 def test_bad_fields_are_openai_400s(srv, path, body, param):
-    base = dict(messages=[{"role": "user", "content": "hi"}]) if "chat" in path else dict(prompt="hi")
-    r = post(srv, path, {**base, "max_tokens": 2, **body})
+    base = {"/chat/completions": dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2),
+            "/completions": dict(prompt="hi", max_tokens=2), "/responses": dict(input="hi", max_output_tokens=2)}[path]
+    r = post(srv, path, {**base, **body})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
@@ -175,3 +177,24 @@ def test_bad_fields_are_openai_400s(srv, path, body, param):
 def test_echo_with_a_prompt_over_the_context_is_a_400(srv):
     r = post(srv, "/completions", dict(prompt=[5] * 600, max_tokens=0, echo=True, logprobs=1))
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
+def test_responses_include_output_text_logprobs_streamed_and_not(srv, hf, tok):
+    body = dict(input="Name three colours.", max_output_tokens=4, temperature=0, top_logprobs=2,
+                include=["message.output_text.logprobs", "reasoning.encrypted_content"])
+    r = post(srv, "/responses", body).json()
+    (part,) = [p for item in r["output"] if item["type"] == "message" for p in item["content"]]
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]))
+    full, rows = reference(hf, prompt, 4)
+    for item, tid, row in zip(part["logprobs"], full[len(prompt):], rows[len(prompt) - 1:], strict=True):
+        assert item["token"] == text_of(tok, tid) and abs(item["logprob"] - float(row[tid])) < TOL
+        assert [t["token"] for t in item["top_logprobs"]] == [text_of(tok, i) for i in torch.topk(row, 2)[1].tolist()]
+    events = []
+    with httpx.stream("POST", srv.base_url + "/responses", json={"model": "m", "stream": True, **body},
+                      timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    done = [e for e in events if e["type"] == "response.output_text.done"]
+    assert deltas == part["logprobs"] and done[0]["logprobs"] == part["logprobs"]
+    plain = post(srv, "/responses", dict(body, include=[])).json()
+    assert all(p["logprobs"] == [] for item in plain["output"] if item["type"] == "message" for p in item["content"])

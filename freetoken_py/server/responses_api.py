@@ -15,6 +15,7 @@ function_call_arguments.done), response.output_item.done; and last response.comp
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass
@@ -29,10 +30,12 @@ from freetoken_py.server.chat import (
     responses_tools,
 )
 from freetoken_py.server.constraints import openai_constrained
+from freetoken_py.core import MAX_LOGPROBS
 from freetoken_py.server.generation import Prepared, collect_or_disconnect, prepare_chat, stream_error
+from freetoken_py.server.logprobs import TokenText, chat_content
 from freetoken_py.server.media import responses_media
 from freetoken_py.server.protocol import bad, get, parse_json_object, sampling_fields
-from freetoken_py.server.sse import KEEPALIVE_COMMENT, Final, SSEResponse, engine_events, event_line
+from freetoken_py.server.sse import KEEPALIVE_COMMENT, Final, Logprobs, SSEResponse, engine_events, event_line
 from freetoken_py.server.toolcalls import (
     ParsedOutput,
     ReasoningDelta,
@@ -44,6 +47,15 @@ from freetoken_py.server.toolcalls import (
 
 router = APIRouter()
 STATEFUL = ("previous_response_id", "conversation")  # need responses stored server-side
+LOGPROBS = "message.output_text.logprobs"   # the `include` value asking for them
+
+
+def _logprobs_field(body: dict) -> int | None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs` (0..20) -> SamplingParams.logprobs.
+    Other `include` values are accepted and ignored (none changes the generated text)."""
+    top = get(body, "top_logprobs", int, lo=0, hi=MAX_LOGPROBS)
+    include = body.get("include")
+    return (top or 0) if isinstance(include, list) and LOGPROBS in include else None
 
 
 def _new_id(prefix: str) -> str:
@@ -113,6 +125,7 @@ async def responses(request: Request):
     prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, (),
                               template_kwargs)
     prep = await openai_constrained(prep, _as_chat_fields(body), tools, st.llm.tokenizer)  # tool_choice, text.format
+    prep.params = dataclasses.replace(prep.params, logprobs=_logprobs_field(body))
     meta = _meta(st, body)
     parser = prep.parser()
     stream = st.engine.submit(prep.prompt_ids, prep.params, get(body, "cache_salt", str))
@@ -122,7 +135,9 @@ async def responses(request: Request):
     if got is None:
         return Response(status_code=499)
     usage = _usage(st, prep, got.final, got.parsed.reasoning)
-    return JSONResponse(meta.response(_status(got.final), _items(got.parsed, meta.namespaces), usage))
+    out = got.final.output
+    lps = chat_content(out.logprobs, TokenText(st.llm.tokenizer)) if out.logprobs is not None else []
+    return JSONResponse(meta.response(_status(got.final), _items(got.parsed, meta.namespaces, lps), usage))
 
 
 def _as_chat_fields(body: dict) -> dict:
@@ -142,8 +157,11 @@ def _as_chat_fields(body: dict) -> dict:
 
 
 # ---- output items -----------------------------------------------------------------------------
-def _message(text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+def _message(text: str, status: str = "completed", logprobs: list | None = None) -> dict:
+    """logprobs (include message.output_text.logprobs): every generated token's, reasoning and
+    tool-call tokens included (one message part carries them all)."""
+    content = ([{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]
+               if status == "completed" else [])
     return {"type": "message", "id": _new_id("msg_"), "status": status, "role": "assistant", "content": content}
 
 
@@ -160,11 +178,11 @@ def _call(call_id: str, name: str, arguments: str, namespaces: dict, status: str
     return item
 
 
-def _items(parsed: ParsedOutput, namespaces: dict) -> list[dict]:
+def _items(parsed: ParsedOutput, namespaces: dict, logprobs: list) -> list[dict]:
     """A whole generation's output items, in the order the model writes them."""
     items = [_reasoning(parsed.reasoning)] if parsed.reasoning else []
     if parsed.content or not (parsed.tool_calls or parsed.reasoning):
-        items.append(_message(parsed.content))
+        items.append(_message(parsed.content, logprobs=logprobs))
     return items + [_call(c.id, c.name, c.arguments, namespaces) for c in parsed.tool_calls]
 
 
@@ -175,6 +193,8 @@ class _Stream:
 
     def __init__(self, namespaces: dict):
         self.namespaces = namespaces
+        self.pending: list[dict] = []  # logprobs not sent yet (they ride on the next output_text.delta)
+        self.logprobs: list[dict] = []  # all of them so far (output_text.done and the finished part)
         self.seq = -1
         self.items: list[dict] = []  # finished
         self.item: dict | None = None  # the open one
@@ -203,7 +223,9 @@ class _Stream:
         kind = self.item["type"]
         if kind == "function_call":
             return self.line("response.function_call_arguments.delta", **self._where(), delta=text)
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": self.pending} if kind == "message" else {}
+        if kind == "message":
+            self.pending = []
         return self.line(f"response.{self.PART[kind]}.delta", **self._where(), content_index=0, delta=text, **extra)
 
     def close(self) -> list[str]:
@@ -215,10 +237,10 @@ class _Stream:
             out.append(self.line("response.function_call_arguments.done", **where, name=done["name"],
                                  arguments=self.text))
         else:
-            done = (_message if kind == "message" else _reasoning)(self.text)
+            done = _message(self.text, logprobs=self.logprobs) if kind == "message" else _reasoning(self.text)
             done["id"] = self.item["id"]
             part = done["content"][0]
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra = {"logprobs": self.logprobs} if kind == "message" else {}
             out.append(self.line(f"response.{self.PART[kind]}.done", **where, content_index=0, text=self.text, **extra))
             out.append(self.line("response.content_part.done", **where, content_index=0, part=part))
         out.append(self.line("response.output_item.done", output_index=len(self.items), item=done))
@@ -245,10 +267,15 @@ async def _events(st, stream, parser, prep: Prepared, meta: _Meta):
     out = _Stream(meta.namespaces)
     yield out.line("response.created", response=meta.response("in_progress", []))  # at once, before prefill
     yield out.line("response.in_progress", response=meta.response("in_progress", []))
-    reasoning = ""
-    async for ev in engine_events(st.engine, stream, parser, st.limits.ping_interval_s):
+    reasoning, text = "", TokenText(st.llm.tokenizer)
+    logprobs = stream.params.logprobs is not None
+    async for ev in engine_events(st.engine, stream, parser, st.limits.ping_interval_s, logprobs):
         if ev is None:
             yield KEEPALIVE_COMMENT
+        elif isinstance(ev, Logprobs):
+            new = chat_content(ev.tokens, text)
+            out.pending += new
+            out.logprobs += new
         elif isinstance(ev, Final):
             if ev.error:
                 err = stream_error(ev)
