@@ -23,16 +23,31 @@ app = typer.Typer(
 DEMO_MODEL = Path(__file__).parent / "data" / "demo_model"
 
 
-def _resolve_model(model: Optional[Path]) -> Path:
+def _resolve_model(model: Optional[str], flag: str = "--model") -> Path:
+    """--model: a checkpoint directory, or a hub id ORG/NAME[@REV] (downloaded into the hub cache
+    when missing; a path that exists wins); none: the bundled demo model."""
     if model is None:
         if not (DEMO_MODEL / "config.json").exists():
             raise FreetokenError(f"the bundled demo model is missing from {DEMO_MODEL}; pass --model DIR")
         print("freetoken: using the bundled demo model (a tiny qwen3_moe trained on Python's standard "
-              "library; pass --model DIR for a real checkpoint)", file=sys.stderr)
+              "library; pass --model DIR or ORG/NAME for a real checkpoint)", file=sys.stderr)
         return DEMO_MODEL
-    if not model.is_dir():
-        raise FreetokenError(f"--model {model}: no such directory (expected a Hugging Face checkpoint folder)")
-    return model
+    from freetoken_py.hub import resolve_model
+
+    return resolve_model(model, flag)
+
+
+_MODEL_HELP = "Checkpoint directory or hub id ORG/NAME[@REV] (default: the bundled demo model)."
+
+
+def _hub_name(model: Optional[str]) -> Optional[str]:
+    """The repo id a hub --model is served as (its snapshot folder is named after a commit)."""
+    if model is None or Path(model).expanduser().exists():
+        return None
+    from freetoken_py.hub import HubRef, parse_spec
+
+    ref = parse_spec(model)
+    return ref.repo if isinstance(ref, HubRef) else None
 
 
 # The expert residency options `run` and `serve` share (one definition, one help text).
@@ -80,8 +95,7 @@ _PREFILL_EXPERT_DTYPE = typer.Option("auto", "--prefill-expert-dtype",
 @app.command()
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text. Without it: an interactive chat."),
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Hugging Face checkpoint directory "
-                                         "(default: the bundled demo model)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1, help="Maximum tokens to generate."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0,
                                                 help="0 = greedy (default: generation_config.json, else 1.0)."),
@@ -152,8 +166,7 @@ def _residency(emulate_gpu: Optional[str], gpu_experts: bool, vram_budget_gb: fl
 
 @app.command()
 def serve(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Hugging Face checkpoint directory "
-                                         "(default: the bundled demo model)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs --api-key."),
     port: int = typer.Option(8000, "--port", "-p", min=0, max=65535, help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key",
@@ -196,7 +209,7 @@ def serve(
                   snapshot_every_pages=snapshot_every_pages,
                   **_residency(emulate_gpu, gpu_experts, vram_budget_gb, residency_policy))
     serve_main(ServeOptions(model_dir=_resolve_model(model), host=host, port=port, api_key=api_key,
-                            max_queue=max_queue, model_name=served_model_name, threads=threads, engine=engine,
+                            max_queue=max_queue, model_name=served_model_name or _hub_name(model), threads=threads, engine=engine,
                             limits=ServerLimits(drain_timeout_s=drain_timeout)))
 
 
@@ -220,19 +233,22 @@ def launch(
 
 @app.command()
 def probe(
-    model: Optional[Path] = typer.Option(None, "--model", help="Model directory: show how its bytes split across tiers."),
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory, or hub id ORG/NAME[@REV] (read "
+                                        "from its config and safetensors headers, nothing downloaded): how its "
+                                        "bytes split across tiers, the decode roofline, whether it fits."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
     reprofile: bool = typer.Option(False, "--reprofile", help="Ignore the cached profile and measure everything again."),
 ) -> None:
     """Measure this machine (DRAM, PCIe, VRAM, expert kernels) and print what it means."""
     from freetoken_py.hw.report import run_probe
 
-    run_probe(model_dir=model, as_json=as_json, reprofile=reprofile)
+    run_probe(model_spec=model, as_json=as_json, reprofile=reprofile)
 
 
 @app.command()
 def quantize(
-    src: Path = typer.Argument(..., help="Float checkpoint directory (bf16 / fp16 / fp32 safetensors)."),
+    src: str = typer.Argument(..., help="Float checkpoint directory or hub id ORG/NAME[@REV] (bf16 / fp16 / fp32 "
+                              "safetensors)."),
     out: Path = typer.Argument(..., help="New directory to write (must not exist)."),
     to: str = typer.Option(..., "--to", help="int4 (compressed-tensors pack-quantized, group 32), fp8 "
                            "(block-scaled e4m3, 128 x 128) or nvfp4 (compressed-tensors nvfp4-pack-quantized, group 16)."),
@@ -240,9 +256,7 @@ def quantize(
     """Write a quantised checkpoint that freetoken, vLLM and SGLang load as it is (layer by layer)."""
     from freetoken_py.loading.quantize import quantize_checkpoint
 
-    if not src.is_dir():
-        raise FreetokenError(f"{src}: no such directory (expected a Hugging Face checkpoint folder)")
-    typer.echo(f"wrote {quantize_checkpoint(src, out, to)}")
+    typer.echo(f"wrote {quantize_checkpoint(_resolve_model(src, 'SRC'), out, to)}")
 
 
 # `freetoken eval ...`: one command per measurement (evals/); each imports its implementation lazily.
@@ -254,8 +268,8 @@ app.add_typer(eval_app, name="eval")
 def eval_kld(
     files: Optional[list[Path]] = typer.Argument(None, help="Text files (default: the shipped corpus, "
                                                  "freetoken_py/data/corpus: prose and Python source)."),
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the demo model)."),
-    against: Optional[Path] = typer.Option(None, "--against", help="Reference checkpoint (default: --model at its "
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    against: Optional[str] = typer.Option(None, "--against", help="Reference checkpoint or hub id (default: --model at its "
                                            "own precision). Must have the same vocabulary."),
     expert_dtype: str = typer.Option("auto", "--expert-dtype", help="Fast configuration: experts as auto, bf16, "
                                      "fp32, int8, int4."),
@@ -282,20 +296,19 @@ def eval_kld(
     from freetoken_py.evals.kld import KldOptions, kld_main
     from freetoken_py.kernels import configure_threads
 
-    if against is not None and not against.is_dir():
-        raise FreetokenError(f"--against {against}: no such directory (expected a Hugging Face checkpoint folder)")
+    against_dir = None if against is None else _resolve_model(against, "--against")
     configure_threads(threads or None)
     fast = {k: v for k, v in dict(expert_dtype=expert_dtype, dense_dtype=dense_dtype, kv_dtype=kv_dtype,
                                   prefill_expert_dtype=prefill_expert_dtype).items() if v != "auto"}
     both = {k: v for k, v in dict(backend=backend, dtype=dtype).items() if v != "auto"}
-    kld_main(KldOptions(_resolve_model(model), against, tuple(files or ()), window, windows, chunk,
+    kld_main(KldOptions(_resolve_model(model), against_dir, tuple(files or ()), window, windows, chunk,
                         fast={**both, **fast, **({"kv_scales": str(kv_scales)} if kv_scales else {})},
                         reference=both, as_json=as_json, show_progress=not as_json, prefill=prefill))
 
 
 @eval_app.command("tools")
 def eval_tools(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the demo model)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     samples: int = typer.Option(2, "--samples", min=1, help="Seeds per request of the suite."),
     num_requests: int = typer.Option(0, "--requests", min=0, help="The suite's first N requests (0: all 16)."),
     max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Tokens per generation at most."),

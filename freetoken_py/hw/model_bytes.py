@@ -197,12 +197,15 @@ def per_token_bytes(by_category: dict[str, int], layers: tuple[LayerBytes, ...],
             "embedding_row": emb // embed_rows if embed_rows else 0, "lm_head": lm_head}
 
 
-def read_model_bytes(model_dir: Path) -> ModelBytes:
+def read_model_bytes(model_dir: Path, infos: Optional[dict] = None, label: Optional[str] = None) -> ModelBytes:
+    """`infos`: the headers' tensors when they were read elsewhere (a hub repo's, by range reads:
+    hub.remote_checkpoint); `model_dir` then holds the config files only. `label` names the model."""
     model_dir = Path(model_dir).expanduser()
     if not model_dir.is_dir():
         raise ModelLoadError(f"--model {model_dir}: not a directory")
     try:
-        infos = list_checkpoint_tensors(model_dir)  # headers only; byte ranges checked against file sizes
+        if infos is None:
+            infos = list_checkpoint_tensors(model_dir)  # headers only; byte ranges checked against file sizes
         cfg = load_config(model_dir)
     except ModelLoadError as exc:
         raise ModelLoadError(f"--model {exc}") from None
@@ -229,7 +232,7 @@ def read_model_bytes(model_dir: Path) -> ModelBytes:
     tied = bool(cfg.get("tie_word_embeddings", False)) and not by_category.get("lm_head")
     num_layers = num_layers or len(layers)
     return ModelBytes(
-        model_dir=str(model_dir), model_type=str(cfg.get("model_type", "unknown")),
+        model_dir=label or str(model_dir), model_type=str(cfg.get("model_type", "unknown")),
         files=tuple(f.name for f in files), dtypes=dict(dtypes),
         expert_dtype=expert_dtypes.most_common(1)[0][0] if expert_dtypes else None,
         total_bytes=sum(by_category.values()), by_category=dict(by_category), layers=layers,

@@ -6,31 +6,43 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 REPORT_VERSION = 1
 CPU_SHARE_WARN = 0.75     # below this, a CPU figure was throttled by other processes
 
 
-def run_probe(model_dir: Optional[Path] = None, as_json: bool = False,
+def run_probe(model_spec: Optional[str] = None, as_json: bool = False,
               reprofile: bool = False) -> None:
     from freetoken_py.hw.runner import get_profile
 
-    model = None
-    if model_dir is not None:           # read the model first: a bad path fails in milliseconds
-        from freetoken_py.hw.model_bytes import read_model_bytes
-
-        model = read_model_bytes(Path(model_dir))
+    model, hub = read_model(model_spec) if model_spec is not None else (None, None)  # a bad path fails first
     profile = get_profile(reprofile=reprofile, progress=sys.stderr.isatty())
-    data = build_report(profile, model)
+    data = build_report(profile, model, hub)
     if as_json:
         print(json.dumps(data, indent=1, sort_keys=True))
     else:
         render(data)
 
 
-def build_report(profile: Any, model: Any = None) -> dict[str, Any]:
+def read_model(spec: str) -> tuple[Any, Optional[dict]]:
+    """ModelBytes of a directory, or of a hub repo from its config and safetensors headers alone
+    (range reads; the same reader and checks, so both give the same bytes and plans), with the
+    repo's download facts."""
+    from freetoken_py.hub import HubRef, parse_spec, remote_checkpoint
+    from freetoken_py.hw.model_bytes import read_model_bytes
+
+    ref = parse_spec(spec)
+    if not isinstance(ref, HubRef):
+        return read_model_bytes(ref), None
+    rc = remote_checkpoint(ref)
+    hub = {"repo": ref.repo, "revision": ref.revision, "commit": rc.commit, "download_bytes": rc.download_bytes,
+           "total_file_bytes": rc.total_bytes, "cache_dir": str(rc.cache_dir), "disk_free_bytes": rc.disk_free_bytes,
+           "fits_disk": rc.download_bytes <= rc.disk_free_bytes}
+    return read_model_bytes(rc.folder, rc.tensors, label=f"{ref.repo}@{rc.commit[:12]}"), hub
+
+
+def build_report(profile: Any, model: Any = None, hub: Optional[dict] = None) -> dict[str, Any]:
     from freetoken_py.hw.profile import profile_path
 
     report = {
@@ -45,11 +57,13 @@ def build_report(profile: Any, model: Any = None) -> dict[str, Any]:
         "model": None,
     }
     if model is not None:
+        from freetoken_py.hw.fit import fit
         from freetoken_py.hw.tiers import tier_plans
 
         plans = tier_plans(model, profile)
-        report["model"] = {**model.to_dict(), "plans": [p.to_dict() for p in plans]}
-        report["notes"] += model_notes(model, plans)
+        report["model"] = {**model.to_dict(), "plans": [p.to_dict() for p in plans], "fit": fit(model, profile),
+                           "hub": hub}
+        report["notes"] += model_notes(model, plans) + fit_notes(report["model"]["fit"], hub)
     return report
 
 
@@ -111,6 +125,26 @@ def model_notes(model: Any, plans: list) -> list[str]:
         best = max(feasible, key=lambda p: p.tokens_per_s)
         notes.append(f"Best plan here: {best.name}, roofline {best.tokens_per_s:.1f} tokens/s.")
     notes += [f"{p.name}: not possible here — {p.reason}." for p in plans if not p.feasible]
+    return notes
+
+
+def fit_notes(f: dict, hub: Optional[dict]) -> list[str]:
+    room = f["ram_available_bytes"] + f["vram_free_bytes"]
+    notes = []
+    if hub is not None:
+        where = f"{hub['cache_dir']} has {size(hub['disk_free_bytes'])} free"
+        notes.append(f"Download: {size(hub['download_bytes'])} of {size(hub['total_file_bytes'])} still to fetch "
+                     f"({hub['repo']} at {hub['commit'][:12]}); {where}" + ("." if hub["fits_disk"] else
+                                                                           ": NOT enough disk."))
+    verdict = "fits" if f["fits_memory"] else "does NOT fit"
+    notes.append(f"Weights + KV for 4096 tokens need {size(f['need_bytes'])}: {verdict} in available RAM + free "
+                 f"VRAM ({size(room)}).")
+    v = f["variant"]
+    if not f["fits_memory"]:
+        notes.append("No quantised variant fits either." if v is None else
+                     f"The {v['format']} variant (a pre-quantised repo, or freetoken quantize --to {v['format']}) "
+                     f"needs {size(v['need_bytes'])} "
+                     f"and fits" + (f": {v['plan']}, roofline {v['tokens_per_s']:.1f} tokens/s." if v["plan"] else "."))
     return notes
 
 
