@@ -45,6 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: Grammar | None = None  # constrained decoding: only tokens the grammar allows are sampled
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
     # log-probabilities, from the model's raw distribution (log-softmax of the logits, before the
     # grammar mask, penalties, temperature and top-k/p filters): None = not computed (no cost);
     # k >= 0 = each token's own and its k most likely alternatives
@@ -68,6 +69,7 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (self.grammar is None or isinstance(self.grammar, Grammar), "grammar must be a core.Grammar"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -198,3 +198,22 @@ def test_responses_include_output_text_logprobs_streamed_and_not(srv, hf, tok):
     assert deltas == part["logprobs"] and done[0]["logprobs"] == part["logprobs"]
     plain = post(srv, "/responses", dict(body, include=[])).json()
     assert all(p["logprobs"] == [] for item in plain["output"] if item["type"] == "message" for p in item["content"])
+
+
+def test_logit_bias_changes_the_greedy_token_and_not_the_logprobs(srv, hf, tok):
+    """+100 on a token makes greedy pick it; its logprob stays the model's (raw distribution)."""
+    ids = tok.encode("def fibonacci(n):")
+    _, rows = reference(hf, ids, 1)
+    row = rows[len(ids) - 1]   # the next token's distribution
+    target = int(torch.argsort(row)[len(row) // 2])   # a middling token, never the argmax
+    r = post(srv, "/completions", dict(prompt=ids, max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(target): 100})).json()["choices"][0]["logprobs"]
+    assert r["tokens"] == [text_of(tok, target)]
+    assert abs(r["token_logprobs"][0] - float(row[target])) < TOL
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"5": 101}, {"99999999": 1}, {"5": "1"}])
+def test_bad_logit_bias_is_a_400(srv, bias):
+    r = post(srv, "/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                            logit_bias=bias))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"

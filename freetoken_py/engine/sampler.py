@@ -75,6 +75,10 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLo
 def _sample_row(row: torch.Tensor, req: Request) -> int:
     """row: [V] fp32 logits (forbidden tokens already at -inf) -> one token id."""
     p = req.params
+    if p.logit_bias:  # before the penalties, as vLLM's logits processors
+        ids, bias = zip(*p.logit_bias)
+        row = row.clone()
+        row[list(ids)] += torch.tensor(bias, dtype=row.dtype, device=row.device)
     row = apply_penalties(row, req)
     if p.greedy:  # on the host numpy's argmax: torch's measured 40-100 us per 32K row, numpy's ~7 us (same ties)
         return int(row.numpy().argmax()) if row.device.type == "cpu" else int(torch.argmax(row))

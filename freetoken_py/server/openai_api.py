@@ -65,10 +65,29 @@ def _common(st, body: dict, min_tokens: int = 1) -> tuple[dict, int | None, int]
     sampling = sampling_fields(body)
     sampling.update(presence_penalty=get(body, "presence_penalty", float, lo=-2.0, hi=2.0),
                     frequency_penalty=get(body, "frequency_penalty", float, lo=-2.0, hi=2.0))
+    sampling["logit_bias"] = _logit_bias(body, st.llm.args.vocab_size)
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise bad("'functions' / 'function_call' (deprecated) are not supported; send 'tools' / 'tool_choice'",
+                  "functions" if body.get("functions") is not None else "function_call")
     max_tokens = get(body, "max_completion_tokens", int, lo=min_tokens)
     if max_tokens is None:
         max_tokens = get(body, "max_tokens", int, lo=min_tokens)
     return sampling, max_tokens, n
+
+
+def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...] | None:
+    """{"token id": bias in [-100, 100]} -> SamplingParams.logit_bias."""
+    value = get(body, "logit_bias", dict)
+    if value is None:
+        return None
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.strip().isdigit() and int(key) < vocab):
+            raise bad(f"'logit_bias' keys must be token ids in [0, {vocab}) (got {key!r})", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100] (got {bias!r})", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
 
 
 def _n_params(params: SamplingParams, n: int) -> list[SamplingParams]:
