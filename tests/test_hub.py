@@ -259,3 +259,13 @@ def test_probe_cli_by_hub_id(hub, tmp_path):
     assert model["total_bytes"] > 50 * 2**30 and model["hub"]["repo"] == "org/huge" and not hub.body_reads
     assert model["plans"][0]["tokens_per_s"] == pytest.approx(10e9 / model["per_token_bytes"])
     assert any(n.startswith("Download: ") for n in data["notes"])
+
+
+def test_serve_names_a_hub_model_by_its_repo_id(tmp_path, monkeypatch):
+    """The snapshot folder is named after a commit; /v1/models reports the repo id instead."""
+    from freetoken_py.cli import _hub_name
+
+    monkeypatch.chdir(tmp_path)
+    assert _hub_name("org/tiny@v1") == "org/tiny" and _hub_name(None) is None
+    (tmp_path / "org" / "tiny").mkdir(parents=True)
+    assert _hub_name("org/tiny") is None          # a directory of that name wins: its folder name is used
