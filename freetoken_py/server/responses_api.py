@@ -76,7 +76,7 @@ class _Meta:
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "error": error, "incomplete_details": incomplete, "model": self.model, "output": output,
                 "previous_response_id": None, "store": False, "text": {"format": {"type": "text"}},
-                "truncation": "disabled", "user": None, **self.echo, "usage": usage}
+                "truncation": "disabled", **self.echo, **({"usage": usage} if usage is not None else {})}
 
 
 def _meta(st, body: dict) -> _Meta:
@@ -85,12 +85,21 @@ def _meta(st, body: dict) -> _Meta:
             "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "tool_choice": body.get("tool_choice") or "auto",
-            "tools": body.get("tools") if isinstance(body.get("tools"), list) else [],
+            "tools": _echo_tools(body.get("tools")),
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {}}
     model = body.get("model") if isinstance(body.get("model"), str) else st.model_name
     namespaces = {t["function"]["name"]: ns for ns, t in responses_functions(echo["tools"]) if ns}
     return _Meta(_new_id("resp_"), int(time.time()), model, echo, namespaces)
+
+
+def _echo_tools(tools) -> list:
+    """The request's tools as a Response echoes them: a function tool with the fields the
+    published schema requires (`strict`, `parameters`: null when not sent); others as sent."""
+    if not isinstance(tools, list):
+        return []
+    return [{"strict": None, "parameters": None, **t} if isinstance(t, dict) and t.get("type") == "function" else t
+            for t in tools]
 
 
 def _usage(st, prep: Prepared, final: Final, reasoning: str) -> dict:
@@ -214,7 +223,7 @@ class _Stream:
         if item["type"] in self.PART:
             part = {"type": self.PART[item["type"]], "text": ""}
             if item["type"] == "message":
-                part["annotations"] = []
+                part["annotations"], part["logprobs"] = [], []
             out.append(self.line("response.content_part.added", **self._where(), content_index=0, part=part))
         return out
 
