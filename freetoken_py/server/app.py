@@ -189,11 +189,12 @@ def create_app(load: Callable[[], object], state: ServerState) -> FastAPI:
     app.state.freetoken = state
     _add_error_handlers(app)
     _add_service_routes(app, state)
-    from freetoken_py.server import anthropic_api, openai_api, responses_api
+    from freetoken_py.server import anthropic_api, openai_api, responses_api, schemas
 
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
+    schemas.install(app)   # /openapi.json: typed request / response bodies (server/schemas.py)
     app.add_middleware(Guard, state=state)
     return app
 
@@ -246,7 +247,7 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return {"status": "ready", "model": state.model_name}
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # one operation id per method
     async def root():
         return {"name": "freetoken", "model": state.model_name}
 
