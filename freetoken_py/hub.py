@@ -77,6 +77,8 @@ def fetch(ref: HubRef) -> Path:
             listing, _ = _listing(ref)
         except _Unreachable as exc:
             return _cached(ref, f"the hub at {constants.ENDPOINT} cannot be reached ({exc})")
+        if "config.json" not in listing:
+            raise FreetokenError(f"{ref.flag} {ref}: the repo has no config.json (not a transformers checkpoint)")
         folder = _download(ref, [f for f in CONFIG_FILES if f in listing])
         weights = weight_files(ref, listing, folder)
         need = sum(listing[f] or 0 for f in weights if not (folder / f).exists())
@@ -126,18 +128,36 @@ def _cached(ref: HubRef, why: str) -> Path:
 
 
 def _complete(ref: HubRef, folder: Path, why: str = "") -> Path:
-    """`folder` if it holds a whole checkpoint (config, index and every shard it names, or a
-    safetensors file); a snapshot an interrupted download left partial is never used."""
-    missing = [f for f in ("config.json",) if not (folder / f).exists()]
-    if (folder / INDEX).exists():
-        missing += sorted(f for f in _index_shards(ref, folder) if not (folder / f).exists())
-    elif not any(folder.glob("*.safetensors")):
-        missing.append("*.safetensors")
+    """`folder` if it holds a whole checkpoint: every file that loads, by the repo's listing as
+    huggingface_hub cached it (else the index's shards, or one safetensors file); a snapshot an
+    interrupted download left partial is never used."""
+    listing = _cached_listing(ref)
+    if listing is not None:
+        missing = [f for f in CONFIG_FILES if f in listing and not (folder / f).exists()]
+        if INDEX not in missing:      # the index names the shards
+            missing += [f for f in weight_files(ref, listing, folder) if not (folder / f).exists()]
+    else:
+        missing = [f for f in ("config.json",) if not (folder / f).exists()]
+        if (folder / INDEX).exists():
+            missing += sorted(f for f in _index_shards(ref, folder) if not (folder / f).exists())
+        elif not any(folder.glob("*.safetensors")):
+            missing.append("*.safetensors")
     if missing:
         more = f" and {why}" if why else ""
         raise FreetokenError(f"{ref.flag} {ref}: the cached snapshot {folder} lacks {', '.join(missing[:3])}"
                              f"{' ...' if len(missing) > 3 else ''}{more}; run again online to complete it")
     return folder
+
+
+def _cached_listing(ref: HubRef) -> Optional[dict[str, Optional[int]]]:
+    """The repo's file listing as the hub cache recorded it for this revision (no request), if any."""
+    from huggingface_hub import get_cached_repo_tree
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+
+    try:
+        return {f.path: f.size for f in get_cached_repo_tree(ref.repo, revision=ref.revision)}
+    except (CachedRepoTreeNotFoundError, OSError, ValueError):   # none recorded, or another tool's cache
+        return None
 
 
 def _index_shards(ref: HubRef, folder: Path) -> set[str]:

@@ -205,5 +205,5 @@ class _Handler(BaseHTTPRequestHandler):
         if "Content-Length" not in headers:
             self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
-        if body and payload:
+        if body and payload and self.command != "HEAD":   # a HEAD answer has no body (keep-alive)
             self.wfile.write(payload)

@@ -156,7 +156,7 @@ def test_a_partial_snapshot_is_never_used(hub, tmp_path):
     one_line_error(cli(env_for(hub, home), "run", "--model", "org/vast", "-n", "1", "x"), "the download needs")
     assert list(home.glob("hub/models--org--vast/snapshots/*/config.json"))
     one_line_error(cli(env_for(hub, home, HF_HUB_OFFLINE="1"), "run", "--model", "org/vast", "-n", "1", "x"),
-                   "org/vast", "lacks", "safetensors", "HF_HUB_OFFLINE")
+                   "org/vast", "lacks model.safetensors", "HF_HUB_OFFLINE")
 
 
 _REPORT = """
