@@ -37,7 +37,7 @@ def _resolve_model(model: Optional[str], flag: str = "--model") -> Path:
     return resolve_model(model, flag)
 
 
-_MODEL_HELP = "Checkpoint directory or hub id ORG/NAME[@REV] (default: the bundled demo model)."
+_MODEL_HELP = "Checkpoint directory or hub id ORG/NAME or ORG/NAME@REV (default: the bundled demo model)."
 
 
 def _hub_name(model: Optional[str]) -> Optional[str]:
@@ -233,9 +233,10 @@ def launch(
 
 @app.command()
 def probe(
-    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory, or hub id ORG/NAME[@REV] (read "
-                                        "from its config and safetensors headers, nothing downloaded): how its "
-                                        "bytes split across tiers, the decode roofline, whether it fits."),
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory, or hub id ORG/NAME or "
+                                        "ORG/NAME@REV (read from its config and safetensors headers, nothing "
+                                        "downloaded): how its bytes split across tiers, the decode roofline, "
+                                        "whether it fits."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
     reprofile: bool = typer.Option(False, "--reprofile", help="Ignore the cached profile and measure everything again."),
 ) -> None:
@@ -247,8 +248,8 @@ def probe(
 
 @app.command()
 def quantize(
-    src: str = typer.Argument(..., help="Float checkpoint directory or hub id ORG/NAME[@REV] (bf16 / fp16 / fp32 "
-                              "safetensors)."),
+    src: str = typer.Argument(..., help="Float checkpoint directory or hub id ORG/NAME or ORG/NAME@REV "
+                              "(bf16 / fp16 / fp32 safetensors)."),
     out: Path = typer.Argument(..., help="New directory to write (must not exist)."),
     to: str = typer.Option(..., "--to", help="int4 (compressed-tensors pack-quantized, group 32), fp8 "
                            "(block-scaled e4m3, 128 x 128) or nvfp4 (compressed-tensors nvfp4-pack-quantized, group 16)."),
