@@ -22,6 +22,8 @@ FAMILIES = {
     "deepseek_v3": "DeepSeek-V3 / R1 / V3.1, Kimi K2",
     "kimi_k25": "Kimi K2.5 / K2.6 (text)",
     "glm4_moe_lite": "GLM-4.7-Flash",
+    "deepseek_v32": "DeepSeek-V3.2-Exp / V3.2",
+    "glm_moe_dsa": "GLM-5 / 5.1 / 5.2",
     "minimax_m2": "MiniMax-M2 / M2.1 / M2.5",
     "qwen3_next": "Qwen3-Next-80B-A3B, Qwen3-Coder-Next",
     "qwen3_5_moe": "Qwen3.5 / Qwen3.6 MoE (35B-A3B, ...)",
@@ -49,6 +51,15 @@ NOTES = {
         '(kv_lora_rank + qk_rope_head_dim = 576 values per token per layer), absorbed decode; DeepSeek '
         'sigmoid router with groups and a shared expert; dense first `first_k_dense_replace` layers; the MTP '
         'layer is skipped'
+    ),
+    'deepseek_v32': (
+        "DeepSeek-V3's MLA, router and shared expert with DeepSeek Sparse Attention: a lightning indexer on "
+        'every layer picks each query\'s top `index_topk` keys; dense layers from `mlp_layer_types`, else '
+        '`first_k_dense_replace`; the MTP layer is skipped'
+    ),
+    'glm_moe_dsa': (
+        "DeepSeek-V3.2's MLA with sparse attention, the indexer's RoPE interleaved; GLM-5.2's layers share "
+        'the last full layer\'s selections (`indexer_types`, `index_topk_pattern`, `index_topk_freq`)'
     ),
     'kimi_k25': (
         'the text model inside the vision-language wrapper (`text_config`, tensors under '
