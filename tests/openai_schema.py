@@ -14,6 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 
 SUBSET = Path(__file__).parent / "data" / "openai_schema_subset.json"
+# the operations we serve (with their request and response schemas), for schemathesis
+OPERATIONS = {"/chat/completions": ["post"], "/completions": ["post"], "/models": ["get"],
+              "/models/{model}": ["get"], "/responses": ["post"]}
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse",
          "ListModelsResponse", "Model", "Response", "ResponseStreamEvent", "ErrorResponse"]
 # annotations with no bearing on validity (kept where they name a property)
@@ -70,9 +73,20 @@ def _strip(node, properties: bool = False):
     return node
 
 
+def _operation(op: dict) -> dict:
+    """An operation with its parameters, request body and 200 response (the 429's shared
+    components/responses entry is left out)."""
+    keep = {k: op[k] for k in ("operationId", "parameters", "requestBody") if k in op}
+    ok = _strip(op["responses"]["200"])
+    return {**_strip(keep), "responses": {"200": {"description": "OK", **ok}}}   # OpenAPI requires one
+
+
 def build(openapi: dict, commit: str) -> dict:
     schemas = openapi["components"]["schemas"]
-    seen, todo = set(), list(ROOTS)
+    paths = {p: {m: _operation(openapi["paths"][p][m]) for m in methods} for p, methods in OPERATIONS.items()}
+    found_ops: set = set()
+    _refs(paths, found_ops)
+    seen, todo = set(), sorted(set(ROOTS) | found_ops)
     while todo:
         name = todo.pop()
         if name not in seen:
@@ -80,11 +94,13 @@ def build(openapi: dict, commit: str) -> dict:
             found: set = set()
             _refs(schemas[name], found)
             todo += sorted(found - seen)
-    return {"$comment": (
+    return {"openapi": openapi["openapi"], "info": {"title": "OpenAI API (subset)", "version": openapi["info"]["version"]},
+            "servers": [{"url": "/v1"}], "paths": paths, "$comment": (
         "A subset of OpenAI's published OpenAPI document: https://github.com/openai/openai-openapi, openapi.json "
-        f"at commit {commit} (info.version {openapi['info']['version']}): the component schemas reachable from "
-        f"{', '.join(ROOTS)}, unchanged but for dropped annotations ({', '.join(sorted(DROP))}, x-*) and OpenAPI 3.0's "
-        "`nullable: true` written as anyOf [schema, null]. "
+        f"at commit {commit} (info.version {openapi['info']['version']}): the operations {sorted(OPERATIONS)} and the component schemas reachable from "
+        f"them and from {', '.join(ROOTS)}, unchanged but for dropped annotations ({', '.join(sorted(DROP))}, x-*) and OpenAPI 3.0's "
+        "`nullable: true` written as anyOf [schema, null]; operations keep their parameters, request body and 200 "
+        "response. "
         "Regenerate: python tests/openai_schema.py openapi.json <commit>."),
         "components": {"schemas": {n: _strip(schemas[n]) for n in sorted(seen)}}}
 

@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass
 
 from freetoken_py.core import Grammar
-from freetoken_py.server.protocol import bad
+from freetoken_py.server.protocol import bad, get
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -143,9 +143,7 @@ async def anthropic_constrained(prep, body: dict, tools: list[dict] | None, toke
 # ---- request fields -> choices --------------------------------------------------------------
 def openai_choice(body: dict, tools: list[dict] | None) -> ToolChoice:
     raw = body.get("tool_choice", "auto")
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    parallel = get(body, "parallel_tool_calls", bool, True)   # null: the default, as OpenAI's schema allows
     if raw in ("auto", "required", "none", None):
         return ToolChoice(raw or "auto", None, parallel)
     name = None

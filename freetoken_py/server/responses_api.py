@@ -47,6 +47,8 @@ from freetoken_py.server.toolcalls import (
 
 router = APIRouter()
 STATEFUL = ("previous_response_id", "conversation")  # need responses stored server-side
+ECHOED_REASONING = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),   # the published
+                    "summary": ("auto", "concise", "detailed")}                            # enums; else null
 LOGPROBS = "message.output_text.logprobs"   # the `include` value asking for them
 
 
@@ -86,7 +88,8 @@ def _meta(st, body: dict) -> _Meta:
             "top_p": body.get("top_p"), "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "tool_choice": body.get("tool_choice") or "auto",
             "tools": _echo_tools(body.get("tools")),
-            "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+            "reasoning": {k: reasoning.get(k) if reasoning.get(k) in ECHOED_REASONING[k] else None
+                          for k in ECHOED_REASONING},
             "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {}}
     model = body.get("model") if isinstance(body.get("model"), str) else st.model_name
     namespaces = {t["function"]["name"]: ns for ns, t in responses_functions(echo["tools"]) if ns}
