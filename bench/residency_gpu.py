@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-experts", action="store_true",
                     help="the accelerator's experts through torch, one expert at a time (default on a GPU: the "
                          "Triton kernels, kernels/gpu_moe.py, for decode-sized steps)")
+    ap.add_argument("--policy", default="ours", choices=("ours", "lru", "static"),
+                    help="the cache policy (ours: AdaptivePolicy; lru; static: llama.cpp's --n-cpu-moe)")
     ap.add_argument("--expert-dtype", default="auto", choices=("auto", "bf16", "fp32", "int8", "int4"),
                     help="the experts' format in the tiers (auto: the checkpoint's; int8 / int4 quantised on load, "
                          "through the expert store)")
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         del probe
         llm = LLM(model_dir, max_model_len=1024, show_progress=False, enable_prefix_cache=False, dtype=dtype,
                   expert_dtype=args.expert_dtype, residency=mode, residency_profile=args.emulate or "measured",
+                  residency_policy=args.policy,
                   vram_budget_bytes=max(1, int(args.budget_share * expert_bytes)), record_routing=str(trace_path))
         ex = llm.residency
         if args.torch_experts:
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             ex.telemetry.label = "emulated:cpu-only (the CPU tier is this machine's)"
         common.residency_decode(llm, ex, prompt, 4)          # warm: kernels, slots, allocator
         copies_before = list(ex.streamer.slot_copies)
-        run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
+        with _counted(llm) as counted:       # the executor's reads, copies, launches and host time
+            run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
         slot_copies = [n - b for n, b in zip(ex.streamer.slot_copies, copies_before)]   # the measured run's
         llm.save_routing()
         sim_s, sim_tokens, sim_prefetch = simulated_expert_s(trace_path, ex, run["first_decode_step"])
@@ -222,8 +226,62 @@ def main(argv: list[str] | None = None) -> int:
         # or after the compute queued before them (on a GPU; emulated, no sync: every one after)
         "slot_copies": {"at_once": slot_copies[0], "after_compute": slot_copies[1]},
         "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
+        "policy": args.policy,
+        # counted at the executor's choke points (residency/transfers.py) over the measured run
+        **_per_token(counted, n),
+        # the fixed costs the simulator's prediction used (planner.CostModel; profiles.H200_SEEDS
+        # until the probe measures them)
+        "simulator_fixed_us": {"gpu_step": round(ex.cost.gpu_step_s * 1e6, 1),
+                               "host_step": round(ex.cost.host_step_s * 1e6, 1),
+                               "host_layer": round(ex.cost.profile.host_layer_s * 1e6, 1)},
     }
     return common.emit(row, args.out)
+
+
+class _counted:
+    """Around the measured run: per decode layer-step (one token), `transfers.COUNTS`' change and
+    the executor call's wall time (observed through a wrapper of the model's expert executor, which
+    runs unchanged; the prompt's layer-steps are left out)."""
+
+    def __init__(self, llm):
+        from freetoken_py.residency.transfers import Counts
+
+        self.llm, self.calls, self.wall_s, self.counts = llm, 0, 0.0, Counts()
+
+    def __enter__(self):
+        import time
+
+        from freetoken_py.residency import transfers
+
+        inner = self.llm.model.experts
+
+        def observed(layer, x, ids, weights):
+            before, t0 = transfers.COUNTS.snapshot(), time.perf_counter()
+            out = inner(layer, x, ids, weights)
+            if x.shape[0] == 1:
+                self.wall_s += time.perf_counter() - t0
+                self.calls += 1
+                d = transfers.COUNTS - before
+                for f in d.__dataclass_fields__:
+                    setattr(self.counts, f, getattr(self.counts, f) + getattr(d, f))
+            return out
+
+        self.inner, self.llm.model.experts = inner, observed
+        return self
+
+    def __exit__(self, *exc):
+        self.llm.model.experts = self.inner
+
+
+def _per_token(c: _counted, tokens: int) -> dict:
+    d, layers = c.counts, max(1, c.calls)
+    return {"host_reads_per_token": round(d.d2h_reads / tokens, 2), "launches_per_token": round(d.launches / tokens, 2),
+            "pageable_copies_per_token": round(d.h2d_pageable / tokens, 2),
+            "moe_layer_steps_per_token": round(c.calls / tokens, 2),
+            # the executor's time per MoE layer-step on the host, less its wait in the routing read
+            # (the GPU finishing the layer's dense part), and that wait
+            "host_us_per_layer": round((c.wall_s - d.d2h_wait_s) / layers * 1e6, 1),
+            "read_wait_us_per_layer": round(d.d2h_wait_s / layers * 1e6, 1)}
 
 
 def _probe_cpu_gbps(dtype: str) -> float:

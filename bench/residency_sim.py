@@ -18,12 +18,20 @@ predictions, `ours` replays the executor's prefetch (`prefetch: true`, with `pre
 (decode steps), `prefetch_copies_per_token`, `no_prefetch_decode_tok_s` and
 `ungated_prefetch_decode_tok_s`: no allowance, the stop still applies); the synthetic traces
 have none.
+
+Fixed costs (`--fixed-costs`): the hand-built profiles describe hardware, so by default a
+layer-step costs its bytes and the per-call latencies only (`none`), which compares policies.
+`--fixed-costs h200` adds this runtime's fixed costs as the one GPU run measured them
+(`profiles.H200_SEEDS`: the accelerator's step cost where it has work, the host's launches per MoE
+layer), which is what the recalibrated simulator predicts that run with
+(tests/test_residency_calibration.py). Every row says which (`gpu_step_us`, `host_step_us`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -32,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from freetoken_py.residency.adaptive import AdaptivePolicy  # noqa: E402
 from freetoken_py.residency.planner import CostModel  # noqa: E402
 from freetoken_py.residency.policy import LruPolicy, PinPolicy, StaticPolicy  # noqa: E402
-from freetoken_py.residency.profiles import FRONTIER_MODELS, PROFILES, ModelSpec, TierProfile  # noqa: E402
+from freetoken_py.residency.profiles import FRONTIER_MODELS, H200_SEEDS, PROFILES, ModelSpec, TierProfile  # noqa: E402
 from freetoken_py.residency.simulate import (online_ceiling_flat_tok_s, simulate, synthetic_trace,  # noqa: E402
                                              upper_bound_tok_s)  # noqa: E402
 from freetoken_py.residency.stats import RoutingTrace, routing_counts  # noqa: E402
@@ -75,6 +83,7 @@ def run_case(profile: TierProfile, spec: ModelSpec, trace_name: str, trace: Rout
                "pcie_bytes_per_token": round(r.pcie_bytes / max(1, r.tokens)),
                "cpu_share": round(r.cpu_share, 4),
                "predicted_decode_tok_s": round(r.decode_tok_s, 3),
+               "gpu_step_us": round(cost.gpu_step_s * 1e6, 1), "host_step_us": round(cost.host_step_s * 1e6, 1),
                "predicted_prefill_tok_s": round(r.prefill_tok_s, 3) if r.prefill_tokens else None,
                "fits_in_vram": spec.fits_in_vram(profile),
                # no: its experts would be read from disk, which the simulator does not model
@@ -158,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the JSON lines here")
     ap.add_argument("--locality-ceiling-steps", type=int, default=128,
                     help="steps of the sets-only oracle run for a locality case that would fail (0: skip)")
+    ap.add_argument("--fixed-costs", choices=("none", "h200"), default="none",
+                    help="fixed costs per layer-step: none (hardware only) or the H200 run's (profiles.H200_SEEDS)")
     args = ap.parse_args(argv)
     profiles = [PROFILES[p] for p in args.profiles.split(",")]
+    if args.fixed_costs == "h200":
+        profiles = [replace(p, **H200_SEEDS) for p in profiles]
     rows: list[dict] = []
     for model in filter(None, args.models.split(",")):
         spec = FRONTIER_MODELS[model]

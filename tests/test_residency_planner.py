@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from freetoken_py.residency.planner import Budgets, CostModel, LayerStats, core_costs, evaluate, plan
-from freetoken_py.residency.profiles import FRONTIER_MODELS, PROFILES, TierProfile, emulated, get_profile
+from freetoken_py.residency.profiles import FRONTIER_MODELS, H200_SEEDS, PROFILES, TierProfile, emulated, get_profile
 
 SPEC = FRONTIER_MODELS["qwen3-30b-a3b"]
 DECODE = LayerStats({5: 1, 9: 1, 12: 1}, frozenset({5}))   # one hit (5), two misses (9, 12)
@@ -134,17 +134,25 @@ def test_measured_hardware_profile_converts_with_concurrent_figures_first():
     assert tp.host_ram_bytes == hw.memory.total_bytes > 0                 # the machine's, not an assumption
     no_gpu = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, gpus=()), figures=figures)
     assert from_hardware_profile(no_gpu) is None
-    # the measured batch-1 expert kernel (launches included) is the accelerator's rate when present
+    # bytes at the VRAM read rate: the batch-1 expert kernel's figure (launches included, which the
+    # fixed step costs now count) only where the probe has no VRAM rate; the fixed costs are the
+    # H200 run's until the probe measures them
     with_kernel = dict(figures, gpu_expert_kernel=fig("gpu_expert_kernel", 240.0))
-    assert from_hardware_profile(dataclasses.replace(hw, figures=with_kernel)).vram_gbps == 240.0
+    measured = from_hardware_profile(dataclasses.replace(hw, figures=with_kernel))
+    assert measured.vram_gbps == measured.expert_gbps == 1500.0
+    assert (measured.gpu_step_s, measured.host_step_s) == (H200_SEEDS["gpu_step_s"], H200_SEEDS["host_step_s"])
+    no_d2d = {k: v for k, v in with_kernel.items() if k != "vram_d2d"}
+    assert from_hardware_profile(dataclasses.replace(hw, figures=no_d2d)).vram_gbps == 240.0
     # another expert format's CPU rate: its kernel's figure, scaled by the concurrent bf16 one's share
     q = dict(figures, cpu_expert_bf16=fig("cpu_expert_bf16", 25.0), cpu_expert_int4=fig("cpu_expert_int4", 15.0))
     assert from_hardware_profile(dataclasses.replace(hw, figures=q), expert_format="int4").cpu_expert_gbps == \
         pytest.approx(22.0 * 15.0 / 25.0)
     assert from_hardware_profile(dataclasses.replace(hw, figures=q), expert_format="bf16").cpu_expert_gbps == 22.0
     # and the accelerator's: the int4 kernels' own figure where the probe measured it
-    q4 = dict(q, gpu_expert_kernel=fig("gpu_expert_kernel", 240.0), gpu_expert_kernel_int4=fig("gpu_expert_kernel_int4", 90.0))
-    # (for the experts only: the dense weights are read at the same rate whatever the experts' format)
+    # (without a VRAM rate; for the experts only: the dense weights are read at the same rate
+    # whatever the experts' format)
+    q4 = {k: v for k, v in dict(q, gpu_expert_kernel=fig("gpu_expert_kernel", 240.0),
+                                gpu_expert_kernel_int4=fig("gpu_expert_kernel_int4", 90.0)).items() if k != "vram_d2d"}
     int4 = from_hardware_profile(dataclasses.replace(hw, figures=q4), expert_format="int4")
     int8 = from_hardware_profile(dataclasses.replace(hw, figures=q4), expert_format="int8")
     assert (int4.expert_gbps, int4.vram_gbps) == (90.0, 240.0) and (int8.expert_gbps, int8.vram_gbps) == (240.0, 240.0)

@@ -40,9 +40,16 @@ from freetoken_py.residency.planner import CostModel, LayerStats, prefetch_allow
 from freetoken_py.residency.policy import look_ahead
 from freetoken_py.residency.profiles import GB
 from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
-from freetoken_py.residency.stats import predict_experts
+from freetoken_py.residency.stats import SigmoidRule, predict_experts
 from freetoken_py.residency.streamer import Streamer
 from freetoken_py.residency.telemetry import Telemetry
+from freetoken_py.residency.transfers import COUNTS, Transfers, launched
+
+# x joins the packed routing read when a step has at most this many tokens (decode batches; a
+# prefill chunk's x is read on its own, and only when the CPU tier has work)
+PACK_X_TOKENS = 8
+# kernels one expert's torch path queues (gather, two GEMVs, SiLU, multiply, scale, scatter)
+TORCH_EXPERT_LAUNCHES = 8
 
 
 def _fused_ok(device: torch.device, fmt: ExpertFormat) -> bool:
@@ -61,15 +68,6 @@ def _fused_ok(device: torch.device, fmt: ExpertFormat) -> bool:
     return problem is None
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` (on the host) on `device`; to a GPU through pinned memory without waiting: a plain
-    copy from pageable memory would wait for everything queued on the GPU first (the caller
-    adds it there, on the same stream)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 class ResidencyExecutor:
     oom_errors = OOM_ERRORS      # what an allocation failure raises (the engine shrinks the slots on it)
 
@@ -86,6 +84,9 @@ class ResidencyExecutor:
         self.cpu_banks = cpu_banks
         self.policy, self.cost, self.slots = policy, cost, slots
         self.streamer = Streamer(slots, host, fmt)
+        self.transfers = Transfers(slots.device)     # pooled pinned staging, the packed routing read
+        self._host_rules: dict = {}                  # next layer -> its SigmoidRule with the bias on the host
+        self._pairs_dev = None       # this call's accelerator pairs on its device: (rows, weights, start per expert)
         self.routers, self.top_k = routers, top_k
         self.elastic, self.memory_probe = elastic, memory_probe
         self._slots_lent = 0     # what the KV cache took off the elastic sizing's ceiling (lend_slots)
@@ -132,16 +133,24 @@ class ResidencyExecutor:
         if self._last_layer is None or layer <= self._last_layer:
             self._new_step()
         self._last_layer = layer
-        on_accel = x.device.type != "cpu"      # dense weights on the GPU: x and the routing live there
-        # reading the routing back from the GPU waits for everything queued on the compute stream
-        synced = ids.device.type == "cuda"
-        timing = None
-        if on_accel:
-            ids, weights = ids.cpu(), weights.cpu()   # the plan is made on the host either way
-            self.flush_timing(wait=False)          # that read waited for the GPU: earlier layers' events are done
-            if x.device.type == "cuda":            # the experts' time on the GPU's clock, from here
-                timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                timing[0].record()
+        # x with the accelerator (on its device; emulated, both on the host): the routing, the
+        # look-ahead's logits and, when the CPU tier may have work, x come to the host in one
+        # packed read, which also zeroes the layer's output buffer (transfers.read_packed)
+        with_accel = x.device == self.slots.device
+        synced = ids.device.type == "cuda"     # reading the routing back waits for the compute stream
+        nxt = self._next_moe_layer(layer) if self.top_k > 0 and self.slots.num_slots else None
+        logits = self._router_logits(nxt, x, with_accel)
+        out_dev = x_host = timing = None
+        if with_accel:
+            pack_x = ids.shape[0] <= PACK_X_TOKENS and self._cpu_may_work(layer)
+            (ids, weights, logits, x_host), out_dev = self.transfers.read_packed(
+                [ids, weights, logits, x if pack_x else None], out_like=x)
+            if x.device.type == "cuda":
+                self.flush_timing(wait=False)      # that read waited for the GPU: earlier layers' events are done
+                timing = (self.transfers.event(True), self.transfers.event(True))
+                timing[0].record()                 # the experts' time on the GPU's clock, from here
+        else:
+            x_host = x
         decode = ids.shape[0] == 1 if self.decode_step is None else self.decode_step
         self._measure_lead(decode, timing[0] if timing is not None else None)
         self.streamer.new_call(synced)       # after it no earlier compute reads a slot any more
@@ -161,13 +170,11 @@ class ResidencyExecutor:
         # (token rows, routing weights) per expert: not needed by a lone token's whole CPU experts
         lone_cpu = one is not None and not accel and not cuts and self._bank(layer) is not None
         groups = None if lone_cpu else self._group(ids, weights, one)
-        # the CPU tier's activations: copied to the host before the accelerator's work is queued
-        x_host = x.cpu() if on_accel and (plan.cpu or plan.split) else x
-        # the next layer's experts are predicted now, while the GPU has nothing queued (their read
-        # back would otherwise wait for this layer's expert work and hold up the CPU tier); the
-        # copies are issued once this layer's work is queued (a slot it reads may be evicted)
-        predicted = self._predict_next(layer, x)
-        out, ready = (self._accelerator_part(layer, x, plan, cuts, accel, groups) if accel or plan.stream
+        if x_host is None and (plan.cpu or plan.split):   # (a prefill chunk's x, not in the packed read)
+            x_host = self.transfers.read(x, role="read_x")
+        # the next layer's experts, predicted from this layer's input (the logits came with the routing)
+        predicted = None if logits is None else (nxt, predict_experts(logits, self.top_k, self._host_rule(nxt)))
+        out, ready = (self._accelerator_part(layer, x, plan, cuts, accel, groups, out_dev) if accel or plan.stream
                       else (None, None))
         # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
         # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
@@ -175,15 +182,10 @@ class ResidencyExecutor:
         cpu_cuts = [(e, cols) for e, cols in cuts if cols < self.fmt.inter]
         cpu_part = (self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts, one, weights)
                     if plan.cpu or cpu_cuts else None)
-        if ready is not None:
-            ready.synchronize()           # the accelerator's part has reached the host
-        if out is None:                   # nothing ran on the accelerator
-            out = _to(cpu_part, x.device) if cpu_part is not None else torch.zeros_like(x)
-        elif cpu_part is not None:
-            out = out + _to(cpu_part, out.device)   # x on the GPU: the CPU's part goes there
+        out = self._sum_parts(out, ready, cpu_part, out_dev, x)
         self._count(layer, plan, tokens, cuts)
         c = self.telemetry.layers[layer]
-        c.predicted_s += plan.seconds + self.cost.profile.host_layer_s   # (the simulator's layer-step)
+        c.predicted_s += self.cost.layer_step_s(plan)     # (the simulator's layer-step, fixed costs included)
         if timing is not None:     # ends when the two parts' sum is ready; read back later, no wait now
             timing[1].record()
             self._prev_end = timing[1]
@@ -193,14 +195,65 @@ class ResidencyExecutor:
             c.measured_s += self._prev_end - t0
         return out
 
-    def _accelerator_part(self, layer: int, x: torch.Tensor, plan, cuts, accel: list[int], groups):
+    def _sum_parts(self, out, ready, cpu_part, out_dev, x):
+        """The layer's output on x's device: the accelerator's part (`out`, read back when x is on
+        the host: `ready`) plus the CPU's part, sent from pinned staging (one more launch when
+        both have work)."""
+        if ready is not None:
+            ready.synchronize()           # the accelerator's part has reached the host
+            self.transfers.release(ready, timing=False)
+            out = out.clone()             # (out of the pooled buffer before the next layer reuses it)
+        send = x.device == self.slots.device     # (x on the host with slots on a GPU: the CPU part stays)
+        if cpu_part is not None and send:
+            cpu_part = self.transfers.to_device([cpu_part], "cpu_part")[0]
+        if out is None:                   # nothing ran on the accelerator
+            if cpu_part is not None:
+                return cpu_part
+            return out_dev if out_dev is not None else torch.zeros_like(x)
+        if cpu_part is not None:
+            out.add_(cpu_part)
+            if send:
+                launched(1)
+        return out
+
+    def _router_logits(self, nxt: Optional[int], x: torch.Tensor, with_accel: bool):
+        """The next MoE layer's router applied to this layer's input (its logits [T, E], on x's
+        device), or None without a next layer or slots."""
+        if nxt is None:
+            return None
+        r = self.routers[nxt]
+        if with_accel:
+            launched(1 + bool(getattr(r, "sigmoid", False)))    # the router's GEMV (and x in fp32 for a sigmoid one)
+        return r(x)
+
+    def _host_rule(self, nxt: int):
+        """The next layer's choice rule (a sigmoid router's: SigmoidRule) with its bias on the
+        host, read once per bias tensor; None for a softmax router."""
+        rule = getattr(self.routers[nxt], "rule", None)
+        if rule is None or rule.bias is None or rule.bias.device.type == "cpu":
+            return rule
+        key = (nxt, rule.bias.data_ptr())
+        if key not in self._host_rules:
+            self._host_rules[key] = SigmoidRule(self.transfers.read(rule.bias).clone(), rule.n_group, rule.topk_group)
+        return self._host_rules[key]
+
+    def _cpu_may_work(self, layer: int) -> bool:
+        """Whether the CPU tier may get work in this layer-step (not every expert of the layer resident)."""
+        return len(self.policy.resident(layer)) < self.host[layer][0].shape[0]
+
+    def _accelerator_part(self, layer: int, x: torch.Tensor, plan, cuts, accel: list[int], groups,
+                          out_dev: Optional[torch.Tensor] = None):
         """The hits, the streamed misses (admitted now, copied into their slots or staging) and
-        the cut experts' first columns on the accelerator: (their sum on x's device, an event to
-        wait on before reading it, or None)."""
-        dev = self.slots.device
-        xd = x.to(dev)
-        out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
-        on_dev = self._to_device(groups, accel, dev, out_dev.dtype)
+        the cut experts' first columns on the accelerator, added into `out_dev` (zeroed by the
+        routing read; None: x is on the host, and it is made here): (their sum on x's device, an
+        event to wait on before reading it, or None)."""
+        if out_dev is None:           # x on the host, slots on a GPU: x goes there from staging
+            xd = self.transfers.to_device([x], "x")[0]
+            out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
+            launched(1)
+        else:
+            xd = x
+        on_dev = self._to_device(groups, accel, out_dev.dtype)
         # decode-sized: the experts read in their slots go to the Triton kernels in one batch each
         # for the hits and for the streamed ones (weights read once per pair: few tokens only)
         fused = self.fused_accel and all(len(groups[e][0]) <= gpu_moe.MAX_TOKENS_PER_EXPERT for e in accel)
@@ -211,9 +264,14 @@ class ResidencyExecutor:
             if fused:
                 batch.append((e, self.slots.get((layer, e)), "hit"))
             else:
-                self._run(out_dev, xd, on_dev[e], self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
-        self._run_fused(out_dev, xd, on_dev, groups, batch, layer)   # before any admission can evict a hit
+                self._run_accel(out_dev, xd, on_dev[e], self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
         evictions = self.policy.admit_many(layer, plan.stream, self.step)   # one call for the layer-step
+        # the hits and the streamed experts in one batch (two launches, not four), after the
+        # copies, unless an admission evicts a hit: its slot is then overwritten, so the hits run
+        # first (a copy into a slot a queued batch reads waits for it: `mark_read`)
+        hit_keys = {(layer, e) for e in plan.hits}
+        if not plan.stream or any(key in hit_keys for evicted in evictions for key in evicted):
+            self._run_fused(out_dev, xd, on_dev, groups, batch, layer)
         # a streamed expert the policy no longer holds (evicted again by a later one of this
         # layer-step) is copied to staging, not into a slot: it runs right after its copy
         placed = 0
@@ -227,15 +285,15 @@ class ResidencyExecutor:
                 if fused and in_slot:
                     batch.append((e, parts, "stream"))
                 else:
-                    self._run(out_dev, xd, on_dev[e], parts, layer, e, "stream", groups[e][0])
+                    self._run_accel(out_dev, xd, on_dev[e], parts, layer, e, "stream", groups[e][0])
         except BaseException:     # (an out-of-memory error: the pass runs again) slots and policy agree
             self._unadmit(layer, plan.stream[placed:], evictions[placed:])
             raise
         self._run_fused(out_dev, xd, on_dev, groups, batch, layer)
         for e, cols in cuts:
             if cols:
-                self._run(out_dev, xd, on_dev[e], self.streamer.to_staging_columns(layer, e, cols), layer, e,
-                          "split", groups[e][0])
+                self._run_accel(out_dev, xd, on_dev[e], self.streamer.to_staging_columns(layer, e, cols), layer, e,
+                                "split", groups[e][0])
         return self._to_host(out_dev, x)
 
     def flush_timing(self, wait: bool = True) -> None:
@@ -279,17 +337,19 @@ class ResidencyExecutor:
         if self.audit is not None:
             del self.audit[audited:]
 
-    @staticmethod
-    def _to_host(out_dev: torch.Tensor, x: torch.Tensor):
+    def _to_host(self, out_dev: torch.Tensor, x: torch.Tensor):
         """The accelerator's part on x's device: with x on the host and the part on CUDA, an
-        asynchronous copy into pinned memory and an event to wait on before reading it (the CPU
-        tier runs meanwhile); otherwise as is (x on the GPU: the part stays there)."""
-        if out_dev.device.type != "cuda" or x.device.type == "cuda":
-            return out_dev.to(x.device), None
-        host = torch.empty(out_dev.shape, dtype=out_dev.dtype, pin_memory=True)
+        asynchronous copy into a pooled pinned buffer and a pooled event to wait on before
+        reading it (the CPU tier runs meanwhile; `_sum_parts` takes it out of the pool's buffer);
+        otherwise as is (x with the accelerator: the part stays there)."""
+        if out_dev.device == x.device:
+            return out_dev, None
+        host = self.transfers.host("accel_part", out_dev.numel() * out_dev.element_size())
+        host = host.view(out_dev.dtype).view(out_dev.shape)
         host.copy_(out_dev, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = self.transfers.event()
         ready.record()
+        COUNTS.d2h_reads += 1
         return host, ready
 
     # ---- pieces ---------------------------------------------------------------------------
@@ -309,16 +369,26 @@ class ResidencyExecutor:
         wts = weights.flatten()[order].split(counts.tolist())
         return {int(e): (r, w) for e, r, w in zip(experts.tolist(), rows, wts)}
 
-    @staticmethod
-    def _to_device(groups, experts: list[int], dev: torch.device, dtype: torch.dtype) -> dict:
-        """The accelerator's experts' (token rows, routing weights) on `dev`: one host-to-device
-        copy per layer for all of them, not two per expert."""
-        if dev.type == "cpu" or not experts:
-            return {e: (groups[e][0], groups[e][1].to(dtype)) for e in experts}
+    def _to_device(self, groups, experts: list[int], dtype: torch.dtype) -> dict:
+        """The accelerator's experts' (token rows, routing weights) on its device: one copy from
+        pinned staging per layer for all of them, the experts side by side in `experts`' order
+        (a batch of consecutive ones is a slice: `_run_fused`). The weights are rounded to
+        `dtype` (the output's) and sent as fp32 (exact)."""
+        if not experts:
+            self._pairs_dev = None
+            return {}
         sizes = [len(groups[e][0]) for e in experts]
-        rows = torch.cat([groups[e][0] for e in experts]).to(dev, non_blocking=True)
-        wts = torch.cat([groups[e][1] for e in experts]).to(dev, dtype, non_blocking=True)
+        rows = torch.cat([groups[e][0] for e in experts])                       # [P] host
+        wts = torch.cat([groups[e][1] for e in experts]).to(dtype).float()      # [P] host
+        rows, wts = self.transfers.to_device([rows, wts], "pairs")
+        starts = dict(zip(experts, np.cumsum([0, *sizes[:-1]]).tolist()))
+        self._pairs_dev = (rows, wts, starts)
         return dict(zip(experts, zip(rows.split(sizes), wts.split(sizes))))
+
+    def _run_accel(self, out, x, group, parts, layer: int, expert: int, tier: str, host_rows) -> None:
+        """`_run` on the accelerator (torch's ops, one expert: counted as its launches)."""
+        launched(TORCH_EXPERT_LAUNCHES)
+        self._run(out, x, group, parts, layer, expert, tier, host_rows)
 
     def _run(self, out, x, group, parts, layer: int, expert: int, tier: Optional[str],
              host_rows: Optional[torch.Tensor] = None) -> None:
@@ -337,9 +407,16 @@ class ResidencyExecutor:
         if not batch:
             return
         counts = [len(on_dev[e][0]) for e, *_ in batch]
-        rows = torch.cat([on_dev[e][0] for e, *_ in batch])
-        wts = torch.cat([on_dev[e][1] for e, *_ in batch])
+        rows_all, wts_all, starts = self._pairs_dev
+        first = starts[batch[0][0]]
+        if all(starts[e] == first + sum(counts[:i]) for i, (e, *_) in enumerate(batch)):
+            rows, wts = rows_all[first:first + sum(counts)], wts_all[first:first + sum(counts)]   # (views)
+        else:
+            rows = torch.cat([on_dev[e][0] for e, *_ in batch])
+            wts = torch.cat([on_dev[e][1] for e, *_ in batch])
+            launched(2)
         experts = [parts for (_, parts, _), n in zip(batch, counts) for _ in range(n)]
+        launched(2)    # its two Triton kernels (kernels/gpu_moe.py)
         if self.fmt.name == "float":
             gpu_moe.moe_pairs(out, x, rows, wts, [p[0] for p in experts], [p[1] for p in experts])
         else:
@@ -504,7 +581,7 @@ class ResidencyExecutor:
             return self._fixed_lead[0 if decode else 1]
         if self.dense_layer_bytes is not None:
             p = self.cost.profile
-            return self.dense_layer_bytes / (p.vram_gbps * GB) + p.host_layer_s
+            return self.dense_layer_bytes / (p.vram_gbps * GB) + p.host_layer_s + self.cost.host_step_s
         return self._lead[decode]
 
     def fix_lead(self, decode_s: Optional[float], prefill_s: Optional[float] = None) -> None:

@@ -37,7 +37,7 @@ and the compiled planner must match it exactly on random cases.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -53,12 +53,37 @@ class CostModel:
     expert_flops_per_token: float
     pcie_gbps: float = 0.0          # 0: take the profile's prior
     cpu_expert_gbps: float = 0.0
+    # fixed costs no bandwidth contains (None: the profile's, `TierProfile.gpu_step_s` /
+    # `host_step_s`; a measured GPU profile's are seeded from the H200 run, profiles.H200_SEEDS):
+    # the accelerator's fixed time in a layer-step it has work in (its launches and their
+    # latency), and the host's time per MoE layer outside the executor (the launches of the
+    # dense part between two MoE layers, which the GPU waits for at batch 1)
+    gpu_step_s: Optional[float] = None
+    host_step_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.pcie_gbps <= 0:
             object.__setattr__(self, "pcie_gbps", self.profile.pcie_gbps)
         if self.cpu_expert_gbps <= 0:
             object.__setattr__(self, "cpu_expert_gbps", self.profile.cpu_expert_gbps)
+        for f in ("gpu_step_s", "host_step_s"):
+            if getattr(self, f) is None:
+                object.__setattr__(self, f, getattr(self.profile, f))
+            elif getattr(self, f) < 0:
+                raise ValueError(f"cost model: {f} must not be negative")
+
+    def moe_s(self, p: "Plan") -> float:
+        """A layer-step's expert time: the plan's, with the accelerator's fixed step cost on its
+        side when it has work (the plan's own decisions leave it out: hits pay it wherever the
+        misses go)."""
+        if not self.gpu_step_s or not (p.hits or p.stream or p.split):
+            return p.seconds
+        return max(p.gpu_s + self.gpu_step_s, p.cpu_s)
+
+    def layer_step_s(self, p: "Plan") -> float:
+        """A whole MoE layer-step's time besides the dense weights' read: the executor's host work
+        (`host_layer_s`), the host's launches outside it (`host_step_s`) and the experts (`moe_s`)."""
+        return self.profile.host_layer_s + self.host_step_s + self.moe_s(p)
 
     def gpu_compute_s(self, tokens: int) -> float:
         p = self.profile

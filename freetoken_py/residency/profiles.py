@@ -39,6 +39,12 @@ class TierProfile:
     # measured one; 0: not known. The simulator does not model a model larger than it (its
     # experts would be read from disk): the bench flags such cases (`fits_in_host_ram`)
     host_ram_bytes: int = 0
+    # fixed costs per MoE layer-step (planner.CostModel): the accelerator's, in a layer-step it
+    # has work in, and the host's outside the executor (the dense part's launches). 0 in the
+    # hand-built profiles (they describe hardware and compare policies); a measured GPU profile
+    # takes the H200 run's (H200_SEEDS) until the probe measures them
+    gpu_step_s: float = 0.0
+    host_step_s: float = 0.0
 
     @property
     def expert_gbps(self) -> float:
@@ -49,7 +55,8 @@ class TierProfile:
         for f in ("vram_gbps", "pcie_gbps", "cpu_expert_gbps", "cpu_tflops", "gpu_tflops"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"profile {self.name}: {f} must be positive")
-        for f in ("cpu_call_s", "copy_call_s", "host_layer_s", "accel_expert_gbps", "host_ram_bytes"):
+        for f in ("cpu_call_s", "copy_call_s", "host_layer_s", "accel_expert_gbps", "host_ram_bytes",
+                  "gpu_step_s", "host_step_s"):
             if getattr(self, f) < 0:
                 raise ValueError(f"profile {self.name}: {f} must not be negative")
 
@@ -75,6 +82,14 @@ PROFILES: dict[str, TierProfile] = {p.name: p for p in (
 )}
 
 
+# The fixed costs of a decode layer-step measured on the one GPU run (H200, 2026-12-04; the recorded
+# figures: tests/data/h200_residency_run.json, derived in docs/residency.md "The fixed costs"):
+# gpu_step_s: the Triton experts' layer-step (0.383 ms for Qwen3-30B-A3B, bench/gpu_moe_kernels.py)
+# less its 75.5 MB at the device's 4.17 TB/s; host_step_s: the decode token's time less the
+# executor's expert time, per MoE layer (27.62 - 13.9 ms over 8 layers), less the dense read
+H200_SEEDS = {"gpu_step_s": 0.365e-3, "host_step_s": 1.712e-3}
+
+
 def get_profile(name: str) -> TierProfile:
     if name not in PROFILES:
         raise ValueError(f"unknown hardware profile {name!r}; choose one of {', '.join(PROFILES)}")
@@ -93,12 +108,13 @@ def from_hardware_profile(hw, name: str = "measured", expert_format: str = "bf16
     rate the CPU side takes (the figure measured alongside PCIe traffic is bf16's: another
     format's is scaled by its ratio to bf16 alone)."""
     gpus = hw.gpu.gpus
-    # the accelerator's expert rate: batch-1 torch SwiGLU experts, launches included (what a decode
-    # step does per expert); a plain VRAM copy rate only if that probe did not run
-    vram = hw.gbps("gpu_expert_kernel", hw.gbps("vram_d2d"))
-    # int4 experts: the quantised Triton kernels' own rate (of int4 bytes), where measured, for
-    # the experts only (the dense weights stay as they are, read at `vram`)
-    accel = hw.gbps("gpu_expert_kernel_int4", 0.0) if expert_format == "int4" else 0.0
+    # bytes move at the device's read rate (the dense weights and the experts alike): the fixed
+    # cost of a layer-step's launches is its own term (gpu_step_s, host_step_s; issue 40), so the
+    # probe's expert-kernel figures, which include the launches at its small experts, are used only
+    # where it measured no VRAM rate (they made the H200 run's dense part 3.8 ms per token, not 0.03)
+    d2d = hw.gbps("vram_d2d")
+    vram = d2d if d2d is not None else hw.gbps("gpu_expert_kernel")
+    accel = hw.gbps("gpu_expert_kernel_int4", 0.0) if expert_format == "int4" and d2d is None else 0.0
     pcie = hw.gbps("pcie_h2d_pinned_concurrent", hw.gbps("pcie_h2d_pinned"))
     cpu = hw.gbps("cpu_expert_bf16_concurrent", hw.gbps("cpu_expert_bf16", hw.gbps("dram_read_all_cores")))
     alone, bf16 = hw.gbps(f"cpu_expert_{expert_format}"), hw.gbps("cpu_expert_bf16")
@@ -107,9 +123,11 @@ def from_hardware_profile(hw, name: str = "measured", expert_format: str = "bf16
     if not gpus or gpus[0].vram_total_bytes is None or None in (vram, pcie, cpu):
         return None
     # compute ceilings are not probed yet: rough per-core / per-GPU class guesses
+    # the fixed step costs: the H200 run's until the probe measures them on this machine (issue 40)
+    fixed = dict(H200_SEEDS)
     return TierProfile(name, gpus[0].vram_total_bytes, vram, pcie, cpu,
                        cpu_tflops=0.1 * max(1, hw.cpu.physical_cores), gpu_tflops=100, accel_expert_gbps=accel,
-                       host_ram_bytes=hw.memory.total_bytes or 0)
+                       host_ram_bytes=hw.memory.total_bytes or 0, **fixed)
 
 
 @dataclass(frozen=True)

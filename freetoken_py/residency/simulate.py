@@ -5,7 +5,10 @@ Time model per layer-step (the planner's own, see planner.py): dense weights are
 hits compute on the accelerator while copies run on the copy engine; a streamed expert computes
 after its copy; CPU experts run concurrently; the layer ends when both sides do; the executor's
 fixed host work (`TierProfile.host_layer_s`, measured by residency.calibrate, 0 in the hand-built
-profiles) is added to every layer-step.
+profiles) and the host's launches outside it (`CostModel.host_step_s`) are added to every
+layer-step, and the accelerator's fixed step cost (`CostModel.gpu_step_s`) to its side of every
+layer-step it has work in (`CostModel.moe_s`; both 0 in the hand-built profiles, seeded from the
+H200 run in a measured one).
 
 Look-ahead prefetch (`simulate(..., prefetch=True)`, on a trace that carries the predictions,
 `RoutingTrace.predicted`) replays the executor's (`ResidencyExecutor._prefetch`): after layer l's
@@ -110,7 +113,8 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     prefetch = prefetch and trace.has_predictions
     # every layer-step: its share of the dense weights read, and the executor's fixed host work (0 in the
     # hand-built profiles)
-    fixed_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s
+    fixed_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s \
+        + cost.host_step_s
     lead_decode = fixed_layer_s if lead_s is None else lead_s
     lead_prefill = lead_decode if prefill_lead_s is None else prefill_lead_s
     r = SimResult()
@@ -139,7 +143,7 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
         r.streamed_experts += len(p.stream)
         r.pcie_bytes += len(p.stream) * cost.expert_bytes + sum(int(f * cost.expert_bytes) for _, f in p.split)
         if not prefetch:
-            step_s += fixed_layer_s + p.seconds
+            step_s += fixed_layer_s + cost.moe_s(p)
             continue
         predicted, copied = guessed.pop(layer, ()), in_flight.pop(layer, set())
         if step_decode:                 # scored on decode steps, as the executor's prefetch%
@@ -147,6 +151,9 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
             r.prefetch_correct += sum(e in tokens for e in predicted)
         lead = lead_decode if step_decode else lead_prefill
         moe_s, gpu_end, own_copies_s = _with_backlog(p, tokens, cost, backlog, copied & set(p.hits))
+        if cost.gpu_step_s and (p.hits or p.stream or p.split):   # the accelerator's fixed step cost
+            gpu_end += cost.gpu_step_s
+            moe_s = max(moe_s, gpu_end)
         # ahead copies start once the layer's accelerator work is done (and its own copies)
         queued = max(gpu_end, backlog + own_copies_s)
         nxt = nxt_layer.get(layer)
@@ -322,7 +329,7 @@ def upper_bound_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, ca
     dense_s = layer_steps * dense_layer_s
     miss_s = missed * cost.expert_bytes / ((cost.pcie_gbps + cost.cpu_expert_gbps) * GB)
     # the fixed host work of each layer-step runs on its own (0 in the hand-built profiles)
-    return sum(trace.tokens(s) for s in decode) / (max(dense_s, miss_s) + layer_steps * profile.host_layer_s)
+    return sum(trace.tokens(s) for s in decode) / (max(dense_s, miss_s) + layer_steps * (profile.host_layer_s + cost.host_step_s))
 
 
 def layer_floor_s(hits: int, misses: int, cost: CostModel) -> float:
@@ -383,7 +390,7 @@ def online_ceiling_flat_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes:
     for c in range(1, len(g)):       # a policy may leave slots empty: c slots are worth at least c - 1
         g[c] = min(g[c], g[c - 1])
     per_layer = _lower_hull_at(g, min(capacity, n_layers * experts) / n_layers)
-    return 1.0 / (dense_s + n_layers * (per_layer + profile.host_layer_s))
+    return 1.0 / (dense_s + n_layers * (per_layer + profile.host_layer_s + cost.host_step_s))
 
 
 def _lower_hull_at(g: list[float], x: float) -> float:

@@ -22,6 +22,7 @@ import torch
 
 from freetoken_py.residency.formats import ExpertFormat
 from freetoken_py.residency.slots import SlotCache
+from freetoken_py.residency.transfers import host_to_device_copied
 
 
 class Streamer:
@@ -63,6 +64,8 @@ class Streamer:
         waits for it where the data is first used (a look-ahead copy must not hold up the
         current layer's work). With `after_compute` they start after the compute queued so far
         (which may read the destination)."""
+        for dst, src in pairs:     # (counted: from a pinned bank on CUDA, transfers.COUNTS)
+            host_to_device_copied(src, dst.device)
         if self._stream is None:
             for dst, src in pairs:
                 dst.copy_(src)

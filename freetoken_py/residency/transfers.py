@@ -1,0 +1,171 @@
+"""The residency executor's host <-> accelerator traffic and kernel launches, in one place.
+
+A decode layer-step on a GPU is bounded by its fixed costs long before its bytes: each blocking
+device->host read waits for everything queued, a host->device copy from pageable memory is staged
+by the driver and waits too, and every launch costs host time. So every transfer the executor
+makes goes through `Transfers`, which
+
+- reads what the host needs from the accelerator in ONE copy: `read_packed` lays the routing ids,
+  the routing weights, the look-ahead's router logits and (when the CPU tier may have work) the
+  activations side by side as bytes in one device buffer (one `cat` launch; the same launch also
+  writes a zero block that becomes the layer's output buffer), and copies them into a pooled
+  pinned host buffer;
+- sends host data to the accelerator only from pooled pinned staging buffers (`to_device`);
+- hands out pooled CUDA events.
+
+`COUNTS` counts the reads, the host->device copies (pinned or pageable) and the kernels the
+executor queues, at these choke points (the executor declares its launches through `launched`).
+Tests hold a decode step to at most one read, no pageable copy and few launches per MoE layer on
+the emulated accelerator, where the device is the CPU: the same code path, with plain host
+buffers (nothing to pin) and copies that are memcpys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+import time
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Counts:
+    d2h_reads: int = 0        # device -> host copies the host waits for
+    h2d_pinned: int = 0       # host -> device copies from pinned (or registered) memory
+    h2d_pageable: int = 0     # host -> device copies from pageable memory (each waits for the queue)
+    launches: int = 0         # kernels queued on the accelerator (declared by the executor)
+    d2h_wait_s: float = 0.0   # seconds the host spent in those reads (waiting for the queue, then the copy)
+
+    def __sub__(self, other: "Counts") -> "Counts":
+        return Counts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    def snapshot(self) -> "Counts":
+        return replace(self)
+
+
+COUNTS = Counts()    # process-wide: tests take a snapshot before and after a decode step
+
+
+def launched(n: int = 1) -> None:
+    """The executor queued `n` kernels on the accelerator."""
+    COUNTS.launches += n
+
+
+def host_to_device_copied(src: torch.Tensor, device: torch.device) -> None:
+    """Count one host -> device copy from `src` (a slot copy from a host bank: pinned on CUDA when
+    the banks are page-locked, `engine.expert_store.pin_banks`)."""
+    if device.type == "cuda" and not src.is_pinned():
+        COUNTS.h2d_pageable += 1
+    else:
+        COUNTS.h2d_pinned += 1
+
+
+def _align(n: int, to: int = 64) -> int:
+    return -(-n // to) * to
+
+
+class Transfers:
+    """Pooled staging for one executor's transfers to and from `device` (pinned host buffers on
+    CUDA, plain host buffers otherwise), reused call after call: a buffer is rewritten only after
+    the next routing read, which waited for every copy queued from it before."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._host: dict[str, torch.Tensor] = {}
+        self._zeros: Optional[torch.Tensor] = None      # [n] uint8 zeros on the device
+        self._events: list = []
+
+    # ---- pooled buffers and events -------------------------------------------------------------
+    def host(self, role: str, nbytes: int) -> torch.Tensor:
+        """A pooled host buffer of at least `nbytes` bytes for `role` (uint8 [nbytes])."""
+        buf = self._host.get(role)
+        if buf is None or buf.numel() < nbytes:
+            with torch.inference_mode(False):   # (written in place in and out of inference mode)
+                buf = torch.empty(max(4096, 1 << max(0, nbytes - 1).bit_length()), dtype=torch.uint8,
+                                  pin_memory=self.pinned)
+            self._host[role] = buf
+        return buf[:nbytes]
+
+    def _zero_bytes(self, nbytes: int) -> torch.Tensor:
+        if self._zeros is None or self._zeros.numel() < nbytes:
+            with torch.inference_mode(False):
+                self._zeros = torch.zeros(max(4096, 1 << max(0, nbytes - 1).bit_length()), dtype=torch.uint8,
+                                          device=self.device)
+        return self._zeros[:nbytes]
+
+    def event(self, timing: bool = False):
+        """A CUDA event from the pool (give it back with `release` once it has been read)."""
+        for i, (ev, t) in enumerate(self._events):
+            if t == timing:
+                return self._events.pop(i)[0]
+        return torch.cuda.Event(enable_timing=timing)
+
+    def release(self, *events, timing: bool = True) -> None:
+        self._events.extend((ev, timing) for ev in events if ev is not None)
+
+    # ---- device -> host --------------------------------------------------------------------------
+    def read_packed(self, parts: Sequence[Optional[torch.Tensor]], out_like: Optional[torch.Tensor] = None,
+                    role: str = "read") -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
+        """`parts` (device tensors or None) on the host, in one device -> host copy. With
+        `out_like`, also a zeroed device tensor of its shape and dtype, written by the same
+        launch (the layer's output buffer). Returns (host views of the parts, in their shapes
+        and dtypes, valid until the next read for `role`; the zeroed tensor or None)."""
+        present = [(i, p) for i, p in enumerate(parts) if p is not None]
+        # widest elements first: every part then starts at a multiple of its element size
+        present.sort(key=lambda ip: -ip[1].element_size())
+        flat, launches = [], 1
+        for _, p in present:
+            if not p.is_contiguous():
+                p, launches = p.contiguous(), launches + 1
+            flat.append(p.reshape(-1).view(torch.uint8))
+        zero_n = _align(out_like.numel() * out_like.element_size()) if out_like is not None else 0
+        pieces = ([self._zero_bytes(zero_n)] if zero_n else []) + flat
+        packed = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+        launched(launches)
+        nbytes = packed.numel() - zero_n
+        host = self.host(role, nbytes)
+        if nbytes:
+            t0 = time.perf_counter()
+            host.copy_(packed[zero_n:])        # pinned on CUDA: waits for the queue, once
+            COUNTS.d2h_wait_s += time.perf_counter() - t0
+            COUNTS.d2h_reads += 1
+        got: list[Optional[torch.Tensor]] = [None] * len(parts)
+        at = 0
+        for (i, p), f in zip(present, flat):
+            got[i] = host[at:at + f.numel()].view(p.dtype).view(p.shape)
+            at += f.numel()
+        out = None
+        if out_like is not None:
+            n = out_like.numel() * out_like.element_size()
+            out = packed[:n].view(out_like.dtype).view(out_like.shape)
+        return got, out
+
+    def read(self, t: torch.Tensor, role: str = "read_one") -> torch.Tensor:
+        """One device tensor on the host (a pooled buffer's view; valid until the next read for
+        `role`)."""
+        return self.read_packed([t], role=role)[0][0]
+
+    # ---- host -> device --------------------------------------------------------------------------
+    def to_device(self, parts: Sequence[torch.Tensor], role: str = "send") -> list[torch.Tensor]:
+        """Host tensors on the device in one copy from a pooled pinned buffer (each part's bytes
+        laid side by side there first: a host memcpy). Returns fresh device tensors of the
+        parts' shapes and dtypes (views of one device buffer)."""
+        order = sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
+        sizes = [parts[i].numel() * parts[i].element_size() for i in order]
+        total = sum(sizes)
+        stage = self.host(role, total)
+        at = 0
+        for i, n in zip(order, sizes):
+            stage[at:at + n].copy_(parts[i].detach().contiguous().reshape(-1).view(torch.uint8))
+            at += n
+        dev = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if total:
+            dev.copy_(stage, non_blocking=self.pinned)
+            COUNTS.h2d_pinned += 1
+        got: list = [None] * len(parts)
+        at = 0
+        for i, n in zip(order, sizes):
+            got[i] = dev[at:at + n].view(parts[i].dtype).view(parts[i].shape)
+            at += n
+        return got
