@@ -231,62 +231,6 @@ def test_executor_with_triton_experts_keeps_outputs_and_computes_each_pair_once(
     assert proc.stdout.startswith("ok"), proc.stdout
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_triton_experts_compile_for_a_gpu_with_vector_loads(arch):
-    """The real compile path, without a GPU: both kernels through Triton's whole pipeline to a
-    cubin (its bundled ptxas) for sm_80 and sm_90, with the specialisation a launch gives
-    16-divisible sizes and 16-byte-aligned pointers. With ALIGNED the weight rows are read as
-    16-byte vectors (ld.global.v4); without it, element by element: what the flag buys."""
-    import re
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from freetoken_py.kernels import _triton_moe as k
-
-    def loads(fn, sig, consts):
-        names = [n for n in sig if sig[n] != "constexpr"]
-        attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in names}
-        try:
-            source = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        except TypeError:            # the ahead-of-time compile API of Triton >= 3.4 (CI installs the newest)
-            pytest.skip(f"Triton {triton.__version__}: another ASTSource signature")
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
-        assert compiled.asm["cubin"]
-        return set(re.findall(r"ld\.global[.\w]*", compiled.asm["ptx"]))
-
-    gate_up = {"x_ptr": "*bf16", "rows_ptr": "*i64", "w13_base": "*bf16", "w13_offs": "*i64", "h_ptr": "*fp32",
-               "D": "i32", "I": "i32", "stride_x": "i32", "BLOCK_I": "constexpr", "BLOCK_D": "constexpr",
-               "ALIGNED": "constexpr"}
-    down = {"h_ptr": "*fp32", "wts_ptr": "*fp32", "w2_base": "*bf16", "w2_offs": "*i64", "y_ptr": "*fp32",
-            "D": "i32", "I": "i32", "BLOCK_OUT": "constexpr", "BLOCK_K": "constexpr", "ALIGNED": "constexpr"}
-    from freetoken_py.kernels.gpu_moe import BLOCK_D, BLOCK_I, BLOCK_K, BLOCK_OUT
-
-    for fn, sig, consts in ((k.gate_up_kernel, gate_up, {"BLOCK_I": BLOCK_I, "BLOCK_D": BLOCK_D}),
-                            (k.down_kernel, down, {"BLOCK_OUT": BLOCK_OUT, "BLOCK_K": BLOCK_K})):
-        assert any(op.startswith("ld.global.v4") for op in loads(fn, sig, {**consts, "ALIGNED": True})), fn
-        assert "ld.global.b16" in loads(fn, sig, {**consts, "ALIGNED": False}), fn
-
-    # the quantised kernels (int8; int4 at g = 32, two scale groups a step, and g = 128, one)
-    # compile too, and with ALIGNED read the weight rows as 16-byte vectors
-    for int4, group in ((False, 32), (True, 32), (True, 128)):
-        q, sc = ("*u8", "*i16") if int4 else ("*i8", "*fp32")
-        gate_up_q = {"x_ptr": "*fp32", "rows_ptr": "*i64", "q_base": q, "q_offs": "*i64", "s_base": sc,
-                     "s_offs": "*i64", "h_ptr": "*fp32", "D": "i32", "I": "i32", "stride_x": "i32",
-                     "INT4": "constexpr", "G": "constexpr", "NG": "constexpr", "BLOCK_I": "constexpr",
-                     "BLOCK_D": "constexpr", "ALIGNED": "constexpr"}
-        down_q = {"h_ptr": "*fp32", "wts_ptr": "*fp32", "q_base": q, "q_offs": "*i64", "s_base": sc,
-                  "s_offs": "*i64", "y_ptr": "*fp32", "D": "i32", "I": "i32", "INT4": "constexpr",
-                  "G": "constexpr", "NG": "constexpr", "BLOCK_OUT": "constexpr", "BLOCK_K": "constexpr",
-                  "ALIGNED": "constexpr"}
-        for fn, sig, block in ((k.gate_up_q_kernel, gate_up_q, {"BLOCK_I": BLOCK_I, "BLOCK_D": BLOCK_D}),
-                               (k.down_q_kernel, down_q, {"BLOCK_OUT": BLOCK_OUT, "BLOCK_K": BLOCK_K})):
-            consts = {"INT4": int4, "G": group, "NG": max(1, 64 // group), **block}
-            aligned = loads(fn, sig, {**consts, "ALIGNED": True})
-            assert any(op.startswith("ld.global.v4") for op in aligned), (fn, int4, group, aligned)
-
-
 def test_kernel_bench_runs_in_the_interpreter(tmp_path):
     """bench/gpu_moe_kernels.py --interpret: the GPU bench's code path on CPU (tiny sizes), both
     paths agreeing, marked not comparable; without a GPU and without --interpret it skips."""

@@ -1,9 +1,20 @@
 """The Triton kernels of `gpu_moe` (imported only when they are used: Triton is optional).
 
-Each pair's expert is found at an element offset from a typed base tensor (`w13_base`,
-`w2_base`: one of the batch's experts), so the weights are read in place wherever they sit in
-device memory. With `ALIGNED` (every offset a multiple of 16 elements, checked by the caller)
-the compiler knows the rows start 16-byte aligned and issues vector loads.
+One family for every expert format (`FMT`): 0 float (bf16 / fp16 / fp32 weights), 1 int8 (one
+fp32 scale a row), 2 int4 (g-column groups, fp16 scales held as int16), 3 fp8 (e4m3 bytes, one
+fp32 scale a row and block of G columns), 4 nvfp4 (e2m1 nibbles, e4m3 group-16 scale bytes and
+the row's fp32 factor at the end of its scale row). Quantised weights are read as int32 words
+(4 bytes, or 8 nibbles: our nibble order, low nibble the even column, is exactly a word's bit
+order), decoded arithmetically (no table gathers), and each word's products are summed before
+its scale is applied once (int4: the +8 zero point folded per word, s * (sum q x - 8 sum x)).
+
+A layer-step is a set of *groups*: one expert (a slot of the on-device slot table) and up to NT
+of its (token, weight) pairs, so an expert routed by several tokens is read once. A program
+computes BLOCK_N rows of one group's expert for its NT tokens; its K loop is pipelined
+(`tl.range(num_stages=STAGES)`) and accumulates a [NT, BLOCK_N, BLOCK_K / UNIT / RED] tile,
+reduced across lanes once, in the epilogue (RED = 1 defers the whole reduction). SiLU * up, the
+int8 rounding of h that the CPU kernels apply (ROUND), and the routing weight are epilogues; the
+per-token sum is `combine_kernel`, in the pairs' order, without atomics.
 """
 from __future__ import annotations
 
@@ -16,140 +27,219 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _expert_at(base, offs, p, ALIGNED: tl.constexpr):
-    """Pair p's expert part: `base` plus its element offset; with ALIGNED the offset is known to
-    be a multiple of 16, so its rows can be read as aligned vectors."""
-    off = tl.load(offs + p)
-    if ALIGNED:
-        off = tl.multiple_of(off, 16)
-    return base + off
+def _rint(v):
+    """Round to nearest, ties to even (torch.round), exact for |v| < 2**22, in any backend."""
+    r = tl.floor(v)
+    d = v - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
 
 
 @triton.jit
-def gate_up_kernel(x_ptr, rows_ptr, w13_base, w13_offs, h_ptr, D, I, stride_x,
-                   BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
-    """h[p, i] = silu(gate_i . x_t) * (up_i . x_t) for pair p (token row t = rows[p]), fp32."""
-    p = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    im = i < I
-    row = tl.load(rows_ptr + p)
-    w = _expert_at(w13_base, w13_offs, p, ALIGNED)        # [2I, D]: gate rows, then up rows
-    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        dm = d < D
-        xv = tl.load(x_ptr + row * stride_x + d, mask=dm, other=0.0).to(tl.float32)
-        m = im[:, None] & dm[None, :]
-        wg = tl.load(w + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-        wu = tl.load(w + (i[:, None] + I) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_g += tl.sum(wg * xv[None, :], axis=1)
-        acc_u += tl.sum(wu * xv[None, :], axis=1)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + p * I + i, h, mask=im)
+def _round32(v, R: tl.constexpr, C: tl.constexpr):
+    """v fp32 [R, C] (C a multiple of 32) as the CPU kernels see it: each 32-column block rounded
+    to int8 against max|block| / 127 and back (`gpu_moe.seen_by_cpu_kernels`, bit for bit)."""
+    b = tl.reshape(v, [R, C // 32, 32])
+    scale = tl.math.div_rn(tl.max(tl.abs(b), axis=2), tl.full([R, C // 32], 127.0, tl.float32))
+    div = tl.where(scale > 0, scale, 1.0)
+    q = _rint(tl.math.div_rn(b, tl.broadcast_to(div[:, :, None], [R, C // 32, 32])))
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    return tl.reshape(q * scale[:, :, None], [R, C])
 
 
 @triton.jit
-def down_kernel(h_ptr, wts_ptr, w2_base, w2_offs, y_ptr, D, I,
-                BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
-    """y[p, d] = wts[p] * (down_d . h[p]) for pair p, fp32."""
-    p = tl.program_id(0)
-    d = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+def round_act_kernel(x_ptr, stride_x, y_ptr, D, BLOCK: tl.constexpr):
+    """y[t] = x[t] rounded per 32-column block (`_round32`); a partial last block as if zero-padded."""
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + t * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+    r = tl.reshape(_round32(tl.reshape(v, [1, BLOCK]), 1, BLOCK), [BLOCK])
+    tl.store(y_ptr + t * D + d, r, mask=d < D)
+
+
+@triton.jit
+def _e4m3(b, NATIVE: tl.constexpr):
+    """int32 bytes (0..255) of e4m3fn -> fp32, exactly (0x7f / 0xff, NaN there, decode as +-480).
+    NATIVE: the hardware's conversion (sm89+); else the bits placed into an fp32 (normals) or
+    m * 2**-9 (subnormals)."""
+    if NATIVE:
+        return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    mag = b & 127
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
+    return tl.where(b >= 128, -v, v)
+
+
+@triton.jit
+def _e2m1(n):
+    """int32 nibbles (sign bit 3, magnitude index 0..7) -> fp32 (0, .5, 1, 1.5, 2, 3, 4, 6): the
+    index's bits are the exponent and mantissa, placed into an fp32; 0 and 0.5 by hand."""
+    i = n & 7
+    v = tl.where(i < 2, i.to(tl.float32) * 0.5, ((i + 252) << 22).to(tl.float32, bitcast=True))
+    return tl.where(n >= 8, -v, v)
+
+
+@triton.jit
+def _nvfp4_factor(s, r, rm, SROW, G_COLS):
+    """The fp32 row factor at the end of each row's scale bytes (little-endian, any alignment)."""
+    p = s + r * SROW + G_COLS
+    bits = tl.load(p, mask=rm, other=0).to(tl.int32) | (tl.load(p + 1, mask=rm, other=0).to(tl.int32) << 8) \
+        | (tl.load(p + 2, mask=rm, other=0).to(tl.int32) << 16) | (tl.load(p + 3, mask=rm, other=0).to(tl.int32) << 24)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _step(q, s, r, rm, f, k0, KW, SROW, xp, xm, FMT: tl.constexpr, G: tl.constexpr, NT: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIT: tl.constexpr, GW: tl.constexpr,
+          RED: tl.constexpr, NATIVE: tl.constexpr):
+    """Rows r (mask rm) of one expert against NT activation rows (pointers xp [NT], mask xm) over
+    columns [k0, k0 + BLOCK_K): [NT, BLOCK_N, BLOCK_K / UNIT / GW / RED] fp32 partial sums (int4 and
+    nvfp4: each scale group's GW words summed, then scaled once; else GW = 1). KW: a row's
+    length in loaded elements (words, or float elements); SROW: a scale row's length; f: nvfp4's
+    row factors [BLOCK_N]."""
+    W: tl.constexpr = BLOCK_K // UNIT
+    kw = k0 // UNIT + tl.arange(0, W)                           # [W] word (element) index in the row
+    km = kw < KW
+    m = rm[:, None] & km[None, :]
+    if FMT == 0:
+        w = tl.load(q + r[:, None] * KW + kw[None, :], mask=m, other=0.0).to(tl.float32)
+        xv = tl.load(xp[:, None] + kw[None, :], mask=xm[:, None] & km[None, :], other=0.0)
+        c = w[None, :, :] * xv[:, None, :]                       # [NT, BLOCK_N, W]
+    else:
+        w = tl.load(q + r[:, None] * KW + kw[None, :], mask=m, other=0)      # int32 words
+        xm2 = xm[:, None] & km[None, :]
+        c = tl.zeros([NT, BLOCK_N, W], dtype=tl.float32)
+        xs = tl.zeros([NT, W], dtype=tl.float32)
+        for j in tl.static_range(UNIT):
+            xj = tl.load(xp[:, None] + kw[None, :] * UNIT + j, mask=xm2, other=0.0)   # [NT, W] column UNIT*kw + j
+            if FMT == 1:                                         # int8: byte j, sign-extended
+                v = ((w << (24 - 8 * j)) >> 24).to(tl.float32)
+            elif FMT == 2:                                       # int4: nibble j as q in 0..15 (2**23 + q - 2**23)
+                v = (((w >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                xs += xj
+            elif FMT == 3:
+                v = _e4m3((w >> (8 * j)) & 255, NATIVE)
+            else:
+                v = _e2m1((w >> (4 * j)) & 15)
+            c += v[None, :, :] * xj[:, None, :]
+        if FMT == 2 or FMT == 4:                                 # per scale group of GW words (in a thread's 16 bytes)
+            c = tl.sum(tl.reshape(c, [NT, BLOCK_N, W // GW, GW]), axis=3)
+            gi = (k0 // UNIT) // GW + tl.arange(0, W // GW)
+            gm = rm[:, None] & (gi < KW // GW)[None, :]
+            if FMT == 2:                                         # s * (sum q x - 8 sum x)
+                xs = tl.sum(tl.reshape(xs, [NT, W // GW, GW]), axis=2)
+                sc = tl.load(s + r[:, None] * SROW + gi[None, :], mask=gm, other=0)
+                c = (c - 8.0 * xs[:, None, :]) * sc.to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
+            else:                                                # e4m3 group scale times (or over) the factor
+                sv = _e4m3(tl.load(s + r[:, None] * SROW + gi[None, :], mask=gm, other=0).to(tl.int32), NATIVE)
+                fb = tl.broadcast_to(f[:, None], [BLOCK_N, W // GW])
+                eff = tl.where(fb > 0, sv * fb, tl.math.div_rn(sv, tl.where(fb < 0, -fb, 1.0)))
+                c = c * eff[None, :, :]
+        elif FMT == 3:                                           # one scale a row and block of G columns
+            sc = tl.load(s + r[:, None] * SROW + (kw[None, :] * UNIT) // G, mask=m, other=0.0)
+            c = c * sc[None, :, :]
+    if RED == 1:
+        return c
+    return tl.sum(tl.reshape(c, [NT, BLOCK_N, W // GW // RED, RED]), axis=3)
+
+
+@triton.jit
+def _slot(table, n_slots, part, slot, ALIGN: tl.constexpr):
+    """A slot's part: its offset in loaded elements from the part's base; ALIGN (checked when the
+    table was built) tells the compiler every offset is a multiple of 16 bytes: vector loads."""
+    off = tl.load(table + part * n_slots + slot)
+    if ALIGN > 1:
+        off = tl.multiple_of(off, ALIGN)
+    return off
+
+
+@triton.jit
+def _pairs(plan, g, NT: tl.constexpr):
+    """Group g's pair indices [NT] (-1: none) from the plan ([groups] slot ids, then [groups, NT])."""
+    return tl.load(plan + g * NT + tl.arange(0, NT))
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, stride_x, rows_ptr, plan_ptr, slots_ptr, table_ptr, n_slots, q_base, s_base, h_ptr,
+                   KW, SROW, N_OUT, G_COLS, FMT: tl.constexpr, G: tl.constexpr, NT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIT: tl.constexpr, GW: tl.constexpr,
+                   RED: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr, NATIVE: tl.constexpr, ALIGN: tl.constexpr):
+    """h[p, i] = silu(gate_i . x[rows[p]]) * (up_i . x[rows[p]]) for the pairs p of group
+    program_id(0) (fp32; rounded per 32 columns with ROUND), rows [BLOCK_N * program_id(1), +BLOCK_N)
+    of I = N_OUT. The expert's parts: table[0 | 1, slots[g]] elements from q_base / s_base."""
+    g = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N_OUT
+    slot = tl.load(slots_ptr + g)
+    q = q_base + _slot(table_ptr, n_slots, 0, slot, ALIGN)
+    s = s_base + _slot(table_ptr, n_slots, 1, slot, 1)
+    p = _pairs(plan_ptr, g, NT)
+    pm = p >= 0
+    xp = x_ptr + tl.load(rows_ptr + p, mask=pm, other=0) * stride_x
+    f_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    f_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if FMT == 4:
+        f_g = _nvfp4_factor(s, n, nm, SROW, G_COLS)
+        f_u = _nvfp4_factor(s, n + N_OUT, nm, SROW, G_COLS)
+    AW: tl.constexpr = BLOCK_K // UNIT // GW // RED
+    acc_g = tl.zeros([NT, BLOCK_N, AW], dtype=tl.float32)
+    acc_u = tl.zeros([NT, BLOCK_N, AW], dtype=tl.float32)
+    for k0 in tl.range(0, KW * UNIT, BLOCK_K, num_stages=STAGES):
+        acc_g += _step(q, s, n, nm, f_g, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW, RED, NATIVE)
+        acc_u += _step(q, s, n + N_OUT, nm, f_u, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW,
+                       RED, NATIVE)
+    a_g = tl.sum(acc_g, axis=2)                                  # [NT, BLOCK_N]: the one cross-lane reduction
+    a_u = tl.sum(acc_u, axis=2)
+    if FMT == 1:                                                 # int8: one fp32 scale a row
+        a_g *= tl.load(s + n, mask=nm, other=0.0)[None, :]
+        a_u *= tl.load(s + N_OUT + n, mask=nm, other=0.0)[None, :]
+    h = a_g / (1.0 + tl.exp(-a_g)) * a_u
+    if ROUND:                                                    # (BLOCK_N a multiple of 32; rows past I are 0)
+        h = _round32(h, NT, BLOCK_N)
+    tl.store(h_ptr + p[:, None] * N_OUT + n[None, :], h, mask=pm[:, None] & nm[None, :])
+
+
+@triton.jit
+def down_kernel(h_ptr, wts_ptr, plan_ptr, slots_ptr, table_ptr, n_slots, q_base, s_base, y_ptr,
+                KW, SROW, N_OUT, G_COLS, FMT: tl.constexpr, G: tl.constexpr, NT: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIT: tl.constexpr, GW: tl.constexpr,
+                RED: tl.constexpr, STAGES: tl.constexpr, NATIVE: tl.constexpr, ALIGN: tl.constexpr):
+    """y[p, d] = wts[p] * (down_d . h[p]) for the pairs of group program_id(0), rows of D = N_OUT
+    (fp32). The expert's parts: table[2 | 3, slots[g]]."""
+    g = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N_OUT
+    slot = tl.load(slots_ptr + g)
+    q = q_base + _slot(table_ptr, n_slots, 2, slot, ALIGN)
+    s = s_base + _slot(table_ptr, n_slots, 3, slot, 1)
+    p = _pairs(plan_ptr, g, NT)
+    pm = p >= 0
+    xp = h_ptr + tl.where(pm, p, 0).to(tl.int64) * (KW * UNIT)
+    f = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if FMT == 4:
+        f = _nvfp4_factor(s, n, nm, SROW, G_COLS)
+    AW: tl.constexpr = BLOCK_K // UNIT // GW // RED
+    acc = tl.zeros([NT, BLOCK_N, AW], dtype=tl.float32)
+    for k0 in tl.range(0, KW * UNIT, BLOCK_K, num_stages=STAGES):
+        acc += _step(q, s, n, nm, f, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW, RED, NATIVE)
+    a = tl.sum(acc, axis=2)
+    if FMT == 1:
+        a *= tl.load(s + n, mask=nm, other=0.0)[None, :]
+    wt = tl.load(wts_ptr + p, mask=pm, other=0.0)
+    tl.store(y_ptr + p[:, None] * N_OUT + n[None, :], a * wt[:, None], mask=pm[:, None] & nm[None, :])
+
+
+@triton.jit
+def combine_kernel(out_ptr, stride_out, y_ptr, rows_ptr, P, D, BLOCK: tl.constexpr):
+    """out[t] += sum of y[p] over the pairs p of token t, in pair order (fp32; one rounding into
+    out's dtype): a fixed order whatever the placement, and no atomics."""
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dm = d < D
-    w = _expert_at(w2_base, w2_offs, p, ALIGNED)          # [D, I]
-    acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < I
-        hv = tl.load(h_ptr + p * I + k, mask=km, other=0.0)
-        wd = tl.load(w + d[:, None] * I + k[None, :], mask=dm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(wd * hv[None, :], axis=1)
-    scale = tl.load(wts_ptr + p)
-    tl.store(y_ptr + p * D + d, acc * scale, mask=dm)
-
-
-@triton.jit
-def _int4_rows(q, s, r, half, groups, j, gi, rm, xe, xo, NG: tl.constexpr, ROWS: tl.constexpr,
-               BYTES: tl.constexpr):
-    """One step of int4 rows `r` (mask `rm`) against activations: bytes j of each row (columns
-    2j, 2j + 1: low nibble times `xe`, high times `xo`), each of its NG scale groups `gi` summed,
-    then scaled once. Returns [ROWS] fp32."""
-    m = rm[:, None] & (j < half)[None, :]
-    b = tl.load(q + r[:, None] * half + j[None, :], mask=m, other=136).to(tl.int32)   # 136: two zeros
-    prod = ((b & 15) - 8).to(tl.float32) * xe[None, :] + ((b >> 4) - 8).to(tl.float32) * xo[None, :]
-    sc = tl.load(s + r[:, None] * groups + gi[None, :], mask=rm[:, None] & (gi < groups)[None, :],
-                 other=0).to(tl.float16, bitcast=True)
-    return tl.sum(tl.sum(tl.reshape(prod, [ROWS, NG, BYTES // NG]), axis=2) * sc.to(tl.float32), axis=1)
-
-
-@triton.jit
-def _int8_rows(q, r, K, k, rm, km, v):
-    """One step of int8 rows `r` against activations `v` at columns `k`: [rows] fp32, unscaled."""
-    w = tl.load(q + r[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0).to(tl.float32)
-    return tl.sum(w * v[None, :], axis=1)
-
-
-@triton.jit
-def gate_up_q_kernel(x_ptr, rows_ptr, q_base, q_offs, s_base, s_offs, h_ptr, D, I, stride_x,
-                     INT4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BLOCK_I: tl.constexpr,
-                     BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
-    """`gate_up_kernel` for quantised weights: int8 (q [2I, D] int8, s [2I, 1] fp32 per row) or
-    int4 (q [2I, D/2] uint8, two columns a byte, low nibble even, value + 8; s [2I, D/G] fp16
-    bits held as int16). x is taken as given (the caller rounds it as the CPU kernels see it).
-    int4: a step of BLOCK_D columns spans NG scale groups (NG = BLOCK_D / G, or 1 when a group is
-    wider; G is then a multiple of BLOCK_D): each group's products are summed, then scaled once."""
-    p = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    im = i < I
-    row = tl.load(rows_ptr + p)
-    q = _expert_at(q_base, q_offs, p, ALIGNED)
-    s = _expert_at(s_base, s_offs, p, False)
-    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        dm = d < D
-        xv = tl.load(x_ptr + row * stride_x + d, mask=dm, other=0.0).to(tl.float32)
-        if INT4:
-            xe, xo = tl.split(tl.reshape(xv, [BLOCK_D // 2, 2]))     # even and odd columns
-            j = d0 // 2 + tl.arange(0, BLOCK_D // 2)
-            gi = d0 // G + tl.arange(0, NG)
-            acc_g += _int4_rows(q, s, i, D // 2, D // G, j, gi, im, xe, xo, NG, BLOCK_I, BLOCK_D // 2)
-            acc_u += _int4_rows(q, s, i + I, D // 2, D // G, j, gi, im, xe, xo, NG, BLOCK_I, BLOCK_D // 2)
-        else:
-            acc_g += _int8_rows(q, i, D, d, im, dm, xv)
-            acc_u += _int8_rows(q, i + I, D, d, im, dm, xv)
-    if not INT4:                                               # one fp32 scale a row
-        acc_g *= tl.load(s + i, mask=im, other=0.0)
-        acc_u *= tl.load(s + I + i, mask=im, other=0.0)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + p * I + i, h, mask=im)
-
-
-@triton.jit
-def down_q_kernel(h_ptr, wts_ptr, q_base, q_offs, s_base, s_offs, y_ptr, D, I,
-                  INT4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                  BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
-    """`down_kernel` for quantised weights (q [D, I] int8 with s [D, 1], or [D, I/2] int4 with
-    s [D, I/G] fp16 bits; NG as in `gate_up_q_kernel`); h as given (rounded by the caller)."""
-    p = tl.program_id(0)
-    d = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    dm = d < D
-    q = _expert_at(q_base, q_offs, p, ALIGNED)
-    s = _expert_at(s_base, s_offs, p, False)
-    acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < I
-        hv = tl.load(h_ptr + p * I + k, mask=km, other=0.0)
-        if INT4:
-            he, ho = tl.split(tl.reshape(hv, [BLOCK_K // 2, 2]))
-            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            gi = k0 // G + tl.arange(0, NG)
-            acc += _int4_rows(q, s, d, I // 2, I // G, j, gi, dm, he, ho, NG, BLOCK_OUT, BLOCK_K // 2)
-        else:
-            acc += _int8_rows(q, d, I, k, dm, km, hv)
-    if not INT4:
-        acc *= tl.load(s + d, mask=dm, other=0.0)
-    scale = tl.load(wts_ptr + p)
-    tl.store(y_ptr + p * D + d, acc * scale, mask=dm)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in range(P):
+        mine = (tl.zeros([BLOCK], dtype=tl.int64) + tl.load(rows_ptr + p)) == t    # (a vector mask)
+        acc += tl.load(y_ptr + p * D + d, mask=dm & mine, other=0.0)
+    o = out_ptr + t * stride_out + d
+    prev = tl.load(o, mask=dm, other=0.0)
+    tl.store(o, (prev.to(tl.float32) + acc).to(prev.dtype), mask=dm)

@@ -1,56 +1,78 @@
-"""The accelerator tier's experts for decode-sized batches in two Triton launches per layer-step.
+"""The accelerator tier's experts for decode-sized batches: one Triton family for every format.
 
 The torch path (`residency.formats.swiglu` per expert) issues about nine operations per expert
 (gather, two GEMVs, chunk, SiLU, multiply, scale, scatter): at decode, with one token and up to
 top-k experts on the accelerator, that is ~70 kernel launches and their Python per MoE layer.
-Here every (token, expert) pair of a layer-step is one row of two kernels:
+Here a layer-step's (token, expert) pairs are grouped by expert (`gpu_slots.plan`: each expert
+is read once for up to 8 of its tokens) and run in three launches (four where the activations
+are rounded, `launches`):
 
-    gate_up_kernel   grid (pairs, I / BLOCK_I):    h[p, i] = silu(gate_i . x_t) * (up_i . x_t)   (fp32)
-    down_kernel      grid (pairs, D / BLOCK_OUT):  y[p, d] = w_p * (down_d . h[p])                (fp32)
+    round_act_kernel grid (T, D / 1024):            x rounded per 32 columns as the CPU kernels see it
+    gate_up_kernel   grid (groups, I / BLOCK_N):    h[p] = silu(gate . x_t) * (up . x_t)   (fp32, rounded)
+    down_kernel      grid (groups, D / BLOCK_N):    y[p] = w_p * (down . h[p])             (fp32)
+    combine_kernel   grid (T, D / 1024):            out[t] += sum of y[p] over t's pairs, in pair order
 
-then the pairs' sum per token, in fp32, added into the output once. `moe_pairs_quant` does the
-same for int8 / int4 experts (the expert store's layouts: packed weights and scales, read in
-place), with x and h rounded as the CPU kernels see them. Each pair's weights are
-found at an element offset from a typed base tensor (one of the batch's experts), so experts in
-any slot chunk are read in place: no gather copy of weights. When every offset and row length is
-a multiple of 16 elements (slots in a chunk, chunks from the allocator) the kernels are told so
-and read the rows as 16-byte vectors. A pair reads its expert's weights once, so an expert routed by
-many tokens is read once per token: the executor sends a layer-step here only when every expert
-on the accelerator has at most `MAX_TOKENS_PER_EXPERT` tokens (decode), and keeps torch's GEMMs
-for prefill.
+for bf16 / fp16 / fp32, int8, int4 (g >= 8 columns a group, fp16 scales), fp8 (e4m3, a scale a
+row and block of columns) and nvfp4 experts in the expert store's layouts, read in place: an
+expert is found through a slot table (`gpu_slots.SlotTable`, int64 offsets on the device, built
+and checked once when its slots are admitted), the pairs carry slot ids. `moe_slots` is that
+API; `moe_pairs` / `moe_pairs_quant` take the experts per pair and build the table per call.
+The kernels' design (pipelined K loop, the reduction deferred to the epilogue, word reads and
+arithmetic decoding) is in `_triton_moe`, their launch configurations in `gpu_autotune`.
 
-Triton is optional: CUDA builds of torch ship it; without it (or on a CPU-only torch) `available()`
-is False and the executor keeps the torch path. Under `TRITON_INTERPRET=1` the same kernels run
-on CPU tensors through Triton's interpreter: that is how CI checks them against the torch
-reference (tests/test_gpu_moe.py), which also compiles them for sm_80 and sm_90 through Triton's
-whole pipeline (no GPU needed) and checks the vector loads; their speed is only measured on a GPU.
+Triton is optional: CUDA builds of torch ship it; without it, on a CPU-only torch or on a GPU
+below compute capability 8.0, `available()` is False (`why_not()` says why in one line) and
+the executor keeps the torch path. Under `TRITON_INTERPRET=1` the same kernels run on CPU
+tensors through Triton's interpreter: that is how CI checks them against a float64 reference
+(tests/test_triton_experts.py, tests/test_gpu_moe.py); tests/test_triton_compile.py compiles
+them for sm_80 .. sm_120 without a GPU (no spills, 16-byte weight loads). Their speed is only
+measured on a GPU (bench/gpu_moe_kernels.py).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-MAX_TOKENS_PER_EXPERT = 4
+from freetoken_py.kernels.gpu_autotune import kernel_config
+from freetoken_py.kernels.gpu_slots import UNIT, SlotTable, build_table, packed_plan
+
+MAX_TOKENS_PER_EXPERT = 8          # tokens of one expert read in one group (gpu_slots.MAX_GROUP)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK_I, BLOCK_D = 16, 64          # gate/up: rows of I per program, columns of D per step
-BLOCK_OUT, BLOCK_K = 16, 64        # down: rows of D per program, columns of I per step
+QUANT_FORMATS = ("int8", "int4", "fp8", "nvfp4")
+COMBINE_BLOCK = 1024
 
 _kernels = None
+_why_not: str | None = None
 
 
 def available(device: torch.device | str) -> bool:
     """Whether the kernels can run for tensors on `device`: Triton importable (any failure to
-    import it counts as absent), and the device a CUDA GPU (or any device under
-    TRITON_INTERPRET=1, Triton's CPU interpreter)."""
-    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    import it counts as absent), and the device a CUDA GPU of compute capability >= 8.0 (or any
+    device under TRITON_INTERPRET=1, Triton's CPU interpreter). `why_not()` says why not."""
+    global _why_not
+    dev = torch.device(device)
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        _why_not = f"{dev} is not a CUDA GPU"
+        return False
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 0):
+        cap = torch.cuda.get_device_capability(dev)
+        _why_not = f"GPU compute capability {cap[0]}.{cap[1]} is below 8.0, which these Triton kernels need"
         return False
     try:
         _load()
-    except Exception:                  # not installed, or a build that does not match this torch
+    except Exception as exc:           # not installed, or a build that does not match this torch
+        _why_not = f"Triton is not usable here ({type(exc).__name__}: {str(exc)[:120]})"
         return False
+    _why_not = None
     return True
+
+
+def why_not() -> str | None:
+    """One line: why the last `available()` said False (None when it said True)."""
+    return _why_not
 
 
 def _load():
@@ -58,8 +80,7 @@ def _load():
     if _kernels is None:
         from freetoken_py.kernels import _triton_moe
 
-        _kernels = (_triton_moe.gate_up_kernel, _triton_moe.down_kernel, _triton_moe.gate_up_q_kernel,
-                    _triton_moe.down_q_kernel)
+        _kernels = _triton_moe
     return _kernels
 
 
@@ -79,132 +100,163 @@ def seen_by_cpu_kernels(v: torch.Tensor) -> torch.Tensor:
     return (q * scale).view(*v.shape[:-1], -1)[..., :k]
 
 
-def _offsets(tensors: Sequence[torch.Tensor], base: torch.Tensor) -> list[int]:
-    """Each tensor's start as an element offset from `base`'s (same dtype, one address space)."""
-    size, start = base.element_size(), base.data_ptr()
-    return [(t.data_ptr() - start) // size for t in tensors]
+def launches(fmt: str) -> int:
+    """Kernel launches of one `moe_slots` call for experts of `fmt` ("float" or a quantised one)."""
+    return 4 if _rounds(fmt) else 3
 
 
-def _staged(offsets: list[list[int]], dev: torch.device) -> torch.Tensor:
-    """The pairs' offsets, one row per part, as int64 on `dev`; rows padded to an even width so
-    every row starts 16-byte aligned (one compiled variant)."""
-    pairs = len(offsets[0])
-    offs = torch.zeros((len(offsets), pairs + pairs % 2), dtype=torch.int64)
-    offs[:, :pairs] = torch.tensor(offsets, dtype=torch.int64)
-    return offs.to(dev, non_blocking=True) if dev.type == "cuda" else offs
+def _rounds(fmt: str) -> bool:
+    """Whether a format's activations are rounded as the CPU kernels see them (int8 / int4 /
+    nvfp4 on the int8-activation path; fp8 and float multiply exact activations)."""
+    from freetoken_py.kernels._dots import INT_ACT
+
+    return fmt in ("int8", "int4", "nvfp4") and INT_ACT == "int8"
 
 
-def _add_pairs(out: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> None:
-    """out[rows[p]] += y[p] (fp32 [P, D]): a lone token's pairs summed in order, else fp32 sums
-    per token; one rounding into out's dtype."""
-    if out.shape[0] == 1:
-        out += y.sum(0, keepdim=True).to(out.dtype)
+@dataclass
+class StepPlan:
+    """One layer-step's device-side plan (`prepare`): everything its launches read besides x,
+    rows and weights, so `run` only launches kernels (and can be captured in a CUDA graph)."""
+    table: SlotTable
+    offsets: torch.Tensor      # int64 [4 * S] on the device
+    slots: torch.Tensor        # int64 [groups]
+    pairs: torch.Tensor        # int64 [groups * NT]: pair indices, -1 padded
+    groups: int
+    nt: int
+    n_pairs: int
+    h: torch.Tensor            # fp32 [P, I] scratch
+    y: torch.Tensor            # fp32 [P, D] scratch
+    xr: torch.Tensor | None    # fp32 [T, D] rounded activations (rounding formats)
+
+
+def prepare(table: SlotTable, pair_slots: Sequence[int], tokens: int, device: torch.device | str) -> StepPlan:
+    """The plan of one step whose pair p reads slot pair_slots[p] of `table`, for x of `tokens` rows:
+    one host->device copy (from pinned memory on a GPU) of the groups and, when the table has no
+    device copy, its offsets."""
+    dev = torch.device(device)
+    host, groups, nt = packed_plan(pair_slots, table)
+    buf = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    if table.device_offsets is None:
+        tab, buf = buf[:table.offsets.numel()], buf[table.offsets.numel():]
     else:
-        summed = torch.zeros((out.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
-        summed.index_add_(0, rows, y)
-        out += summed.to(out.dtype)
+        tab = table.device_offsets
+    pairs = len(pair_slots)
+    xr = torch.empty((tokens, table.hidden), dtype=torch.float32, device=dev) if _rounds(table.fmt) else None
+    return StepPlan(table, tab, buf[:groups], buf[groups:], groups, nt, pairs,
+                    torch.empty((pairs, table.inter), dtype=torch.float32, device=dev),
+                    torch.empty((pairs, table.hidden), dtype=torch.float32, device=dev), xr)
+
+
+def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, plan: StepPlan) -> None:
+    """The launches of one planned step: out[rows[p]] += weights[p] * expert(x[rows[p]])."""
+    k, table, dev = _load(), plan.table, x.device
+    fid, hidden, inter = table.fmt_id, table.hidden, table.inter
+    if plan.xr is not None:
+        blk = min(1024, max(32, 1 << (hidden - 1).bit_length()))
+        k.round_act_kernel[(x.shape[0], -(-hidden // blk))](x, x.stride(0), plan.xr, hidden, BLOCK=blk)
+        x = plan.xr
+    native = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
+    common = dict(FMT=fid, G=table.group_size, NT=plan.nt, UNIT=UNIT[fid], NATIVE=native, ALIGN=table.align)
+    cu = kernel_config(table.fmt, plan.nt, "gate_up", _rounds(table.fmt), table.group_size)
+    k.gate_up_kernel[(plan.groups, -(-inter // cu["BLOCK_N"]))](
+        x, x.stride(0), rows, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[0], table.bases[1],
+        plan.h, table.row_words(hidden), table.scale_row(hidden), inter, hidden // 16, ROUND=_rounds(table.fmt),
+        **common, **cu)
+    cd = kernel_config(table.fmt, plan.nt, "down", False, table.group_size)
+    k.down_kernel[(plan.groups, -(-hidden // cd["BLOCK_N"]))](
+        plan.h, weights, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[2], table.bases[3], plan.y,
+        table.row_words(inter), table.scale_row(inter), hidden, inter // 16, **common, **cd)
+    blk = min(COMBINE_BLOCK, 1 << (hidden - 1).bit_length())
+    k.combine_kernel[(out.shape[0], -(-hidden // blk))](out, out.stride(0), plan.y, rows, plan.n_pairs, hidden,
+                                                        BLOCK=blk)
+
+
+def moe_slots(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+              table: SlotTable, pair_slots: Sequence[int]) -> None:
+    """out[rows[p]] += weights[p] * expert(x[rows[p]]) for every pair p, with the expert the one
+    in slot pair_slots[p] of `table` (built and checked once, `gpu_slots.build_table`). x [T, D]
+    (unit column stride), rows [P] int64 and weights [P] fp32 on x's device. Each slot is read
+    once for up to 8 of its pairs; fp32 sums, per token in pair order, added into out once in
+    its dtype. `prepare` then `run`: `launches(fmt)` kernel launches."""
+    if len(pair_slots):
+        run(out, x, rows, weights, prepare(table, pair_slots, x.shape[0], x.device))
+
+
+def _pair_slots(experts: Sequence[tuple]) -> tuple[list[tuple], list[int]]:
+    """The distinct experts (by where their parts lie) and each pair's index among them."""
+    index: dict[tuple, int] = {}
+    unique, slots = [], []
+    for parts in experts:
+        key = tuple(t.data_ptr() for t in parts)
+        if key not in index:
+            index[key] = len(unique)
+            unique.append(parts)
+        slots.append(index[key])
+    return unique, slots
+
+
+def _prepare(out, x, rows, weights, pairs: int, hidden: int, who: str):
+    if x.dim() == 2 and x.stride(1) != 1:     # the kernels read a token's row as one run
+        x = x.contiguous()
+    if x.dim() != 2 or x.shape[1] != hidden or rows.numel() != pairs or weights.numel() != pairs \
+            or out.dim() != 2 or out.shape[1] != hidden or out.stride(1) != 1:
+        raise ValueError(f"{who}: x {tuple(x.shape)}, out {tuple(out.shape)}, {rows.numel()} rows, "
+                         f"{weights.numel()} weights for {pairs} pairs of D = {hidden} experts")
+    return x, rows.to(x.device, torch.int64).contiguous(), weights.to(x.device, torch.float32).contiguous()
 
 
 def moe_pairs(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
               w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor]) -> None:
     """out[rows[p]] += weights[p] * expert_p(x[rows[p]]) for every pair p, with expert_p the SwiGLU
     of w13[p] [2I, D] (gate rows, then up rows) and w2[p] [D, I] (contiguous, one dtype, on x's
-    device; the same expert may appear in several pairs). x [T, D] (made contiguous if its
-columns are strided); rows
-    [P] int64 and weights [P] on x's device. Sums in fp32 (a lone token's pairs in a fixed order)
-    and adds into out once, in out's dtype."""
+    device; the same expert may appear in several pairs, and is then read once). x [T, D] (made
+    contiguous if its columns are strided); rows [P] int64 and weights [P] on x's device. Sums
+    in fp32 (each token's pairs in pair order) and adds into out once, in out's dtype."""
     pairs = len(w13)
     if pairs == 0:
         return
-    gate_up, down, *_ = _load()
-    dtype = w13[0].dtype
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"moe_pairs: expert weights must be one of {', '.join(map(str, FLOAT_DTYPES))}, got {dtype}")
-    two_i, hidden = w13[0].shape
-    inter = two_i // 2
-    if x.dim() == 2 and x.stride(1) != 1:     # the kernels read a token's row as one run
-        x = x.contiguous()
-    if x.dim() != 2 or x.shape[1] != hidden or rows.numel() != pairs or weights.numel() != pairs:
-        raise ValueError(f"moe_pairs: x {tuple(x.shape)}, {rows.numel()} rows, "
-                         f"{weights.numel()} weights for {pairs} pairs of [{two_i}, {hidden}] experts")
-    for a, b in zip(w13, w2):
-        if a.shape != (two_i, hidden) or b.shape != (hidden, inter) or a.dtype != dtype or b.dtype != dtype \
-                or not (a.is_contiguous() and b.is_contiguous()):
-            raise ValueError(f"moe_pairs: every expert must be contiguous {dtype} [{two_i}, {hidden}] / "
-                             f"[{hidden}, {inter}], got {tuple(a.shape)} {a.dtype} / {tuple(b.shape)} {b.dtype}")
-    dev = x.device
-    offs13, offs2 = _offsets(w13, w13[0]), _offsets(w2, w2[0])
-    # 16-element-aligned starts (slots in a chunk, chunks from the allocator) and row lengths:
-    # the kernels may then load rows as aligned vectors
-    aligned = hidden % 16 == 0 and inter % 16 == 0 and all(o % 16 == 0 for o in offs13 + offs2)
-    offs = _staged([offs13, offs2], dev)
-    rows = rows.to(dev, torch.int64).contiguous()
-    scale = weights.to(dev, torch.float32).contiguous()
-    h = torch.empty((pairs, inter), dtype=torch.float32, device=dev)
-    y = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
-    gate_up[(pairs, -(-inter // BLOCK_I))](x, rows, w13[0], offs[0], h, hidden, inter, x.stride(0),
-                                           BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D, ALIGNED=aligned)
-    down[(pairs, -(-hidden // BLOCK_OUT))](h, scale, w2[0], offs[1], y, hidden, inter,
-                                           BLOCK_OUT=BLOCK_OUT, BLOCK_K=BLOCK_K, ALIGNED=aligned)
-    _add_pairs(out, y, rows)
-
-
-QUANT_FORMATS = ("int8", "int4")
+    if len(w2) != pairs:
+        raise ValueError(f"moe_pairs: {pairs} w13 parts but {len(w2)} w2 parts")
+    unique, slots = _pair_slots(list(zip(w13, w2)))
+    try:
+        table = build_table(unique, "float")
+    except ValueError as exc:
+        raise ValueError(f"moe_pairs: {exc} (every expert must be contiguous)") from None
+    x, rows, weights = _prepare(out, x, rows, weights, pairs, table.hidden, "moe_pairs")
+    moe_slots(out, x, rows, weights, table, slots)
 
 
 def moe_pairs_quant(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
                     experts: Sequence[tuple], fmt: str, group_size: int = 32) -> None:
     """`moe_pairs` for quantised experts: `experts[p]` = (q13, s13, q2, s2) of pair p's expert in
-    the expert store's layouts (`residency.formats`; int4 scales as int16 bits), each part
-    contiguous and of one dtype across pairs. x and h are rounded as the CPU kernels see them
-    (`seen_by_cpu_kernels`), so a pair gives the CPU tier's result up to fp32 rounding."""
+    the expert store's layouts (`residency.formats`: int8, int4 with fp16 scales as int16 bits,
+    fp8 with a scale a row and block of `group_size` columns, nvfp4), each part contiguous and of
+    one dtype across pairs. x and h are seen as the CPU kernels see them (`seen_by_cpu_kernels`;
+    fp8: exact), so a pair gives the CPU tier's result up to fp32 rounding."""
     pairs = len(experts)
     if pairs == 0:
         return
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"moe_pairs_quant: format must be one of {QUANT_FORMATS}, got {fmt!r}")
-    *_, gate_up, down = _load()
-    int4 = fmt == "int4"
-    q13, s13, q2, s2 = experts[0]
-    two_i, hidden = q13.shape[0], q2.shape[0]
-    inter = two_i // 2
-    per_byte = 2 if int4 else 1
-    shapes = [(two_i, hidden // per_byte), (two_i, hidden // group_size if int4 else 1),
-              (hidden, inter // per_byte), (hidden, inter // group_size if int4 else 1)]
-    if x.dim() != 2 or x.shape[1] != hidden or rows.numel() != pairs or weights.numel() != pairs \
-            or (int4 and (hidden % group_size or inter % group_size
-                          or not (group_size == 32 or group_size % max(BLOCK_D, BLOCK_K) == 0))):
-        raise ValueError(f"moe_pairs_quant: x {tuple(x.shape)}, {rows.numel()} rows, {weights.numel()} weights "
-                         f"for {pairs} pairs of {fmt} experts [{two_i}, {hidden}] (group {group_size})")
-    for parts in experts:
-        for t, shape, first in zip(parts, shapes, experts[0]):
-            if tuple(t.shape) != shape or t.dtype != first.dtype or not t.is_contiguous():
-                raise ValueError(f"moe_pairs_quant: every expert's parts must be contiguous {shapes} of one "
-                                 f"dtype each, got {tuple(t.shape)} {t.dtype}")
-    dev = x.device
-    parts_offs = [_offsets([e[k] for e in experts], experts[0][k]) for k in range(4)]
-    # weight rows of 16-byte multiples starting at 16-byte-aligned offsets: vector loads
-    aligned = all(shape[1] * experts[0][k].element_size() % 16 == 0 for k, shape in ((0, shapes[0]), (2, shapes[2]))) \
-        and all(o * experts[0][k].element_size() % 16 == 0 for k in (0, 2) for o in parts_offs[k])
-    offs = _staged(parts_offs, dev)
-    rows = rows.to(dev, torch.int64).contiguous()
-    scale = weights.to(dev, torch.float32).contiguous()
-    xs = seen_by_cpu_kernels(x.float()).contiguous()
-    h = torch.empty((pairs, inter), dtype=torch.float32, device=dev)
-    y = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
-    ng_d, ng_k = max(1, BLOCK_D // group_size), max(1, BLOCK_K // group_size)   # scale groups per step
-    gate_up[(pairs, -(-inter // BLOCK_I))](xs, rows, q13, offs[0], s13, offs[1], h, hidden, inter, xs.stride(0),
-                                           INT4=int4, G=group_size, NG=ng_d, BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D,
-                                           ALIGNED=aligned)
-    h = seen_by_cpu_kernels(h).contiguous()
-    down[(pairs, -(-hidden // BLOCK_OUT))](h, scale, q2, offs[2], s2, offs[3], y, hidden, inter,
-                                           INT4=int4, G=group_size, NG=ng_k, BLOCK_OUT=BLOCK_OUT, BLOCK_K=BLOCK_K,
-                                           ALIGNED=aligned)
-    _add_pairs(out, y, rows)
+    unique, slots = _pair_slots(experts)
+    try:
+        table = build_table(unique, fmt, group_size)
+    except ValueError as exc:
+        raise ValueError(f"moe_pairs_quant: {exc} (every expert's parts must be contiguous)") from None
+    x, rows, weights = _prepare(out, x, rows, weights, pairs, table.hidden, "moe_pairs_quant")
+    moe_slots(out, x, rows, weights, table, slots)
+
+
+def _fp8_parts(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> the fp8 bank's (e4m3 bytes [N, K], per-row block scales [N, ceil(K/block)])."""
+    from freetoken_py.quant.fp8 import expand_block_scales, quantize_fp8_blocks
+
+    codes, grid = quantize_fp8_blocks(w, (block, block))
+    return codes.view(torch.uint8), expand_block_scales(grid, w.shape[0], block)
 
 
 def self_check_quant(device: torch.device | str, fmt: str, group_size: int = 32) -> str | None:
-    """`self_check` for `moe_pairs_quant`: a small random int8 / int4 case against the torch path
+    """`self_check` for `moe_pairs_quant`: a small random int8 / int4 / fp8 / nvfp4 case against the torch path
     (`quant_swiglu`: the same experts dequantised, the activations rounded alike; 2e-3 relative)."""
     try:
         from freetoken_py.quant import quantize_int4, quantize_int8
@@ -218,6 +270,12 @@ def self_check_quant(device: torch.device | str, fmt: str, group_size: int = 32)
             if fmt == "int4":
                 (a, sa), (b, sb) = (quantize_int4(w, group_size, torch.float16) for w in (w13, w2))
                 sa, sb = sa.view(torch.int16), sb.view(torch.int16)
+            elif fmt == "fp8":
+                (a, sa), (b, sb) = (_fp8_parts(w, group_size) for w in (w13, w2))
+            elif fmt == "nvfp4":
+                from freetoken_py.quant.nvfp4 import quantize_nvfp4
+
+                (a, sa), (b, sb) = (quantize_nvfp4(w, group_size) for w in (w13, w2))
             else:
                 (a, sa), (b, sb) = (quantize_int8(w) for w in (w13, w2))
                 sa, sb = sa[:, None].contiguous(), sb[:, None].contiguous()
