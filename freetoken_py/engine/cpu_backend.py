@@ -240,6 +240,11 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
         lw.o = _kernel(lw.o, dense_fmt, group_size, pk.get("o"))
         if lw.mla is not None:  # MLA: its projections on the kernels, kv_b (W_UK / W_UV) kept as stored
             _mla_kernels(lw.mla, dense_fmt, group_size)
+        if lw.indexer is not None:  # DSA indexer: wq_b / wk in the dense format, weights_proj fp32 (its head weights)
+            ix = lw.indexer
+            ix.wq_b, ix.wk = _kernel(ix.wq_b, dense_fmt, group_size), _kernel(ix.wk, dense_fmt, group_size)
+            ix.weights_proj = _kernel(ix.weights_proj, "fp32")
+            ix.k_norm, ix.k_norm_bias = ix.k_norm.float(), ix.k_norm_bias.float()
         if lw.gdn is not None:  # Gated DeltaNet: the fused input projection on the kernels, the rest fp32
             g = lw.gdn
             g.in_proj, g.conv, g.norm = _kernel(g.in_proj, dense_fmt, group_size), g.conv.float(), g.norm.float()

@@ -18,6 +18,7 @@ from freetoken_py.kernels import cpu_decode as kd
 from freetoken_py.kernels.cpu_mla import mla_decode
 from freetoken_py.kernels.cpu_moe import ACTIVATIONS, add_moe_experts
 from freetoken_py.kvcache import KVCache
+from freetoken_py.layers.dsa import index_keys, index_queries, index_scores
 from freetoken_py.layers.linear import KernelLinear
 from freetoken_py.layers.mla import mla_project
 from freetoken_py.models.moe_transformer import MoeTransformer
@@ -70,14 +71,18 @@ class MlaDecoder:
         ex = m.experts  # looked up per step: LLM may wrap it (--record-routing)
         banks = ex.banks if type(ex) is KernelExpertExecutor else None
         act = ACTIVATIONS[ex.activation] if banks is not None else 0
+        keys = (ctx, ctx_off, self.fp8)  # the keys each token attends to (DSA: its selection)
         for i, lw in enumerate(m.weights.layers):
             kd.rms_rows(h, lw.input_norm.numpy(), eps, x)
-            q_nope, q_rope, c, k_rope = mla_project(cfg, lw.mla, torch.from_numpy(x), cos, sin, eps)
+            xt = torch.from_numpy(x)
+            q_nope, q_rope, c, k_rope, q_resid = mla_project(cfg, lw.mla, xt, cos, sin, eps, resid=True)
             self.cache.write(i, slots, c[:, None], k_rope[:, None])
+            if lw.indexer is not None:  # DSA full layer; a shared one keeps the last full layer's keys
+                keys = self._select(i, lw.indexer, xt, q_resid, cos, sin, slots, ctx, ctx_off, new_slots)
             ks, vs = (float(self.cache.k_scale[i, 0]), float(self.cache.v_scale[i, 0])) if self.fp8 else (1.0, 1.0)
             c_np, r_np = c.contiguous().numpy(), k_rope.contiguous().numpy()
             mla_decode(q_nope.contiguous().numpy(), q_rope.contiguous().numpy(), self.kv_b[i],
-                       self.k[i], self.v[i], ks, vs, self.lut, c_np, r_np, self.fp8, ctx, ctx_off,
+                       self.k[i], self.v[i], ks, vs, self.lut, c_np, r_np, keys[2], keys[0], keys[1],
                        cfg.softmax_scale, attn)
             h += lw.o(torch.from_numpy(attn)).numpy()
             kd.rms_rows(h, lw.post_norm.numpy(), eps, x)
@@ -85,6 +90,32 @@ class MlaDecoder:
         out = np.empty_like(h)
         kd.rms_rows(h, m.weights.final_norm.numpy(), eps, out)
         return torch.from_numpy(out)
+
+
+    def _select(self, i: int, w, x: torch.Tensor, q_resid: torch.Tensor, cos, sin, slots: torch.Tensor,
+                ctx: np.ndarray, ctx_off: np.ndarray, new_slots: np.ndarray):
+        """DSA (layers/dsa.py): write the new tokens' index keys, and return (ctx, ctx_off, exact_last)
+        with each token's context cut to its top-k keys in context order (whole where it holds no
+        more than index_topk). exact_last (FP8: the last key is the token's own, use its exact
+        row) holds only where every token kept its own key last."""
+        d = self.args.dsa
+        new = index_keys(d, w, x, cos, sin)  # [T, di]
+        self.cache.write_index(i, slots, new)
+        q, weights = index_queries(d, w, x, q_resid, cos, sin)
+        parts = []
+        for t in range(len(ctx_off) - 1):
+            own = ctx[ctx_off[t]:ctx_off[t + 1]]
+            if len(own) <= d.topk:
+                parts.append(own)
+                continue
+            k = self.cache.read_index(i, torch.from_numpy(own))  # [ctx, di]
+            k[-1] = new[t]
+            top = index_scores(d, q[t:t + 1], weights[t:t + 1], k)[0].topk(d.topk).indices
+            parts.append(own[np.sort(top.numpy())])
+        off = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(p) for p in parts], out=off[1:])
+        exact = self.fp8 and all(p[-1] == s for p, s in zip(parts, new_slots))
+        return np.ascontiguousarray(np.concatenate(parts)), off, exact
 
 
 def add_ffn(m: MoeTransformer, i: int, lw, x: np.ndarray, h: np.ndarray, banks, act) -> None:

@@ -39,8 +39,8 @@ class ModelRunner:
         spares kept for prefix-state snapshots); ignored by models without recurrent layers."""
         self.model = model
         # only the paged layers (every layer but a hybrid's linear-attention ones) have K/V pages
-        self.cache = KVCache.for_spec(model.state_spec(), model.num_paged_layers, num_pages, page_size,
-                                      kv_dtype or model.dtype, model.device)   # with the dense weights: VRAM when on a GPU
+        self.cache = KVCache.for_specs(model.paged_specs(), num_pages, page_size,
+                                       kv_dtype or model.dtype, model.device)   # with the dense weights: VRAM when on a GPU
         self.states = (StatePool(model.state_specs(), max(1, state_slots), model.device)
                        if model.hybrid else None)   # kvcache/state.py: one slot per request
         self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)

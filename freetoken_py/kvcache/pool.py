@@ -4,6 +4,8 @@ Layout of one layer's cache (two rows per slot, shaped by the layer's state spec
 
     k[layer] : [num_pages * page_size, *spec.rows[0]]   (paged K/V: [Hkv, hd]; MLA latent: [1, latent])
     v[layer] : [num_pages * page_size, *spec.rows[1]]   (paged K/V: [Hkv, hd]; MLA rope key: [1, rope])
+    index[index_layer[layer]] : [num_pages * page_size, 1, index_dim]   (DSA index keys; only the layers
+                whose spec is paged_indexed_latent have one; never FP8: bf16 under an FP8 cache)
     slot      = page_id * page_size + offset          (flat index into the view [P*S, H, D])
     token pos -> page_table[pos // page_size], offset pos % page_size
 
@@ -25,7 +27,7 @@ import heapq
 import numpy as np
 import torch
 
-from freetoken_py.kvcache.spec import PagedKV, StateSpec, page_bytes
+from freetoken_py.kvcache.spec import INDEX_FP8_DTYPE, PagedKV, PagedLatent, StateSpec, page_bytes
 
 
 class OutOfPagesError(RuntimeError):
@@ -150,16 +152,48 @@ class KVCache:
         # [L] int64 FP8 elements written beyond +-448 x scale (saturated: outliers the calibration
         # did not see); a device tensor, so counting never waits for the device
         self.clipped_per_layer = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
+        self.index_layer: dict[int, int] = {}  # paged layer -> its row in `index` (DSA full layers)
+        self.index = torch.zeros((0, num_pages * page_size, 1, 0), dtype=dtype, device=self.device)
 
     @classmethod
     def for_spec(cls, spec: StateSpec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu") -> "KVCache":
         return cls(num_layers, num_pages, page_size, 0, 0, dtype, device, spec=spec)
 
+    @classmethod
+    def for_specs(cls, specs: list[StateSpec], num_pages: int, page_size: int, dtype: torch.dtype,
+                  device: str | torch.device = "cpu") -> "KVCache":
+        """One spec per paged layer. Kinds may mix where their first two rows agree (MLA layers with
+        and without a DSA index key); the layers with a third row (the index key) get one in `index`."""
+        base = {spec.rows[:2] for spec in specs}
+        if len(base) != 1:
+            raise ValueError(f"paged layers of different row shapes cannot share a pool: {sorted(base)}")
+        (_, latent), (_, rope) = specs[0].rows[:2]
+        spec = specs[0] if len(specs[0].rows) == 2 else PagedLatent(latent, rope)
+        cache = cls(len(specs), num_pages, page_size, 0, 0, dtype, device, spec=spec)
+        indexed = [i for i, s in enumerate(specs) if len(s.rows) > 2]
+        if indexed:
+            (h, width), = {specs[i].rows[2] for i in indexed}
+            store = INDEX_FP8_DTYPE if cache.quantized else dtype
+            cache.index = torch.zeros((len(indexed), num_pages * page_size, h, width), dtype=store, device=cache.device)
+            cache.index_layer = {layer: j for j, layer in enumerate(indexed)}
+        return cache
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.k, self.v, self.index)
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token's state takes across every layer, measured from the stored tensors."""
-        return sum(t[:, 0].numel() * t.element_size() for t in (self.k, self.v))
+        return sum(t[:, 0].numel() * t.element_size() for t in self._tensors())
+
+    def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """keys: [T, index_dim] (DSA index keys of the new tokens) into paged layer `layer`'s index rows."""
+        self.index[self.index_layer[layer]].index_copy_(0, slots, keys[:, None].to(self.index.dtype))
+
+    def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The index keys of `slots`: [ctx, index_dim] at their stored precision."""
+        return self.index[self.index_layer[layer]].index_select(0, slots)[:, 0]
 
     def grow(self, num_pages: int) -> None:
         """Reallocate K and V for `num_pages` pages, keeping every stored token (slot ids do not
@@ -167,14 +201,14 @@ class KVCache:
         if num_pages <= self.num_pages:
             return
         size = num_pages * self.page_size
-        k = torch.empty((self.k.shape[0], size, *self.k.shape[2:]), dtype=self.k.dtype, device=self.device)
-        v = torch.empty((self.v.shape[0], size, *self.v.shape[2:]), dtype=self.v.dtype, device=self.device)
-        # (both first: a failure leaves the cache as it was)
+        # (all first: a failure leaves the cache as it was)
+        grown = [torch.empty((t.shape[0], size, *t.shape[2:]), dtype=t.dtype, device=self.device)
+                 for t in self._tensors()]
         old = self.k.shape[1]
-        for new, cur in ((k, self.k), (v, self.v)):
+        for new, cur in zip(grown, self._tensors()):
             new[:, :old].copy_(cur)
             new[:, old:].zero_()
-        self.k, self.v, self.num_pages = k, v, num_pages
+        (self.k, self.v, self.index), self.num_pages = grown, num_pages
 
     def shrink(self, num_pages: int) -> None:
         """Reallocate K and V for the first `num_pages` pages (the allocator dropped the rest,
@@ -183,8 +217,8 @@ class KVCache:
         if num_pages >= self.num_pages:
             return
         n = num_pages * self.page_size
-        k, v = self.k[:, :n].clone(), self.v[:, :n].clone()
-        self.k, self.v, self.num_pages = k, v, num_pages
+        k, v, index = (t[:, :n].clone() for t in self._tensors())
+        self.k, self.v, self.index, self.num_pages = k, v, index, num_pages
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages `src[i]` -> `dst[i]` in every layer (K and V)."""
@@ -193,7 +227,7 @@ class KVCache:
         offs = torch.arange(self.page_size)
         s = (torch.tensor(src)[:, None] * self.page_size + offs).flatten().to(self.device)
         d = (torch.tensor(dst)[:, None] * self.page_size + offs).flatten().to(self.device)
-        for t in (self.k, self.v):
+        for t in self._tensors():
             for layer in range(t.shape[0]):      # one layer at a time: a small temporary
                 t[layer, d] = t[layer, s]
 

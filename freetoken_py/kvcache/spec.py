@@ -5,8 +5,10 @@ The pool (pool.KVCache) stores, per layer and per slot, two rows whose shapes co
     kind            row "k"                   row "v"                 values per token per layer
     paged_kv        K [num_kv_heads, head_dim] V [num_kv_heads, head_dim]   2 * Hkv * hd
     paged_latent    c [1, latent_dim]          k_rope [1, rope_dim]         latent + rope (576: DeepSeek)
+    paged_indexed_latent  c, k_rope as above, and a third row: the DSA index key [1, index_dim]
+                                                                         latent + rope + index (704: GLM-5)
 
-Both kinds are paged the same way (slot = page * page_size + offset), so the page allocator, the
+Every kind is paged the same way (slot = page * page_size + offset), so the page allocator, the
 prefix cache, page tags and FP8 (one scale per layer and per row head) work on either unchanged.
 
 A model's state is a per-layer list of kinds (`MoeTransformer.state_specs()`), one entry a layer:
@@ -25,7 +27,8 @@ prefill continues from it.
 Later kinds plug in the same way, without special cases elsewhere: a sliding-window layer is a
 paged kind whose pages below the window may be given back (its spec says `window`; page bytes
 unchanged, the scheduler frees pages a request no longer reads); a sparse-attention index key
-(DSA) is one more paged row per token (a paged spec with its own `rows`), and any per-request
+(DSA) is one more paged row per token (`PagedIndexedLatent`: its third row, held only by the layers
+of that kind, in the pool's `index` rows; a GLM-5.2 "shared" layer is a plain `PagedLatent`), and any per-request
 state of fixed size is a `StatePool`-held kind with its own tensors. Each kind is one spec class
 here with a `kind` name, and the code that stores it keys on that name only.
 """
@@ -62,6 +65,22 @@ class PagedLatent:
 
 
 @dataclass(frozen=True)
+class PagedIndexedLatent:
+    """MLA with DSA's lightning indexer (layers/dsa.py): the latent and rope key rows of
+    `PagedLatent`, plus the index key (post-LayerNorm, post-RoPE, one head) per token that the
+    indexer scores later queries against. The pool keeps that third row in its own per-layer
+    tensor (pool.KVCache.index), paged and addressed like the other two."""
+    latent_dim: int
+    rope_dim: int
+    index_dim: int
+    kind = "paged_indexed_latent"
+
+    @property
+    def rows(self) -> tuple[tuple[int, int], ...]:
+        return (1, self.latent_dim), (1, self.rope_dim), (1, self.index_dim)
+
+
+@dataclass(frozen=True)
 class Recurrent:
     """Linear attention (Gated DeltaNet): a fixed-size state per request, not per token: the last
     `conv_width` (= kernel - 1) pre-conv inputs of the causal conv [conv_dim, conv_width] and the
@@ -82,8 +101,8 @@ class Recurrent:
         return 4 * self.values_per_request  # fp32
 
 
-StateSpec = PagedKV | PagedLatent | Recurrent
-PAGED_KINDS = ("paged_kv", "paged_latent")
+StateSpec = PagedKV | PagedLatent | PagedIndexedLatent | Recurrent
+PAGED_KINDS = ("paged_kv", "paged_latent", "paged_indexed_latent")
 
 
 def is_paged(spec: StateSpec) -> bool:
@@ -99,3 +118,18 @@ def page_bytes(spec: StateSpec, num_layers: int, page_size: int, dtype: torch.dt
     """Bytes of one page across every layer (fp8: one byte a value)."""
     elem = torch.empty(0, dtype=dtype).element_size()
     return num_layers * page_size * values_per_token(spec) * elem
+
+
+INDEX_FP8_DTYPE = torch.bfloat16  # index keys under an FP8 cache: kept at bf16 (the top-k is sensitive)
+
+
+def paged_bytes(specs: list[StateSpec], page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page across the paged layers of mixed kinds (their specs, one a layer)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for spec in specs:
+        (kh, kw), (vh, vw), *extra = spec.rows
+        total += (kh * kw + vh * vw) * elem
+        for h, w in extra:  # the index row: not FP8 (INDEX_FP8_DTYPE)
+            total += h * w * (INDEX_FP8_DTYPE.itemsize if elem == 1 else elem)
+    return total * page_size

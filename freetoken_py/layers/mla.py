@@ -158,8 +158,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def mla_project(cfg: MlaConfig, w: MlaWeights, x: torch.Tensor, cos, sin, eps: float):
-    """x: [T, D] -> q_nope [T, H, dn], q_rope [T, H, dr] (roped), c [T, R] (normed), k_rope [T, dr] (roped)."""
+def mla_project(cfg: MlaConfig, w: MlaWeights, x: torch.Tensor, cos, sin, eps: float, resid: bool = False):
+    """x: [T, D] -> q_nope [T, H, dn], q_rope [T, H, dr] (roped), c [T, R] (normed), k_rope [T, dr] (roped);
+    resid: also the q-LoRA residual rms(q_a(x)) [T, q_lora] (the DSA indexer's query input)."""
     T, H = x.shape[0], cfg.num_heads
     q_in = x if w.q_a is None else rms_norm(w.q_a(x), w.q_a_norm, eps)
     q = w.q_b(q_in).view(T, H, cfg.qk_head_dim)
@@ -168,28 +169,34 @@ def mla_project(cfg: MlaConfig, w: MlaWeights, x: torch.Tensor, cos, sin, eps: f
     c = rms_norm(c, w.kv_a_norm, eps)
     q_rope = rope(q_rope, cos, sin, cfg.rope_interleave)
     k_rope = rope(k_rope[:, None], cos, sin, cfg.rope_interleave)[:, 0]
-    return q_nope, q_rope, c, k_rope
+    return (q_nope, q_rope, c, k_rope, q_in) if resid else (q_nope, q_rope, c, k_rope)
 
 
 def mla_attention(cfg: MlaConfig, w: MlaWeights, cache: KVCache, layer: int, meta, x: torch.Tensor,
-                  cos, sin, eps: float) -> torch.Tensor:
+                  cos, sin, eps: float, sparse=None) -> torch.Tensor:
     """x: [T, D] (normed hidden states of the new tokens). Writes their (c, k_rope) to the latent
-    cache and returns the attention output [T, H*dv] (before o_proj)."""
-    q_nope, q_rope, c, k_rope = mla_project(cfg, w, x, cos, sin, eps)
+    cache and returns the attention output [T, H*dv] (before o_proj).
+    sparse: DSA (layers/dsa.py): a callable q_resid -> per sequence None (dense) or [n, ctx] bool
+    (True = the keys each query attends to, causality included)."""
+    q_nope, q_rope, c, k_rope, q_resid = mla_project(cfg, w, x, cos, sin, eps, resid=True)
     cache.write(layer, meta.new_slots, c[:, None], k_rope[:, None])
+    chosen = sparse(q_resid) if sparse is not None else [None] * len(meta.seqs)
     w_uk, w_uv = w.split_kv_b(cfg)
     out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
-    for seq in meta.seqs:
+    for seq, sel in zip(meta.seqs, chosen):
         cc, kr = cache.read(layer, seq.ctx_slots)  # [ctx, 1, R], [ctx, 1, dr]
         cc, kr = cc[:, 0].to(x.dtype), kr[:, 0].to(x.dtype)
         a, b = seq.q_start, seq.q_end
         if cache.quantized:  # the new tokens end the context: use their exact latents
             cc[a - b:], kr[a - b:] = c[a:b], k_rope[a:b]
         if b - a == 1 and seq.mask is None:
+            if sel is not None:  # DSA: only the selected latents (in context order)
+                keep = sel[0].nonzero()[:, 0]
+                cc, kr = cc[keep], kr[keep]
             out[a] = absorbed_decode(q_nope[a], q_rope[a], cc, kr, w_uk.to(x.dtype), w_uv.to(x.dtype),
                                      cfg.softmax_scale)
         else:
-            out[a:b] = _expanded(cfg, w, q_nope[a:b], q_rope[a:b], cc, kr, seq.mask)
+            out[a:b] = _expanded(cfg, w, q_nope[a:b], q_rope[a:b], cc, kr, seq.mask if sel is None else sel)
     return out.flatten(1)
 
 

@@ -17,6 +17,8 @@ _REGISTRY = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",  # Kimi K2 text configs: deepseek_v3 under another name
     "glm4_moe_lite": "glm4_moe_lite",
+    "deepseek_v32": "deepseek_v32",
+    "glm_moe_dsa": "glm_moe_dsa",
     "kimi_k25": "kimi_k25",
     "glm4_moe": "glm4_moe",
     "minimax_m2": "minimax_m2",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from freetoken_py.errors import ModelLoadError, UnsupportedModelError
+from freetoken_py.layers.dsa import DsaConfig
 from freetoken_py.layers.gated_deltanet import GdnConfig
 from freetoken_py.layers.mla import MlaConfig
 
@@ -50,6 +51,7 @@ class ModelArgs:
     rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
     o_bias: bool | None = None  # o_proj bias; None: as attention_bias (GLM-4.5: q/k/v biases only)
     mla: MlaConfig | None = None  # the attention kind: None = GQA (q/k/v projections), else MLA (layers/mla.py)
+    dsa: DsaConfig | None = None  # MLA with DeepSeek sparse attention's indexer (layers/dsa.py)
     # hybrids (qwen3_next, qwen3_5_moe): per layer "full_attention" or "linear_attention" (Gated
     # DeltaNet, layers/gated_deltanet.py, configured by `gdn`); None = every layer full attention
     layer_kinds: tuple[str, ...] | None = None

@@ -15,10 +15,11 @@ SCHEME = WeightScheme()
 _OTHER_ATTENTION = ("index_topk", "index_n_heads", "index_head_dim")
 
 
-def mla_config(c: ConfigReader) -> MlaConfig:
+def mla_config(c: ConfigReader, sparse_attention: bool = False, interleave: bool | None = None) -> MlaConfig:
     """The MLA geometry and its RoPE / softmax scale (FAMILIES.md §1: m² only when rope_type is
-    not default, m = 0.1·mscale_all_dim·ln(factor) + 1)."""
-    for key in _OTHER_ATTENTION:
+    not default, m = 0.1·mscale_all_dim·ln(factor) + 1). sparse_attention: the family reads the
+    DSA keys itself (deepseek_v32, glm_moe_dsa); interleave: fixed by the family (None: the config's)."""
+    for key in () if sparse_attention else _OTHER_ATTENTION:
         if c.cfg.get(key) is not None:
             raise UnsupportedModelError(f"{c.path}: '{key}' (DSA sparse attention) is not supported for "
                                         f"model_type {c.cfg.get('model_type')}")
@@ -28,7 +29,7 @@ def mla_config(c: ConfigReader) -> MlaConfig:
     kv_lora = c.get("kv_lora_rank")
     if kv_lora <= 0:
         raise ModelLoadError(f"{c.path}: 'kv_lora_rank' ({kv_lora}) must be positive")
-    params = c.cfg.get("rope_parameters") or c.cfg.get("rope_scaling") or {}
+    params = rope_parameters(c)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta", c.cfg.get("rope_theta", 10000.0)))
     scale = (nope + rope_dim) ** -0.5
@@ -41,9 +42,25 @@ def mla_config(c: ConfigReader) -> MlaConfig:
                                     "(supported: default, yarn)")
     return MlaConfig(num_heads=c.get("num_attention_heads"), q_lora_rank=c.get("q_lora_rank", default=None),
                      kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
-                     v_head_dim=c.get("v_head_dim"), rope_interleave=c.get("rope_interleave", default=True, kind=bool),
+                     v_head_dim=c.get("v_head_dim"),
+                     rope_interleave=c.get("rope_interleave", default=True, kind=bool) if interleave is None else interleave,
                      softmax_scale=scale, rope_theta=theta, yarn=yarn,
                      bias=c.get("attention_bias", default=False, kind=bool))
+
+
+def rope_parameters(c: ConfigReader) -> dict:
+    """`rope_parameters` (transformers 5) or `rope_scaling`; nested by layer type ({"indexed_attention":
+    {...}}) where every layer here is one attention kind: the one set of them, or a one-line error."""
+    params = c.cfg.get("rope_parameters") or c.cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{c.path}: 'rope_parameters' must be an object, got {params!r}")
+    nested = [v for v in params.values() if isinstance(v, dict)]
+    if nested and len(nested) == len(params):
+        if any(v != nested[0] for v in nested):
+            raise UnsupportedModelError(f"{c.path}: 'rope_parameters' differ between layer types "
+                                        f"({', '.join(params)}); MLA layers here share one RoPE")
+        params = nested[0]
+    return params
 
 
 def _yarn(c: ConfigReader, params: dict) -> tuple[YarnParams, float]:
@@ -63,15 +80,17 @@ def _yarn(c: ConfigReader, params: dict) -> tuple[YarnParams, float]:
     return yarn, m_all
 
 
-def parse_config(c: ConfigReader, sparse: tuple[bool, ...] | None = None, model_type: str = "deepseek_v3") -> ModelArgs:
+def parse_config(c: ConfigReader, sparse: tuple[bool, ...] | None = None, model_type: str = "deepseek_v3",
+                 mla=None, dsa=None) -> ModelArgs:
     """sparse: per-layer MoE flags when the family says so itself (glm4_moe_lite's mlp_layer_types);
-    default: layers from first_k_dense_replace on are MoE."""
+    default: layers from first_k_dense_replace on are MoE. mla / dsa: the family's own MLA and DSA
+    configs (deepseek_v32, glm_moe_dsa); default: mla_config(c), no DSA."""
     num_layers = c.get("num_hidden_layers")
     num_experts, top_k = c.get("n_routed_experts"), c.get("num_experts_per_tok")
     if sparse is None:
         first_dense = c.get("first_k_dense_replace", default=0)
         sparse = tuple(i >= first_dense for i in range(num_layers))
-    mla = mla_config(c)
+    mla = mla or mla_config(c)
     common = c.common(rope=(mla.rope_theta, 1.0))
     common.update(num_kv_heads=mla.num_heads, head_dim=mla.v_head_dim)  # o_proj reads H * v_head_dim
     return ModelArgs(
@@ -79,4 +98,4 @@ def parse_config(c: ConfigReader, sparse: tuple[bool, ...] | None = None, model_
         num_experts=num_experts, top_k=top_k, moe_intermediate_size=c.get("moe_intermediate_size"),
         intermediate_size=c.get("intermediate_size", default=0), sparse_layers=sparse,
         shared_intermediate_size=c.get("moe_intermediate_size") * c.get("n_shared_experts", default=0),
-        mla=mla, **c.sigmoid_router(num_experts, top_k), **common)
+        mla=mla, dsa=dsa, **c.sigmoid_router(num_experts, top_k), **common)

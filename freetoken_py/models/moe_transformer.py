@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken_py.kvcache import KVCache, PagedKV, StatePool, StateSpec
+from freetoken_py.kvcache import KVCache, PagedIndexedLatent, PagedKV, StatePool, StateSpec
 from freetoken_py.layers.attention import AttentionMetadata, paged_attention
+from freetoken_py.layers.dsa import IndexerWeights, dsa_selection
 from freetoken_py.layers.gated_deltanet import GdnWeights, gated_deltanet
 from freetoken_py.layers.linear import TorchLinear
 from freetoken_py.layers.mla import MlaWeights, mla_attention
@@ -51,7 +52,7 @@ class MoeTransformer:
         for lw in w.layers:
             for name, obj in lw.dense().items():
                 moved = (obj.to(device) if isinstance(obj, torch.Tensor) else obj.to(device, _linear_to)
-                         if isinstance(obj, (MlaWeights, GdnWeights)) else _linear_to(obj, device))
+                         if isinstance(obj, (MlaWeights, GdnWeights, IndexerWeights)) else _linear_to(obj, device))
                 setattr(lw, name, moved)
         self.device = device
 
@@ -65,6 +66,7 @@ class MoeTransformer:
         if self.device.type != "cpu":
             meta = meta.to(self.device)
         norm, eps, a = self._norm, self.args.rms_norm_eps, self.args
+        self._selection = None  # DSA: the last full layer's top-k per sequence (shared layers reuse it)
         for i, lw in enumerate(self.weights.layers):
             x = norm(h, lw.input_norm, eps)
             if lw.gdn is not None:  # linear attention over the request's recurrent state
@@ -81,14 +83,26 @@ class MoeTransformer:
         return rms_norm(x, w, eps)
 
     def state_spec(self) -> StateSpec:
-        """What each paged layer keeps per token in the KV pool (kvcache/spec.py)."""
+        """What each paged layer keeps per token in the KV pool (kvcache/spec.py); with DSA, the
+        rows every paged layer shares (the index key rows: `state_specs`)."""
         a = self.args
         return a.mla.state_spec if a.mla is not None else PagedKV(a.num_kv_heads, a.head_dim)
 
+    def _layer_spec(self, i: int) -> StateSpec:
+        a = self.args
+        if a.is_linear(i):
+            return a.gdn.state_spec
+        if a.dsa is not None and a.dsa.is_full(i):  # DSA full layer: latent, rope key and index key
+            return PagedIndexedLatent(a.mla.kv_lora_rank, a.mla.qk_rope_head_dim, a.dsa.head_dim)
+        return self.state_spec()
+
     def state_specs(self) -> list[StateSpec]:
         """Each layer's state kind (kvcache/spec.py): the paged spec, or the recurrent one."""
-        a = self.args
-        return [a.gdn.state_spec if a.is_linear(i) else self.state_spec() for i in range(a.num_layers)]
+        return [self._layer_spec(i) for i in range(self.args.num_layers)]
+
+    def paged_specs(self) -> list[StateSpec]:
+        """The paged layers' specs, in paged-layer order (the KV pool's layers)."""
+        return [self._layer_spec(i) for i in self.args.paged_layers]
 
     @property
     def num_paged_layers(self) -> int:
@@ -107,7 +121,8 @@ class MoeTransformer:
         a = self.args
         kvi = self.kv_layer[i]
         if a.mla is not None:  # the attention kind: MLA over the latent cache (layers/mla.py)
-            return lw.o(mla_attention(a.mla, lw.mla, cache, kvi, meta, x, cos, sin, a.rms_norm_eps))
+            sparse = self._dsa(i, lw, kvi, meta, x, cos, sin, cache) if a.dsa is not None else None
+            return lw.o(mla_attention(a.mla, lw.mla, cache, kvi, meta, x, cos, sin, a.rms_norm_eps, sparse))
         T = x.shape[0]
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         gate = None
@@ -131,6 +146,15 @@ class MoeTransformer:
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return lw.o(o)
+
+    def _dsa(self, i: int, lw: LayerWeights, kvi: int, meta, x: torch.Tensor, cos, sin, cache):
+        """DSA's selection for mla_attention: a full layer runs its indexer (layers/dsa.py) and keeps
+        the result for the shared layers after it, which reuse it as it is."""
+        def sparse(q_resid: torch.Tensor):
+            if lw.indexer is not None:
+                self._selection = dsa_selection(self.args.dsa, lw.indexer, cache, kvi, meta, x, q_resid, cos, sin)
+            return self._selection
+        return sparse
 
     def _moe(self, i: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """Routed experts (through the executor: only they are its business) plus the layer's

@@ -53,6 +53,7 @@ class LayerWeights:
     mla: object | None = None  # MLA attention's projections (layers.mla.MlaWeights); o_proj stays in `o`
     gdn: object | None = None  # linear attention (layers.gated_deltanet.GdnWeights); out_proj stays in `o`
     shared_gate: object | None = None  # [1, D] sigmoid gate of the shared expert (Qwen3-Next / 3.5)
+    indexer: object | None = None  # DSA lightning indexer (layers.dsa.IndexerWeights) on its "full" layers
 
     EXPERTS = ("w13", "w2")   # the routed experts; every other field is a dense weight
 
@@ -88,7 +89,13 @@ def _gdn_shapes(a: ModelArgs, s: WeightScheme) -> dict[str, tuple[int, ...]]:
 
 
 def _layer_attention_shapes(a: ModelArgs, s: WeightScheme, i: int) -> dict[str, tuple[int, ...]]:
-    return _gdn_shapes(a, s) if a.is_linear(i) else _attention_shapes(a)
+    if a.is_linear(i):
+        return _gdn_shapes(a, s)
+    shapes = _attention_shapes(a)
+    if a.dsa is not None and a.dsa.is_full(i):  # DSA: the indexer, on "full" layers only
+        shapes.update({f"self_attn.indexer.{k}": v
+                       for k, v in a.dsa.tensor_shapes(a.hidden_size, a.mla.q_lora_rank).items()})
+    return shapes
 
 
 def _attention_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -323,7 +330,17 @@ def _load_mla(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
         kv_a_norm=get(p + "kv_a_layernorm.weight"), kv_b=get(p + "kv_b_proj.weight"))
     return LayerWeights(input_norm=get(s.layer.format(i=i) + "input_layernorm.weight"),
                         post_norm=get(s.layer.format(i=i) + "post_attention_layernorm.weight"),
-                        qkv=None, o=TorchLinear(get(p + "o_proj.weight"), bias("o_proj")), mla=mla)
+                        qkv=None, o=TorchLinear(get(p + "o_proj.weight"), bias("o_proj")), mla=mla,
+                        indexer=_load_indexer(p + "indexer.", get) if a.dsa is not None and a.dsa.is_full(i) else None)
+
+
+def _load_indexer(p: str, get):
+    """DSA's indexer; weights_proj at fp32 whatever the load dtype (transformers' _keep_in_fp32_modules)."""
+    from freetoken_py.layers.dsa import IndexerWeights
+
+    return IndexerWeights(wq_b=TorchLinear(get(p + "wq_b.weight")), wk=TorchLinear(get(p + "wk.weight")),
+                          k_norm=get(p + "k_norm.weight"), k_norm_bias=get(p + "k_norm.bias"),
+                          weights_proj=TorchLinear(get(p + "weights_proj.weight", torch.float32)))
 
 
 def _swiglu(prefix: str, get) -> tuple[TorchLinear, TorchLinear]:

@@ -1,0 +1,169 @@
+"""DeepSeek sparse attention (deepseek_v32, glm_moe_dsa: GLM-5 / 5.1 / 5.2) against transformers on
+tiny random fp32 checkpoints (tests/dsa_util.py: index_topk 6 far below the prompts, 16 indexer
+heads so the selection has no near-ties, randomised norms, LayerNorm bias and correction bias;
+GLM with full and shared indexer layers mixed, and without indexer_types), on both backends
+(torch: layers/mla.py + layers/dsa.py; cpu: engine/fused_mla.py's absorbed decode over the
+selected latents). transformers' own cached decode equals its full forward on these configs
+(<= 2.4e-6, checked in test_transformers_own_cached_decode_is_consistent)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import dsa_util
+import mla_util
+import parity_util
+from freetoken_py.core import SamplingParams
+from freetoken_py.llm import LLM
+
+ARCHS = ["deepseek_v32", "glm_moe_dsa", "glm_moe_dsa_shared2", "glm_moe_dsa_all_full"]
+ckpt = parity_util.checkpoint_cache(dsa_util.build)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return parity_util.random_prompt(mla_util.VOCAB, n, seed)
+
+
+def _theirs(arch, path, ids: list[int], start: int) -> torch.Tensor:
+    with torch.no_grad():
+        return dsa_util.reference(arch, path)(torch.tensor([ids])).logits[0, start:]
+
+
+def _llm(path, backend, **kw):
+    return LLM(path, dtype="float32", show_progress=False, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_transformers_own_cached_decode_is_consistent(arch, ckpt):
+    """The reference is only trusted where its cached decode (16 + 1-token steps) equals its full forward."""
+    path, ids = ckpt(arch), torch.tensor([_prompt(40, seed=1)])
+    model = dsa_util.reference(arch, path)
+    with torch.no_grad():
+        full = model(ids).logits[0]
+        out = model(ids[:, :16], use_cache=True)
+        steps = [out.logits[0]] + [model(ids[:, t:t + 1], past_key_values=out.past_key_values).logits[0]
+                                   for t in range(16, 40)]
+    assert (full - torch.cat(steps)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_and_32_cached_decode_steps_match_transformers(arch, backend, ckpt):
+    path = ckpt(arch)
+    prompt = _prompt(21, seed=1)
+    llm = _llm(path, backend, page_size=16)
+    assert (backend == "cpu") == (type(llm.runner.fused).__name__ == "MlaDecoder")
+    tokens, ours = parity_util.drive(llm, prompt, 32)
+    assert (ours - _theirs(arch, path, prompt + tokens[:-1], len(prompt) - 1)).abs().max().item() <= 1e-4
+
+
+def test_the_selection_matters_dense_mla_is_far_from_the_reference(ckpt, tmp_path):
+    """The same weights with index_topk beyond the context (dense MLA) miss transformers by far more
+    than the tolerance: the parity tests above can fail on a selection that is not applied."""
+    src = ckpt("glm_moe_dsa")
+    dense = _edit_config(src, tmp_path / "dense", index_topk=4096)
+    prompt = _prompt(21, seed=1)
+    tokens, ours = parity_util.drive(_llm(dense, "torch"), prompt, 8)
+    assert (ours - _theirs("glm_moe_dsa", src, prompt + tokens[:-1], len(prompt) - 1)).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_64_greedy_tokens_identical_to_transformers_generate(arch, backend, ckpt):
+    path = ckpt(arch)
+    prompt = _prompt(9, seed=2)
+    with torch.no_grad():
+        expected = dsa_util.reference(arch, path).generate(
+            torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None,
+            pad_token_id=0)[0, len(prompt):].tolist()
+    got = _llm(path, backend).generate([prompt], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    assert got[0].token_ids == expected
+
+
+def _without_indexer(src, dst, model_type: str):
+    """The same checkpoint as plain MLA (deepseek_v3 / glm4_moe_lite): DSA keys and indexer tensors gone."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.bin"))  # not the expert cache
+    cfg = json.loads((dst / "config.json").read_text())
+    for key in ("index_topk", "index_n_heads", "index_head_dim", "indexer_types", "layer_types"):
+        cfg.pop(key, None)
+    cfg["model_type"] = model_type
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in dst.glob("*.safetensors"):
+        save_file({k: v for k, v in load_file(f).items() if ".indexer." not in k}, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("arch,plain", [("deepseek_v32", "deepseek_v3"), ("glm_moe_dsa", "glm4_moe_lite")])
+def test_a_context_within_index_topk_is_plain_mla_bit_for_bit(arch, plain, backend, ckpt, tmp_path):
+    src = ckpt(arch)
+    prompt = _prompt(3, seed=7)  # 3 + 3 decode steps: every context <= index_topk (6)
+    ours = parity_util.drive(_llm(src, backend), prompt, 3)[1]
+    mla = parity_util.drive(_llm(_without_indexer(src, tmp_path / plain, plain), backend), prompt, 3)[1]
+    assert torch.equal(ours, mla)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("chunk", [4, 5, 7])
+def test_chunked_prefill_across_index_topk_matches_transformers(chunk, backend, ckpt):
+    """Chunks of 4 / 5 end below index_topk (6) and the next ones above it; 7 crosses it at once."""
+    path = ckpt("glm_moe_dsa")
+    prompt = _prompt(30, seed=3)
+    tokens, ours = parity_util.drive(_llm(path, backend, max_num_batched_tokens=chunk, page_size=8), prompt, 8)
+    assert (ours - _theirs("glm_moe_dsa", path, prompt + tokens[:-1], len(prompt) - 1)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_batch_equals_each_alone(backend, ckpt):
+    path = ckpt("glm_moe_dsa")
+    prompts = [_prompt(n, seed=n) for n in (3, 17, 30, 8)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    llm = _llm(path, backend)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    batched = _llm(path, backend, max_num_seqs=4).generate(prompts, params)
+    assert [o.token_ids for o in batched] == alone
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_prefix_cache_hit_keeps_index_keys_and_shared_selections_exact(backend, ckpt):
+    """32 prompt tokens come from cached pages (latents and index keys); the new suffix's selection,
+    run by full layers over cached index keys and reused by the shared layers, still matches."""
+    path = ckpt("glm_moe_dsa")
+    prompt, longer = _prompt(40, seed=5), _prompt(40, seed=5) + [1, 2, 3]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cold = _llm(path, backend, enable_prefix_cache=False).generate([longer], params)[0].token_ids
+    llm = _llm(path, backend, page_size=16)
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    again = llm.generate([longer], params)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == cold
+    tokens, ours = parity_util.drive(llm, longer, 8)  # a third run, its logits against transformers
+    assert llm.scheduler.running[0].num_cached_tokens == 32
+    assert (ours - _theirs("glm_moe_dsa", path, longer + tokens[:-1], len(longer) - 1)).abs().max().item() <= 1e-4
+
+
+def test_index_keys_are_a_paged_row_of_the_full_layers_only(ckpt):
+    """GLM-5.2 layout: full layers keep latent + rope key + index key per token, shared layers latent
+    + rope key; the pool's bytes per token say so."""
+    llm = _llm(ckpt("glm_moe_dsa"), "torch")
+    cache, cfg, dsa = llm.runner.cache, llm.args.mla, llm.args.dsa
+    kinds = [s.kind for s in llm.model.paged_specs()]
+    assert kinds == ["paged_indexed_latent", "paged_latent", "paged_indexed_latent", "paged_latent"]
+    assert cache.index.shape[0] == 2 and cache.index.shape[2:] == (1, dsa.head_dim)
+    per_token = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * dsa.head_dim
+    assert cache.bytes_per_token == per_token * 4 == llm.kv_bytes_per_token
+    fp8 = _llm(ckpt("glm_moe_dsa"), "torch", kv_dtype="fp8").runner.cache
+    assert fp8.bytes_per_token == 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * dsa.head_dim * 2  # keys bf16
+
+
+def _edit_config(src, dst, **changes):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.bin"))  # not the expert cache
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del cfg[key]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
