@@ -327,3 +327,33 @@ def test_ct_int4_scale_fp16_cannot_hold_is_refused_not_rounded(checkpoint_factor
         LLM(dst, dtype="float32", show_progress=False, backend="cpu", expert_cache="off")
     msg = str(info.value)
     assert "\n" not in msg and name in msg and "fp16" in msg
+
+
+def _dsa_ckpt(tmp_path, **config_changes):
+    """A tiny GLM-5.2-style checkpoint (tests/dsa_util.py: full / shared indexer layers), config edited."""
+    import dsa_util
+
+    path = dsa_util.build("glm_moe_dsa", tmp_path / "glm5")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(config_changes)
+    for key in [k for k, v in config_changes.items() if v is None]:
+        del cfg[key]
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(index_topk=None), "missing required key 'index_topk'"),
+    (dict(indexer_types=["shared", "full", "full", "shared"]), "'indexer_types': layer 0 is 'shared'"),
+    (dict(indexer_types=["full", "sparse", "full", "shared"]), "'indexer_types' must list 'full' or 'shared'"),
+    (dict(index_head_dim=16), "'index_head_dim' (16) must exceed qk_rope_head_dim (16)"),
+])
+def test_dsa_config_errors_name_the_field(tmp_path, change, needle):
+    assert needle in _load_error(_dsa_ckpt(tmp_path, **change))
+
+
+def test_dsa_missing_indexer_tensor_on_a_full_layer_is_named(tmp_path):
+    path = _dsa_ckpt(tmp_path)
+    name = "model.layers.2.self_attn.indexer.k_norm.bias"
+    _rewrite(path / "model.safetensors", lambda t: t.pop(name))
+    assert f"missing tensor '{name}'" in _load_error(path)
