@@ -193,3 +193,10 @@ def test_repeated_prefix_reports_cache_reads(client):
     total = first.usage.input_tokens + first.usage.cache_read_input_tokens
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == total
     assert 0 < second.usage.cache_read_input_tokens < total
+
+
+def test_missing_max_tokens_is_the_real_apis_400(srv):
+    r = httpx.post(srv.url + "/v1/messages", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                   "message": "max_tokens: Field required"}}

@@ -26,6 +26,7 @@ from freetoken_py.server.generation import (
 from freetoken_py.server.media import anthropic_media
 from freetoken_py.server.protocol import (
     anthropic_error_body,
+    bad,
     get,
     get_stop,
     parse_json_object,
@@ -76,6 +77,8 @@ async def _prepare(st, body: dict) -> tuple[Prepared, tuple[str, ...]]:
     anthropic_media(body, st.llm.args.model_type)  # image / document blocks: a 400, not dropped
     messages, tools = anthropic_messages(body, st.limits), anthropic_tools(body, st.limits)
     stops = get_stop(body, "stop_sequences", st.limits)
+    if body.get("max_tokens") is None:   # the real API's 400 (Claude Code always sends it)
+        raise bad("max_tokens: Field required", "max_tokens")
     max_tokens = get(body, "max_tokens", int, lo=1)
     prep = await prepare_chat(st.llm, st.engine, messages, tools, sampling_fields(body), max_tokens, stops,
                               anthropic_template_kwargs(body),  # thinking -> the template's enable_thinking

@@ -75,8 +75,7 @@ class ResponsesRequest(_Sampling):
 
 class MessagesRequest(_Sampling):
     messages: list[dict[str, Any]]
-    max_tokens: int | None = Field(None, ge=1, description="Anthropic requires it; here, omitted: the room "
-                                   "left in the context")
+    max_tokens: int = Field(..., ge=1, description="required, as in Anthropic's API")
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
