@@ -155,6 +155,13 @@ def test_index_keys_are_a_paged_row_of_the_full_layers_only(ckpt):
     assert cache.index.shape[0] == 2 and cache.index.shape[2:] == (1, dsa.head_dim)
     per_token = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * dsa.head_dim
     assert cache.bytes_per_token == per_token * 4 == llm.kv_bytes_per_token
+    from freetoken_py.hw.model_bytes import kv_bytes_per_token, read_model_bytes
+    bf16 = _llm(ckpt("glm_moe_dsa"), "torch", kv_dtype="bf16")
+    assert read_model_bytes(ckpt("glm_moe_dsa")).kv_bytes_per_token == bf16.kv_bytes_per_token == per_token * 2
+    assert read_model_bytes(ckpt("deepseek_v32")).kv_bytes_per_token == 2 * 3 * (32 + 16 + 32)
+    glm52 = dict(num_hidden_layers=78, kv_lora_rank=512, qk_rope_head_dim=64, index_topk=2048, index_head_dim=128,
+                 indexer_types=["full"] * 21 + ["shared"] * 57)  # GLM-5.2's counts: 21 full, 57 shared
+    assert kv_bytes_per_token(glm52, 78) == 2 * (78 * 576 + 21 * 128)
     fp8 = _llm(ckpt("glm_moe_dsa"), "torch", kv_dtype="fp8").runner.cache
     assert fp8.bytes_per_token == 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * dsa.head_dim * 2  # keys bf16
 

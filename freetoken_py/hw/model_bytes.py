@@ -170,8 +170,8 @@ def state_bytes_per_request(cfg: dict[str, Any], num_layers: int) -> int:
 
 
 def kv_bytes_per_token(cfg: dict[str, Any], num_layers: int) -> int:
-    """bf16 KV cache bytes one token adds (MLA models cache the compressed latent; hybrids only
-    in their full-attention layers)."""
+    """bf16 KV cache bytes one token adds (MLA models cache the compressed latent, DSA ones an
+    index key besides on their indexer layers; hybrids only in their full-attention layers)."""
     num_layers -= _linear_layers(cfg, num_layers)
     if cfg.get("kv_lora_rank"):
         per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
@@ -181,7 +181,22 @@ def kv_bytes_per_token(cfg: dict[str, Any], num_layers: int) -> int:
         head_dim = int(_first(cfg, "head_dim", default=0)) or (
             int(_first(cfg, "hidden_size", default=0)) // max(heads, 1))
         per_layer = 2 * kv_heads * head_dim
-    return 2 * per_layer * num_layers
+    index = int(cfg.get("index_head_dim") or 0) * _index_key_layers(cfg, num_layers) if cfg.get("index_topk") else 0
+    return 2 * (per_layer * num_layers + index)
+
+
+def _index_key_layers(cfg: dict[str, Any], num_layers: int) -> int:
+    """DSA layers that cache an index key per token (kvcache/spec.PagedIndexedLatent): every layer,
+    or GLM-5.2's "full" ones (models/glm_moe_dsa.indexer_types: indexer_types, else
+    index_topk_pattern, else full where max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0)."""
+    kinds = cfg.get("indexer_types")
+    if isinstance(kinds, list):
+        return sum(k == "full" for k in kinds)
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        return sum(k in ("F", "full") for k in pattern)
+    freq, offset = max(int(cfg.get("index_topk_freq") or 1), 1), int(cfg.get("index_skip_topk_offset", 2))
+    return sum(max(i - offset + 1, 0) % freq == 0 for i in range(num_layers))
 
 
 def per_token_bytes(by_category: dict[str, int], layers: tuple[LayerBytes, ...], top_k: int,
