@@ -75,6 +75,15 @@ def _common(st, body: dict, min_tokens: int = 1) -> tuple[dict, int | None, int]
     return sampling, max_tokens, n
 
 
+def _refuse_unavailable_outputs(body: dict) -> None:
+    """Chat fields asking for output this server cannot make: a 400, not text without it."""
+    modalities = body.get("modalities")
+    if body.get("audio") is not None or (isinstance(modalities, list) and "audio" in modalities):
+        raise bad("audio output is not supported (text only)", "audio" if body.get("audio") is not None else "modalities")
+    if body.get("web_search_options") is not None:
+        raise bad("'web_search_options' is not supported: this server has no web search", "web_search_options")
+
+
 def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...] | None:
     """{"token id": bias in [-100, 100]} -> SamplingParams.logit_bias."""
     value = get(body, "logit_bias", dict)
@@ -124,6 +133,7 @@ async def chat_completions(request: Request):
     openai_media(body, st.llm.args.model_type)  # images / audio / files: a 400, not dropped
     messages, tools = openai_messages(body, st.limits), openai_tools(body, st.limits)
     sampling, max_tokens, n = _common(st, body)
+    _refuse_unavailable_outputs(body)
     top = chat_fields(body)
     stop = get_stop(body, "stop", st.limits)
     stream_flag = get(body, "stream", bool, False)

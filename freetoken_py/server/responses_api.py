@@ -128,6 +128,9 @@ async def responses(request: Request):
         if body.get(name) is not None:
             raise bad(f"'{name}' is not supported: this server stores no responses; send the whole "
                       "conversation in 'input' (Codex: store=false does this)", name)
+    if body.get("background") is True:
+        raise bad("'background' is not supported: this server stores no responses; send a normal or "
+                  "streamed request", "background")
     responses_media(body, st.llm.args.model_type)  # input_image / input_file: a 400, not dropped
     messages, tools = responses_messages(body, st.limits), responses_tools(body, st.limits)
     max_tokens = get(body, "max_output_tokens", int, lo=1)
