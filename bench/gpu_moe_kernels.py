@@ -1,28 +1,27 @@
-"""The accelerator tier's decode experts: the Triton kernels (kernels/gpu_moe.py) against torch's
-one-expert-at-a-time path, on one layer-step of a frontier model's geometry, on this GPU.
+"""The accelerator tier's decode experts (kernels/gpu_moe.py) timed as the GPU runs them: kernel time
+from CUDA-graph replay, against a read roofline, per format, geometry and batch.
 
-    python bench/gpu_moe_kernels.py [--model qwen3-30b-a3b] [--iters 50] [--no-int4] [--out FILE]
-    python bench/gpu_moe_kernels.py --interpret      # no GPU: Triton's CPU interpreter, tiny sizes
+    python bench/gpu_moe_kernels.py [--formats bf16,int4,fp8,nvfp4] [--models qwen3-30b-a3b,...]
+                                    [--tokens 1,2,4,8] [--replays 20] [--out FILE]
+    python bench/gpu_moe_kernels.py --dry-run      # anywhere: the cases, their bytes and slots; no kernels
+    python bench/gpu_moe_kernels.py --interpret    # no GPU: Triton's CPU interpreter, tiny sizes, eager only
 
-One token, top-k distinct experts drawn from a bank of slots larger than the GPU's L2 cache (so
-every layer-step reads its experts from VRAM, as in decode), bf16. Each path is timed with CUDA
-events over --iters layer-steps (median); both paths' outputs are compared first. Prints one JSON
-line: ms per layer-step and achieved GB/s of expert weights for each path, the ratio, and the
-roofline (this machine's VRAM copy bandwidth from `freetoken probe`'s cache, else measured here).
-Then the same for int4 experts (`--expert-dtype int4` in the tiers: g = 32, 4.5 bits per
-weight), under `"int4"`: the quantised Triton kernels (`moe_pairs_quant`) against the torch path
-(`ExpertFormat.compute`: dequantise, then two GEMVs), GB/s of int4 bytes.
-Exit status 1 when the two paths' outputs disagree (beyond bf16 rounding; 1e-4 for int4).
-
-Without a GPU it prints {"skipped": true, ...}. `--interpret` runs the same code in Triton's CPU
-interpreter on a tiny geometry: it checks the script and the kernels' agreement, and its times
-are not a GPU's (`comparable: false`).
+A layer-step: T tokens, each routed to top-k distinct experts, every pair distinct, drawn from a
+bank of slots >= 4x the GPU's L2 (so every step reads its experts from VRAM, as in decode). R
+steps with different slots (rotating through the bank) are prepared (`gpu_moe.prepare`: the
+step's one host->device copy) and captured in one CUDA graph; the graph's replay, timed with
+CUDA events, gives the kernels' time per step (`graph_us`). The same steps issued eagerly give
+the host cost (`host_us`: prepare + launches, wall clock) and the eager GPU time (`eager_us`).
+Efficiency = bytes read (the step's experts: weights and scales) / graph time, against the read
+roofline (`_triton_moe.read_kernel` over a buffer >= 4x L2, also from graph replay). Each case's
+first step is checked against the torch path the executor takes otherwise (`formats.swiglu` /
+`gpu_moe.quant_swiglu` per pair): `agree`. Prints one JSON line; exit status 1 when a case
+disagrees. Without a GPU (and without --interpret / --dry-run) it prints {"skipped": true}.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,178 +30,252 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
+FORMATS = {"bf16": ("float", 32), "int4": ("int4", 32), "fp8": ("fp8", 128), "nvfp4": ("nvfp4", 16)}
+MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
+TINY = (64, 32, 2)                       # --interpret: D, I, top-k
+DEFAULT_L2 = 50 << 20                    # (--dry-run: an H100's L2)
 
-def main(argv: list[str] | None = None) -> int:
+
+def _csv(kind: str, value: str, allowed=None, conv=str) -> list:
+    try:
+        items = [conv(v) for v in value.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--{kind}: {value!r} is not a comma-separated list") from None
+    bad = [v for v in items if allowed is not None and v not in allowed]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"--{kind}: {bad or value!r} not among {', '.join(map(str, allowed))}")
+    return items
+
+
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3-30b-a3b", help="geometry from residency.profiles.FRONTIER_MODELS")
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--formats", type=lambda v: _csv("formats", v, FORMATS), default=list(FORMATS))
+    ap.add_argument("--models", type=lambda v: _csv("models", v, MODELS), default=list(MODELS))
+    ap.add_argument("--tokens", type=lambda v: _csv("tokens", v, range(1, 17), int), default=[1, 2, 4, 8])
+    ap.add_argument("--replays", type=int, default=20, help="graph replays timed per case")
+    ap.add_argument("--dry-run", action="store_true", help="list the cases, their bytes and slots; run nothing")
     ap.add_argument("--interpret", action="store_true", help="no GPU: Triton's CPU interpreter, tiny sizes")
-    ap.add_argument("--no-int4", action="store_true", help="only the bf16 experts")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.replays < 1:
+        ap.error("--replays must be >= 1")
+    return args
+
+
+def geometry(model: str, interpret: bool) -> tuple[int, int, int]:
+    """(D, I, top-k) of a model (residency.profiles.FRONTIER_MODELS), or the tiny interpreter one."""
+    if interpret:
+        return TINY
+    from freetoken_py.residency.profiles import FRONTIER_MODELS
+
+    spec = FRONTIER_MODELS[model]
+    return spec.hidden, spec.moe_intermediate, spec.top_k
+
+
+def expert_bytes(fmt: str, hidden: int, inter: int) -> int:
+    """Bytes of one expert in the expert store's layout (weights and scales)."""
+    n = 3 * hidden * inter
+    return {"bf16": 2 * n, "int4": n // 2 + 2 * n // 32, "fp8": n + 4 * (2 * inter * -(-hidden // 128)
+                                                                         + hidden * -(-inter // 128)),
+            "nvfp4": n // 2 + n // 16 + 4 * 3 * inter}[fmt]
+
+
+def plan_case(fmt: str, model: str, tokens: int, l2: int, interpret: bool) -> dict:
+    hidden, inter, k = geometry(model, interpret)
+    one = expert_bytes(fmt, hidden, inter)
+    per_step = tokens * k
+    slots = max(2 * per_step, -(-4 * l2 // one))
+    return {"format": fmt, "model": model, "tokens": tokens, "hidden": hidden, "inter": inter, "top_k": k,
+            "experts_per_step": per_step, "bytes_per_step": per_step * one, "slots": slots,
+            "steps_per_graph": min(2, slots) if interpret else -(-slots // per_step)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"          # before Triton is imported
+    if args.dry_run:
+        cases = [plan_case(f, m, t, DEFAULT_L2, args.interpret) for f in args.formats for m in args.models
+                 for t in args.tokens]
+        return common.emit({"bench": "gpu_moe_kernels", "dry_run": True, "l2_assumed": DEFAULT_L2, "cases": cases},
+                           args.out)
     import torch
 
     from freetoken_py.kernels import gpu_moe
-    from freetoken_py.residency.formats import swiglu as _swiglu
-    from freetoken_py.residency.profiles import FRONTIER_MODELS
 
-    if args.model not in FRONTIER_MODELS:
-        ap.error(f"unknown --model {args.model!r}; choose one of {', '.join(FRONTIER_MODELS)}")
     cuda = torch.cuda.is_available() and not args.interpret
-    dev = "cuda" if cuda else "cpu"
+    dev = torch.device("cuda" if cuda else "cpu")
     if not cuda and not args.interpret:
         return common.emit({"bench": "gpu_moe_kernels", "skipped": True,
-                      "reason": "no CUDA GPU here; --interpret runs the kernels in Triton's CPU interpreter"}, args.out)
+                            "reason": "no CUDA GPU here; --interpret runs the kernels in Triton's CPU interpreter, "
+                                      "--dry-run lists the cases"}, args.out)
     if not gpu_moe.available(dev):
-        return common.emit({"bench": "gpu_moe_kernels", "skipped": True, "reason": "Triton is not installed"},
-                           args.out)
-    spec = FRONTIER_MODELS[args.model]
-    hidden, inter, k = (64, 32, 4) if args.interpret else (spec.hidden, spec.moe_intermediate, spec.top_k)
-    dtype = torch.bfloat16
-    expert_bytes = 3 * hidden * inter * 2
-    l2 = (getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 << 20) if cuda else 1 << 20
-    slots = max(2 * k, -(-4 * l2 // expert_bytes))        # the bank: 4x L2, at least two layer-steps
-    iters = min(args.iters, 3) if args.interpret else args.iters
-    g = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(slots, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dev, dtype)
-    w2 = (torch.randn(slots, hidden, inter, generator=g) / inter ** 0.5).to(dev, dtype)
-    x = torch.randn(1, hidden, generator=g).to(dev, dtype)
-    wts = torch.rand(k, generator=g).to(dev)
-    rows = torch.zeros(k, dtype=torch.long, device=dev)
-
-    def pick(i: int) -> list[int]:                      # k distinct slots, rotating through the bank
-        return [(i * k + j) % slots for j in range(k)]
-
-    def triton_step(i: int) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        s = pick(i)
-        gpu_moe.moe_pairs(out, x, rows, wts, [w13[e] for e in s], [w2[e] for e in s])
-        return out
-
-    def torch_step(i: int) -> torch.Tensor:             # the executor's torch path, expert by expert
-        out = torch.zeros_like(x)
-        for j, e in enumerate(pick(i)):
-            y = _swiglu(x[rows[j:j + 1]], w13[e], w2[e])
-            out.index_add_(0, rows[j:j + 1], y * wts[j:j + 1].to(out.dtype)[:, None])
-        return out
-
-    a, b = triton_step(0).float(), torch_step(0).float()
-    rel = ((a - b).abs().max() / b.abs().max()).item()
-    times = {name: _time(step, iters, cuda) for name, step in (("triton", triton_step), ("torch", torch_step))}
-    roof = _vram_gbps() if cuda else None
-    gbps = {name: k * expert_bytes / t / 1e9 for name, t in times.items()}
-    row = {"bench": "gpu_moe_kernels", "skipped": False, "comparable": cuda,
-           "device": torch.cuda.get_device_name(0) if cuda else "CPU (Triton interpreter)",
-           "model": args.model if cuda else f"tiny (interpreter): D={hidden}, I={inter}, k={k}",
-           "hidden": hidden, "inter": inter, "top_k": k, "slots": slots, "expert_mb": round(expert_bytes / 1e6, 3),
-           "max_rel_diff": rel, "agree": rel <= 2e-2,
-           "ms_per_layer_step": {n: round(t * 1e3, 4) for n, t in times.items()},
-           "gbps": {n: round(v, 1) for n, v in gbps.items()},
-           "triton_over_torch_speed": round(times["torch"] / times["triton"], 2),
-           "vram_roofline_gbps": round(roof, 1) if roof else None,
-           "triton_share_of_roofline": round(gbps["triton"] / roof, 3) if roof else None}
-    if not args.no_int4:
-        row["int4"] = _int4(hidden, inter, k, l2, iters, dev, cuda, roof)
-    common.emit(row, args.out)
-    agree = row["agree"] and (args.no_int4 or row["int4"]["agree"])
-    return 0 if agree else 1          # the two paths disagree: a failed step, not just a field
+        return common.emit({"bench": "gpu_moe_kernels", "skipped": True, "reason": gpu_moe.why_not()}, args.out)
+    l2 = (getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or DEFAULT_L2) if cuda else 1 << 14
+    roof = read_roofline(dev, l2, args.replays) if cuda else None
+    rows = []
+    models = args.models[:1] if args.interpret else args.models
+    for fmt in args.formats:
+        for model in models:
+            for tokens in args.tokens:
+                case = plan_case(fmt, model, tokens, l2, args.interpret)
+                row = run_case(case, FORMATS[fmt], dev, args.replays if cuda else 1, cuda)
+                if roof:
+                    row["share_of_roofline"] = round(row["gbps"] / roof, 3)
+                rows.append(row)
+    result = {"bench": "gpu_moe_kernels", "skipped": False, "comparable": cuda,
+              "device": torch.cuda.get_device_name(dev) if cuda else "CPU (Triton interpreter)",
+              "capability": ".".join(map(str, torch.cuda.get_device_capability(dev))) if cuda else None,
+              "triton": __import__("triton").__version__, "read_roofline_gbps": round(roof, 1) if roof else None,
+              "l2_bytes": l2, "agree": all(r["agree"] for r in rows), "rows": rows}
+    common.emit(result, args.out)
+    return 0 if result["agree"] else 1
 
 
-def _int4(hidden: int, inter: int, k: int, l2: int, iters: int, dev: str, cuda: bool, roof) -> dict:
-    """The int4 experts' layer-step: Triton (`moe_pairs_quant`) against torch (`ExpertFormat.compute`)."""
+def make_bank(fmt: str, slots: int, hidden: int, inter: int, group: int, dev):
+    """`slots` random experts of `fmt` in the expert store's layouts, stacked per part on `dev`
+    (random codes: decode speed does not depend on the values; small positive scales)."""
     import torch
 
-    from freetoken_py.kernels import ExpertBank, gpu_moe
-    from freetoken_py.residency.formats import ExpertFormat, bank_parts
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def codes(*shape):
+        return torch.randint(0, 256, (slots, *shape), generator=g, device=dev, dtype=torch.uint8)
+
+    if fmt == "float":
+        return (torch.randn((slots, 2 * inter, hidden), generator=g, device=dev).div_(hidden ** 0.5).bfloat16(),
+                torch.randn((slots, hidden, inter), generator=g, device=dev).div_(inter ** 0.5).bfloat16())
+    if fmt == "int4":
+        def sc(n, k):
+            return torch.full((slots, n, k // group), 0.02, dtype=torch.float16, device=dev).view(torch.int16)
+        return codes(2 * inter, hidden // 2), sc(2 * inter, hidden), codes(hidden, inter // 2), sc(hidden, inter)
+    if fmt == "fp8":
+        def fp8(n, k):                       # (0x7f / 0xff are NaN: one step down)
+            c = codes(n, k)
+            return torch.where((c & 127) == 127, c - 1, c)
+        return (fp8(2 * inter, hidden), torch.full((slots, 2 * inter, -(-hidden // group)), 0.01, device=dev),
+                fp8(hidden, inter), torch.full((slots, hidden, -(-inter // group)), 0.01, device=dev))
+
+    def nv_scales(n, k):                     # e4m3 1.0 (0x38) per group of 16, then the factor 0.01
+        s = torch.full((slots, n, k // 16 + 4), 0x38, dtype=torch.uint8, device=dev)
+        s[..., -4:] = torch.tensor([0.01], dtype=torch.float32).view(torch.uint8).to(dev)
+        return s
+    return codes(2 * inter, hidden // 2), nv_scales(2 * inter, hidden), codes(hidden, inter // 2), nv_scales(hidden, inter)
+
+
+def run_case(case: dict, spec: tuple, dev, replays: int, cuda: bool) -> dict:
+    """One (format, model, T) case: graph replay and eager timings, and the torch path's agreement."""
+    import torch
+
+    from freetoken_py.kernels import gpu_moe
+    from freetoken_py.kernels.gpu_slots import build_table
+    from freetoken_py.residency.formats import swiglu
+
+    fmt, group = spec
+    hidden, inter, k, tokens = case["hidden"], case["inter"], case["top_k"], case["tokens"]
+    slots, steps = case["slots"], case["steps_per_graph"]
+    bank = make_bank(fmt, slots, hidden, inter, group, dev)
+    experts = [tuple(p[i] for p in bank) for i in range(slots)]
+    table = build_table(experts, fmt, group).to_device(dev)
+    per = tokens * k
+
+    def pair_slots(i: int) -> list[int]:                 # token t's k experts, all distinct, rotating
+        return [(i * per + j) % slots for j in range(per)]
 
     g = torch.Generator().manual_seed(1)
-    one = ExpertBank.empty("int4", 1, inter, hidden).bytes_per_expert
-    slots = max(2 * k, -(-4 * l2 // one))
-    # a few random experts quantised on the host, tiled to the bank's size on the device
-    base = ExpertBank.from_weights(*(torch.randn(2, *shape, generator=g) / 8 for shape in
-                                     ((inter, hidden), (inter, hidden), (hidden, inter))), fmt="int4")
-    fmt = ExpertFormat.of_bank(base)
-    bank = [t.to(dev).repeat(-(-slots // 2), *([1] * (t.dim() - 1)))[:slots].contiguous() for t in bank_parts(base)]
-    x = torch.randn(1, hidden, generator=g).to(dev)
-    wts = torch.rand(k, generator=g).to(dev)
-    rows = torch.zeros(k, dtype=torch.long, device=dev)
+    x = torch.randn(tokens, hidden, generator=g).to(dev, torch.bfloat16 if fmt == "float" else torch.float32)
+    rows = torch.arange(tokens, device=dev).repeat_interleave(k)
+    wts = torch.rand(per, generator=g).to(dev)
+    out = torch.zeros_like(x)
 
-    def experts(i: int) -> list[tuple]:
-        return [tuple(t[(i * k + j) % slots] for t in bank) for j in range(k)]
+    # the torch path on step 0 (per pair, fp32 sums), and the kernels' result
+    ref = torch.zeros(tokens, hidden, dtype=torch.float32, device=dev)
+    for p, s in enumerate(pair_slots(0)):
+        t = int(rows[p])
+        y = swiglu(x[t:t + 1].float(), *(w.float() for w in experts[s])) if fmt == "float" else \
+            gpu_moe.quant_swiglu(x[t:t + 1], experts[s], fmt, group).float()
+        ref[t] += wts[p] * y[0]
+    gpu_moe.moe_slots(out, x, rows, wts, table, pair_slots(0))
+    rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
 
-    def triton_step(i: int) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        gpu_moe.moe_pairs_quant(out, x, rows, wts, experts(i), "int4", 32)
-        return out
+    # eager: prepare + launches per step (host wall clock; GPU time from events)
+    plans, host = [], []
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    start = _event(cuda)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        plan = gpu_moe.prepare(table, pair_slots(i), dev)
+        gpu_moe.run(out, x, rows, wts, plan)
+        host.append(time.perf_counter() - t0)
+        plans.append(plan)
+    end = _event(cuda)
+    sync()
+    eager_s = (start.elapsed_time(end) / 1e3 if cuda else sum(host)) / steps
+    graph_s = None
+    if cuda:                                             # the kernels alone: R steps in one graph, replayed
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for plan in plans[:2]:
+                gpu_moe.run(out, x, rows, wts, plan)     # (warm: compiled variants)
+            with torch.cuda.graph(graph, stream=stream):
+                for plan in plans:
+                    gpu_moe.run(out, x, rows, wts, plan)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        sync()
+        start, end = _event(cuda), None
+        for _ in range(replays):
+            graph.replay()
+        end = _event(cuda)
+        sync()
+        graph_s = start.elapsed_time(end) / 1e3 / (replays * steps)
+    step_bytes = case["bytes_per_step"]
+    t = graph_s or eager_s
+    return {**case, "max_rel_diff": rel, "agree": rel <= (2e-2 if fmt == "float" else 2e-3),
+            "graph_us": round(graph_s * 1e6, 2) if graph_s else None, "eager_us": round(eager_s * 1e6, 2),
+            "host_us": round(1e6 * sorted(host)[len(host) // 2], 1), "launches": gpu_moe.launches(tokens),
+            "gbps": round(step_bytes / t / 1e9, 1)}
 
-    def torch_step(i: int) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for j, parts in enumerate(experts(i)):
-            out += wts[j] * fmt.compute(x, parts)
-        return out
 
-    a, b = triton_step(0), torch_step(0)
-    rel = ((a - b).abs().max() / b.abs().max()).item()
-    times = {name: _time(step, iters, cuda) for name, step in (("triton", triton_step), ("torch", torch_step))}
-    gbps = {name: k * one / t / 1e9 for name, t in times.items()}
-    return {"expert_mb": round(one / 1e6, 3), "slots": slots, "max_rel_diff": rel, "agree": rel <= 1e-4,
-            "ms_per_layer_step": {n: round(t * 1e3, 4) for n, t in times.items()},
-            "gbps": {n: round(v, 1) for n, v in gbps.items()},
-            "triton_over_torch_speed": round(times["torch"] / times["triton"], 2),
-            "triton_share_of_roofline": round(gbps["triton"] / roof, 3) if roof else None}
-
-
-def _time(step, iters: int, cuda: bool) -> float:
-    """Median seconds of `step(i)` over `iters` calls after two warm-up calls (CUDA events on a GPU)."""
+def _event(cuda: bool):
     import torch
 
-    step(1), step(2)
-    got = []
-    for i in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(3 + i)
-            end.record()
-            end.synchronize()
-            got.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step(3 + i)
-            got.append(time.perf_counter() - t0)
-    return statistics.median(got)
+    if not cuda:
+        return None
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
 
 
-def _vram_gbps() -> float:
-    """This GPU's device-to-device copy bandwidth: the figure in `freetoken probe`'s cache for this
-    machine (read only: nothing is profiled here), else measured now (a 1 GiB copy five times,
-    read + write counted)."""
+def read_roofline(dev, l2: int, replays: int) -> float:
+    """GB/s of `_triton_moe.read_kernel` over max(1 GiB, 8x L2) bytes, from graph replay."""
     import torch
 
-    try:
-        from freetoken_py.hw.profile import PROFILE_VERSION, HardwareProfile, load_profile, profile_path
-        from freetoken_py.hw.sysinfo import collect_cpu, collect_gpus, collect_memory
+    from freetoken_py.kernels import _triton_moe as k
 
-        base = HardwareProfile(version=PROFILE_VERSION, cpu=collect_cpu(), memory=collect_memory(),
-                               gpu=collect_gpus(), figures={}, created_at=0.0)
-        cached = load_profile(profile_path(base.key))
-        got = cached.gbps("vram_d2d") if cached is not None and cached.key == base.key else None
-        if got:
-            return got
-    except Exception:                    # no usable cache: measure
-        pass
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 5 * 2 * a.numel() / (start.elapsed_time(end) / 1e3) / 1e9
+    words = max(1 << 28, 2 * l2)                         # int32 words: >= 1 GiB
+    src = torch.ones(words, dtype=torch.int32, device=dev)
+    grid = 8 * torch.cuda.get_device_properties(dev).multi_processor_count
+    sink = torch.empty(grid, dtype=torch.int32, device=dev)
+
+    def launch():
+        k.read_kernel[(grid,)](src, sink, words, BLOCK=2048, STAGES=4)
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = _event(True)
+    for _ in range(replays):
+        graph.replay()
+    end = _event(True)
+    torch.cuda.synchronize()
+    return replays * 4 * words / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 if __name__ == "__main__":

@@ -232,22 +232,30 @@ def test_executor_with_triton_experts_keeps_outputs_and_computes_each_pair_once(
 
 
 def test_kernel_bench_runs_in_the_interpreter(tmp_path):
-    """bench/gpu_moe_kernels.py --interpret: the GPU bench's code path on CPU (tiny sizes), both
-    paths agreeing, marked not comparable; without a GPU and without --interpret it skips."""
+    """bench/gpu_moe_kernels.py --interpret: the GPU bench's code path on CPU (tiny sizes, eager only),
+    every format agreeing with the torch path, marked not comparable; --dry-run lists the cases
+    anywhere; a bad argument is exit 2 naming it; without a GPU and without either flag it skips."""
     import json
 
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu_moe_kernels.py")
     out = tmp_path / "k.json"
-    proc = subprocess.run([sys.executable, script, "--interpret", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, script, "--interpret", "--tokens", "1,2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(out.read_text())
     assert row["skipped"] is False and row["comparable"] is False and row["agree"] is True
-    assert row["ms_per_layer_step"]["triton"] > 0 and row["ms_per_layer_step"]["torch"] > 0
-    assert row["int4"]["agree"] is True and row["int4"]["ms_per_layer_step"]["triton"] > 0
+    assert {(r["format"], r["tokens"]) for r in row["rows"]} == {(f, t) for f in ("bf16", "int4", "fp8", "nvfp4")
+                                                                 for t in (1, 2)}
+    assert all(r["eager_us"] > 0 and r["launches"] == 2 for r in row["rows"])
+    dry = subprocess.run([sys.executable, script, "--dry-run", "--models", "deepseek-v3"], capture_output=True,
+                         text=True, timeout=120)
+    cases = json.loads(dry.stdout)["cases"]
+    assert dry.returncode == 0 and len(cases) == 16
+    assert all(c["slots"] * c["bytes_per_step"] / c["experts_per_step"] >= 4 * (50 << 20) for c in cases)
+    bad = subprocess.run([sys.executable, script, "--tokens", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--tokens" in bad.stderr and "Traceback" not in bad.stderr
     import torch
 
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and json.loads(proc.stdout)["skipped"] is True
-

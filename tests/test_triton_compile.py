@@ -63,7 +63,7 @@ def test_native_fp8_decode_is_used_where_the_arch_has_it():
     def ptx(arch: int) -> str:
         cfg = finalize(default_config("fp8", 1, "down", False), "fp8", 128)
         warps = cfg.pop("num_warps")
-        consts = {"FMT": 3, "G": 128, "NT": 1, "UNIT": 4, "NATIVE": arch >= 89, "ALIGN": 4, **cfg}
+        consts = {"FMT": 3, "G": 128, "NT": 1, "UNIT": 4, "NATIVE": arch >= 89, "ALIGN": 4, "TB": 1, **cfg}
         src = ASTSource(fn=k.down_kernel, signature=signature("fp8", "down"), constexprs=consts)
         return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["ptx"]
 

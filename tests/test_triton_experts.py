@@ -48,11 +48,18 @@ decode[(1,)](torch.arange(16, dtype=torch.int32), got16, 16, False)
 assert torch.equal(got16, unpack_e2m1(torch.tensor([[0x10 * 0 + c for c in range(16)]], dtype=torch.uint8))[0, 0::2]), got16
 
 # ---- the activation rounding: seen_by_cpu_kernels bit for bit (a zero block, a partial last block)
-x = torch.randn(3, 100, generator=g) * torch.tensor([1e-3, 1.0, 300.0])[:, None]
+@triton.jit
+def round_rows(src, dst, D, R: tl.constexpr, C: tl.constexpr):
+    i = tl.arange(0, R)[:, None] * D + tl.arange(0, C)[None, :]
+    m = (tl.arange(0, C) < D)[None, :]
+    tl.store(dst + i, k._round32(tl.load(src + i, mask=m, other=0.0), R, C), mask=m)
+
+x = torch.randn(4, 100, generator=g) * torch.tensor([1e-3, 1.0, 300.0, 1.0])[:, None]
 x[1, 32:64] = 0
-x[2, 5] = 0.5 * x[2, :32].abs().max() / 127 * 127     # (values at rounding ties)
-r = torch.empty(3, 100)
-k.round_act_kernel[(3, 1)](x, x.stride(0), r, 100, BLOCK=128)
+x[3, :32] = torch.arange(32) - 15.5     # with 127 first: scale 1, every other value a .5 tie (to even)
+x[3, 0] = 127.0
+r = torch.empty(4, 100)
+round_rows[(1,)](x, r, 100, 4, 128)
 assert torch.equal(r, gpu_moe.seen_by_cpu_kernels(x)), (r - gpu_moe.seen_by_cpu_kernels(x)).abs().max()
 
 # ---- experts in each format and their float64 weights ---------------------------------------
@@ -128,6 +135,7 @@ errs["nvfp4 T8"] = check("nvfp4", 8, 64, 32, 3, 2)
 # nine tokens all routed to expert 0 (two groups of it) and one more each: 18 pairs
 errs["int4 T9"] = check("int4", 9, 64, 32, 3, 2, route=[[0, 1 + t % 2] for t in range(9)])
 errs["fp32 T7 dup"] = check("fp32", 7, 48, 24, 2, 2)           # every token on both experts
+errs["nvfp4 T17"] = check("nvfp4", 17, 32, 32, 2, 1)           # past 16 tokens: the separate per-token sum
 
 # the list API (experts passed per pair) still equals the slot API; a misshapen expert is a ValueError
 parts, ref = make("int4", 32, 64, 32)

@@ -12,9 +12,11 @@ A layer-step is a set of *groups*: one expert (a slot of the on-device slot tabl
 of its (token, weight) pairs, so an expert routed by several tokens is read once. A program
 computes BLOCK_N rows of one group's expert for its NT tokens; its K loop is pipelined
 (`tl.range(num_stages=STAGES)`) and accumulates a [NT, BLOCK_N, BLOCK_K / UNIT / RED] tile,
-reduced across lanes once, in the epilogue (RED = 1 defers the whole reduction). SiLU * up, the
-int8 rounding of h that the CPU kernels apply (ROUND), and the routing weight are epilogues; the
-per-token sum is `combine_kernel`, in the pairs' order, without atomics.
+reduced across lanes once, in the epilogue (RED = 1 defers the whole reduction). The int8
+rounding of x that the CPU kernels apply (ROUND) happens as x is loaded; SiLU * up with h's
+rounding, and the routing weight, are epilogues; the per-token sum, in the pairs' order and
+without atomics on values, is done by the last program of each row block of the down kernel
+(or by `combine_kernel` for more than 16 tokens): two launches a layer-step.
 """
 from __future__ import annotations
 
@@ -45,16 +47,6 @@ def _round32(v, R: tl.constexpr, C: tl.constexpr):
     q = _rint(tl.math.div_rn(b, tl.broadcast_to(div[:, :, None], [R, C // 32, 32])))
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     return tl.reshape(q * scale[:, :, None], [R, C])
-
-
-@triton.jit
-def round_act_kernel(x_ptr, stride_x, y_ptr, D, BLOCK: tl.constexpr):
-    """y[t] = x[t] rounded per 32-column block (`_round32`); a partial last block as if zero-padded."""
-    t = tl.program_id(0)
-    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + t * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
-    r = tl.reshape(_round32(tl.reshape(v, [1, BLOCK]), 1, BLOCK), [BLOCK])
-    tl.store(y_ptr + t * D + d, r, mask=d < D)
 
 
 @triton.jit
@@ -91,12 +83,13 @@ def _nvfp4_factor(s, r, rm, SROW, G_COLS):
 @triton.jit
 def _step(q, s, r, rm, f, k0, KW, SROW, xp, xm, FMT: tl.constexpr, G: tl.constexpr, NT: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIT: tl.constexpr, GW: tl.constexpr,
-          RED: tl.constexpr, NATIVE: tl.constexpr):
+          RED: tl.constexpr, NATIVE: tl.constexpr, ROUND: tl.constexpr):
     """Rows r (mask rm) of one expert against NT activation rows (pointers xp [NT], mask xm) over
     columns [k0, k0 + BLOCK_K): [NT, BLOCK_N, BLOCK_K / UNIT / GW / RED] fp32 partial sums (int4 and
     nvfp4: each scale group's GW words summed, then scaled once; else GW = 1). KW: a row's
     length in loaded elements (words, or float elements); SROW: a scale row's length; f: nvfp4's
-    row factors [BLOCK_N]."""
+    row factors [BLOCK_N]. ROUND: the activations rounded per 32 columns as they are loaded (word
+    formats; BLOCK_K a multiple of 32)."""
     W: tl.constexpr = BLOCK_K // UNIT
     kw = k0 // UNIT + tl.arange(0, W)                           # [W] word (element) index in the row
     km = kw < KW
@@ -110,8 +103,19 @@ def _step(q, s, r, rm, f, k0, KW, SROW, xp, xm, FMT: tl.constexpr, G: tl.constex
         xm2 = xm[:, None] & km[None, :]
         c = tl.zeros([NT, BLOCK_N, W], dtype=tl.float32)
         xs = tl.zeros([NT, W], dtype=tl.float32)
+        if ROUND:                                                # x's 32-column blocks: a word's block is kw // BW
+            BW: tl.constexpr = 32 // UNIT
+            mx = tl.zeros([NT, W], dtype=tl.float32)
+            for j in tl.static_range(UNIT):
+                mx = tl.maximum(mx, tl.abs(tl.load(xp[:, None] + kw[None, :] * UNIT + j, mask=xm2, other=0.0)))
+            bs = tl.math.div_rn(tl.max(tl.reshape(mx, [NT, W // BW, BW]), axis=2),
+                                tl.full([NT, W // BW], 127.0, tl.float32))
+            scw = tl.reshape(tl.broadcast_to(bs[:, :, None], [NT, W // BW, BW]), [NT, W])
+            divw = tl.where(scw > 0, scw, 1.0)
         for j in tl.static_range(UNIT):
             xj = tl.load(xp[:, None] + kw[None, :] * UNIT + j, mask=xm2, other=0.0)   # [NT, W] column UNIT*kw + j
+            if ROUND:                                            # as the CPU kernels see x (`_round32`)
+                xj = tl.minimum(tl.maximum(_rint(tl.math.div_rn(xj, divw)), -127.0), 127.0) * scw
             if FMT == 1:                                         # int8: byte j, sign-extended
                 v = ((w << (24 - 8 * j)) >> 24).to(tl.float32)
             elif FMT == 2:                                       # int4: nibble j as q in 0..15 (2**23 + q - 2**23)
@@ -185,9 +189,10 @@ def gate_up_kernel(x_ptr, stride_x, rows_ptr, plan_ptr, slots_ptr, table_ptr, n_
     acc_g = tl.zeros([NT, BLOCK_N, AW], dtype=tl.float32)
     acc_u = tl.zeros([NT, BLOCK_N, AW], dtype=tl.float32)
     for k0 in tl.range(0, KW * UNIT, BLOCK_K, num_stages=STAGES):
-        acc_g += _step(q, s, n, nm, f_g, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW, RED, NATIVE)
+        acc_g += _step(q, s, n, nm, f_g, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW, RED, NATIVE,
+                       ROUND)
         acc_u += _step(q, s, n + N_OUT, nm, f_u, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW,
-                       RED, NATIVE)
+                       RED, NATIVE, ROUND)
     a_g = tl.sum(acc_g, axis=2)                                  # [NT, BLOCK_N]: the one cross-lane reduction
     a_u = tl.sum(acc_u, axis=2)
     if FMT == 1:                                                 # int8: one fp32 scale a row
@@ -201,11 +206,15 @@ def gate_up_kernel(x_ptr, stride_x, rows_ptr, plan_ptr, slots_ptr, table_ptr, n_
 
 @triton.jit
 def down_kernel(h_ptr, wts_ptr, plan_ptr, slots_ptr, table_ptr, n_slots, q_base, s_base, y_ptr,
-                KW, SROW, N_OUT, G_COLS, FMT: tl.constexpr, G: tl.constexpr, NT: tl.constexpr,
+                KW, SROW, N_OUT, G_COLS, out_ptr, stride_out, rows_ptr, T, P, counter_ptr,
+                FMT: tl.constexpr, G: tl.constexpr, NT: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIT: tl.constexpr, GW: tl.constexpr,
-                RED: tl.constexpr, STAGES: tl.constexpr, NATIVE: tl.constexpr, ALIGN: tl.constexpr):
+                RED: tl.constexpr, STAGES: tl.constexpr, NATIVE: tl.constexpr, ALIGN: tl.constexpr,
+                TB: tl.constexpr):
     """y[p, d] = wts[p] * (down_d . h[p]) for the pairs of group program_id(0), rows of D = N_OUT
-    (fp32). The expert's parts: table[2 | 3, slots[g]]."""
+    (fp32). The expert's parts: table[2 | 3, slots[g]]. With TB > 0 (T <= TB tokens) the last
+    program to finish a block of rows (a counter per block: an atomic on the count only) adds
+    the pairs' y into out itself (`_combine_block`), so no combine launch follows."""
     g = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N_OUT
@@ -221,12 +230,32 @@ def down_kernel(h_ptr, wts_ptr, plan_ptr, slots_ptr, table_ptr, n_slots, q_base,
     AW: tl.constexpr = BLOCK_K // UNIT // GW // RED
     acc = tl.zeros([NT, BLOCK_N, AW], dtype=tl.float32)
     for k0 in tl.range(0, KW * UNIT, BLOCK_K, num_stages=STAGES):
-        acc += _step(q, s, n, nm, f, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW, RED, NATIVE)
+        acc += _step(q, s, n, nm, f, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW, RED, NATIVE, False)
     a = tl.sum(acc, axis=2)
     if FMT == 1:
         a *= tl.load(s + n, mask=nm, other=0.0)[None, :]
     wt = tl.load(wts_ptr + p, mask=pm, other=0.0)
     tl.store(y_ptr + p[:, None] * N_OUT + n[None, :], a * wt[:, None], mask=pm[:, None] & nm[None, :])
+    if TB > 0:
+        done = tl.atomic_add(counter_ptr + tl.program_id(1), 1, sem="acq_rel")   # (after this program's y)
+        if done == tl.num_programs(0) - 1:
+            _combine_block(out_ptr, stride_out, y_ptr, rows_ptr, T, P, N_OUT, n, nm, TB, BLOCK_N)
+            tl.atomic_xchg(counter_ptr + tl.program_id(1), 0)                    # ready for the next launch
+
+
+@triton.jit
+def _combine_block(out_ptr, stride_out, y_ptr, rows_ptr, T, P, D, n, nm, TB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t, n] += sum of y[p, n] over the pairs p of token t, in pair order (fp32; one rounding
+    into out's dtype): a fixed order whichever program runs it, and no atomics on values."""
+    tb = tl.arange(0, TB)
+    acc = tl.zeros([TB, BLOCK_N], dtype=tl.float32)
+    for q in range(P):
+        yv = tl.load(y_ptr + q * D + n, mask=nm, other=0.0, cache_modifier=".cg")   # (written by other SMs)
+        acc += tl.where((tb == tl.load(rows_ptr + q))[:, None], yv[None, :], 0.0)
+    o = out_ptr + tb[:, None] * stride_out + n[None, :]
+    om = (tb < T)[:, None] & nm[None, :]
+    prev = tl.load(o, mask=om, other=0.0)
+    tl.store(o, (prev.to(tl.float32) + acc).to(prev.dtype), mask=om)
 
 
 @triton.jit
@@ -243,3 +272,16 @@ def combine_kernel(out_ptr, stride_out, y_ptr, rows_ptr, P, D, BLOCK: tl.constex
     o = out_ptr + t * stride_out + d
     prev = tl.load(o, mask=dm, other=0.0)
     tl.store(o, (prev.to(tl.float32) + acc).to(prev.dtype), mask=dm)
+
+
+@triton.jit
+def read_kernel(src, out, n_words, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """The read roofline: each program xors BLOCK int32 words at a time (16-byte loads) over a
+    grid-strided share of `src`, and writes one word, so every byte is read once and nothing else
+    moves (a device-to-device copy would also write)."""
+    pid, grid = tl.program_id(0), tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in tl.range(pid * BLOCK, n_words, grid * BLOCK, num_stages=STAGES):
+        i = start + tl.arange(0, BLOCK)
+        acc ^= tl.load(src + i, mask=i < n_words, other=0)
+    tl.store(out + pid, tl.xor_sum(acc, axis=0))

@@ -20,7 +20,7 @@ from freetoken_py.kernels.gpu_slots import FORMATS, UNIT
 
 ARCHS = (80, 86, 89, 90, 120)
 _SCALE = {"float": "*bf16", "int8": "*fp32", "int4": "*i16", "fp8": "*fp32", "nvfp4": "*u8"}
-_DIVISIBLE = ("stride_x", "KW", "N_OUT")       # row lengths of real geometries: multiples of 16
+_DIVISIBLE = ("stride_x", "stride_out", "KW", "N_OUT")       # row lengths of real geometries: multiples of 16
 
 
 def signature(fmt: str, kernel: str) -> dict:
@@ -32,8 +32,11 @@ def signature(fmt: str, kernel: str) -> dict:
     body = {"plan_ptr": "*i64", "slots_ptr": "*i64", "table_ptr": "*i64", "n_slots": "i32", "q_base": q,
             "s_base": _SCALE[fmt], ("h_ptr" if kernel == "gate_up" else "y_ptr"): "*fp32", "KW": "i32",
             "SROW": "i32", "N_OUT": "i32", "G_COLS": "i32"}
+    if kernel == "down":
+        body.update({"out_ptr": act, "stride_out": "i32", "rows_ptr": "*i64", "T": "i32", "P": "i32",
+                     "counter_ptr": "*i32"})
     consts = ["FMT", "G", "NT", "BLOCK_N", "BLOCK_K", "UNIT", "GW", "RED", "STAGES"] + \
-        (["ROUND"] if kernel == "gate_up" else []) + ["NATIVE", "ALIGN"]
+        (["ROUND"] if kernel == "gate_up" else []) + ["NATIVE", "ALIGN"] + (["TB"] if kernel == "down" else [])
     return {**head, **body, **{c: "constexpr" for c in consts}}
 
 
@@ -57,6 +60,8 @@ def compile_kernel(fmt: str, nt: int, kernel: str, arch: int, aligned: bool = Tr
               "ALIGN": (8 if fmt == "float" else 4) if aligned else 1, **cfg_consts}
     if kernel == "gate_up":
         consts["ROUND"] = rounded
+    else:
+        consts["TB"] = 1 if nt == 1 else 8          # (one token at decode; eight with NT = 8)
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n].startswith("*") or n in _DIVISIBLE}

@@ -4,13 +4,13 @@ The torch path (`residency.formats.swiglu` per expert) issues about nine operati
 (gather, two GEMVs, chunk, SiLU, multiply, scale, scatter): at decode, with one token and up to
 top-k experts on the accelerator, that is ~70 kernel launches and their Python per MoE layer.
 Here a layer-step's (token, expert) pairs are grouped by expert (`gpu_slots.plan`: each expert
-is read once for up to 8 of its tokens) and run in three launches (four where the activations
-are rounded, `launches`):
+is read once for up to 8 of its tokens) and run in two launches (`launches`):
 
-    round_act_kernel grid (T, D / 1024):            x rounded per 32 columns as the CPU kernels see it
-    gate_up_kernel   grid (groups, I / BLOCK_N):    h[p] = silu(gate . x_t) * (up . x_t)   (fp32, rounded)
-    down_kernel      grid (groups, D / BLOCK_N):    y[p] = w_p * (down . h[p])             (fp32)
-    combine_kernel   grid (T, D / 1024):            out[t] += sum of y[p] over t's pairs, in pair order
+    gate_up_kernel   grid (groups, I / BLOCK_N):  h[p] = silu(gate . x_t) * (up . x_t)   (fp32; x and h
+                                                  rounded as the CPU kernels see them where they are)
+    down_kernel      grid (groups, D / BLOCK_N):  y[p] = w_p * (down . h[p]), then the last program of
+                                                  each row block: out[t] += sum of y[p] over t's pairs,
+                                                  in pair order (no atomics on values)
 
 for bf16 / fp16 / fp32, int8, int4 (g >= 8 columns a group, fp16 scales), fp8 (e4m3, a scale a
 row and block of columns) and nvfp4 experts in the expert store's layouts, read in place: an
@@ -43,6 +43,7 @@ MAX_TOKENS_PER_EXPERT = 8          # tokens of one expert read in one group (gpu
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 QUANT_FORMATS = ("int8", "int4", "fp8", "nvfp4")
 COMBINE_BLOCK = 1024
+MAX_FUSED_TOKENS = 16              # up to this many tokens the down kernel sums the pairs itself
 
 _kernels = None
 _why_not: str | None = None
@@ -100,9 +101,10 @@ def seen_by_cpu_kernels(v: torch.Tensor) -> torch.Tensor:
     return (q * scale).view(*v.shape[:-1], -1)[..., :k]
 
 
-def launches(fmt: str) -> int:
-    """Kernel launches of one `moe_slots` call for experts of `fmt` ("float" or a quantised one)."""
-    return 4 if _rounds(fmt) else 3
+def launches(tokens: int = 1) -> int:
+    """Kernel launches of one `moe_slots` / `run` call for `tokens` rows of x, whatever the format:
+    gate/up and down (a separate per-token sum past MAX_FUSED_TOKENS)."""
+    return 2 if tokens <= MAX_FUSED_TOKENS else 3
 
 
 def _rounds(fmt: str) -> bool:
@@ -126,12 +128,11 @@ class StepPlan:
     n_pairs: int
     h: torch.Tensor            # fp32 [P, I] scratch
     y: torch.Tensor            # fp32 [P, D] scratch
-    xr: torch.Tensor | None    # fp32 [T, D] rounded activations (rounding formats)
+    counters: torch.Tensor     # int32, zero between launches: the down kernel's row blocks (`_counters`)
 
 
-def prepare(table: SlotTable, pair_slots: Sequence[int], tokens: int, device: torch.device | str) -> StepPlan:
-    """The plan of one step whose pair p reads slot pair_slots[p] of `table`, for x of `tokens` rows:
-    one host->device copy (from pinned memory on a GPU) of the groups and, when the table has no
+def prepare(table: SlotTable, pair_slots: Sequence[int], device: torch.device | str) -> StepPlan:
+    """The plan of one step whose pair p reads slot pair_slots[p] of `table`: one host->device copy (from pinned memory on a GPU) of the groups and, when the table has no
     device copy, its offsets."""
     dev = torch.device(device)
     host, groups, nt = packed_plan(pair_slots, table)
@@ -141,20 +142,29 @@ def prepare(table: SlotTable, pair_slots: Sequence[int], tokens: int, device: to
     else:
         tab = table.device_offsets
     pairs = len(pair_slots)
-    xr = torch.empty((tokens, table.hidden), dtype=torch.float32, device=dev) if _rounds(table.fmt) else None
     return StepPlan(table, tab, buf[:groups], buf[groups:], groups, nt, pairs,
                     torch.empty((pairs, table.inter), dtype=torch.float32, device=dev),
-                    torch.empty((pairs, table.hidden), dtype=torch.float32, device=dev), xr)
+                    torch.empty((pairs, table.hidden), dtype=torch.float32, device=dev), _counters(dev, table.hidden))
+
+
+_counter_bufs: dict = {}
+
+
+def _counters(dev: torch.device, hidden: int) -> torch.Tensor:
+    """A zeroed int32 counter per row block of the down kernel (at least 16 rows a block), kept per
+    device: each launch's last program of a block resets its counter, so one buffer serves every
+    launch on a stream (and the same address every CUDA graph replay)."""
+    need = -(-hidden // 16)
+    buf = _counter_bufs.get(dev)
+    if buf is None or buf.numel() < need:
+        buf = _counter_bufs[dev] = torch.zeros(max(need, 1024), dtype=torch.int32, device=dev)
+    return buf
 
 
 def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, plan: StepPlan) -> None:
     """The launches of one planned step: out[rows[p]] += weights[p] * expert(x[rows[p]])."""
     k, table, dev = _load(), plan.table, x.device
     fid, hidden, inter = table.fmt_id, table.hidden, table.inter
-    if plan.xr is not None:
-        blk = min(1024, max(32, 1 << (hidden - 1).bit_length()))
-        k.round_act_kernel[(x.shape[0], -(-hidden // blk))](x, x.stride(0), plan.xr, hidden, BLOCK=blk)
-        x = plan.xr
     native = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
     common = dict(FMT=fid, G=table.group_size, NT=plan.nt, UNIT=UNIT[fid], NATIVE=native, ALIGN=table.align)
     cu = kernel_config(table.fmt, plan.nt, "gate_up", _rounds(table.fmt), table.group_size)
@@ -163,12 +173,16 @@ def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.T
         plan.h, table.row_words(hidden), table.scale_row(hidden), inter, hidden // 16, ROUND=_rounds(table.fmt),
         **common, **cu)
     cd = kernel_config(table.fmt, plan.nt, "down", False, table.group_size)
+    tokens = out.shape[0]
+    tb = 1 << (tokens - 1).bit_length() if tokens <= MAX_FUSED_TOKENS else 0     # the sum in the down kernel
     k.down_kernel[(plan.groups, -(-hidden // cd["BLOCK_N"]))](
         plan.h, weights, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[2], table.bases[3], plan.y,
-        table.row_words(inter), table.scale_row(inter), hidden, inter // 16, **common, **cd)
-    blk = min(COMBINE_BLOCK, 1 << (hidden - 1).bit_length())
-    k.combine_kernel[(out.shape[0], -(-hidden // blk))](out, out.stride(0), plan.y, rows, plan.n_pairs, hidden,
-                                                        BLOCK=blk)
+        table.row_words(inter), table.scale_row(inter), hidden, inter // 16, out, out.stride(0), rows, tokens,
+        plan.n_pairs, plan.counters, TB=tb, **common, **cd)
+    if tb == 0:
+        blk = min(COMBINE_BLOCK, 1 << (hidden - 1).bit_length())
+        k.combine_kernel[(tokens, -(-hidden // blk))](out, out.stride(0), plan.y, rows, plan.n_pairs, hidden,
+                                                      BLOCK=blk)
 
 
 def moe_slots(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
@@ -177,9 +191,9 @@ def moe_slots(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: t
     in slot pair_slots[p] of `table` (built and checked once, `gpu_slots.build_table`). x [T, D]
     (unit column stride), rows [P] int64 and weights [P] fp32 on x's device. Each slot is read
     once for up to 8 of its pairs; fp32 sums, per token in pair order, added into out once in
-    its dtype. `prepare` then `run`: `launches(fmt)` kernel launches."""
+    its dtype. `prepare` then `run`: `launches(T)` kernel launches."""
     if len(pair_slots):
-        run(out, x, rows, weights, prepare(table, pair_slots, x.shape[0], x.device))
+        run(out, x, rows, weights, prepare(table, pair_slots, x.device))
 
 
 def _pair_slots(experts: Sequence[tuple]) -> tuple[list[tuple], list[int]]:
