@@ -201,3 +201,29 @@ def _edit_config(src, dst, **changes):
         del cfg[key]
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_numba_index_scores_read_the_paged_keys_in_place_and_match_the_reference(stored):
+    """kernels/cpu_mla.index_scores (the cpu decode's selection) against layers/dsa.index_scores over
+    the same stored keys, in a context gathered from scattered slots, and its partial top-k against
+    torch.topk; the kernel's blocks of 256 keys end inside the context (1000 keys)."""
+    import numpy as np
+
+    from freetoken_py.kernels.cpu_mla import index_scores, top_slots
+    from freetoken_py.layers.dsa import DsaConfig
+    from freetoken_py.layers.dsa import index_scores as reference
+
+    g = torch.Generator().manual_seed(0)
+    cfg = DsaConfig(n_heads=16, head_dim=32, topk=40, rope_dim=16, interleave=True, layer_types=("full",))
+    keys = torch.randn(4096, 1, 32, generator=g).to(stored)  # [S, 1, di]: one layer's index rows
+    slots = torch.randperm(4096, generator=g)[:1000]
+    q, w = torch.randn(1, 16, 32, generator=g), torch.randn(1, 16, generator=g)
+    want = reference(cfg, q, w, keys[slots, 0])[0]
+    view = keys.view(torch.int16).numpy().view(np.uint16) if stored == torch.bfloat16 else keys.numpy()
+    got = np.empty(1000, np.float32)
+    index_scores(q[0].numpy(), w[0].numpy(), view, slots.numpy(), cfg.head_dim ** -0.5, np.ones(1, np.float32), got)
+    assert np.abs(got - want.numpy()).max() <= 1e-5 * float(want.abs().max())
+    top = top_slots(got, slots.numpy(), cfg.topk)
+    assert sorted(top.tolist()) == sorted(slots[want.topk(cfg.topk).indices].tolist())
+    assert (np.diff([slots.tolist().index(s) for s in top]) > 0).all()  # in context order

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 
 from freetoken_py.engine.cpu_backend import KernelExpertExecutor
 from freetoken_py.kernels import cpu_decode as kd
-from freetoken_py.kernels.cpu_mla import mla_decode
+from freetoken_py.kernels.cpu_mla import index_scores as index_scores_kernel
+from freetoken_py.kernels.cpu_mla import mla_decode, top_slots
 from freetoken_py.kernels.cpu_moe import ACTIVATIONS, add_moe_experts
 from freetoken_py.kvcache import KVCache
-from freetoken_py.layers.dsa import index_keys, index_queries, index_scores
+from freetoken_py.layers.dsa import index_keys, index_queries
 from freetoken_py.layers.linear import KernelLinear
 from freetoken_py.layers.mla import mla_project
 from freetoken_py.models.moe_transformer import MoeTransformer
@@ -43,6 +44,8 @@ class MlaDecoder:
         # uint16 bits), no copy: the kernel splits and widens them as it reads
         H, dn, dv = self.cfg.num_heads, self.cfg.qk_nope_head_dim, self.cfg.v_head_dim
         self.kv_b = [_kv_view(lw.mla.kv_b.contiguous()).reshape(H, dn + dv, -1) for lw in model.weights.layers]
+        # DSA: each full layer's index-key rows [S, 1, di] (fp32, or bf16 bits), read in place
+        self.index = {i: _kv_view(cache.index[j]) for i, j in cache.index_layer.items()}
 
     @property
     def absorb_bytes(self) -> int:
@@ -102,16 +105,16 @@ class MlaDecoder:
         new = index_keys(d, w, x, cos, sin)  # [T, di]
         self.cache.write_index(i, slots, new)
         q, weights = index_queries(d, w, x, q_resid, cos, sin)
+        q_np, w_np = q.contiguous().numpy(), weights.contiguous().numpy()
         parts = []
         for t in range(len(ctx_off) - 1):
             own = ctx[ctx_off[t]:ctx_off[t + 1]]
             if len(own) <= d.topk:
                 parts.append(own)
                 continue
-            k = self.cache.read_index(i, torch.from_numpy(own))  # [ctx, di]
-            k[-1] = new[t]
-            top = index_scores(d, q[t:t + 1], weights[t:t + 1], k)[0].topk(d.topk).indices
-            parts.append(own[np.sort(top.numpy())])
+            scores = np.empty(len(own), np.float32)
+            index_scores_kernel(q_np[t], w_np[t], self.index[i], own, d.head_dim ** -0.5, _ONE, scores)
+            parts.append(top_slots(scores, own, d.topk))
         off = np.zeros(len(parts) + 1, np.int64)
         np.cumsum([len(p) for p in parts], out=off[1:])
         exact = self.fp8 and all(p[-1] == s for p, s in zip(parts, new_slots))

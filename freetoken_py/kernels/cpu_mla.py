@@ -113,3 +113,36 @@ def mla_decode(q_nope, q_rope, kv_b, kc, vc, kscale, vscale, lut, exact_c, exact
             for r in range(R):
                 s += kv_widen(kv_b[h, dn + v, r], lut) * o_lat[r]
             out[t, h * dv + v] = s / tot
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def index_scores(q, w, keys, slots, scale, lut, out):
+    """DSA's lightning-indexer scores of one query over its cached index keys, read in place
+    (layers/dsa.index_scores is the reference): out[j] = sum_h w[h] * relu(q[h] . k_j * scale).
+    q [Hi, di] fp32 (roped); w [Hi] fp32 (Hi^-0.5 folded in); keys [S, 1, di]: one layer's index
+    rows, fp32 or bf16 bits (uint16); slots [n]: the context's slots; out [n] fp32. Keys are
+    streamed once, in blocks of 256 per task, each widened once for every head."""
+    Hi, di = q.shape
+    n = slots.shape[0]
+    for b in prange((n + 255) // 256):
+        k = np.empty(di, np.float32)
+        for j in range(b * 256, min(n, b * 256 + 256)):
+            row = keys[slots[j], 0]
+            for d in range(di):
+                k[d] = kv_widen(row[d], lut)
+            s = np.float32(0.0)
+            for h in range(Hi):
+                acc = np.float32(0.0)
+                for d in range(di):
+                    acc += q[h, d] * k[d]
+                acc *= scale
+                if acc > 0:
+                    s += w[h] * acc
+            out[j] = s
+
+
+def top_slots(scores: np.ndarray, slots: np.ndarray, k: int) -> np.ndarray:
+    """The slots of the k highest scores, in context order (a partial sort: O(n), not O(n log n))."""
+    keep = np.argpartition(scores, len(scores) - k)[len(scores) - k:]
+    keep.sort()
+    return slots[keep]

@@ -113,7 +113,6 @@ def dsa_selection(cfg: DsaConfig, w: IndexerWeights, cache, layer: int, meta, x:
             out.append(None)
             continue
         a, b = seq.q_start, seq.q_end
-        ctx_keys = cache.read_index(layer, seq.ctx_slots)  # [ctx, di]
-        ctx_keys[a - b:] = keys[a:b]  # the new tokens end the context: their exact keys
+        ctx_keys = cache.read_index(layer, seq.ctx_slots)  # [ctx, di], as stored (new ones too: chunking-proof)
         out.append(select(cfg, index_scores(cfg, q[a:b], weights[a:b], ctx_keys), seq.mask))
     return out
