@@ -227,3 +227,15 @@ def test_numba_index_scores_read_the_paged_keys_in_place_and_match_the_reference
     top = top_slots(got, slots.numpy(), cfg.topk)
     assert sorted(top.tolist()) == sorted(slots[want.topk(cfg.topk).indices].tolist())
     assert (np.diff([slots.tolist().index(s) for s in top]) > 0).all()  # in context order
+
+
+def test_prefill_index_scores_in_query_blocks_match_transformers(ckpt, monkeypatch):
+    """A prefill whose [rows, heads, ctx] scores exceed dsa.SCORE_BLOCK runs in blocks of query rows
+    (here 3 rows of a 30-token prompt): the same logits as transformers."""
+    import freetoken_py.layers.dsa as dsa
+
+    monkeypatch.setattr(dsa, "SCORE_BLOCK", 16 * 30 * 3)
+    path = ckpt("glm_moe_dsa")
+    prompt = _prompt(30, seed=3)
+    tokens, ours = parity_util.drive(_llm(path, "torch"), prompt, 4)
+    assert (ours - _theirs("glm_moe_dsa", path, prompt + tokens[:-1], len(prompt) - 1)).abs().max().item() <= 1e-4

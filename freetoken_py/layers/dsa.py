@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from freetoken_py.layers.mla import rope
 
-LAYER_NORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(eps=1e-6) in both families)
+LAYER_NORM_EPS = 1e-6
+SCORE_BLOCK = 1 << 26  # prefill: index scores computed per block of queries, [rows, Hi, ctx] <= 256 MiB fp32  # the indexer's k_norm (nn.LayerNorm(eps=1e-6) in both families)
 
 
 @dataclass(frozen=True)
@@ -114,5 +115,10 @@ def dsa_selection(cfg: DsaConfig, w: IndexerWeights, cache, layer: int, meta, x:
             continue
         a, b = seq.q_start, seq.q_end
         ctx_keys = cache.read_index(layer, seq.ctx_slots)  # [ctx, di], as stored (new ones too: chunking-proof)
-        out.append(select(cfg, index_scores(cfg, q[a:b], weights[a:b], ctx_keys), seq.mask))
+        # query rows in blocks: the [rows, Hi, ctx] fp32 scores stay under SCORE_BLOCK values
+        rows = max(1, SCORE_BLOCK // (cfg.n_heads * len(ctx_keys)))
+        out.append(torch.cat([
+            select(cfg, index_scores(cfg, q[r:min(b, r + rows)], weights[r:min(b, r + rows)], ctx_keys),
+                   None if seq.mask is None else seq.mask[r - a:min(b, r + rows) - a])
+            for r in range(a, b, rows)]))
     return out
