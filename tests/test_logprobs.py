@@ -113,3 +113,43 @@ def test_siblings_wait_for_the_prompt_and_take_it_from_the_prefix_cache(llm):
     assert first.num_cached_tokens == 0
     assert [r.num_cached_tokens for r in rest] == [len(ids) - 1] * 3
     assert len({tuple(r.output_token_ids) for r in [first, *rest]}) == 4
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_prompt_and_generated_logprobs_of_a_hybrid_model(tmp_path_factory, backend):
+    """A Qwen3-Next hybrid (recurrent-state layers, prefix-state snapshots on): prompt rows over
+    chunked prefill and decode rows equal transformers' log_softmax, on both backends."""
+    from hybrid_util import build
+    from hybrid_util import reference as hybrid_reference
+
+    from freetoken_py.llm import LLM
+
+    path = build("qwen3_next", tmp_path_factory.mktemp("hybrid_lp"))
+    llm = LLM(path, dtype="float32", show_progress=False, backend=backend, max_num_batched_tokens=16)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (37,), generator=g).tolist()
+    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))   # its prefix (and state) cached
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, logprobs=3, prompt_logprobs=3,
+                                                ignore_eos=True))
+    ref = reference_logprobs(hybrid_reference(path), ids + out.token_ids)
+    assert out.num_cached_tokens == 0
+    check(out.prompt_logprobs[1:], ref[:len(ids) - 1], ids[1:], 3)
+    check(out.logprobs, ref[len(ids) - 1:-1], out.token_ids, 3)
+
+
+def test_logprobs_of_an_mla_model_through_the_fused_decoder(tmp_path_factory):
+    """DeepSeek-V3 attention (MLA): prompt rows through the torch prefill, decode rows through the
+    fused MLA decoder, against transformers."""
+    from mla_util import build
+    from mla_util import reference as mla_reference
+
+    from freetoken_py.llm import LLM
+
+    path = build("deepseek_v3", tmp_path_factory.mktemp("mla_lp"))
+    llm = LLM(path, dtype="float32", show_progress=False, max_num_batched_tokens=16)
+    ids = torch.randint(0, 160, (29,), generator=torch.Generator().manual_seed(9)).tolist()
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=2,
+                                                ignore_eos=True))
+    ref = reference_logprobs(mla_reference("deepseek_v3", path), ids + out.token_ids)
+    check(out.prompt_logprobs[1:], ref[:len(ids) - 1], ids[1:], 2)
+    check(out.logprobs, ref[len(ids) - 1:-1], out.token_ids, 2)
