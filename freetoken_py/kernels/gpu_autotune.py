@@ -1,5 +1,5 @@
 """Launch configurations of the Triton expert kernels (`_triton_moe`): static defaults, and the
-measured choice per GPU once `tune` has run (no Triton import here).
+measured choice per GPU once `tune` has run (cached per GPU, capability and Triton version).
 
 A configuration is the tile of one program (BLOCK_N rows by BLOCK_K columns a step), how much of
 the reduction is deferred to the epilogue (RED columns summed a step: 1 defers all of it), the
@@ -10,7 +10,17 @@ tests/test_triton_compile.py hold them to zero spills).
 """
 from __future__ import annotations
 
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
 from freetoken_py.kernels.gpu_slots import FORMATS, UNIT
+
+ELEM_BYTES = {"float": 2, "int8": 4, "int4": 4, "fp8": 4, "nvfp4": 4}   # a loaded element (bf16, or a word)
+MIN_STAGE, MAX_STAGE = 8 << 10, 32 << 10    # bytes of weights a program has in flight per stage
+MAX_ACC_REGS = 64                           # accumulator registers a thread may hold
 
 
 def default_config(fmt: str, nt: int, kernel: str, rounded: bool) -> dict:
@@ -33,9 +43,113 @@ def default_config(fmt: str, nt: int, kernel: str, rounded: bool) -> dict:
     return {"BLOCK_N": block_n, "BLOCK_K": width * unit, "RED": min(red, width), "STAGES": 3, "num_warps": 4}
 
 
-def kernel_config(fmt: str, nt: int, kernel: str, rounded: bool, group_size: int = 32) -> dict:
-    """The configuration a launch uses: this GPU's tuned one where the cache has it, else the default."""
-    return finalize(default_config(fmt, nt, kernel, rounded), fmt, group_size)
+def kernel_config(fmt: str, nt: int, kernel: str, rounded: bool, group_size: int = 32,
+                  shape: tuple[int, int] | None = None) -> dict:
+    """The configuration a launch uses: this GPU's tuned one for (format, group, shape (D, I), NT,
+    kernel) where the loaded cache (`use_cache`) has it, else the default."""
+    tuned = _active.get(key(fmt, group_size, shape, nt, kernel)) if shape else None
+    return finalize(tuned or default_config(fmt, nt, kernel, rounded), fmt, group_size)
+
+
+# ---- autotuning: a small sweep, pruned by a static bytes-in-flight model, cached per GPU ---------
+_active: dict = {}
+
+
+def key(fmt: str, group_size: int, shape, nt: int, kernel: str) -> str:
+    return f"{fmt}/g{group_size}/{shape[0]}x{shape[1]}/nt{nt}/{kernel}"
+
+
+def candidates(fmt: str, nt: int, kernel: str, rounded: bool) -> list[dict]:
+    """The sweep: tiles, pipeline depths and warps whose weights in flight per program and stage
+    lie in [MIN_STAGE, MAX_STAGE] and whose accumulators fit MAX_ACC_REGS a thread (the static
+    model; what is left is timed). The default is always first."""
+    sets = 2 if kernel == "gate_up" else 1
+    out = [default_config(fmt, nt, kernel, rounded)]
+    widths = (64, 128, 256, 512) if fmt == "float" else (16, 32, 64, 128)
+    for block_n in (16, 32, 64):
+        if rounded and kernel == "gate_up" and block_n % 32:
+            continue
+        for width in widths:
+            bytes_ = sets * block_n * width * ELEM_BYTES[fmt]
+            red = 1 if nt == 1 else width
+            for warps in (4, 8):
+                acc = sets * nt * block_n * (width // red) / (32 * warps)
+                products = nt * block_n * width / (32 * warps)
+                if not MIN_STAGE <= bytes_ <= MAX_STAGE or acc > MAX_ACC_REGS or products > 2 * MAX_ACC_REGS:
+                    continue
+                for stages in (2, 4) if (block_n, width) == (16, 64) else (3,):
+                    c = {"BLOCK_N": block_n, "BLOCK_K": width * UNIT[FORMATS[fmt]], "RED": red, "STAGES": stages,
+                         "num_warps": warps}
+                    if c not in out:
+                        out.append(c)
+    return out
+
+
+def machine() -> dict:
+    """What a tuned configuration is valid for: the GPU, its compute capability, Triton's version."""
+    import torch
+    import triton
+
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        cap = torch.cuda.get_device_capability()
+        return {"gpu": torch.cuda.get_device_name(), "capability": f"{cap[0]}.{cap[1]}", "triton": triton.__version__}
+    return {"gpu": "Triton interpreter", "capability": "0.0", "triton": triton.__version__}
+
+
+def cache_path() -> Path:
+    from freetoken_py.envs import cache_dir
+
+    return cache_dir() / "gpu" / "expert_kernels.json"
+
+
+def use_cache(path: Path | None = None) -> int:
+    """Load the tuned configurations at `path` for launches on this machine; returns how many.
+    A cache from another GPU, capability or Triton version is a one-line warning and the
+    defaults (re-tune); an unreadable one too."""
+    path = path or cache_path()
+    _active.clear()
+    if not path.exists():
+        return 0
+    try:
+        data = json.loads(path.read_text())
+        mine, theirs = machine(), data["machine"]
+        configs = data["configs"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"GPU kernel tuning cache {path} is unreadable ({type(exc).__name__}); using the default "
+                      f"configurations", RuntimeWarning, stacklevel=2)
+        return 0
+    if theirs != mine:
+        warnings.warn(f"GPU kernel tuning cache {path} is for {theirs.get('gpu')} (sm {theirs.get('capability')}, "
+                      f"Triton {theirs.get('triton')}), this is {mine['gpu']} (sm {mine['capability']}, Triton "
+                      f"{mine['triton']}): using the default configurations until it is re-tuned",
+                      RuntimeWarning, stacklevel=2)
+        return 0
+    _active.update(configs)
+    return len(configs)
+
+
+def tune(cases: list[tuple], time_config: Callable[[str, dict], float], path: Path | None = None) -> dict:
+    """For each case (fmt, group, (D, I), nt, rounded): time every candidate of both kernels with
+    `time_config(kernel, config)` (seconds, e.g. CUDA-graph replay of that case's step) and keep
+    the fastest; merged into the cache at `path` for this machine and made active. Returns
+    {key: config}."""
+    path = path or cache_path()
+    best = {}
+    for fmt, group, shape, nt, rounded in cases:
+        for kernel in ("gate_up", "down"):
+            timed = [(time_config(kernel, c), i, c) for i, c in enumerate(candidates(fmt, nt, kernel, rounded))]
+            best[key(fmt, group, shape, nt, kernel)] = min(timed, key=lambda t: (t[0], t[1]))[2]
+    old = {}
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            old = data["configs"] if data.get("machine") == machine() else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            old = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine(), "configs": {**old, **best}}, indent=1, sort_keys=True))
+    use_cache(path)
+    return best
 
 
 def group_words(fmt: str, group_size: int) -> int:

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from freetoken_py.kernels.gpu_autotune import kernel_config
+from freetoken_py.kernels.gpu_autotune import finalize, kernel_config
 from freetoken_py.kernels.gpu_slots import UNIT, SlotTable, build_table, packed_plan
 
 MAX_TOKENS_PER_EXPERT = 8          # tokens of one expert read in one group (gpu_slots.MAX_GROUP)
@@ -79,10 +79,36 @@ def why_not() -> str | None:
 def _load():
     global _kernels
     if _kernels is None:
-        from freetoken_py.kernels import _triton_moe
+        from freetoken_py.kernels import _triton_moe, gpu_autotune
 
         _kernels = _triton_moe
+        gpu_autotune.use_cache()        # this GPU's tuned configurations, if `tune` has run here
     return _kernels
+
+
+def time_config(out, x, rows, weights, plan: StepPlan, kernel: str, config: dict, reps: int = 5) -> float:
+    """Seconds a planned step takes with `kernel` launched at `config` (the other at its current
+    one): median of `reps` runs after a warm-up (CUDA events on a GPU, else wall clock). The
+    `time_config` that `gpu_autotune.tune` calls."""
+    import statistics
+    import time
+
+    cuda = x.device.type == "cuda"
+    run(out, x, rows, weights, plan, {kernel: config})
+    got = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run(out, x, rows, weights, plan, {kernel: config})
+            b.record()
+            b.synchronize()
+            got.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            run(out, x, rows, weights, plan, {kernel: config})
+            got.append(time.perf_counter() - t0)
+    return statistics.median(got)
 
 
 def seen_by_cpu_kernels(v: torch.Tensor) -> torch.Tensor:
@@ -161,18 +187,23 @@ def _counters(dev: torch.device, hidden: int) -> torch.Tensor:
     return buf
 
 
-def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, plan: StepPlan) -> None:
-    """The launches of one planned step: out[rows[p]] += weights[p] * expert(x[rows[p]])."""
+def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, plan: StepPlan,
+        configs: dict | None = None) -> None:
+    """The launches of one planned step: out[rows[p]] += weights[p] * expert(x[rows[p]]). `configs`
+    {"gate_up" | "down": launch configuration} overrides the tuned / default ones (tuning)."""
     k, table, dev = _load(), plan.table, x.device
     fid, hidden, inter = table.fmt_id, table.hidden, table.inter
     native = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
     common = dict(FMT=fid, G=table.group_size, NT=plan.nt, UNIT=UNIT[fid], NATIVE=native, ALIGN=table.align)
-    cu = kernel_config(table.fmt, plan.nt, "gate_up", _rounds(table.fmt), table.group_size)
+    shape, configs = (hidden, inter), configs or {}
+    cu = finalize(configs["gate_up"], table.fmt, table.group_size) if "gate_up" in configs else \
+        kernel_config(table.fmt, plan.nt, "gate_up", _rounds(table.fmt), table.group_size, shape)
     k.gate_up_kernel[(plan.groups, -(-inter // cu["BLOCK_N"]))](
         x, x.stride(0), rows, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[0], table.bases[1],
         plan.h, table.row_words(hidden), table.scale_row(hidden), inter, hidden // 16, ROUND=_rounds(table.fmt),
         **common, **cu)
-    cd = kernel_config(table.fmt, plan.nt, "down", False, table.group_size)
+    cd = finalize(configs["down"], table.fmt, table.group_size) if "down" in configs else \
+        kernel_config(table.fmt, plan.nt, "down", False, table.group_size, shape)
     tokens = out.shape[0]
     tb = 1 << (tokens - 1).bit_length() if tokens <= MAX_FUSED_TOKENS else 0     # the sum in the down kernel
     k.down_kernel[(plan.groups, -(-hidden // cd["BLOCK_N"]))](
