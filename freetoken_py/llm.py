@@ -34,6 +34,7 @@ from freetoken_py.utils.progress import progress_bar
 
 CORPUS_DIR = Path(__file__).parent / "data" / "corpus"   # shipped real text (its README: sources, licence)
 KV_CALIBRATION_TOKENS = 512   # FP8 KV scales: a prefill of this much shipped prose and code
+SCORE_ROWS = 256   # prompt logprobs: rows per log_softmax (its copy stays small next to the step's logits)
 RANDOM_CALIBRATION_TOKENS = 64   # without a tokenizer: the earlier fixed pseudo-random ids, as many as before
 
 
@@ -497,9 +498,10 @@ class LLM:
             if k is not None:
                 scored = req.prompt_logprobs or [None]   # token 0 has no logprob
                 lo, hi = max(start, len(scored) - 1), min(start + ch.num_new, n - 1)  # row p scores token p + 1
-                if lo < hi:   # (a recompute after preemption scores nothing twice)
-                    scored.extend(logprobs_of(rows[off + lo - start:off + hi - start],
-                                              req.prompt_token_ids[lo + 1:hi + 1], k))
+                for a in range(lo, hi, SCORE_ROWS):   # (a recompute after preemption scores nothing twice)
+                    b = min(hi, a + SCORE_ROWS)        # log_softmax copies: a slice of rows at a time
+                    scored.extend(logprobs_of(rows[off + a - start:off + b - start],
+                                              req.prompt_token_ids[a + 1:b + 1], k))
                 req.prompt_logprobs = scored
             off += ch.num_new
             if start + ch.num_new == req.num_tokens:
