@@ -153,3 +153,13 @@ def test_logprobs_of_an_mla_model_through_the_fused_decoder(tmp_path_factory):
     ref = reference_logprobs(mla_reference("deepseek_v3", path), ids + out.token_ids)
     check(out.prompt_logprobs[1:], ref[:len(ids) - 1], ids[1:], 2)
     check(out.logprobs, ref[len(ids) - 1:-1], out.token_ids, 2)
+
+
+def test_prompt_rows_scored_in_slices(llm, hf, monkeypatch):
+    """SCORE_ROWS smaller than a chunk: the slices join without a gap or a repeat."""
+    import freetoken_py.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "SCORE_ROWS", 5)
+    ids = prompt_ids(llm, 31)
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2))
+    check(out.prompt_logprobs[1:], reference_logprobs(hf, ids)[:-1], ids[1:], 2)
