@@ -5,6 +5,8 @@ from CUDA-graph replay, against a read roofline, per format, geometry and batch.
                                     [--tokens 1,2,4,8] [--replays 20] [--out FILE]
     python bench/gpu_moe_kernels.py --dry-run      # anywhere: the cases, their bytes and slots; no kernels
     python bench/gpu_moe_kernels.py --interpret    # no GPU: Triton's CPU interpreter, tiny sizes, eager only
+    python bench/gpu_moe_kernels.py --registers 80,90   # no GPU: compiled registers / spills / 16-byte loads
+    ... --tune                                     # tune each case's kernels first (cached for this GPU)
 
 A layer-step: T tokens, each routed to top-k distinct experts, every pair distinct, drawn from a
 bank of slots >= 4x the GPU's L2 (so every step reads its experts from VRAM, as in decode). R
@@ -55,6 +57,11 @@ def parse(argv):
     ap.add_argument("--replays", type=int, default=20, help="graph replays timed per case")
     ap.add_argument("--dry-run", action="store_true", help="list the cases, their bytes and slots; run nothing")
     ap.add_argument("--interpret", action="store_true", help="no GPU: Triton's CPU interpreter, tiny sizes")
+    ap.add_argument("--tune", action="store_true",
+                    help="first tune each case's kernels here (gpu_autotune: a small sweep, cached for this GPU)")
+    ap.add_argument("--registers", type=lambda v: _csv("registers", v, (80, 86, 89, 90, 120), int), default=None,
+                    metavar="ARCHS", help="instead: compile for these sm archs (no GPU needed) and report registers, "
+                                          "spills and 16-byte loads per kernel")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.replays < 1:
@@ -94,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"          # before Triton is imported
+    if args.registers:
+        from freetoken_py.kernels.gpu_compile import compile_kernel
+
+        rows = [compile_kernel(FORMATS[f][0], nt, kernel, arch, group_size=FORMATS[f][1])
+                for arch in args.registers for f in args.formats for nt in (1, 8) for kernel in ("gate_up", "down")]
+        return common.emit({"bench": "gpu_moe_kernels", "registers": True, "rows": rows,
+                            "spills": sum(r["spill_stores"] + r["spill_loads"] for r in rows)}, args.out)
     if args.dry_run:
         cases = [plan_case(f, m, t, DEFAULT_L2, args.interpret) for f in args.formats for m in args.models
                  for t in args.tokens]
@@ -119,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in models:
             for tokens in args.tokens:
                 case = plan_case(fmt, model, tokens, l2, args.interpret)
-                row = run_case(case, FORMATS[fmt], dev, args.replays if cuda else 1, cuda)
+                row = run_case(case, FORMATS[fmt], dev, args.replays if cuda else 1, cuda, args.tune)
                 if roof:
                     row["share_of_roofline"] = round(row["gbps"] / roof, 3)
                 rows.append(row)
@@ -163,7 +177,7 @@ def make_bank(fmt: str, slots: int, hidden: int, inter: int, group: int, dev):
     return codes(2 * inter, hidden // 2), nv_scales(2 * inter, hidden), codes(hidden, inter // 2), nv_scales(hidden, inter)
 
 
-def run_case(case: dict, spec: tuple, dev, replays: int, cuda: bool) -> dict:
+def run_case(case: dict, spec: tuple, dev, replays: int, cuda: bool, tune: bool = False) -> dict:
     """One (format, model, T) case: graph replay and eager timings, and the torch path's agreement."""
     import torch
 
@@ -197,6 +211,15 @@ def run_case(case: dict, spec: tuple, dev, replays: int, cuda: bool) -> dict:
         ref[t] += wts[p] * y[0]
     gpu_moe.moe_slots(out, x, rows, wts, table, pair_slots(0))
     rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+    tuned = None
+    if tune:                                             # (before any graph capture)
+        from freetoken_py.kernels import gpu_autotune
+
+        plan0 = gpu_moe.prepare(table, pair_slots(0), dev)
+        scratch = torch.zeros_like(out)
+        tuned = gpu_autotune.tune([(fmt, group, (hidden, inter), plan0.nt, gpu_moe._rounds(fmt))],
+                                  lambda kernel, cfg: gpu_moe.time_config(scratch, x, rows, wts, plan0, kernel, cfg))
 
     # eager: prepare + launches per step (host wall clock; GPU time from events)
     plans, host = [], []
@@ -237,7 +260,7 @@ def run_case(case: dict, spec: tuple, dev, replays: int, cuda: bool) -> dict:
     return {**case, "max_rel_diff": rel, "agree": rel <= (2e-2 if fmt == "float" else 2e-3),
             "graph_us": round(graph_s * 1e6, 2) if graph_s else None, "eager_us": round(eager_s * 1e6, 2),
             "host_us": round(1e6 * sorted(host)[len(host) // 2], 1), "launches": gpu_moe.launches(tokens),
-            "gbps": round(step_bytes / t / 1e9, 1)}
+            "gbps": round(step_bytes / t / 1e9, 1), "tuned": tuned}
 
 
 def _event(cuda: bool):

@@ -234,7 +234,8 @@ def test_executor_with_triton_experts_keeps_outputs_and_computes_each_pair_once(
 def test_kernel_bench_runs_in_the_interpreter(tmp_path):
     """bench/gpu_moe_kernels.py --interpret: the GPU bench's code path on CPU (tiny sizes, eager only),
     every format agreeing with the torch path, marked not comparable; --dry-run lists the cases
-    anywhere; a bad argument is exit 2 naming it; without a GPU and without either flag it skips."""
+    anywhere, --registers the compiled kernels' registers and spills; a bad argument is exit 2 naming
+    it; without a GPU and without these flags it skips."""
     import json
 
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu_moe_kernels.py")
@@ -252,6 +253,11 @@ def test_kernel_bench_runs_in_the_interpreter(tmp_path):
     cases = json.loads(dry.stdout)["cases"]
     assert dry.returncode == 0 and len(cases) == 16
     assert all(c["slots"] * c["bytes_per_step"] / c["experts_per_step"] >= 4 * (50 << 20) for c in cases)
+    regs = subprocess.run([sys.executable, script, "--registers", "80", "--formats", "fp8"], capture_output=True,
+                          text=True, timeout=600)
+    report = json.loads(regs.stdout)
+    assert regs.returncode == 0 and report["spills"] == 0 and len(report["rows"]) == 4
+    assert all(r["regs"] > 0 and r["wide_loads"] > 0 for r in report["rows"])
     bad = subprocess.run([sys.executable, script, "--tokens", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--tokens" in bad.stderr and "Traceback" not in bad.stderr
     import torch
