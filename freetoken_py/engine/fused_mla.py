@@ -104,6 +104,8 @@ class MlaDecoder:
         d = self.args.dsa
         new = index_keys(d, w, x, cos, sin)  # [T, di]
         self.cache.write_index(i, slots, new)
+        if ctx_off[-1] - ctx_off[0] <= d.topk:  # no token's context exceeds index_topk: nothing to choose
+            return ctx, ctx_off, self.fp8
         q, weights = index_queries(d, w, x, q_resid, cos, sin)
         q_np, w_np = q.contiguous().numpy(), weights.contiguous().numpy()
         parts = []
