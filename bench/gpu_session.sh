@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# Issue #5's GPU check in one command, for a session that is lent a GPU (the device tool runs it
-# in the repository root with $OUT set):
+# The GPU check in one command (issues 5 and 40), for a session that is lent a GPU (the device
+# tool runs it in the repository root with $OUT set):
 #
 #     run(command="bash bench/gpu_session.sh", timeout_s=590)
 #
 # Steps, each with its own time limit, each appending its result under $OUT as soon as it ends (a
 # step that runs long costs only itself): the environment, `freetoken probe` (cached, so the
-# bench does not measure again inside its timing), the `cuda` variants of the placement tests
-# (logits within 1e-4 of transformers, or of the cpu backend for int8 / int4 experts, with dense
-# weights and KV in VRAM), the Triton experts' test and kernel bench on the GPU,
-# bench/residency_gpu.py (measured decode tok/s next to the simulator's), and the bench again
-# with the accelerator's experts through torch and with int4 experts. The package is used
-# from this checkout (PYTHONPATH); torch with CUDA, numba, safetensors, transformers, typer and
-# rich must be installed (the device image has them). Seven files come back (the device tool
-# returns at most eight): steps.txt (each step's status), log.txt (the environment, then each
-# step's output and the tail of its stderr), probe.json, gpu_moe_kernels.json, residency_gpu.json,
-# residency_gpu_torch.json, residency_gpu_int4.json; the profile cache stays on the machine.
+# benches do not measure again inside their timing; its vram_d2d is the read roofline until a
+# read kernel's figure replaces it), the `cuda` variants of the placement tests (logits within
+# 1e-4 of transformers, or of the cpu backend for int8 / int4 experts, with dense weights and KV
+# in VRAM), the Triton experts against torch on the GPU and their compiled code (ptxas: spills,
+# vector loads), the kernel bench (bench/gpu_moe_kernels.py, one JSON line), then
+# bench/residency_gpu.py with the policies ours / lru / static (measured decode tok/s, host reads,
+# launches and pageable copies per token, host us per MoE layer, next to the simulator's
+# prediction with its fixed costs), with the accelerator's experts through torch, and with int4
+# experts on a mapped expert store (the page-locking fix of the H200 run, not re-run since).
+# The package is used from this checkout (PYTHONPATH); torch with CUDA, numba, safetensors,
+# transformers, typer and rich must be installed (the device image has them). Five files come
+# back (the device tool returns at most eight): steps.txt (each step's status), log.txt (the
+# environment, then each step's output and the tail of its stderr), probe.json,
+# gpu_moe_kernels.json and residency_gpu.jsonl (one line per residency step: "policy",
+# "accel_experts" and "expert_format" tell them apart); the profile cache stays on the machine.
 # Exit status: 0 when every step passed, 1 when one failed or ran out of time or the cuda
 # placement tests did not all pass (steps.txt says which), 3 at once without a CUDA GPU, 4 when
 # torch does not import, 2 when $OUT is not a folder.
+#
+# FREETOKEN_GPU_SESSION_EMULATE=1 is the dry run for a machine without a GPU: every step runs on
+# the EMULATED accelerator (CPU tensors; Triton's interpreter; the placement tests' emulate
+# variants; residency_gpu.py --emulate rtx4090 with fewer tokens), so the script's whole path is
+# exercised, with four times the limits (the CPU does the accelerator's work too). Its figures are NOT GPU speed: log.txt and steps.txt say EMULATED, and every
+# residency line has "comparable": false.
 set -u
 : "${OUT:?set OUT to the folder the results go to}"
 [ -d "$OUT" ] || { echo "OUT=$OUT is not a directory" >&2; exit 2; }
@@ -26,7 +37,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export FREETOKEN_CACHE_DIR="${FREETOKEN_CACHE_DIR:-/tmp/freetoken-cache}"
 PY="${PYTHON:-python3}"
 SCRATCH=$(mktemp -d)     # each step's own output; what comes back is appended to $OUT/log.txt
+EMU="${FREETOKEN_GPU_SESSION_EMULATE:-0}"
 log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$OUT/steps.txt"; }
+[ "$EMU" = 1 ] && log "EMULATED accelerator (dry run, CPU tensors): the pipeline is checked, no figure is GPU speed"
 
 "$PY" - > "$SCRATCH/env.txt" 2>&1 <<'PYEOF'
 import sys
@@ -36,12 +49,18 @@ except Exception as exc:
     print("torch does not import:", exc)
     sys.exit(4)
 print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as exc:
+    print("triton does not import:", exc)
 if not torch.cuda.is_available():
     print("no CUDA GPU visible to torch")
     sys.exit(3)
 print(torch.cuda.get_device_name(0), torch.cuda.mem_get_info())
 PYEOF
 rc=$?
+if [ "$EMU" = 1 ] && [ $rc -eq 3 ]; then rc=0; echo "EMULATED: going on without a GPU" >> "$SCRATCH/env.txt"; fi
 { echo "=== environment (rc=$rc)"; cat "$SCRATCH/env.txt"; } >> "$OUT/log.txt"
 case $rc in
     0) ;;
@@ -53,7 +72,7 @@ log "environment ok: $(tail -1 "$SCRATCH/env.txt")"
 
 fail=0
 step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log its status and output
-    local name=$1 limit=$2 out=$3; shift 3
+    local name=$1 limit=$(( $2 * LIMIT_SCALE )) out=$3; shift 3
     log "$name"
     timeout -k 10 "$limit" "$@" > "$out" 2> "$SCRATCH/step.err"
     local r=$?
@@ -65,27 +84,42 @@ step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log it
 # the limits and their 10 s kill grace stay under the 590 s the device call is given, with 30 s
 # left for the environment check (measured on the H200, 2026-12-04: probe 87 s, placement 79 s,
 # Triton test 24 s, kernel bench 8 s, residency_gpu 27 s with its checkpoint built, torch 12 s)
-step probe 100 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
+LIMIT_SCALE=1
+if [ "$EMU" = 1 ]; then   # (the CPU does the accelerator's work too: the dry run's limits are 4x the GPU's)
+    LIMIT_SCALE=4
+    PLACEMENT_K="placement and emulate" KBENCH="--interpret" RGPU="--emulate rtx4090 --decode-tokens 8"
+    RSHORT="--emulate rtx4090 --decode-tokens 4"
+else
+    PLACEMENT_K="(placement and cuda) or cuda_registration" KBENCH="" RGPU="" RSHORT="--decode-tokens 16"
+fi
+step probe 90 "$OUT/probe.json" "$PY" -m freetoken_py probe --json
 # the float and the quantised (int8 / int4 experts) placement tests' cuda variants, and the
 # page-locking of host memory in place (utils/host_memory) on the real driver
-step "placement test (cuda)" 95 "$SCRATCH/placement.txt" \
+step "placement test" 90 "$SCRATCH/placement.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_residency_executor.py tests/test_expert_store.py \
-    -k "(placement and cuda) or cuda_registration"
-if ! grep -q "6 passed" "$SCRATCH/placement.txt"; then    # every cuda test ran (not skipped)
+    -k "$PLACEMENT_K"
+if [ "$EMU" != 1 ] && ! grep -q "6 passed" "$SCRATCH/placement.txt"; then    # every cuda test ran (not skipped)
     log "placement test: the six cuda tests did not all pass"
     fail=1
 fi
-# the accelerator's Triton experts against torch on the GPU (skipped, and said so, without Triton)
-step "triton experts test" 55 "$SCRATCH/gpu_moe.txt" \
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_moe.py -k "match_the_torch_reference"
-# one decode layer-step of Qwen3-30B's experts: Triton against torch, GB/s against the VRAM roofline
-step "triton experts bench" 45 "$SCRATCH/gpu_moe_kernels.txt" \
-    "$PY" bench/gpu_moe_kernels.py --out "$OUT/gpu_moe_kernels.json"
-step residency_gpu 60 "$SCRATCH/residency_gpu.txt" "$PY" bench/residency_gpu.py --out "$OUT/residency_gpu.json"
-# the same with the accelerator's experts through torch: what the Triton kernels change
-step "residency_gpu (torch experts)" 45 "$SCRATCH/residency_gpu_torch.txt" \
-    "$PY" bench/residency_gpu.py --torch-experts --decode-tokens 16 --out "$OUT/residency_gpu_torch.json"
-# the experts in int4 on every tier (28 % of bf16's bytes per slot and per copy at g = 32)
-step "residency_gpu (int4 experts)" 90 "$SCRATCH/residency_gpu_int4.txt" \
-    "$PY" bench/residency_gpu.py --expert-dtype int4 --decode-tokens 16 --out "$OUT/residency_gpu_int4.json"
+# the accelerator's Triton experts against torch on the GPU (skipped, and said so, without Triton),
+# and their compiled code for each architecture (no spills, 16-byte loads)
+step "triton experts test" 75 "$SCRATCH/gpu_moe.txt" \
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_moe.py tests/test_triton_compile.py \
+    -k "match_the_torch_reference or compile or spills or ptxas or fp8"
+# one decode layer-step of Qwen3-30B's experts: Triton against torch, GB/s against the roofline
+step "triton experts bench" 45 "$OUT/gpu_moe_kernels.json" "$PY" bench/gpu_moe_kernels.py $KBENCH
+# end-to-end decode where the experts do not fit (slots for a quarter): ours, lru, static
+for policy in ours lru static; do
+    limit=50; [ $policy = ours ] || limit=35
+    args=$RGPU; [ $policy = ours ] || args=$RSHORT
+    step "residency_gpu ($policy)" $limit "$SCRATCH/rg.json" "$PY" bench/residency_gpu.py --policy $policy $args
+    tail -1 "$SCRATCH/rg.json" | grep '^{' >> "$OUT/residency_gpu.jsonl"
+done
+# the accelerator's experts through torch: what the Triton kernels change
+step "residency_gpu (torch experts)" 35 "$SCRATCH/rg.json" "$PY" bench/residency_gpu.py --torch-experts $RSHORT
+tail -1 "$SCRATCH/rg.json" | grep '^{' >> "$OUT/residency_gpu.jsonl"
+# the experts in int4 on every tier, from the mapped expert store's cache (copied, then pinned)
+step "residency_gpu (int4 experts)" 80 "$SCRATCH/rg.json" "$PY" bench/residency_gpu.py --expert-dtype int4 $RSHORT
+tail -1 "$SCRATCH/rg.json" | grep '^{' >> "$OUT/residency_gpu.jsonl"
 exit $fail

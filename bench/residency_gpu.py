@@ -16,7 +16,14 @@ It decodes --decode-tokens greedy tokens and records the routing, then reports:
   per token, run and replay (`prefetch_copies_per_token`);
 - the experts' wall time per decoded token (the executor's calls, the accelerator's part waited
   for), next to the planner's prediction for the same layer-steps and the simulator's replay,
-  with `within_25pct` (the expert part alone).
+  with `within_25pct` (the expert part alone);
+- counted over the decode layer-steps at the executor's choke points (residency/transfers.py):
+  `host_reads_per_token`, `launches_per_token`, `pageable_copies_per_token`, and the executor's
+  host time per MoE layer-step less its wait in the routing read (`host_us_per_layer`,
+  `read_wait_us_per_layer`); the fixed costs the simulator used (`simulator_fixed_us`).
+
+`--policy ours|lru|static` picks the cache policy (issue 40's comparison where the model does
+not fit).
 
 With residency="cuda" the dense weights, the activations and the KV cache live in VRAM; the
 routed experts live in pinned host banks, the slot cache and the CPU tier. The simulator models

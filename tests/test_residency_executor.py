@@ -771,12 +771,35 @@ def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, st
                           env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out)}, cwd=script.parents[1])
     assert proc.returncode == want, proc.stdout + proc.stderr
     steps = (out / "steps.txt").read_text()
-    for name in ("probe", "placement test (cuda)", "triton experts test", "triton experts bench", "residency_gpu",
-                 "residency_gpu (torch experts)", "residency_gpu (int4 experts)"):
+    for name in ("probe", "placement test", "triton experts test", "triton experts bench", "residency_gpu (ours)",
+                 "residency_gpu (lru)", "residency_gpu (static)", "residency_gpu (torch experts)",
+                 "residency_gpu (int4 experts)"):
         assert f"{name} rc={step_status}" in steps
     log = (out / "log.txt").read_text()
     assert "-k (placement and cuda) or cuda_registration" in log and "=== residency_gpu (int4 experts)" in log
+    assert "EMULATED" not in steps
     assert len(list(out.iterdir())) <= 8     # what the device tool brings back (it dropped the rest on the H200)
+
+
+def test_gpu_session_script_dry_runs_on_the_emulated_accelerator(tmp_path):
+    """FREETOKEN_GPU_SESSION_EMULATE=1: without a GPU (the stand-in's environment check says so,
+    status 3) the script goes on, every step on the emulated accelerator, and says EMULATED."""
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/bin/bash\nif [ "$1" = "-" ]; then cat > /dev/null; echo "no CUDA GPU visible to torch"; exit 3; fi\n'
+                    'echo "ran $*"; exit 0\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_session.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, cwd=script.parents[1],
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out),
+                               "FREETOKEN_GPU_SESSION_EMULATE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps, log = (out / "steps.txt").read_text(), (out / "log.txt").read_text()
+    assert steps.splitlines()[0].endswith("no figure is GPU speed") and "EMULATED" in steps.splitlines()[0]
+    assert "residency_gpu (int4 experts) rc=0" in steps
+    assert "-k placement and emulate" in log and "--interpret" in (out / "gpu_moe_kernels.json").read_text()
+    assert len(list(out.iterdir())) <= 8
 
 
 def test_an_error_between_a_layers_copies_leaves_the_slots_and_the_policy_in_step(checkpoint_factory):
