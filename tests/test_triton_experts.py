@@ -130,6 +130,7 @@ errs["int8 T2"] = check("int8", 2, 72, 44, 4, 2)
 errs["int4 T1"] = check("int4", 1, 96, 64, 5, 4)
 errs["int4 T5 g64"] = check("int4", 5, 128, 64, 3, 2, group=64)
 errs["fp8 T4"] = check("fp8", 4, 136, 72, 4, 3, group=128)      # partial 128-blocks on both axes
+errs["fp8 T1"] = check("fp8", 1, 392, 264, 3, 2, group=128)     # (one token: steps of two 128-blocks)
 errs["nvfp4 T2"] = check("nvfp4", 2, 80, 48, 4, 2)
 errs["nvfp4 T8"] = check("nvfp4", 8, 64, 32, 3, 2)
 # nine tokens all routed to expert 0 (two groups of it) and one more each: 18 pairs

@@ -139,9 +139,12 @@ def _step(q, s, r, rm, f, k0, KW, SROW, xp, xm, FMT: tl.constexpr, G: tl.constex
                 fb = tl.broadcast_to(f[:, None], [BLOCK_N, W // GW])
                 eff = tl.where(fb > 0, sv * fb, tl.math.div_rn(sv, tl.where(fb < 0, -fb, 1.0)))
                 c = c * eff[None, :, :]
-        elif FMT == 3:                                           # one scale a row and block of G columns
-            sc = tl.load(s + r[:, None] * SROW + (kw[None, :] * UNIT) // G, mask=m, other=0.0)
-            c = c * sc[None, :, :]
+        elif FMT == 3:                                           # one scale a row and block of G columns:
+            SB: tl.constexpr = (G if G < BLOCK_K else BLOCK_K) // UNIT      # words of a step under one scale
+            bi = (k0 + tl.arange(0, W // SB) * (SB * UNIT)) // G
+            sc = tl.load(s + r[:, None] * SROW + bi[None, :], mask=rm[:, None] & (bi * G < KW * UNIT)[None, :],
+                         other=0.0)                              # [BLOCK_N, W / SB]: loaded once, broadcast
+            c = tl.reshape(tl.reshape(c, [NT, BLOCK_N, W // SB, SB]) * sc[None, :, :, None], [NT, BLOCK_N, W])
     if RED == 1:
         return c
     return tl.sum(tl.reshape(c, [NT, BLOCK_N, W // GW // RED, RED]), axis=3)

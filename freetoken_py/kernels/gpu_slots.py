@@ -71,8 +71,8 @@ def _check_format(fmt: str, inter: int, hidden: int, g: int) -> None:
     """The column counts a format's word reads need (a one-line error naming them otherwise)."""
     unit = UNIT[FORMATS[fmt]]
     need = {"int4": g, "nvfp4": 16}.get(fmt, unit)
-    if fmt == "int4" and (g % 8 or g <= 0):
-        raise ValueError(f"gpu experts: int4 group_size must be a positive multiple of 8, got {g}")
+    if fmt in ("int4", "fp8") and (g < 8 or g & (g - 1)):
+        raise ValueError(f"gpu experts: {fmt} group_size must be a power of two >= 8, got {g}")
     if hidden % need or inter % need:
         raise ValueError(f"gpu experts: {fmt} needs D and I divisible by {need}, got D={hidden}, I={inter}")
 
