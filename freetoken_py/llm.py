@@ -20,7 +20,7 @@ from freetoken_py.engine.cpu_backend import prefill_expert_memory
 from freetoken_py.engine.runner import ModelRunner, ScheduledChunk
 from freetoken_py.engine.sampler import logprobs_of, sample
 from freetoken_py.errors import ContextLengthError, FreetokenError, ModelLoadError
-from freetoken_py.kvcache import PageAllocator, page_bytes
+from freetoken_py.kvcache import PageAllocator, paged_bytes
 from freetoken_py.kvcache.pool import FP8
 from freetoken_py.kvcache.radix import RadixCache
 from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
@@ -68,8 +68,7 @@ class LLM:
         self.kv_dtype = {"auto": auto_kv, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}[self.config.kv_dtype]
         a = self.args
         # only the paged layers count (a hybrid's linear-attention layers keep a per-request state)
-        self._page_bytes = page_bytes(self.model.state_spec(), self.model.num_paged_layers, self.config.page_size,
-                                      self.kv_dtype)
+        self._page_bytes = paged_bytes(self.model.paged_specs(), self.config.page_size, self.kv_dtype)  # DSA: + index keys
         self._snapshot_slots = self._snapshot_slot_count()   # hybrids: out of the KV budget, before the pages
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.model, num_pages, self.config.page_size, self.kv_dtype,

@@ -155,6 +155,7 @@ def test_index_keys_are_a_paged_row_of_the_full_layers_only(ckpt):
     assert cache.index.shape[0] == 2 and cache.index.shape[2:] == (1, dsa.head_dim)
     per_token = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * dsa.head_dim
     assert cache.bytes_per_token == per_token * 4 == llm.kv_bytes_per_token
+    assert llm._page_bytes == cache.bytes_per_token * llm.config.page_size  # the page budget counts the index keys
     from freetoken_py.hw.model_bytes import kv_bytes_per_token, read_model_bytes
     bf16 = _llm(ckpt("glm_moe_dsa"), "torch", kv_dtype="bf16")
     assert read_model_bytes(ckpt("glm_moe_dsa")).kv_bytes_per_token == bf16.kv_bytes_per_token == per_token * 2
