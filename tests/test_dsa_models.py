@@ -240,3 +240,22 @@ def test_prefill_index_scores_in_query_blocks_match_transformers(ckpt, monkeypat
     prompt = _prompt(30, seed=3)
     tokens, ours = parity_util.drive(_llm(path, "torch"), prompt, 4)
     assert (ours - _theirs("glm_moe_dsa", path, prompt + tokens[:-1], len(prompt) - 1)).abs().max().item() <= 1e-4
+
+
+def test_mtp_layer_and_rope_parameters_nested_by_layer_type_load_to_the_same_tokens(ckpt, tmp_path):
+    """An MTP layer's tensors (model.layers.{num_hidden_layers}.*, indexer included) are not read, and
+    rope_parameters keyed by layer type ({"indexed_attention": {...}}) are the one set they hold."""
+    src = ckpt("deepseek_v32")
+    dst = tmp_path / "mtp"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.bin"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_parameters"] = {"indexed_attention": cfg["rope_parameters"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    f = next(dst.glob("*.safetensors"))
+    tensors = load_file(f)
+    tensors.update({k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if "layers.2." in k})
+    assert any(k.startswith("model.layers.3.self_attn.indexer.") for k in tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+    prompt, params = _prompt(12, seed=4), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = _llm(src, "torch").generate([prompt], params)[0].token_ids
+    assert _llm(dst, "torch").generate([prompt], params)[0].token_ids == want
