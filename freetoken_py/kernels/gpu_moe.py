@@ -158,8 +158,8 @@ class StepPlan:
 
 
 def prepare(table: SlotTable, pair_slots: Sequence[int], device: torch.device | str) -> StepPlan:
-    """The plan of one step whose pair p reads slot pair_slots[p] of `table`: one host->device copy (from pinned memory on a GPU) of the groups and, when the table has no
-    device copy, its offsets."""
+    """The plan of one step whose pair p reads slot pair_slots[p] of `table`: one host->device copy
+    (from pinned memory on a GPU) of the groups and, when the table has no device copy, its offsets."""
     dev = torch.device(device)
     host, groups, nt = packed_plan(pair_slots, table)
     buf = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
