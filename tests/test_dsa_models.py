@@ -259,3 +259,47 @@ def test_mtp_layer_and_rope_parameters_nested_by_layer_type_load_to_the_same_tok
     prompt, params = _prompt(12, seed=4), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = _llm(src, "torch").generate([prompt], params)[0].token_ids
     assert _llm(dst, "torch").generate([prompt], params)[0].token_ids == want
+
+
+def _fp8_ue8m0(src, dst, plain, block: int = 16):
+    """DeepSeek-V3.2's published layout: every linear (MLA projections, indexer wq_b / wk, experts)
+    as e4m3 blocks with power-of-two (ue8m0) weight_scale_inv; embeddings, norms, router, weights_proj
+    and lm_head as stored. `plain`: the same checkpoint with those weights dequantised (float32)."""
+    import re
+
+    from freetoken_py.quant.fp8 import quantize_fp8_blocks
+
+    keep = re.compile(r"(embed_tokens|lm_head|norm|mlp\.gate\.|weights_proj)")
+    for d in (dst, plain):
+        d.mkdir()
+        for f in src.glob("*.json"):
+            shutil.copy(f, d / f.name)
+    out, deq = {}, {}
+    for n, t in load_file(next(src.glob("*.safetensors"))).items():
+        if t.dim() != 2 or keep.search(n):
+            out[n] = deq[n] = t
+            continue
+        s = torch.pow(2.0, torch.ceil(torch.log2(quantize_fp8_blocks(t.float(), (block, block))[1])))
+        full = s.repeat_interleave(block, 0)[:t.shape[0]].repeat_interleave(block, 1)[:, :t.shape[1]]
+        q = (t.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[n], out[n + "_scale_inv"], deq[n] = q, s, q.float() * full
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    save_file(deq, plain / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block], "scale_fmt": "ue8m0"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst, plain
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_fp8_ue8m0_checkpoint_matches_transformers_on_its_dequantised_weights(backend, ckpt, tmp_path):
+    src = ckpt("deepseek_v32")
+    fp8, plain = _fp8_ue8m0(src, tmp_path / "fp8", tmp_path / "plain")
+    assert "model.layers.0.self_attn.indexer.wq_b.weight_scale_inv" in load_file(fp8 / "model.safetensors")
+    prompt = _prompt(21, seed=1)
+    tokens, ours = parity_util.drive(_llm(fp8, backend, expert_cache="off"), prompt, 8)
+    theirs = _theirs("deepseek_v32", plain, prompt + tokens[:-1], len(prompt) - 1)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    original = _theirs("deepseek_v32", src, prompt + tokens[:-1], len(prompt) - 1)
+    assert (theirs - original).abs().max().item() > 1e-3  # the fp8 values are in effect
