@@ -21,7 +21,7 @@ class LayerCounters:
     split_cpu_share: float = 0.0   # of those, the CPU's part (pairs x share of the columns)
     pcie_bytes: int = 0
     stall_s: float = 0.0
-    predicted_s: float = 0.0  # the planner's time for the layer's experts + the profile's host_layer_s
+    predicted_s: float = 0.0  # the planner's time for the layer's experts + fixed costs (CostModel.layer_step_s)
     measured_s: float = 0.0   # the executor call's time on this machine: wall clock, or the GPU's clock
                               # (CUDA events) when the dense weights are on the GPU
     cpu_tier_s: float = 0.0   # measured wall time in the CPU tier (real even under emulation)

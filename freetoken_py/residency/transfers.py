@@ -74,6 +74,7 @@ class Transfers:
         self.pinned = self.device.type == "cuda"
         self._host: dict[str, torch.Tensor] = {}
         self._zeros: Optional[torch.Tensor] = None      # [n] uint8 zeros on the device
+        self._layouts: dict = {}                         # read_packed's layouts, by the parts' shapes
         self._events: list = []
 
     # ---- pooled buffers and events -------------------------------------------------------------
@@ -111,35 +112,47 @@ class Transfers:
         `out_like`, also a zeroed device tensor of its shape and dtype, written by the same
         launch (the layer's output buffer). Returns (host views of the parts, in their shapes
         and dtypes, valid until the next read for `role`; the zeroed tensor or None)."""
-        present = [(i, p) for i, p in enumerate(parts) if p is not None]
-        # widest elements first: every part then starts at a multiple of its element size
-        present.sort(key=lambda ip: -ip[1].element_size())
+        key = (role, tuple(None if p is None else (p.shape, p.dtype) for p in parts),
+               None if out_like is None else (out_like.shape, out_like.dtype))
+        layout = self._layouts.get(key)
+        if layout is None:          # (decode repeats one layout: its host views are made once)
+            if len(self._layouts) >= 32:
+                self._layouts.clear()
+            layout = self._layouts[key] = self._layout(parts, out_like, role)
+        order, zero_n, dst, got = layout
         flat, launches = [], 1
-        for _, p in present:
+        for i in order:
+            p = parts[i]
             if not p.is_contiguous():
                 p, launches = p.contiguous(), launches + 1
             flat.append(p.reshape(-1).view(torch.uint8))
-        zero_n = _align(out_like.numel() * out_like.element_size()) if out_like is not None else 0
         pieces = ([self._zero_bytes(zero_n)] if zero_n else []) + flat
         packed = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
         launched(launches)
-        nbytes = packed.numel() - zero_n
-        host = self.host(role, nbytes)
-        if nbytes:
+        if dst.numel():
             t0 = time.perf_counter()
-            host.copy_(packed[zero_n:])        # pinned on CUDA: waits for the queue, once
+            dst.copy_(packed[zero_n:])         # pinned on CUDA: waits for the queue, once
             COUNTS.d2h_wait_s += time.perf_counter() - t0
             COUNTS.d2h_reads += 1
-        got: list[Optional[torch.Tensor]] = [None] * len(parts)
-        at = 0
-        for (i, p), f in zip(present, flat):
-            got[i] = host[at:at + f.numel()].view(p.dtype).view(p.shape)
-            at += f.numel()
         out = None
         if out_like is not None:
-            n = out_like.numel() * out_like.element_size()
-            out = packed[:n].view(out_like.dtype).view(out_like.shape)
-        return got, out
+            out = packed[:out_like.numel() * out_like.element_size()].view(out_like.dtype).view(out_like.shape)
+        return list(got), out
+
+    def _layout(self, parts, out_like, role: str) -> tuple:
+        """Where each part lies in the packed bytes: (the parts' order, widest elements first, so
+        every part starts at a multiple of its element size; the zero block's bytes; the host
+        buffer the bytes are read into; the parts' host views, None for an absent part)."""
+        order = sorted((i for i, p in enumerate(parts) if p is not None), key=lambda i: -parts[i].element_size())
+        sizes = [parts[i].numel() * parts[i].element_size() for i in order]
+        zero_n = _align(out_like.numel() * out_like.element_size()) if out_like is not None else 0
+        dst = self.host(role, sum(sizes))
+        got: list[Optional[torch.Tensor]] = [None] * len(parts)
+        at = 0
+        for i, n in zip(order, sizes):
+            got[i] = dst[at:at + n].view(parts[i].dtype).view(parts[i].shape)
+            at += n
+        return order, zero_n, dst, got
 
     def read(self, t: torch.Tensor, role: str = "read_one") -> torch.Tensor:
         """One device tensor on the host (a pooled buffer's view; valid until the next read for
