@@ -1,4 +1,4 @@
-"""lm-evaluation-harness (PyPI `lm-eval`, not a test dependency: skipped without it) runs a
+"""lm-evaluation-harness (PyPI `lm-eval`, in the test extra) runs a
 log-likelihood (multiple-choice) task from a local data file against a real `freetoken serve`
 through its `local-completions` model (echo + logprobs, token-id prompts); its per-example
 log-likelihoods equal transformers' on the same checkpoint, teacher-forced (1e-4 per token)."""
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = pytest.importorskip("lm_eval")  # the test extra installs it; a bare install skips
 
 from freetoken_py.cli import DEMO_MODEL  # noqa: E402
 
