@@ -86,19 +86,51 @@ def test_non_streamed_request_is_aborted_when_the_client_leaves(srv):
     assert after["free_pages"] + after["cached_pages"] == after["num_pages"]
 
 
+class EngineGate:
+    """Parks the server's engine thread between steps until `open()`: a stats command whose
+    future's done-callback (run by set_result, on the engine thread) waits on an Event. No
+    request can finish meanwhile, so admission counts follow from --max-queue alone, not from
+    how fast the engine decodes. Nothing of the server is replaced."""
+
+    def __init__(self, srv):
+        import concurrent.futures
+
+        self.parked, self._open = threading.Event(), threading.Event()
+        fut = concurrent.futures.Future()
+        fut.add_done_callback(lambda _: (self.parked.set(), self._open.wait(120)))
+        srv.state.engine._inbox.put(("stats", fut))
+        assert self.parked.wait(60), "the engine thread never took the gate"
+
+    def open(self) -> None:
+        self._open.set()
+
+
 def test_burst_beyond_capacity_gets_exactly_the_expected_429s(srv):
     wait_idle(srv)
-    # the 4 admitted need >= 60 engine steps before one finishes; the 10 requests arrive long before
+    engine = srv.state.engine
+    rejected_before = engine.stats.num_rejected_queue_full
+    gate = EngineGate(srv)  # the engine runs no step until every one of the 10 has its answer
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
-            return await asyncio.gather(*(client.post("/v1/chat/completions", json=long_chat(60, stream=False))
-                                          for _ in range(10)))
+            tasks = [asyncio.create_task(client.post("/v1/chat/completions", json=long_chat(60, stream=False)))
+                     for _ in range(10)]
+            try:
+                deadline = time.monotonic() + 60
+                while engine.num_active + engine.stats.num_rejected_queue_full - rejected_before < 10:
+                    assert time.monotonic() < deadline, "the 10 requests never all reached admission"
+                    await asyncio.sleep(0.01)
+                admitted_while_parked = engine.num_active
+            finally:
+                gate.open()
+            return admitted_while_parked, await asyncio.gather(*tasks)
 
-    responses = asyncio.run(main())
+    admitted_while_parked, responses = asyncio.run(main())
     rejected = [r for r in responses if r.status_code == 429]
     admitted = [r for r in responses if r.status_code == 200]
-    assert len(rejected) == 6 and len(admitted) == 4  # max_queue=4
+    assert admitted_while_parked == 4  # max_queue=4 counts running + waiting (max_num_seqs=2)
+    assert len(rejected) == 6 and len(admitted) == 4
+    assert engine.stats.num_rejected_queue_full - rejected_before == 6
     for r in rejected:
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error" and "busy" in r.json()["error"]["message"]
