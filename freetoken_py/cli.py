@@ -216,7 +216,7 @@ def serve(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
-    agent: str = typer.Argument(..., help="claude (Claude Code) or opencode (OpenCode)."),
+    agent: str = typer.Argument(..., help="claude (Claude Code), opencode (OpenCode) or codex (Codex CLI)."),
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The running `freetoken serve`."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="The server's --api-key, if it has one."),
     max_output_tokens: Optional[int] = typer.Option(None, "--max-output-tokens", min=1,

@@ -1,6 +1,8 @@
 """docs/options.md, generated from the CLI itself (typer's click commands): one table per command,
-every option with its default and help text. tests/test_options_doc.py checks the file equals
-this output, so an option added or changed in freetoken_py/cli.py without regenerating fails.
+every option with its default and help text, then the environment variables (freetoken_py/envs.py).
+tests/test_options_doc.py checks the file equals this output, so an option added or changed in
+freetoken_py/cli.py without regenerating fails. Everything after NOTES_MARKER in the file is
+written by hand (what an option does beyond its help line) and kept as it is by --write.
 
     python scripts/options_doc.py           # print
     python scripts/options_doc.py --write   # write docs/options.md
@@ -16,6 +18,9 @@ HEADER = ["# Command-line options", "",
           "Generated from `freetoken_py/cli.py` by `python scripts/options_doc.py --write` (checked by",
           "`tests/test_options_doc.py`); `freetoken COMMAND --help` prints the same. `--model` takes a",
           "checkpoint directory or a hub id `ORG/NAME[@REV]` (README, \"A real model by hub id\").", ""]
+
+
+NOTES_MARKER = "<!-- written by hand below this line; scripts/options_doc.py keeps it -->"
 
 
 def _cell(text: object) -> str:
@@ -49,7 +54,20 @@ def render() -> str:
         lines += [f"## `{name}`", "", _cell((cmd.help or "").strip().split("\n\n")[0]), "",
                   "| option | default | meaning |", "|---|---|---|"]
         lines += [_row(p) for p in cmd.params if p.name != "help"] + [""]
-    return "\n".join(lines)
+    return "\n".join(lines + _env_table()) + _notes()
+
+
+def _env_table() -> list[str]:
+    from freetoken_py.envs import ENV_VARS
+
+    return ["## Environment variables", "", "Declared in `freetoken_py/envs.py`, read when needed (never at import).", "",
+            "| variable | meaning |", "|---|---|", *(f"| `{k}` | {_cell(v)} |" for k, v in ENV_VARS.items()), ""]
+
+
+def _notes() -> str:
+    """The hand-written part of the current file (from NOTES_MARKER on), or "" when it has none."""
+    text = OUT.read_text() if OUT.exists() else ""
+    return "\n" + text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else ""
 
 
 if __name__ == "__main__":
