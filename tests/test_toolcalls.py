@@ -76,7 +76,7 @@ def test_detect_on_real_and_snippet_templates():
     assert detect_tool_format(Tokenizer(DEMO).chat_template) == "qwen3_json"
     assert detect_tool_format(QWEN3_CODER_SNIPPET) == "qwen3_coder_xml"
     assert detect_tool_format(GLM45_SNIPPET) == "glm45"  # has <tool_call> too; must not be taken as Qwen3
-    assert detect_tool_format(HARMONY_SNIPPET) == "unsupported:harmony"
+    assert detect_tool_format(HARMONY_SNIPPET) == "harmony"   # (its own parser: tests/test_harmony.py)
     assert detect_tool_format(DEEPSEEK_SNIPPET) == "deepseek_v31"
     assert detect_tool_format(PLAIN_SNIPPET) == "none"
     assert detect_tool_format(None) == "none"
@@ -85,10 +85,10 @@ def test_detect_on_real_and_snippet_templates():
 
 
 def test_unsupported_format_refused_only_when_tools_requested():
-    with pytest.raises(UnsupportedToolFormat, match="harmony"):
-        OutputParser("unsupported:harmony", tools_enabled=True)
+    with pytest.raises(UnsupportedToolFormat, match="mistral"):
+        OutputParser("unsupported:mistral", tools_enabled=True)
     # without tools the text passes through untouched, markup and all
-    assert parse_output("<tool_call>x</tool_call>", "unsupported:harmony").content == "<tool_call>x</tool_call>"
+    assert parse_output("<tool_call>x</tool_call>", "unsupported:mistral").content == "<tool_call>x</tool_call>"
     assert parse_output("<tool_call>x</tool_call>", "glm45").content == "<tool_call>x</tool_call>"
     with pytest.raises(ValueError):
         OutputParser("qwen4_magic")

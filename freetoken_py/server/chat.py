@@ -388,17 +388,22 @@ def _referenced_tools(messages) -> set[str]:
 # ---- reasoning switches -> template variables ------------------------------------------------
 RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
+# gpt-oss (harmony) always reasons, at one of three efforts: the template's `reasoning_effort`
+HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 
 
 def openai_template_kwargs(body: dict, effort=None, effort_field: str = "reasoning_effort") -> dict:
     """`chat_template_kwargs` (vLLM / SGLang), a top-level `enable_thinking`, and the reasoning
     effort ("none" / "minimal" switch thinking off, "low".."high" on) as the template's variables;
-    explicit kwargs win. {} leaves the template's own default."""
+    explicit kwargs win. {} leaves the template's own default. The effort is also passed as
+    `reasoning_effort` low / medium / high (gpt-oss's template reads it; none / minimal -> low,
+    xhigh -> high)."""
     out = {}
     if effort is not None:
         if not isinstance(effort, str) or effort not in EFFORT_THINKS:  # (a list or dict: a 400 too)
             raise bad(f"'{effort_field}' must be one of {', '.join(EFFORT_THINKS)}", effort_field)
         out["enable_thinking"] = EFFORT_THINKS[effort]
+        out["reasoning_effort"] = HARMONY_EFFORT[effort]
     if body.get("enable_thinking") is not None:
         if not isinstance(body["enable_thinking"], bool):
             raise bad("'enable_thinking' must be a boolean", "enable_thinking")
@@ -414,7 +419,9 @@ def openai_template_kwargs(body: dict, effort=None, effort_field: str = "reasoni
 
 def anthropic_template_kwargs(body: dict) -> dict:
     """Anthropic `thinking`: disabled -> enable_thinking false, enabled / adaptive -> true.
-    budget_tokens is checked here and enforced by the grammar (constraints.anthropic_think_budget)."""
+    budget_tokens is checked here and enforced by the grammar (constraints.anthropic_think_budget).
+    gpt-oss's `reasoning_effort`: disabled -> low, a budget under 4096 tokens -> low, under 16384
+    -> medium, else high; adaptive -> medium."""
     thinking = body.get("thinking")
     if thinking is None:
         return {}
@@ -424,7 +431,16 @@ def anthropic_template_kwargs(body: dict) -> dict:
     budget = thinking.get("budget_tokens")
     if budget is not None and (type(budget) is not int or budget < 1):
         raise bad("thinking.budget_tokens: must be a positive integer")
-    return {"enable_thinking": kind != "disabled"}
+    return {"enable_thinking": kind != "disabled", "reasoning_effort": anthropic_effort(kind, budget)}
+
+
+def anthropic_effort(kind: str, budget: int | None) -> str:
+    """Anthropic thinking -> a harmony reasoning effort (see anthropic_template_kwargs)."""
+    if kind == "disabled":
+        return "low"
+    if kind == "adaptive" or budget is None:
+        return "medium"
+    return "low" if budget < 4096 else "medium" if budget < 16384 else "high"
 
 
 def template_error(exc: Exception) -> ApiError:

@@ -16,6 +16,7 @@ from freetoken_py.server.toolcalls import (
     ParsedOutput,
     detect_reasoning,
     detect_tool_format,
+    make_parser,
     markup_tokens,
 )
 from freetoken_py.server.toolcalls import collect as collect_events
@@ -31,7 +32,7 @@ class Prepared:
 
     def parser(self) -> OutputParser:
         # raises UnsupportedToolFormat (a FreetokenError -> 400) for tools on an unsupported family
-        return OutputParser(self.tool_format, self.reasoning, self.tools is not None, tools=self.tools)
+        return make_parser(self.tool_format, self.reasoning, self.tools is not None, self.tools)
 
 
 def render_chat(llm, messages: list[dict], tools: list[dict] | None,

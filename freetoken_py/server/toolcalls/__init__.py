@@ -34,16 +34,26 @@ from freetoken_py.server.toolcalls.formats import (
     detect_tool_format,
     markup_tokens,
 )
+from freetoken_py.server.toolcalls.harmony import HARMONY, HarmonyParser
 from freetoken_py.server.toolcalls.parser import OutputParser, UnsupportedToolFormat
 
-__all__ = ["FORMATS", "SUPPORTED", "THINK_CLOSE", "THINK_OPEN", "OutputParser", "ParsedOutput", "ReasoningDelta",
-           "TextDelta", "ToolCall", "ToolCallArgs", "ToolCallEnd", "ToolCallStart", "ToolFormat",
-           "UnsupportedToolFormat", "collect", "detect_reasoning", "detect_tool_format", "markup_tokens", "new_call_id",
-           "parse_output"]
+__all__ = ["FORMATS", "HARMONY", "SUPPORTED", "THINK_CLOSE", "THINK_OPEN", "HarmonyParser", "OutputParser",
+           "ParsedOutput", "ReasoningDelta", "TextDelta", "ToolCall", "ToolCallArgs", "ToolCallEnd", "ToolCallStart", "ToolFormat",
+           "UnsupportedToolFormat", "collect", "detect_reasoning", "detect_tool_format", "make_parser", "markup_tokens",
+           "new_call_id", "parse_output"]
 
 
 def parse_output(text: str, tool_format: str = "none", reasoning: bool | str = False,
                  tools_enabled: bool = False, tools: list[dict] | None = None) -> ParsedOutput:
     """One-shot parse of a whole generation (the same parser as streaming, fed once)."""
-    parser = OutputParser(tool_format, reasoning, tools_enabled, tools=tools)
+    parser = make_parser(tool_format, reasoning, tools_enabled, tools)
     return collect(parser.feed(text) + parser.finish())
+
+
+def make_parser(tool_format: str = "none", reasoning: bool | str = False, tools_enabled: bool = False,
+                tools: list[dict] | None = None) -> OutputParser | HarmonyParser:
+    """The streaming parser of a format: gpt-oss's harmony channels (its own parser, reasoning
+    always possible), else the tag-based OutputParser."""
+    if tool_format == "harmony":
+        return HarmonyParser(tools_enabled)
+    return OutputParser(tool_format, reasoning, tools_enabled, tools=tools)

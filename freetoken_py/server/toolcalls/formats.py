@@ -44,12 +44,12 @@ FORMATS = {f.name: f for f in (
     ToolFormat("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", bodies.minimax_m2,
                "<invoke", "</invoke>", inner=("</parameter>",)),
 )}
-SUPPORTED = (*FORMATS, "none")
+SUPPORTED = (*FORMATS, "none")  # (and "harmony", gpt-oss's, with its own parser: toolcalls/harmony.py)
 
 # (format, markers that identify it in a chat template); checked in order, first match wins:
 # MiniMax's and GLM's markup contain "<tool_call>", and Qwen3-Coder's too, so plain Qwen3 is last.
 _TEMPLATE_MARKERS = (
-    ("unsupported:harmony", ("<|channel|>", "<|call|>")),
+    ("harmony", ("<|channel|>", "<|call|>")),
     ("unsupported:deepseek_dsml", ("｜DSML｜",)),
     ("minimax_m2", ("<minimax:tool_call>",)),
     ("kimi_k2", ("<|tool_calls_section_begin|>", "<|im_system|>tool_declare")),
@@ -66,7 +66,7 @@ _MODEL_TYPES = {
     "deepseek_v3": "deepseek_v31", "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2",
     "glm4_moe": "glm45", "glm4_moe_lite": "glm45", "minimax_m2": "minimax_m2",
     "qwen3_next": "qwen3_coder_xml", "qwen3_5_moe": "qwen3_coder_xml", "qwen3_5_moe_text": "qwen3_coder_xml",
-    "qwen3_moe": "qwen3_json",
+    "qwen3_moe": "qwen3_json", "gpt_oss": "harmony",
 }
 
 
@@ -87,6 +87,9 @@ def detect_tool_format(chat_template: str | None, model_type: str | None = None)
 def markup_tokens(tool_format: str) -> tuple[str, ...]:
     """The tags the parser reads for a format, <think> and </think> included: what the
     detokenizer must not drop as special tokens (Tokenizer.keep_in_text)."""
+    if tool_format == "harmony":
+        from freetoken_py.server.toolcalls.harmony import HARMONY
+        return HARMONY.tags
     fmt = FORMATS.get(tool_format)
     return (THINK_OPEN, THINK_CLOSE) + (fmt.markup if fmt else ())
 
