@@ -47,7 +47,7 @@ def _moe(w13, s13, w2, s2, xv, xg, ids, wts, kind, round_h, out):
         u = task // nb1
         i0 = (task - u * nb1) * RB1
         _gate_up_block(w13[eids[u]], s13[eids[u]], xv, xg, order[off[u]:off[u + 1]], k, i0, min(inter, i0 + RB1),
-                       kind, 16, h)
+                       kind, 16, h, np.zeros(0, np.float32))
     nb2 = (hidden + RB2 - 1) // RB2
     hg = np.zeros((h.shape[0], 1), np.float32)
     if round_h:

@@ -260,14 +260,15 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
             if lw.shared_gate is not None:  # [1, D]: its sigmoid scales the shared expert, kept fp32
                 lw.shared_gate = _kernel(lw.shared_gate, "fp32")
             if prebuilt is not None:
-                banks.append(prebuilt[i])
+                banks.append(prebuilt[i] if lw.b13 is None else prebuilt[i].with_biases(lw.b13, lw.b2))
             elif lw.w13 is None:
                 raise FreetokenError("model was loaded without its experts; pass the expert store's banks")
             else:
                 inter = lw.w13.shape[1] // 2
-                banks.append(ExpertBank.from_weights(lw.w13[:, :inter], lw.w13[:, inter:], lw.w2,
-                                                     fmt=expert_format, group_size=group_size))
-            lw.w13 = lw.w2 = None
+                bank = ExpertBank.from_weights(lw.w13[:, :inter], lw.w13[:, inter:], lw.w2,
+                                               fmt=expert_format, group_size=group_size)
+                banks.append(bank if lw.b13 is None else bank.with_biases(lw.b13, lw.b2))
+            lw.w13 = lw.w2 = lw.b13 = lw.b2 = None
         else:
             lw.mlp13 = _kernel(lw.mlp13, dense_fmt, group_size, pk.get("mlp13"))
             lw.mlp2 = _kernel(lw.mlp2, dense_fmt, group_size, pk.get("mlp2"))
@@ -276,7 +277,7 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
             progress()
     w.lm_head = _kernel(w.lm_head, head_fmt, packed=packed[-1].get("lm_head") if packed is not None else None)
     w.final_norm = w.final_norm.float()
-    model.experts = KernelExpertExecutor(banks)
+    model.experts = KernelExpertExecutor(banks, activation=a.hidden_act)
     if model.hybrid:  # Gated DeltaNet layers: conv, delta rule and gated norm in numba (kernels/cpu_gdn.py)
         from freetoken_py.layers.gdn_cpu import gated_deltanet_cpu
 

@@ -66,22 +66,27 @@ class ModelRunner:
             if all(ch.num_new == 1 for ch in chunks):
                 return self._forward_decode(chunks, all_rows)
             set_kernel_threads(self._max_threads)  # prefill: long regions, every core
-        ids, positions, seqs, sample_rows = [], [], [], []
-        row = 0
+        ids, positions, seqs, windowed, sample_rows = [], [], [], [], []
+        row, a = 0, self.model.args
+        mixed = a.mixed_windows   # gpt-oss: windowed layers' contexts besides the full ones
         for ch in chunks:
             req, start = ch.req, ch.req.num_computed
             tokens = req.all_token_ids[start:start + ch.num_new]
             ids.extend(tokens)
             positions.extend(range(start, start + ch.num_new))
             seqs.append(build_seq_attention(self.cache, req.page_table, start, ch.num_new, row,
-                                            self.model.args.sliding_window))
+                                            None if mixed else a.sliding_window))
+            if mixed:
+                windowed.append(build_seq_attention(self.cache, req.page_table, start, ch.num_new, row,
+                                                    a.sliding_window))
             row += ch.num_new
             if ch.samples:
                 sample_rows.append(row - 1)
         new_slots = torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])  # new tokens end each context
         meta = AttentionMetadata(new_slots, seqs,
                                  [ch.req.state_slot for ch in chunks] if self.states is not None else None,
-                                 {i: ch.captures for i, ch in enumerate(chunks) if ch.captures} or None)
+                                 {i: ch.captures for i, ch in enumerate(chunks) if ch.captures} or None,
+                                 AttentionMetadata(new_slots, windowed) if mixed else None)
         if self._asym is not None:   # tokens of chunks of several: prefill precision; of chunks of one: decode's
             self._asym.prefill_rows = torch.tensor([ch.num_new > 1 for ch in chunks for _ in range(ch.num_new)])
         try:

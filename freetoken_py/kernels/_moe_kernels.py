@@ -90,10 +90,20 @@ def _chunk(pairs, q, k):
 
 
 @njit(fastmath=True, cache=True)
-def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h):
-    """h[p, i] for rows i0..i1 of one expert (w13 [2I, K]) and its pairs, 4 pairs per row pass."""
+def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13):
+    """h[p, i] for rows i0..i1 of one expert (w13 [2I, K]) and its pairs, 4 pairs per row pass.
+    b13 [2I]: the expert's gate / up biases, added before the activation (0 entries: none)."""
     inter = w13.shape[0] // 2
     n = pairs.shape[0]
+    if b13.shape[0]:  # biased experts (gpt-oss): one pair at a time, the bias in the epilogue
+        for q in range(n):
+            p = pairs[q]
+            t = p // k
+            for i in range(i0, i1):
+                g = row_dot(w13[i], s13[i], xv[t], xg[t], hb) + b13[i]
+                u = row_dot(w13[inter + i], s13[inter + i], xv[t], xg[t], hb) + b13[inter + i]
+                h[p, i] = act(kind, g, u)
+        return
     for q in range(0, n, 4):
         if n - q == 1:
             p = pairs[q]
@@ -142,10 +152,11 @@ def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out):
+def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out, b13, b2):
     """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed;
     threads = numba's thread count for the row blocks (an argument: numba.get_num_threads inside
-    the kernel would stop it from being cached)."""
+    the kernel would stop it from being cached). b13 [E, 2I] / b2 [E, D]: expert biases (gpt-oss;
+    0 rows: none), b2 added as w_p * b2[e] per pair."""
     k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1)          # pair p = t * k + j
     wts = topk_weights.reshape(-1)
@@ -156,15 +167,21 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
     rb1, rb2 = row_blocks(off, inter, hidden, threads)
     num_pairs = ids.shape[0]
     h = np.empty((num_pairs, inter), np.float32)
+    no_bias = np.zeros(0, np.float32)
     nb1 = (inter + rb1 - 1) // rb1
     for task in prange(eids.shape[0] * nb1):
         u = task // nb1
         i0 = (task - u * nb1) * rb1
         e = eids[u]
         _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
-                       min(inter, i0 + rb1), kind, gs // 2, h)
+                       min(inter, i0 + rb1), kind, gs // 2, h, b13[e] if b13.shape[0] else no_bias)
     hv, hg = prepare(w2, s2, h, gs)
     nb2 = (hidden + rb2 - 1) // rb2
     for task in prange(nb2):
         d0 = task * rb2
         _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, min(hidden, d0 + rb2), gs // 2, out)
+    if b2.shape[0]:
+        for p in range(num_pairs):
+            t = p // k
+            for d in range(hidden):
+                out[t, d] += wts[p] * b2[ids[p], d]

@@ -9,7 +9,7 @@ weight rows so both cores read memory; see docs/kernels.md for layouts and measu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numba
 import numpy as np
@@ -39,6 +39,14 @@ class ExpertBank:
     s13: np.ndarray
     w2: np.ndarray
     s2: np.ndarray
+    # biases (gpt-oss): b13 [E, 2I] gate then up, b2 [E, D], float32; 0 rows: none
+    b13: np.ndarray = field(default_factory=lambda: _NO_BIAS)
+    b2: np.ndarray = field(default_factory=lambda: _NO_BIAS)
+
+    def with_biases(self, b13, b2) -> "ExpertBank":
+        """This bank with the experts' biases (torch or numpy [E, 2I] and [E, D], any float dtype)."""
+        arr = lambda b: np.ascontiguousarray(_cpu(b).float().numpy())  # noqa: E731
+        return replace(self, b13=arr(b13), b2=arr(b2))
 
     @property
     def num_experts(self) -> int:
@@ -131,6 +139,9 @@ class ExpertBank:
                 decode_rows(self.w2, self.s2, self.fmt, self.group_size))
 
 
+_NO_BIAS = np.zeros((0, 0), np.float32)
+
+
 def _cpu(t) -> torch.Tensor:
     t = torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t
     return t.detach().to("cpu")
@@ -166,11 +177,11 @@ def add_moe_experts(bank: ExpertBank, x: np.ndarray, topk_ids: np.ndarray, topk_
     straight into the residual stream. `activation` is an `ACTIVATIONS` code. bf16 banks with bf16
     activations (AVX512-BF16) and SwiGLU take torch's bf16 GEMMs per expert from
     cpu_linear.TORCH_BF16_MIN_TOKENS rows (prefill)."""
-    if activation == ACTIVATIONS["silu"] and use_torch_bf16(bank.fmt, x.shape[0]):
+    if activation == ACTIVATIONS["silu"] and not bank.b13.shape[0] and use_torch_bf16(bank.fmt, x.shape[0]):
         _add_experts_torch_bf16(bank, x, topk_ids, topk_weights, out)
         return
     moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, x, topk_ids, topk_weights, activation, bank.group_size,
-             numba.get_num_threads(), out)
+             numba.get_num_threads(), out, bank.b13, bank.b2)
 
 
 def _add_experts_torch_bf16(bank: ExpertBank, x: np.ndarray, ids: np.ndarray, wts: np.ndarray, out: np.ndarray) -> None:

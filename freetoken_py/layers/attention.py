@@ -38,11 +38,13 @@ class AttentionMetadata:
     # hybrids: seq index -> [(rows into its chunk, snapshot slot)]: the recurrent state after those
     # rows is copied into the snapshot slot (prefix-state snapshots inside a chunk, layers/gated_deltanet.py)
     state_captures: dict[int, list[tuple[int, int]]] | None = None
+    # models mixing windowed and full layers (gpt-oss): `seqs` see every key, this the window's
+    windowed: "AttentionMetadata | None" = None
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The index tensors on the KV cache's device (built on the host, once per batch)."""
         return AttentionMetadata(self.new_slots.to(device), [s.to(device) for s in self.seqs], self.state_slots,
-                                 self.state_captures)
+                                 self.state_captures, None if self.windowed is None else self.windowed.to(device))
 
 
 def build_seq_attention(cache: KVCache, page_table: list[int], start: int, num_new: int,
@@ -62,8 +64,9 @@ def build_seq_attention(cache: KVCache, page_table: list[int], start: int, num_n
 
 
 def paged_attention(cache: KVCache, layer: int, meta: AttentionMetadata, q: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [T, Hq, hd]; k, v: [T, Hkv, hd] (new tokens). Returns [T, Hq*hd]."""
+                    k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, hd]; k, v: [T, Hkv, hd] (new tokens). Returns [T, Hq*hd].
+    sinks [Hq] (gpt-oss): one more logit per head in each softmax, its probability dropped."""
     cache.write(layer, meta.new_slots, k, v)
     out = torch.empty_like(q)
     for seq in meta.seqs:
@@ -73,19 +76,21 @@ def paged_attention(cache: KVCache, layer: int, meta: AttentionMetadata, q: torc
             kc[-n:], vc[-n:] = k[seq.q_start:seq.q_end], v[seq.q_start:seq.q_end]
         kc, vc = kc.to(q.dtype).transpose(0, 1), vc.to(q.dtype).transpose(0, 1)  # [Hkv, ctx, hd]
         if seq.q_end - seq.q_start == 1 and seq.mask is None:
-            out[seq.q_start] = _decode_attention(q[seq.q_start], kc, vc, scale)
+            out[seq.q_start] = _decode_attention(q[seq.q_start], kc, vc, scale, sinks)
             continue
         qs = q[seq.q_start:seq.q_end].transpose(0, 1)  # [Hq, n, hd]
-        if seq.mask is None:
+        if seq.mask is None and sinks is None:
             o = F.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=True)
         else:
-            o = _prefill_attention(qs, kc, vc, seq.mask, scale)
+            mask = seq.mask if seq.mask is not None else torch.ones(qs.shape[1], kc.shape[1], dtype=torch.bool,
+                                                                   device=qs.device)
+            o = _prefill_attention(qs, kc, vc, mask, scale, sinks=sinks)
         out[seq.q_start:seq.q_end] = o.transpose(0, 1)
     return out.flatten(1)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                       block: int = 64) -> torch.Tensor:
+                       block: int = 64, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention of n new tokens that end a context of ctx keys, in query blocks.
 
     Each block reads keys only up to its last query's position (the rest are masked anyway), so a
@@ -103,17 +108,28 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         qb = qg[:, :, s:e].reshape(num_kv, group * (e - s), -1)  # [Hkv, g*b, hd]
         scores = torch.bmm(qb, k[:, :limit].transpose(1, 2)) * scale  # [Hkv, g*b, limit]
         scores = scores.view(num_kv, group, e - s, limit).masked_fill_(~mask[s:e, :limit], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float).to(v.dtype)  # [Hkv, g, b, limit]
+        probs = _softmax(scores, sinks).to(v.dtype)  # [Hkv, g, b, limit]
         out[:, :, s:e] = torch.bmm(probs.view(num_kv, group * (e - s), limit), v[:, :limit]).view(
             num_kv, group, e - s, -1)
     return out.reshape(q.shape)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token, every key visible: two bmm's over query groups (q head h reads kv head
     h // group, as HF's repeat_kv). ~3x cheaper than SDPA's dispatch at decode sizes.
     q: [Hq, hd]; k, v: [Hkv, ctx, hd]. Returns [Hq, hd]."""
     num_kv = k.shape[0]
     qg = q.reshape(num_kv, -1, q.shape[-1])  # [Hkv, group, hd]
-    probs = torch.softmax(torch.bmm(qg, k.transpose(1, 2)) * scale, dim=-1, dtype=torch.float)  # [Hkv, g, ctx]
+    probs = _softmax(torch.bmm(qg, k.transpose(1, 2)) * scale, sinks)  # [Hkv, g, ctx]
     return torch.bmm(probs.to(v.dtype), v).reshape(q.shape)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """fp32 softmax over the last dim of scores [Hkv, g, ..., ctx]; with sinks [Hq = Hkv * g] a
+    sink logit per head joins each row and its share is dropped (rows then sum to < 1)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float)
+    sink = sinks.float().view(*scores.shape[:2], *([1] * (scores.dim() - 2))).expand(*scores.shape[:-1], 1)
+    both = torch.cat([scores.float(), sink], dim=-1)
+    return torch.softmax(both - both.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]

@@ -140,6 +140,10 @@ class YarnRotary(RotaryEmbedding):
         self.inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
         self.attention_factor = attention_factor
 
+    @classmethod
+    def from_params(cls, dim: int, theta: float, y: YarnParams) -> "YarnRotary":
+        return cls(dim, theta, y.factor, y.original_max, y.beta_fast, y.beta_slow, y.attention_factor, y.truncate)
+
     def _grow(self, num_positions: int) -> None:
         super()._grow(num_positions)
         if self.attention_factor != 1.0:

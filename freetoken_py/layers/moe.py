@@ -51,6 +51,22 @@ def sigmoid_group_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: 
     return ids, weights * scaling
 
 
+def topk_softmax_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss: top-k of the raw (biased) logits, then softmax over those k, in logits' dtype.
+    logits: [T, E]. Returns ids [T, k] int64 and weights [T, k]."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return ids, torch.softmax(values, dim=-1, dtype=values.dtype)
+
+
+def expert_activation(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The expert MLP's activation (ModelArgs.hidden_act): SwiGLU, or gpt-oss's clamped SwiGLU
+    (gate <= 7, up in [-7, 7], (up + 1) * gate * sigmoid(1.702 gate); kernels/_dots.act likewise)."""
+    if kind == "silu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
 class ExpertExecutor(Protocol):
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; ids, weights: [T, k]. Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
@@ -59,9 +75,13 @@ class ExpertExecutor(Protocol):
 class TorchExpertExecutor:
     """Reference executor: stacked expert weights, one SwiGLU per expert hit (gpt-fast style)."""
 
-    def __init__(self, w13: list[torch.Tensor | None], w2: list[torch.Tensor | None]):
+    def __init__(self, w13: list[torch.Tensor | None], w2: list[torch.Tensor | None], activation: str = "silu",
+                 b13: list[torch.Tensor | None] | None = None, b2: list[torch.Tensor | None] | None = None):
         self.w13 = w13  # per layer [E, 2I, D]
         self.w2 = w2  # per layer [E, D, I]
+        self.activation = activation  # ModelArgs.hidden_act
+        self.b13 = b13  # per layer [E, 2I] (gate then up) or None: expert biases (gpt-oss)
+        self.b2 = b2  # per layer [E, D]
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.w13[layer], self.w2[layer]
@@ -76,8 +96,9 @@ class TorchExpertExecutor:
             if n == 0:
                 continue
             rows = token_of[start:start + n]
-            gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(F.silu(gate) * up, w2[e])  # [n, D]
+            b13, b2 = (None, None) if self.b13 is None else (self.b13[layer][e], self.b2[layer][e])
+            gate, up = F.linear(x[rows], w13[e], b13).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(expert_activation(self.activation, gate, up), w2[e], b2)  # [n, D]
             out.index_add_(0, rows, y * w_sorted[start:start + n, None])
             start += n
         return out

@@ -22,6 +22,7 @@ _REGISTRY = {
     "kimi_k25": "kimi_k25",
     "glm4_moe": "glm4_moe",
     "minimax_m2": "minimax_m2",
+    "gpt_oss": "gpt_oss",
     "qwen3_next": "qwen3_next",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",

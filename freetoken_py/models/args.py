@@ -12,7 +12,10 @@ from pathlib import Path
 from freetoken_py.errors import ModelLoadError, UnsupportedModelError
 from freetoken_py.layers.dsa import DsaConfig
 from freetoken_py.layers.gated_deltanet import GdnConfig
-from freetoken_py.layers.mla import MlaConfig
+from freetoken_py.layers.mla import MlaConfig, YarnParams
+
+ACTIVATIONS = ("silu", "gptoss")  # gptoss: clamped SwiGLU, alpha 1.702, limit 7, (up + 1) (kernels/_dots.act)
+ROUTERS = ("softmax", "sigmoid", "topk")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class ModelArgs:
     # router kind: "softmax" (Qwen3 / Mixtral / OLMoE) or "sigmoid" (DeepSeek noaux_tc, GLM-4.5,
     # MiniMax-M2: sigmoid + e_score_correction_bias for the choice, n_group / topk_group groups,
     # x routed_scaling_factor); see layers.moe.sigmoid_group_route
+    # "topk" (gpt-oss): top-k of the router's biased logits, softmax over those k (layers.moe.topk_softmax_route)
     router: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -59,6 +63,21 @@ class ModelArgs:
     attn_output_gate: bool = False  # q_proj rows per head [query | gate]; o = o_proj(attn * sigmoid(gate))
     zero_centred_norms: bool = False  # RMSNorm weights stored as w, applied as (1 + w) in fp32 (FAMILIES §0 (c))
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(shared_expert_gate(x))
+    rope_yarn: YarnParams | None = None  # GQA RoPE with YaRN's blend and cos/sin factor (gpt-oss)
+    attn_sinks: bool = False  # a learnt per-head logit in every softmax, dropped after it (gpt-oss)
+    expert_bias: bool = False  # routed experts' gate / up / down biases (gpt-oss)
+
+    def window(self, i: int) -> int | None:
+        """Layer i's sliding window: every layer's, or with `layer_kinds` naming "sliding_attention"
+        layers (gpt-oss), those layers' only."""
+        if self.layer_kinds is not None and "sliding_attention" in self.layer_kinds:
+            return self.sliding_window if self.layer_kinds[i] == "sliding_attention" else None
+        return self.sliding_window
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Windowed and full-attention layers in one model: attention metadata comes in both kinds."""
+        return len({self.window(i) for i in range(self.num_layers)}) > 1
 
     @property
     def rope_dim(self) -> int:
@@ -84,13 +103,13 @@ class ModelArgs:
         if self.top_k > self.num_experts and any(self.sparse_layers):
             raise ModelLoadError(f"config.json: num_experts_per_tok ({self.top_k}) > number of experts "
                                  f"({self.num_experts})")
-        if self.router not in ("softmax", "sigmoid"):
+        if self.router not in ROUTERS:
             raise UnsupportedModelError(f"config.json: router '{self.router}' is not supported "
-                                        "(supported: softmax, sigmoid)")
+                                        f"(supported: {', '.join(ROUTERS)})")
         if not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
             raise ModelLoadError(f"config.json: rotary dim {self.rope_dim} must be even and in "
                                  f"(0, head_dim {self.head_dim}] (rotary_dim / partial_rotary_factor)")
-        if self.hidden_act != "silu":
+        if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"config.json: hidden_act '{self.hidden_act}' is not supported "
                                         "(supported: silu)")
 

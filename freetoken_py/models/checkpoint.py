@@ -28,6 +28,10 @@ class TensorInfo:
     # a part of the stored tensor `name`: (index along dim 0, row start, row end) of its dim 1
     # (a fused [E, 2I, D] expert stack read as per-expert gate / up / down tensors); None = all
     part: tuple[int, int, int] | None = None
+    # with `part`: every `step`-th row of start:end (an interleaved stack, gpt-oss's gate / up),
+    # taken after swapping the expert's two dims when `transposed` (an input-major [E, in, out] stack)
+    step: int = 1
+    transposed: bool = False
 
     def sub(self, index: int, start: int | None = None, end: int | None = None) -> "TensorInfo":
         """The view `stored[index, start:end]` of a 3-D tensor, under the same stored name."""
@@ -143,7 +147,10 @@ class TensorReader:
             self._handles[info.file] = handle
         if info.part is not None:  # one expert's rows of a fused stack
             e, a, b = info.part
-            return handle.get_slice(info.name)[e:e + 1, a:b][0]
+            if info.step == 1 and not info.transposed:
+                return handle.get_slice(info.name)[e:e + 1, a:b][0]
+            t = handle.get_slice(info.name)[e:e + 1][0]
+            return (t.transpose(0, 1) if info.transposed else t)[a:b:info.step].contiguous()
         return handle.get_tensor(info.name)  # the stored name (a model file may rename, loader._model_names)
 
     def close(self) -> None:

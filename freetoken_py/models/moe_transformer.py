@@ -14,8 +14,9 @@ from freetoken_py.layers.attention import AttentionMetadata, paged_attention
 from freetoken_py.layers.dsa import IndexerWeights, dsa_selection
 from freetoken_py.layers.gated_deltanet import GdnWeights, gated_deltanet
 from freetoken_py.layers.linear import TorchLinear
-from freetoken_py.layers.mla import MlaWeights, mla_attention
-from freetoken_py.layers.moe import ExpertExecutor, TorchExpertExecutor, sigmoid_group_route, softmax_topk_route
+from freetoken_py.layers.mla import MlaWeights, YarnRotary, mla_attention
+from freetoken_py.layers.moe import (ExpertExecutor, TorchExpertExecutor, sigmoid_group_route, softmax_topk_route,
+                                     topk_softmax_route)
 from freetoken_py.layers.norm import rms_norm
 from freetoken_py.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from freetoken_py.models.args import ModelArgs
@@ -32,8 +33,12 @@ class MoeTransformer:
         self.scale = args.head_dim ** -0.5
         if args.mla is not None:  # MLA: RoPE (maybe YaRN) on the rope dims only, its own softmax scale
             self.rope, self.scale = args.mla.rotary(), args.mla.softmax_scale
-        self.experts = experts or TorchExpertExecutor([lw.w13 for lw in weights.layers],
-                                                      [lw.w2 for lw in weights.layers])
+        elif args.rope_yarn is not None:  # gpt-oss: YaRN's blend, cos/sin times its attention factor
+            self.rope = YarnRotary.from_params(args.rope_dim, args.rope_theta, args.rope_yarn)
+        biased = args.expert_bias
+        self.experts = experts or TorchExpertExecutor(
+            [lw.w13 for lw in weights.layers], [lw.w2 for lw in weights.layers], args.hidden_act,
+            [lw.b13 for lw in weights.layers] if biased else None, [lw.b2 for lw in weights.layers] if biased else None)
         self.device = torch.device("cpu")   # where the dense weights, the activations and the KV live
         # model layer -> its layer in the paged KV cache (hybrids: only full-attention layers have one)
         self.kv_layer = {layer: j for j, layer in enumerate(args.paged_layers)}
@@ -142,7 +147,9 @@ class MoeTransformer:
         if a.qk_norm == "head":  # Qwen3: per-head norm
             q, k = self._norm(q, lw.q_norm, a.rms_norm_eps), self._norm(k, lw.k_norm, a.rms_norm_eps)
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        o = paged_attention(cache, kvi, meta, q, k, v, self.scale)  # [T, Hq*hd]
+        if a.mixed_windows and a.window(i) is not None:  # gpt-oss: this layer sees the windowed contexts
+            meta = meta.windowed
+        o = paged_attention(cache, kvi, meta, q, k, v, self.scale, lw.sinks)  # [T, Hq*hd]
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return lw.o(o)
@@ -171,6 +178,8 @@ class MoeTransformer:
     def _route(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, weights [T, k] from the router kind (ModelArgs.router)."""
         a = self.args
+        if a.router == "topk":  # gpt-oss: top-k of the biased logits, softmax over those
+            return topk_softmax_route(lw.router(x), a.top_k)
         if a.router == "sigmoid":  # fp32 router (weight and bias loaded fp32)
             return sigmoid_group_route(lw.router(x.float()), lw.router_bias, a.top_k, a.n_group, a.topk_group,
                                        a.norm_topk_prob, a.routed_scaling_factor)

@@ -54,8 +54,11 @@ class LayerWeights:
     gdn: object | None = None  # linear attention (layers.gated_deltanet.GdnWeights); out_proj stays in `o`
     shared_gate: object | None = None  # [1, D] sigmoid gate of the shared expert (Qwen3-Next / 3.5)
     indexer: object | None = None  # DSA lightning indexer (layers.dsa.IndexerWeights) on its "full" layers
+    sinks: torch.Tensor | None = None  # [Hq] attention sinks (ModelArgs.attn_sinks)
+    b13: torch.Tensor | None = None  # [E, 2I] routed experts' gate then up biases (ModelArgs.expert_bias)
+    b2: torch.Tensor | None = None  # [E, D] their down biases
 
-    EXPERTS = ("w13", "w2")   # the routed experts; every other field is a dense weight
+    EXPERTS = ("w13", "w2", "b13", "b2")   # the routed experts; every other field is a dense weight
 
     def dense(self) -> dict[str, object]:
         """The layer's dense weights (norm tensors and linear layers) by field name, absent ones
@@ -112,6 +115,8 @@ def _attention_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
                        "self_attn.v_proj.bias": (kv_out,)})
     if a.has_o_bias:
         shapes["self_attn.o_proj.bias"] = (a.hidden_size,)
+    if a.attn_sinks:
+        shapes["self_attn.sinks"] = (a.num_heads,)
     if a.qk_norm == "head":
         shapes.update({"self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)})
     elif a.qk_norm == "full":
@@ -129,7 +134,7 @@ def _mlp_shapes(a: ModelArgs, s: WeightScheme, sparse: bool) -> dict[str, tuple[
         return _swiglu_shapes(s.dense_mlp, a.intermediate_size, a.hidden_size)
     i = a.moe_intermediate_size
     shapes = {s.router: (a.num_experts, a.hidden_size)}
-    if a.router == "sigmoid":
+    if a.router in ("sigmoid", "topk"):
         shapes[s.router_bias] = (a.num_experts,)
     if a.shared_intermediate_size:
         shapes.update(_swiglu_shapes(s.shared_expert, a.shared_intermediate_size, a.hidden_size))
@@ -139,6 +144,8 @@ def _mlp_shapes(a: ModelArgs, s: WeightScheme, sparse: bool) -> dict[str, tuple[
         p = s.expert.format(e=e)
         shapes.update({f"{p}{g}.weight": (i, a.hidden_size), f"{p}{u}.weight": (i, a.hidden_size),
                        f"{p}{d}.weight": (a.hidden_size, i)})
+        if a.expert_bias:
+            shapes.update({f"{p}{g}.bias": (i,), f"{p}{u}.bias": (i,), f"{p}{d}.bias": (a.hidden_size,)})
     return shapes
 
 
@@ -216,7 +223,7 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
         if a.router == "sigmoid":  # router weight and bias kept in fp32 (see _load_router)
             total += held(p + s.router, False, torch.float32) + held(p + s.router_bias, False, torch.float32)
         else:
-            total += held(p + s.router, False)
+            total += held(p + s.router, False) + (held(p + s.router_bias, False) if a.router == "topk" else 0)
         if a.shared_intermediate_size:
             m = p + s.shared_expert
             total += held(m + "gate_proj.weight", True) + held(m + "up_proj.weight", True)
@@ -269,13 +276,25 @@ def _load_layer(a: ModelArgs, s: WeightScheme, i: int, get, skip_experts: bool =
             if a.shared_expert_gate:
                 lw.shared_gate = TorchLinear(get(p + s.shared_expert_gate))
         if skip_experts:
+            if a.expert_bias:  # small: the cpu backend attaches them to its expert banks
+                lw.b13, lw.b2 = expert_biases(a, s, i, get)
             return lw
         experts = [p + s.expert.format(e=e) for e in range(a.num_experts)]
         lw.w13 = torch.stack([torch.cat([get(f"{x}{g}.weight"), get(f"{x}{u}.weight")]) for x in experts])
         lw.w2 = torch.stack([get(f"{x}{d}.weight") for x in experts])
+        if a.expert_bias:
+            lw.b13, lw.b2 = expert_biases(a, s, i, get)
     else:
         lw.mlp13, lw.mlp2 = _swiglu(p + s.dense_mlp, get)
     return lw
+
+
+def expert_biases(a: ModelArgs, s: WeightScheme, i: int, get) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b13 [E, 2I] gate then up, b2 [E, D]) of layer i's routed experts."""
+    g, u, d = s.expert_proj
+    experts = [s.layer.format(i=i) + s.expert.format(e=e) for e in range(a.num_experts)]
+    return (torch.stack([torch.cat([get(f"{x}{g}.bias"), get(f"{x}{u}.bias")]) for x in experts]),
+            torch.stack([get(f"{x}{d}.bias") for x in experts]))
 
 
 def _load_gqa(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
@@ -289,6 +308,8 @@ def _load_gqa(a: ModelArgs, s: WeightScheme, i: int, get) -> LayerWeights:
         o=TorchLinear(get(p + "o_proj.weight"), get(p + "o_proj.bias") if a.has_o_bias else None))
     if a.qk_norm != "none":
         lw.q_norm, lw.k_norm = get(p + "q_norm.weight"), get(p + "k_norm.weight")
+    if a.attn_sinks:
+        lw.sinks = get(p + "sinks")
     return lw
 
 
@@ -352,6 +373,8 @@ def _swiglu(prefix: str, get) -> tuple[TorchLinear, TorchLinear]:
 def _load_router(a: ModelArgs, s: WeightScheme, p: str, get):
     """(router linear, choice bias or None). A sigmoid router runs in fp32 as transformers keeps it
     (`_keep_in_fp32_modules_strict`): weight and bias are read at fp32 whatever the load dtype."""
+    if a.router == "topk":  # gpt-oss: the bias is the linear's, in the model dtype
+        return TorchLinear(get(p + s.router), get(p + s.router_bias)), None
     if a.router != "sigmoid":
         return TorchLinear(get(p + s.router)), None
     return TorchLinear(get(p + s.router, torch.float32)), get(p + s.router_bias, torch.float32)

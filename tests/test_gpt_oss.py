@@ -1,0 +1,130 @@
+"""gpt-oss (`gpt_oss`) against transformers' GptOssForCausalLM (eager attention) on tiny random fp32
+checkpoints (tests/gpt_oss_util.py: window 4 far below the prompts, sliding / full layers
+alternating and mixed, YaRN, randomised sinks, norms and every bias), on both backends (torch:
+MoeTransformer.forward; cpu: the numba kernels, experts with their biases and the clamped SwiGLU
+in kernels/_moe_kernels.py). transformers' own cached decode equals its full forward on these
+configs (test_transformers_own_cached_decode_is_consistent)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import gpt_oss_util as gu
+import parity_util
+from freetoken_py.core import SamplingParams
+from freetoken_py.llm import LLM
+
+ARCHS = ["gpt_oss", "gpt_oss_mixed"]
+ckpt = parity_util.checkpoint_cache(gu.build)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return parity_util.random_prompt(gu.VOCAB, n, seed)
+
+
+def _theirs(path, ids: list[int], start: int) -> torch.Tensor:
+    with torch.no_grad():
+        return gu.reference(path)(torch.tensor([ids])).logits[0, start:]
+
+
+def _llm(path, backend, **kw):
+    return LLM(path, dtype="float32", show_progress=False, backend=backend, **kw)
+
+
+def _parity(llm, path, prompt, steps=32) -> float:
+    tokens, ours = parity_util.drive(llm, prompt, steps)
+    return (ours - _theirs(path, prompt + tokens[:-1], len(prompt) - 1)).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_own_cached_decode_is_consistent(arch, ckpt):
+    """The reference is only trusted where its cached decode (16 + 1-token steps) equals its full forward."""
+    path, ids = ckpt(arch), torch.tensor([_prompt(40, seed=1)])
+    model = gu.reference(path)
+    with torch.no_grad():
+        full = model(ids).logits[0]
+        out = model(ids[:, :16], use_cache=True)
+        steps, cache = [out.logits[0]], out.past_key_values
+        for t in range(16, 40):
+            out = model(ids[:, t:t + 1], past_key_values=cache)
+            steps.append(out.logits[0])
+            cache = out.past_key_values
+    assert (full - torch.cat(steps)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_and_32_cached_decode_steps_match_transformers(arch, backend, ckpt):
+    path = ckpt(arch)
+    assert _parity(_llm(path, backend, page_size=16), path, _prompt(21, seed=1)) <= 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_chunked_prefill_across_the_window_matches_transformers(backend, ckpt):
+    """Chunks of 3 and 5 tokens around the window of 4: a chunk's windowed layers read keys of earlier chunks."""
+    path = ckpt("gpt_oss")
+    for chunk in (3, 5):
+        assert _parity(_llm(path, backend, max_num_batched_tokens=chunk, page_size=8), path,
+                       _prompt(19, seed=3), 8) <= 1e-4
+
+
+@pytest.mark.parametrize("change", ["sinks", "window"])
+def test_sinks_and_window_are_in_effect(change, ckpt, tmp_path):
+    """The same weights without the sinks (a sink of -inf: a plain softmax) or without the window
+    miss transformers by far more than the tolerance: the parity tests above can fail on either."""
+    src = ckpt("gpt_oss")
+    dst = tmp_path / change
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.bin"))
+    if change == "sinks":
+        for f in dst.glob("*.safetensors"):
+            tensors = load_file(f)
+            save_file({k: (torch.full_like(v, -1e30) if k.endswith("sinks") else v) for k, v in tensors.items()}, f,
+                      metadata={"format": "pt"})
+    else:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["sliding_window"] = 4096
+        (dst / "config.json").write_text(json.dumps(cfg))
+    prompt = _prompt(21, seed=1)
+    tokens, ours = parity_util.drive(_llm(dst, "torch"), prompt, 4)
+    assert (ours - _theirs(src, prompt + tokens[:-1], len(prompt) - 1)).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_64_greedy_tokens_identical_to_transformers_generate(backend, ckpt):
+    path = ckpt("gpt_oss")
+    prompt = _prompt(9, seed=2)
+    with torch.no_grad():
+        expected = gu.reference(path).generate(
+            torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None,
+            pad_token_id=0)[0, len(prompt):].tolist()
+    got = _llm(path, backend).generate([prompt], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    assert got[0].token_ids == expected
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_batch_equals_each_alone(backend, ckpt):
+    path = ckpt("gpt_oss_mixed")
+    prompts = [_prompt(n, seed=n) for n in (3, 17, 30, 8)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    alone = [_llm(path, backend).generate([p], params)[0].token_ids for p in prompts]
+    batched = _llm(path, backend, max_num_seqs=4).generate(prompts, params)
+    assert [o.token_ids for o in batched] == alone
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_prefix_cache_hit_equals_cold(backend, ckpt):
+    """32 prompt tokens from cached pages: the windowed layers' keys among them too."""
+    path = ckpt("gpt_oss")
+    prompt, longer = _prompt(40, seed=5), _prompt(40, seed=5) + [1, 2, 3]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cold = _llm(path, backend, enable_prefix_cache=False).generate([longer], params)[0].token_ids
+    llm = _llm(path, backend, page_size=16)
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    again = llm.generate([longer], params)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == cold
+    assert _parity(llm, path, longer, 8) <= 1e-4
+    assert llm.scheduler.running[0].num_cached_tokens == 32
