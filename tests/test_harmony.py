@@ -306,3 +306,156 @@ def test_calls_without_tools_and_malformed_calls_are_text():
     assert parsed.tool_calls == [] and parsed.reasoning == "print(1)"
     # text that is not harmony at all comes back as content
     assert collect(_feed(["plain words"])).content == "plain words"
+
+
+# ---- grammar --------------------------------------------------------------------------------
+GRAMMAR_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["c", "f"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}},
+    {"type": "function", "function": {"name": "goto_line", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["line", "force"],
+        "properties": {"line": {"type": "integer", "minimum": 1, "maximum": 99}, "force": {"type": "boolean"}}}}}]
+GRAMMAR_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in GRAMMAR_TOOLS}
+
+
+def _grammar_vocab(tmp_path, special: bool):
+    import llguidance
+
+    d = harmony_util.template_dir(tmp_path / ("special" if special else "spelled"), special_tokens=special)
+    tok = Tokenizer(d)
+    n = tok.vocab_size
+    return tok, llguidance.LLTokenizer((d / "tokenizer.json").read_text(), n_vocab=n, eos_token=[2]), n
+
+
+def _shape(tok, budget=None):
+    from freetoken_py.server.constraints import Shape, free_tokens, marker_tokens
+
+    single = marker_tokens(tok, "harmony")
+    return Shape("harmony", False, single, free_tokens(tok, single, "harmony"), think_budget=budget)
+
+
+def _harmony_walk(lark, lltok, n_vocab, endings, rng, max_steps=400):
+    """Random allowed tokens; past a random length, closers (tags, quotes, brackets) so messages end."""
+    import llguidance
+    import numpy as np
+
+    m = llguidance.LLMatcher(lltok, lark, log_level=0)
+    assert not m.is_error(), m.get_error()
+    ids, wander = [], rng.randrange(0, 30)
+    for _ in range(max_steps):
+        if m.is_stopped():
+            return ids, True
+        allowed = np.flatnonzero(np.frombuffer(m.compute_logit_bias(), np.uint8)[:n_vocab])
+        assert len(allowed) and not m.is_error()
+        if len(ids) >= wander:
+            fits = [e for e in endings if m.validate_tokens(e) == len(e)]
+            if 2 in allowed and (not fits or rng.random() < 0.3):
+                return ids, True
+            if fits:
+                choice = rng.choice(fits)
+                assert m.consume_tokens(choice)
+                ids += choice
+                continue
+        pick = int(rng.choice(list(allowed[allowed != 2]) or [2]))
+        if pick == 2:
+            return ids, True
+        assert m.consume_token(pick)
+        ids.append(pick)
+    return ids, False
+
+
+def _reference_calls(enc, text: str) -> list[tuple[str, dict]]:
+    """openai-harmony's reading of a turn's text (re-encoded with o200k_harmony)."""
+    from openai_harmony import Role
+
+    messages = enc.parse_messages_from_completion_tokens(enc.encode(text, allowed_special="all"), Role.ASSISTANT)
+    return _expected(messages)[2]
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special", "spelled"])
+def test_grammar_forces_valid_harmony_calls(tmp_path, enc, special):
+    import random
+
+    import jsonschema
+
+    from freetoken_py.server.constraints import ToolChoice, request_grammar
+
+    tok, lltok, n_vocab = _grammar_vocab(tmp_path, special)
+    tok.keep_in_text(markup_tokens("harmony"))
+    shape = _shape(tok)
+    assert (shape.token_of("<|call|>") is not None) == special
+    closers = ["<|end|>", "<|return|>", "<|call|>", "<|start|>assistant", "<|channel|>final<|message|>",
+               "<|channel|>commentary to=functions.", "get_weather", "goto_line", " <|constrain|>json<|message|>",
+               '"', "}", "1", "true", '"c"', '{"city":"Oslo"}', '{"line":3,"force":false}']
+    endings = [tok.encode(e) for e in closers]
+    rng = random.Random(f"harmony{special}")
+    counts = {"required": 0, "named": 0, "auto": 0}
+    for mode, name, runs in (("required", None, 12), ("named", "goto_line", 6), ("auto", None, 10)):
+        grammar = request_grammar(GRAMMAR_TOOLS, ToolChoice(mode, name), None, shape)
+        for _ in range(runs):
+            ids, ended = _harmony_walk(grammar.lark, lltok, n_vocab, endings, rng)
+            text = tok.decode(ids)
+            parsed = collect(_feed([text]))
+            for call in parsed.tool_calls:
+                jsonschema.validate(json.loads(call.arguments), GRAMMAR_SCHEMAS[call.name])
+            counts[mode] += len(parsed.tool_calls)
+            if mode != "auto" and ended:   # forced: one call, and openai-harmony reads the same call
+                (call,) = parsed.tool_calls
+                assert mode != "named" or call.name == "goto_line"
+                assert _reference_calls(enc, text) == [(call.name, json.loads(call.arguments))]
+                assert not parsed.content.strip() or text.count("<|channel|>commentary<|message|>")
+    assert counts["required"] >= 10 and counts["named"] >= 5, counts
+
+
+def test_grammar_refuses_what_is_not_a_valid_call(tmp_path):
+    import llguidance
+
+    from freetoken_py.server.constraints import ToolChoice, request_grammar
+
+    tok, lltok, _ = _grammar_vocab(tmp_path, True)
+    shape = _shape(tok)
+
+    def accepts(mode, text, name=None):
+        m = llguidance.LLMatcher(lltok, request_grammar(GRAMMAR_TOOLS, ToolChoice(mode, name), None, shape).lark,
+                                 log_level=0)
+        ids = tok.encode(text)
+        return m.validate_tokens(ids) == len(ids)
+
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>'
+    thought = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant"
+    assert accepts("required", call) and accepts("required", thought + call) and accepts("auto", call)
+    assert accepts("auto", "<|channel|>final<|message|>Hi!<|return|>")
+    assert not accepts("required", "<|channel|>final<|message|>Hi!<|return|>")             # an answer
+    assert not accepts("required", call.replace("get_weather", "get_time"))                 # undeclared tool
+    assert not accepts("required", call.replace('"Oslo"', "3"))                             # schema-invalid
+    assert not accepts("required", call.replace('{"city":"Oslo"}', '{"town":"Oslo"}'))      # missing required
+    assert not accepts("named", call, "goto_line")                                          # another tool
+    assert not accepts("auto", "<|channel|>analysis<|message|>spelled <|end|> inside")      # a spelled tag
+    assert request_grammar(GRAMMAR_TOOLS, ToolChoice("none"), None, shape) is None
+    assert request_grammar(None, ToolChoice(), None, shape) is None
+
+
+def test_grammar_response_format_and_thinking_budget(tmp_path):
+    import llguidance
+    import numpy as np
+
+    from freetoken_py.server.constraints import ToolChoice, request_grammar
+
+    tok, lltok, n_vocab = _grammar_vocab(tmp_path, True)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    lark = request_grammar(None, ToolChoice(), schema, _shape(tok)).lark
+    m = llguidance.LLMatcher(lltok, lark, log_level=0)
+    good = tok.encode('<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>'
+                      '{"ok":true}<|return|>')
+    assert m.validate_tokens(good) == len(good)
+    bad = tok.encode('<|channel|>final<|message|>{"ok":1}')
+    assert m.validate_tokens(bad) < len(bad)
+    # a budget of 3 tokens: after 3 tokens of thought only <|end|> may follow
+    lark = request_grammar(None, ToolChoice(), None, _shape(tok, budget=3)).lark
+    m = llguidance.LLMatcher(lltok, lark, log_level=0)
+    assert m.consume_tokens(tok.encode("<|channel|>analysis<|message|>") + tok.encode(" a b c"))
+    allowed = np.flatnonzero(np.frombuffer(m.compute_logit_bias(), np.uint8)[:n_vocab])
+    assert list(allowed) == [tok.token_to_id("<|end|>")]

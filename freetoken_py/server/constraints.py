@@ -67,7 +67,7 @@ def marker_tokens(tokenizer, tool_format: str = "qwen3_json") -> tuple[tuple[str
     with their ids."""
     out = []
     syntax = SYNTAX.get(tool_format)
-    for m in dict.fromkeys(MARKERS + (syntax.markers if syntax else ())):
+    for m in dict.fromkeys(MARKERS + (syntax.markers if syntax else _harmony_tags(tool_format))):
         ids = tokenizer.encode(m) if tokenizer is not None else []
         if len(ids) == 1 and tokenizer.token_to_id(m) == ids[0]:
             out.append((m, ids[0]))
@@ -80,9 +80,15 @@ def free_tokens(tokenizer, single: tuple[tuple[str, int], ...], tool_format: str
     if tokenizer is None or not hasattr(tokenizer, "added_token_ids"):
         return ()
     syntax = SYNTAX.get(tool_format)
-    tags = set(syntax.markers if syntax else (CALL_OPEN, CALL_CLOSE)) - {THINK_OPEN, THINK_CLOSE}
+    tags = set(syntax.markers if syntax else _harmony_tags(tool_format) or (CALL_OPEN, CALL_CLOSE))
+    tags -= {THINK_OPEN, THINK_CLOSE}
     calls = {i for m, i in single if m in tags}
     return tuple(i for i in tokenizer.added_token_ids() if i not in calls)
+
+
+def _harmony_tags(tool_format: str) -> tuple[str, ...]:
+    from freetoken_py.server.toolcalls.harmony import HARMONY
+    return HARMONY.tags if tool_format == "harmony" else ()
 
 
 def shape_of(prep, tokenizer) -> Shape:
@@ -220,6 +226,9 @@ def anthropic_response_schema(body: dict) -> dict | None:
 def request_grammar(tools: list[dict] | None, choice: ToolChoice, response_schema: dict | None,
                     shape: Shape) -> Grammar | None:
     """The grammar a request decodes under; None when nothing constrains it."""
+    if shape.tool_format == "harmony":   # gpt-oss: its own grammar (server/harmony_grammar.py)
+        from freetoken_py.server.harmony_grammar import harmony_grammar
+        return harmony_grammar(tools, choice, shape, response_schema)
     if tools and choice.mode != "none":
         return tool_grammar(tools, choice, shape, response_schema)
     if response_schema is not None:
