@@ -28,7 +28,7 @@ from freetoken_py.loading import attach_tiers, load_engine_model
 from freetoken_py.models.loader import read_generation_defaults
 from freetoken_py.residency.kv_split import KV_RESPLIT_STEPS, KvSlotSplit  # noqa: F401  (the constant: old import path)
 from freetoken_py.scheduler.scheduler import Scheduler
-from freetoken_py.tokenizer import IncrementalDetokenizer, Tokenizer
+from freetoken_py.tokenizer import IncrementalDetokenizer, Tokenizer, bundled_chat_template
 from freetoken_py.utils.progress import progress_bar
 
 
@@ -58,6 +58,8 @@ class LLM:
         self.model = load_engine_model(self.config, self.backend)   # checkpoint -> format -> placement
         self.args = self.model.args
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
+        if self.tokenizer is not None and not self.tokenizer.chat_template:   # DeepSeek-V3.2: our own
+            self.tokenizer.chat_template = bundled_chat_template(self.args.model_type)
         self.generation = read_generation_defaults(model_dir)
         try:                            # its sampling defaults in range, said at load with the file's name
             SamplingParams(**self.generation.sampling)

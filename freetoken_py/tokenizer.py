@@ -93,6 +93,17 @@ class Tokenizer:
             raise FreetokenError(f"chat template failed: {exc}") from None
 
 
+# model_type -> the project's own template (freetoken_py/data/chat_templates/) for a family whose
+# checkpoints ship no Jinja template: DeepSeek-V3.2 publishes a Python encoder instead
+BUNDLED_TEMPLATES = {"deepseek_v32": "deepseek_v32.jinja"}
+
+
+def bundled_chat_template(model_type: str | None) -> str | None:
+    """The bundled chat template for a model_type whose checkpoints ship none, else None."""
+    name = BUNDLED_TEMPLATES.get(model_type or "")
+    return (Path(__file__).parent / "data" / "chat_templates" / name).read_text(encoding="utf-8") if name else None
+
+
 class TemplateArguments(dict):
     """A tool call's arguments as templates see them: a dict (most templates iterate `.items()`)
     that prints and concatenates as its JSON text (DeepSeek V3.1's writes `name + '<｜tool▁sep｜>'

@@ -59,6 +59,7 @@ FAMILIES = [
     Family("glm-4.5.jinja", "glm45", ""),
     Family("glm-4.6.jinja", "glm45", ""),
     Family("glm-4.7-flash.jinja", "glm45", ""),
+    Family("glm-5.2.jinja", "glm45", ""),
     Family("minimax-m2.jinja", "minimax_m2", "[e~["),
     Family("qwen3.5.jinja", "qwen3_coder_xml", "<|im_end|>"),
 ]
@@ -289,7 +290,9 @@ def test_detection_by_template_and_model_type(tokenizers):
     assert detect_tool_format(generic, "glm4_moe") == "glm45" and detect_tool_format(generic, "kimi_k25") == "kimi_k2"
     assert detect_tool_format(generic, "qwen3_5_moe") == "qwen3_coder_xml"
     assert detect_tool_format("{{ messages }}", "glm4_moe") == "none"  # a template without tools stays without
-    assert detect_tool_format("<｜DSML｜function_calls>") == "unsupported:deepseek_dsml"
+    assert detect_tool_format("<｜DSML｜function_calls>") == "deepseek_dsml"  # DeepSeek-V3.2
+    assert detect_tool_format("<｜DSML｜tool_calls>") == "unsupported:deepseek_dsml"  # another DSML dialect
+    assert detect_tool_format(generic, "deepseek_v32") == "deepseek_dsml" and detect_tool_format(generic, "glm_moe_dsa") == "glm45"
 
 
 @pytest.mark.parametrize("fmt,text", [

@@ -4,7 +4,8 @@ decodes under.
 The grammar is plain data (llguidance's Lark dialect, see engine/grammar.py); this module never
 touches the engine. Every tool-call format the parser knows has its grammar (`SYNTAX`): Qwen3 /
 Hermes JSON (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`), DeepSeek V3.1
-(`<｜tool▁calls▁begin｜>` sections, `NAME<｜tool▁sep｜>{json}`), Kimi K2 (`functions.NAME:IDX` and
+(`<｜tool▁calls▁begin｜>` sections, `NAME<｜tool▁sep｜>{json}`), DeepSeek-V3.2 DSML (`<｜DSML｜invoke
+name=...>` with `<｜DSML｜parameter name=... string="true|false">`), Kimi K2 (`functions.NAME:IDX` and
 JSON), GLM-4.5+ (`<arg_key>` / `<arg_value>` pairs), MiniMax-M2 (`<invoke name=...>` with
 `<parameter name=...>`) and Qwen3-Coder / Qwen3.5 XML (`<function=NAME><parameter=K>`):
 
@@ -321,11 +322,12 @@ class CallSyntax:
     body_end: str = ""
     stops: tuple[str, ...] = ()
     in_reasoning: bool = False
+    tags: tuple[str, ...] = ()  # other tags of a call (GLM's <arg_key>: one token in its vocabulary)
 
     @property
     def markers(self) -> tuple[str, ...]:
         tags = (self.open, self.close, self.call_open, self.call_close.strip(), self.args_sep, self.value_tag,
-                *self.stops)
+                *self.stops, *self.tags)
         return tuple(dict.fromkeys(t for t in tags if t and t.startswith("<") and t.endswith((">", "|>"))))
 
 
@@ -337,11 +339,16 @@ SYNTAX = {s.name: s for s in (
                call_close="<|tool_call_end|>", name_prefix="functions.", args_sep="<|tool_call_argument_begin|>"),
     CallSyntax("glm45", CALL_OPEN, CALL_CLOSE, name_open="{name}\n", key_open="<arg_key>{key}</arg_key>\n<arg_value>",
                value_close="</arg_value>\n", value_tag="</arg_value>",
-               stops=("</arg_value>",)),
+               stops=("</arg_value>",), tags=("<arg_key>", "</arg_key>", "<arg_value>")),
     CallSyntax("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", "\n", call_open="<invoke",
                call_close="</invoke>\n", name_open=' name="{name}">\n', key_open='<parameter name="{key}">',
                value_close="</parameter>\n", value_tag="</parameter>",
                stops=("</parameter>",)),
+    # DeepSeek-V3.2 DSML: `string="true"` before a text value, "false" before a JSON one
+    CallSyntax("deepseek_dsml", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", "\n",
+               call_open="<｜DSML｜invoke", call_close="</｜DSML｜invoke>\n", name_open=' name="{name}">\n',
+               key_open='<｜DSML｜parameter name="{key}" string="{string}">', value_close="</｜DSML｜parameter>\n",
+               value_tag="</｜DSML｜parameter>", stops=("</｜DSML｜parameter>",)),
     CallSyntax("qwen3_coder_xml", CALL_OPEN, CALL_CLOSE, "\n", name_open="<function={name}>\n",
                key_open="<parameter={key}>\n", value_close="\n</parameter>\n", value_tag="</parameter>",
                body_end="</function>\n", stops=("</parameter>", "<parameter="),
@@ -442,7 +449,8 @@ def _param_body(out: _Rules, rule: str, name: str, schema: dict, shape: Shape, s
         prop = props.get(key) if isinstance(props.get(key), dict) else {}
         piece = f"{rule}_{j}"
         value = _param_value(out, f"{piece}_v", {**prop, **defs} if prop and defs else prop, shape, syntax)
-        out.add(f"{piece}: {_seq(syntax.key_open.format(key=key), shape)} {value}")
+        string = "true" if _reads_as_text(prop) else "false"   # (DSML's attribute; other formats have none)
+        out.add(f"{piece}: {_seq(syntax.key_open.format(key=key, string=string), shape)} {value}")
         pieces.append(piece if key in required else f"{piece}?")
     end = _seq(syntax.body_end, shape) if syntax.body_end else ""
     out.add(f"{rule}: {_seq(syntax.name_open.format(name=name), shape)} {' '.join(pieces)} {end}")

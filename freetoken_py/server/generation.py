@@ -37,7 +37,8 @@ class Prepared:
 
 def render_chat(llm, messages: list[dict], tools: list[dict] | None,
                 template_kwargs: dict | None = None) -> tuple[list[int], bool | str]:
-    """Prompt ids and the reasoning mode: "open" when the template itself opened a <think> block.
+    """Prompt ids and the reasoning mode: "open" when the template itself opened a <think> block,
+    False when it closed one (thinking switched off), else whether the template knows <think>.
     `template_kwargs` (e.g. enable_thinking) are variables the template reads. Late system
     messages (chat.py marks them) are placed as `late_system_mode` says for this template."""
     tok = llm.tokenizer
@@ -47,6 +48,8 @@ def render_chat(llm, messages: list[dict], tools: list[dict] | None,
     reasoning = detect_reasoning(tok.chat_template)
     if reasoning and text.rstrip().endswith("<think>"):
         reasoning = "open"
+    elif reasoning and text.rstrip().endswith("</think>"):
+        reasoning = False  # the template closed the thought (thinking off: DeepSeek-V3.2, GLM-5): the answer follows
     return tok.encode(text), reasoning
 
 

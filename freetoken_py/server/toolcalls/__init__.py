@@ -4,7 +4,8 @@ The format is taken from the chat template (`detect_tool_format`, falling back o
 model_type): Qwen3 / Hermes JSON in `<tool_call>`, Qwen3-Coder / Qwen3.5 XML
 (`<function=NAME><parameter=K>V</parameter>`, also inside reasoning), GLM-4.5+
 (`<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>`), DeepSeek V3.x
-(`<｜tool▁calls▁begin｜>` sections), Kimi K2 (`<|tool_calls_section_begin|>` with
+(`<｜tool▁calls▁begin｜>` sections), DeepSeek-V3.2 DSML (`<｜DSML｜function_calls>` with
+`<｜DSML｜invoke name=...>`), Kimi K2 (`<|tool_calls_section_begin|>` with
 `functions.NAME:IDX` ids) and MiniMax-M2 (`<minimax:tool_call><invoke name=...>`). Other families
 are recognised and refused with `UnsupportedToolFormat` when tools are requested, instead of
 leaking raw markup to the client as text.

@@ -125,6 +125,39 @@ def minimax_m2(body: str, schemas: dict) -> Parsed | None:
                          for _, k, v in _MINIMAX_PARAM.findall(match.group(3))})
 
 
+DSML = "｜DSML｜"
+DSML_PARAM_CLOSE = f"</{DSML}parameter>"
+_DSML_INVOKE = re.compile(r"""\s+name="([^"\n]+)"\s*>(.*)\Z""", re.DOTALL)
+_DSML_PARAM = re.compile(rf"""<{DSML}parameter\s+name="([^"\n]+)"\s+string="(true|false)"\s*>(.*?){DSML_PARAM_CLOSE}""",
+                         re.DOTALL)
+
+
+def deepseek_dsml(body: str, schemas: dict) -> Parsed | None:
+    """DeepSeek-V3.2 DSML, the body after `<｜DSML｜invoke`: ` name="NAME">` then
+    `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` pieces. string="true":
+    V is the text itself; "false": V is JSON (the published encoding's rule); a "false" value
+    that is not JSON is read as the schema types it (text at worst) rather than dropping the call."""
+    match = _DSML_INVOKE.match(body)
+    if match is None or _DSML_PARAM.sub("", match.group(2)).strip():
+        return None
+    name = match.group(1).strip()
+    props = _properties(schemas, name)
+    args = {}
+    for key, string, value in _DSML_PARAM.findall(match.group(2)):
+        key = key.strip()
+        if key in args:
+            return None  # the encoding's parser refuses a repeated parameter
+        args[key] = value if string == "true" else _json_value(value, props.get(key))
+    return _named(name, args)
+
+
+def _json_value(text: str, schema) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return typed(text, schema, json_untyped=True)
+
+
 def _properties(schemas: dict, name: str) -> dict:
     props = schemas.get(name, {}).get("properties", {})
     return props if isinstance(props, dict) else {}

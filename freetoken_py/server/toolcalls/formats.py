@@ -43,6 +43,9 @@ FORMATS = {f.name: f for f in (
                "<|tool_call_begin|>", "<|tool_call_end|>", inner=(bodies.KIMI_ARGS,)),
     ToolFormat("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", bodies.minimax_m2,
                "<invoke", "</invoke>", inner=("</parameter>",)),
+    ToolFormat("deepseek_dsml", f"<{bodies.DSML}function_calls>", f"</{bodies.DSML}function_calls>",
+               bodies.deepseek_dsml, f"<{bodies.DSML}invoke", f"</{bodies.DSML}invoke>",
+               inner=(f"<{bodies.DSML}parameter", bodies.DSML_PARAM_CLOSE)),
 )}
 SUPPORTED = (*FORMATS, "none")  # (and "harmony", gpt-oss's, with its own parser: toolcalls/harmony.py)
 
@@ -50,6 +53,8 @@ SUPPORTED = (*FORMATS, "none")  # (and "harmony", gpt-oss's, with its own parser
 # MiniMax's and GLM's markup contain "<tool_call>", and Qwen3-Coder's too, so plain Qwen3 is last.
 _TEMPLATE_MARKERS = (
     ("harmony", ("<|channel|>", "<|call|>")),
+    # DeepSeek-V3.2's DSML (`function_calls` / `invoke`); DSML in other dialects is refused
+    ("deepseek_dsml", ("｜DSML｜function_calls", "dsml_token }}function_calls")),
     ("unsupported:deepseek_dsml", ("｜DSML｜",)),
     ("minimax_m2", ("<minimax:tool_call>",)),
     ("kimi_k2", ("<|tool_calls_section_begin|>", "<|im_system|>tool_declare")),
@@ -63,7 +68,8 @@ _TEMPLATE_MARKERS = (
 
 # config.json model_type -> format, for a template that renders tools in no way we can name
 _MODEL_TYPES = {
-    "deepseek_v3": "deepseek_v31", "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2",
+    "deepseek_v3": "deepseek_v31", "deepseek_v32": "deepseek_dsml", "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2",
+    "glm_moe_dsa": "glm45",
     "glm4_moe": "glm45", "glm4_moe_lite": "glm45", "minimax_m2": "minimax_m2",
     "qwen3_next": "qwen3_coder_xml", "qwen3_5_moe": "qwen3_coder_xml", "qwen3_5_moe_text": "qwen3_coder_xml",
     "qwen3_moe": "qwen3_json", "gpt_oss": "harmony",
