@@ -1,5 +1,5 @@
 """Chat and tool-call formats of DeepSeek-V3.2 (`deepseek_v32`, DSML calls) and GLM-5.x (`glm_moe_dsa`,
-GLM-4.5-style XML calls) — issue 42 item 4.
+GLM-4.5-style XML calls without newlines, `glm47`) — issue 42 item 4.
 
 References, none of them ours:
 - DeepSeek-V3.2 ships no Jinja template, only the Python encoder `encoding/encoding_dsv32.py`. The
@@ -248,8 +248,9 @@ def test_openai_chat_forced_calls(served):
     """Thinking off (GLM-5.2 thinks by default; a random model's thought would not end): required,
     a named tool, and the same streamed."""
     kind, srv = served
-    assert srv.state.llm.tokenizer.chat_template == (V32 if kind == "deepseek_v32" else
-                                                      (server_util.TEMPLATES / "glm-5.2.jinja").read_text())
+    tok = srv.state.llm.tokenizer
+    assert tok.chat_template == (V32 if kind == "deepseek_v32" else (server_util.TEMPLATES / "glm-5.2.jinja").read_text())
+    assert detect_tool_format(tok.chat_template, kind) == {"deepseek_v32": "deepseek_dsml", "glm_moe_dsa": "glm47"}[kind]
     msgs = [{"role": "user", "content": "Go to line 3, then get the weather."}]
     for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "goto_line"}}]):
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=300, json={

@@ -23,7 +23,7 @@ from freetoken_py.server.constraints import SYNTAX, Shape, ToolChoice, free_toke
 from freetoken_py.server.toolcalls import markup_tokens, parse_output
 from freetoken_py.tokenizer import Tokenizer
 
-FORMATS = ["qwen3_json", "deepseek_v31", "kimi_k2", "glm45", "minimax_m2", "qwen3_coder_xml", "deepseek_dsml"]
+FORMATS = ["qwen3_json", "deepseek_v31", "kimi_k2", "glm45", "minimax_m2", "qwen3_coder_xml", "deepseek_dsml", "glm47"]
 TYPED = {"type": "function", "function": {"name": "edit", "description": "Edit", "parameters": {
     "type": "object", "required": ["path", "line", "mode"],
     "properties": {"path": {"type": "string"}, "line": {"type": "integer", "minimum": 1},

@@ -58,8 +58,8 @@ FAMILIES = [
     Family("kimi-k2-thinking.jinja", "kimi_k2", "<|im_end|>", kimi_ids=True),
     Family("glm-4.5.jinja", "glm45", ""),
     Family("glm-4.6.jinja", "glm45", ""),
-    Family("glm-4.7-flash.jinja", "glm45", ""),
-    Family("glm-5.2.jinja", "glm45", ""),
+    Family("glm-4.7-flash.jinja", "glm47", ""),
+    Family("glm-5.2.jinja", "glm47", ""),
     Family("minimax-m2.jinja", "minimax_m2", "[e~["),
     Family("qwen3.5.jinja", "qwen3_coder_xml", "<|im_end|>"),
 ]
@@ -292,7 +292,7 @@ def test_detection_by_template_and_model_type(tokenizers):
     assert detect_tool_format("{{ messages }}", "glm4_moe") == "none"  # a template without tools stays without
     assert detect_tool_format("<｜DSML｜function_calls>") == "deepseek_dsml"  # DeepSeek-V3.2
     assert detect_tool_format("<｜DSML｜tool_calls>") == "unsupported:deepseek_dsml"  # another DSML dialect
-    assert detect_tool_format(generic, "deepseek_v32") == "deepseek_dsml" and detect_tool_format(generic, "glm_moe_dsa") == "glm45"
+    assert detect_tool_format(generic, "deepseek_v32") == "deepseek_dsml" and detect_tool_format(generic, "glm_moe_dsa") == "glm47"
 
 
 @pytest.mark.parametrize("fmt,text", [

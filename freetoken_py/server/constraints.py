@@ -6,7 +6,7 @@ touches the engine. Every tool-call format the parser knows has its grammar (`SY
 Hermes JSON (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`), DeepSeek V3.1
 (`<｜tool▁calls▁begin｜>` sections, `NAME<｜tool▁sep｜>{json}`), DeepSeek-V3.2 DSML (`<｜DSML｜invoke
 name=...>` with `<｜DSML｜parameter name=... string="true|false">`), Kimi K2 (`functions.NAME:IDX` and
-JSON), GLM-4.5+ (`<arg_key>` / `<arg_value>` pairs), MiniMax-M2 (`<invoke name=...>` with
+JSON), GLM-4.5+ (`<arg_key>` / `<arg_value>` pairs; GLM-4.7 / 5.x without newlines), MiniMax-M2 (`<invoke name=...>` with
 `<parameter name=...>`) and Qwen3-Coder / Qwen3.5 XML (`<function=NAME><parameter=K>`):
 
 - `auto`: free text, unconstrained except that it cannot spell the opener; once the model emits
@@ -340,6 +340,9 @@ SYNTAX = {s.name: s for s in (
     CallSyntax("glm45", CALL_OPEN, CALL_CLOSE, name_open="{name}\n", key_open="<arg_key>{key}</arg_key>\n<arg_value>",
                value_close="</arg_value>\n", value_tag="</arg_value>",
                stops=("</arg_value>",), tags=("<arg_key>", "</arg_key>", "<arg_value>")),
+    CallSyntax("glm47", CALL_OPEN, CALL_CLOSE, name_open="{name}", key_open="<arg_key>{key}</arg_key><arg_value>",
+               value_close="</arg_value>", value_tag="</arg_value>", stops=("</arg_value>",),
+               tags=("<arg_key>", "</arg_key>", "<arg_value>")),
     CallSyntax("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", "\n", call_open="<invoke",
                call_close="</invoke>\n", name_open=' name="{name}">\n', key_open='<parameter name="{key}">',
                value_close="</parameter>\n", value_tag="</parameter>",

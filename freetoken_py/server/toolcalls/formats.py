@@ -37,6 +37,9 @@ FORMATS = {f.name: f for f in (
                inner=("</parameter>",)),
     ToolFormat("glm45", "<tool_call>", "</tool_call>", bodies.glm45,
                inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+    # GLM-4.7 / GLM-5.x: the same calls without the newlines (one parser; the grammar writes them as the template does)
+    ToolFormat("glm47", "<tool_call>", "</tool_call>", bodies.glm45,
+               inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
     ToolFormat("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", bodies.deepseek,
                "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", inner=(bodies.DEEPSEEK_SEP,)),
     ToolFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", bodies.kimi_k2,
@@ -58,6 +61,7 @@ _TEMPLATE_MARKERS = (
     ("unsupported:deepseek_dsml", ("｜DSML｜",)),
     ("minimax_m2", ("<minimax:tool_call>",)),
     ("kimi_k2", ("<|tool_calls_section_begin|>", "<|im_system|>tool_declare")),
+    ("glm47", ("{function-name}<arg_key>",)),   # the instructions of GLM-4.7's and GLM-5.x's templates
     ("glm45", ("<arg_key>", "<arg_value>")),
     ("deepseek_v31", ("tool▁calls▁begin", "tool▁call▁begin")),
     ("unsupported:mistral", ("[TOOL_CALLS]",)),
@@ -69,7 +73,7 @@ _TEMPLATE_MARKERS = (
 # config.json model_type -> format, for a template that renders tools in no way we can name
 _MODEL_TYPES = {
     "deepseek_v3": "deepseek_v31", "deepseek_v32": "deepseek_dsml", "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2",
-    "glm_moe_dsa": "glm45",
+    "glm_moe_dsa": "glm47",
     "glm4_moe": "glm45", "glm4_moe_lite": "glm45", "minimax_m2": "minimax_m2",
     "qwen3_next": "qwen3_coder_xml", "qwen3_5_moe": "qwen3_coder_xml", "qwen3_5_moe_text": "qwen3_coder_xml",
     "qwen3_moe": "qwen3_json", "gpt_oss": "harmony",
