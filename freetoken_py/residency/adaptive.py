@@ -181,13 +181,17 @@ class AdaptivePolicy:
         m = len(tokens)
         ids = np.fromiter(tokens, np.int64, m)
         ntok = np.fromiter(tokens.values(), np.int64, m)
-        res = np.fromiter((e in resident for e in tokens), np.bool_, m)
+        res = np.fromiter((e in resident for e in tokens), np.bool_, m) if resident else np.zeros(m, np.bool_)
         self._arrays = (tokens, ids, ntok)
         victim = self._victim_rate_now() if self.capacity and m > len(resident & tokens.keys()) else 0.0
+        costs = core_costs(cost)
+        per_miss = cost.__dict__.get("_per_miss_s")
+        if per_miss is None:       # (a cache beside the frozen fields, as core_costs')
+            per_miss = cost.__dict__["_per_miss_s"] = min(cost.cpu_s(1), cost.copy_s())
         # the misses' values (`stream_values`) and `plan`, in one compiled call
         p = plan_from_core(ids, _split_core(ids, ntok, res, self.freq[layer], self.fast[layer], self._fast_step[layer],
-                                            *self._rate_terms(), victim, min(cost.cpu_s(1), cost.copy_s()),
-                                            float(WINDOW), self.capacity, core_costs(cost)))
+                                            *self._rate_terms(), victim, per_miss, float(WINDOW), self.capacity,
+                                            costs))
         # what this layer-step leaves in the accelerator's hands (the streamed misses, most worth
         # keeping first, then the hits), and how many copies the planner found worth making
         # (CPU-evaluated and cut experts never reach a slot)

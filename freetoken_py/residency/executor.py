@@ -84,6 +84,8 @@ class ResidencyExecutor:
         self.cpu_banks = cpu_banks
         self.policy, self.cost, self.slots = policy, cost, slots
         self.streamer = Streamer(slots, host, fmt)
+        self._cuda = slots.device.type == "cuda"
+        self._num_experts = [0 if h is None else h[0].shape[0] for h in host]   # per layer
         self.transfers = Transfers(slots.device)     # pooled pinned staging, the packed routing read
         self._host_rules: dict = {}                  # next layer -> its SigmoidRule with the bias on the host
         self._pairs_dev = None       # this call's accelerator pairs on its device: (rows, weights, start per expert)
@@ -137,15 +139,18 @@ class ResidencyExecutor:
         # look-ahead's logits and, when the CPU tier may have work, x come to the host in one
         # packed read, which also zeroes the layer's output buffer (transfers.read_packed)
         with_accel = x.device == self.slots.device
-        synced = ids.device.type == "cuda"     # reading the routing back waits for the compute stream
+        # reading the routing back waits for the compute stream (ids are where x is)
+        synced = with_accel and self._cuda
         nxt = self._next_moe_layer(layer) if self.top_k > 0 and self.slots.num_slots else None
         logits = self._router_logits(nxt, x, with_accel)
         out_dev = x_host = timing = None
+        resident = self.policy.resident(layer)
         if with_accel:
-            pack_x = ids.shape[0] <= PACK_X_TOKENS and self._cpu_may_work(layer)
+            # (the CPU tier may get work unless every expert of the layer is resident)
+            pack_x = ids.shape[0] <= PACK_X_TOKENS and len(resident) < self._num_experts[layer]
             (ids, weights, logits, x_host), out_dev = self.transfers.read_packed(
                 [ids, weights, logits, x if pack_x else None], out_like=x)
-            if x.device.type == "cuda":
+            if self._cuda:
                 self.flush_timing(wait=False)      # that read waited for the GPU: earlier layers' events are done
                 timing = (self.transfers.event(True), self.transfers.event(True))
                 timing[0].record()                 # the experts' time on the GPU's clock, from here
@@ -163,7 +168,7 @@ class ResidencyExecutor:
             counts = torch.bincount(ids.flatten(), minlength=self.host[layer][0].shape[0]).tolist()
             tokens = {e: n for e, n in enumerate(counts) if n}
         self._score_prefetch(layer, tokens, decode)
-        plan = self.policy.split(layer, LayerStats(tokens, self.policy.resident(layer)), self.cost)
+        plan = self.policy.split(layer, LayerStats(tokens, resident), self.cost)
         self.policy.touch(layer, self.step, tokens)
         cuts = [(e, self._cut_columns(layer, f)) for e, f in plan.split]
         accel = [*plan.hits, *plan.stream, *(e for e, c in cuts if c)]   # experts the accelerator computes
@@ -178,12 +183,17 @@ class ResidencyExecutor:
                       else (None, None))
         # the next layer's look-ahead copies are issued before the CPU tier runs, and the CPU tier
         # runs while the accelerator works: on a GPU the three overlap (the planner's max(gpu, cpu))
-        self._prefetch(predicted, prefetch_allowance(plan, self.cost, self.lead(decode)))
-        cpu_cuts = [(e, cols) for e, cols in cuts if cols < self.fmt.inter]
-        cpu_part = (self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts, one, weights)
+        if predicted is not None:
+            self._prefetch(predicted, prefetch_allowance(plan, self.cost, self.lead(decode)))
+        else:
+            self.prediction_made = None
+        cpu_cuts = [(e, cols) for e, cols in cuts if cols < self.fmt.inter] if cuts else cuts
+        # (x with the accelerator: the CPU's part goes there from staging, where a lone token's
+        # one-row kernel call writes it directly)
+        cpu_part = (self._cpu_tier(layer, x_host, groups, plan.cpu, cpu_cuts, one, weights, stage=with_accel)
                     if plan.cpu or cpu_cuts else None)
-        out = self._sum_parts(out, ready, cpu_part, out_dev, x)
-        self._count(layer, plan, tokens, cuts)
+        out = self._sum_parts(out, ready, cpu_part, out_dev, x, with_accel)
+        self._count(layer, plan, tokens, cuts, one is not None)
         c = self.telemetry.layers[layer]
         c.predicted_s += self.cost.layer_step_s(plan)     # (the simulator's layer-step, fixed costs included)
         if timing is not None:     # ends when the two parts' sum is ready; read back later, no wait now
@@ -195,15 +205,14 @@ class ResidencyExecutor:
             c.measured_s += self._prev_end - t0
         return out
 
-    def _sum_parts(self, out, ready, cpu_part, out_dev, x):
+    def _sum_parts(self, out, ready, cpu_part, out_dev, x, send: bool):
         """The layer's output on x's device: the accelerator's part (`out`, read back when x is on
-        the host: `ready`) plus the CPU's part, sent from pinned staging (one more launch when
-        both have work)."""
+        the host: `ready`) plus the CPU's part, sent from pinned staging when x is with the
+        accelerator (`send`; one more launch when both have work)."""
         if ready is not None:
             ready.synchronize()           # the accelerator's part has reached the host
             self.transfers.release(ready, timing=False)
             out = out.clone()             # (out of the pooled buffer before the next layer reuses it)
-        send = x.device == self.slots.device     # (x on the host with slots on a GPU: the CPU part stays)
         if cpu_part is not None and send:
             cpu_part = self.transfers.to_device([cpu_part], "cpu_part")[0]
         if out is None:                   # nothing ran on the accelerator
@@ -236,10 +245,6 @@ class ResidencyExecutor:
         if key not in self._host_rules:
             self._host_rules[key] = SigmoidRule(self.transfers.read(rule.bias).clone(), rule.n_group, rule.topk_group)
         return self._host_rules[key]
-
-    def _cpu_may_work(self, layer: int) -> bool:
-        """Whether the CPU tier may get work in this layer-step (not every expert of the layer resident)."""
-        return len(self.policy.resident(layer)) < self.host[layer][0].shape[0]
 
     def _accelerator_part(self, layer: int, x: torch.Tensor, plan, cuts, accel: list[int], groups,
                           out_dev: Optional[torch.Tensor] = None):
@@ -466,7 +471,7 @@ class ResidencyExecutor:
         return block * min(blocks - 1, max(1, int(round(fraction * blocks))))
 
     def _bank_row(self, x: torch.Tensor, weights: torch.Tensor, one: list[int], experts, bank,
-                  layer: int) -> torch.Tensor:
+                  layer: int, stage: bool = False) -> torch.Tensor:
         """A lone token's whole CPU experts in one kernel call: one row holding all of them,
         summed inside the kernel in fp32 (the batch-1 decode call `freetoken probe` measures, with
         no per-pair gather or scatter). Returns the sum [1, D] in x's dtype. `one`: the token's
@@ -478,20 +483,25 @@ class ResidencyExecutor:
         add_moe_experts(bank, xs, np.asarray([experts], np.int64), wts, out)
         if self.audit is not None:
             self.audit.extend((self.step, layer, 0, int(e), "cpu") for e in experts)
+        if stage:          # rounded to x's dtype straight into the pooled staging `_sum_parts` sends from
+            staged = self.transfers.staged(x.shape, x.dtype, "cpu_part")
+            staged.copy_(torch.from_numpy(out))
+            return staged
         return torch.from_numpy(out).to(x.dtype)
 
     def _bank(self, layer: int):
         return self.cpu_banks[layer] if self.cpu_banks else None
 
     def _cpu_tier(self, layer: int, x: torch.Tensor, groups, experts, cuts=(), one: Optional[list[int]] = None,
-                  weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  weights: Optional[torch.Tensor] = None, stage: bool = False) -> torch.Tensor:
         """The CPU's part [T, D] on the host: `experts` whole, `cuts` (expert, columns the
         accelerator took) for the remaining columns. `one` (a lone token's distinct experts, with
-        its routing `weights`) takes the one-row kernel call."""
+        its routing `weights`) takes the one-row kernel call; with `stage` (the part goes to the
+        accelerator next) that call's result is written into the staging buffer it is sent from."""
         t0 = time.perf_counter()
         bank = self._bank(layer)
         if bank is not None and experts and one is not None:
-            out_cpu = self._bank_row(x, weights, one, experts, bank, layer)
+            out_cpu = self._bank_row(x, weights, one, experts, bank, layer, stage and not cuts)
         elif bank is not None and experts:
             out_cpu = torch.zeros_like(x)  # [T, D] host part
             self._run_bank(out_cpu, x, groups, experts, bank, layer)
@@ -544,19 +554,30 @@ class ResidencyExecutor:
                     self.slots.evict(key)
             self.policy.discard(layer, e)
 
-    def _count(self, layer: int, plan, tokens: dict[int, int], cuts=()) -> None:
+    def _count(self, layer: int, plan, tokens: dict[int, int], cuts=(), single: bool = False) -> None:
+        """`single`: every expert in `tokens` has one token (a lone token's distinct experts)."""
         c = self.telemetry.layers[layer]
-        n_of = tokens.__getitem__
-        c.routed_pairs += sum(tokens.values())
-        c.hit_pairs += sum(map(n_of, plan.hits))
-        c.stream_pairs += sum(map(n_of, plan.stream))
-        c.cpu_pairs += sum(map(n_of, plan.cpu))
-        c.split_pairs += sum(tokens[e] for e, _ in plan.split)
+        if single:
+            c.routed_pairs += len(tokens)
+            c.hit_pairs += len(plan.hits)
+            c.stream_pairs += len(plan.stream)
+            c.cpu_pairs += len(plan.cpu)
+            c.split_pairs += len(plan.split)
+            one_s = self.cost.gpu_compute_s(1)
+            resident_s = sum(one_s for _ in tokens)       # (the same sum, in the same order)
+        else:
+            n_of = tokens.__getitem__
+            c.routed_pairs += sum(tokens.values())
+            c.hit_pairs += sum(map(n_of, plan.hits))
+            c.stream_pairs += sum(map(n_of, plan.stream))
+            c.cpu_pairs += sum(map(n_of, plan.cpu))
+            c.split_pairs += sum(tokens[e] for e, _ in plan.split)
+            resident_s = sum(map(self.cost.gpu_compute_s, tokens.values()))
         c.pcie_bytes += len(plan.stream) * self.cost.expert_bytes
-        inter = self.fmt.inter
-        c.pcie_bytes += sum(self.cost.expert_bytes * cols // inter for _, cols in cuts)
-        c.split_cpu_share += sum(tokens[e] * (1 - cols / inter) for e, cols in cuts)
-        resident_s = sum(map(self.cost.gpu_compute_s, tokens.values()))
+        if cuts:
+            inter = self.fmt.inter
+            c.pcie_bytes += sum(self.cost.expert_bytes * cols // inter for _, cols in cuts)
+            c.split_cpu_share += sum(tokens[e] * (1 - cols / inter) for e, cols in cuts)
         c.stall_s += max(0.0, plan.seconds - resident_s)
 
     # ---- look-ahead prefetch ----------------------------------------------------------------

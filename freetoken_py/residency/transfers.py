@@ -115,70 +115,120 @@ class Transfers:
         key = (role, tuple(None if p is None else (p.shape, p.dtype) for p in parts),
                None if out_like is None else (out_like.shape, out_like.dtype))
         layout = self._layouts.get(key)
-        if layout is None:          # (decode repeats one layout: its host views are made once)
+        if layout is None:          # (decode repeats one layout: its views are made once)
             if len(self._layouts) >= 32:
                 self._layouts.clear()
             layout = self._layouts[key] = self._layout(parts, out_like, role)
-        order, zero_n, dst, got = layout
-        flat, launches = [], 1
-        for i in order:
-            p = parts[i]
-            if not p.is_contiguous():
-                p, launches = p.contiguous(), launches + 1
-            flat.append(p.reshape(-1).view(torch.uint8))
-        pieces = ([self._zero_bytes(zero_n)] if zero_n else []) + flat
-        packed = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+        order, zero, dst, got, rows = layout
+        launches = 1
+        flat = [] if zero is None else [zero]
+        if rows:                    # one row each: [1, n] byte views side by side (no reshapes)
+            for i in order:
+                p = parts[i]
+                if not p.is_contiguous():
+                    p, launches = p.contiguous(), launches + 1
+                flat.append(p.view(torch.uint8))
+            packed = torch.cat(flat, 1) if len(flat) > 1 else flat[0].clone()
+            tail = packed[:, zero.shape[1]:] if zero is not None else packed
+        else:
+            for i in order:
+                p = parts[i]
+                if not p.is_contiguous():
+                    p, launches = p.contiguous(), launches + 1
+                flat.append(p.reshape(-1).view(torch.uint8))
+            packed = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+            tail = packed[zero.numel():] if zero is not None else packed
         launched(launches)
         if dst.numel():
             t0 = time.perf_counter()
-            dst.copy_(packed[zero_n:])         # pinned on CUDA: waits for the queue, once
+            dst.copy_(tail)                     # pinned on CUDA: waits for the queue, once
             COUNTS.d2h_wait_s += time.perf_counter() - t0
             COUNTS.d2h_reads += 1
         out = None
         if out_like is not None:
-            out = packed[:out_like.numel() * out_like.element_size()].view(out_like.dtype).view(out_like.shape)
-        return list(got), out
+            n = out_like.numel() * out_like.element_size()
+            if rows and out_like.dim() == 2:
+                out = packed[:, :n].view(out_like.dtype)          # [1, D]
+            else:
+                out = packed.view(-1)[:n].view(out_like.dtype).view(out_like.shape)
+        return got, out
 
     def _layout(self, parts, out_like, role: str) -> tuple:
         """Where each part lies in the packed bytes: (the parts' order, widest elements first, so
-        every part starts at a multiple of its element size; the zero block's bytes; the host
-        buffer the bytes are read into; the parts' host views, None for an absent part)."""
-        order = sorted((i for i, p in enumerate(parts) if p is not None), key=lambda i: -parts[i].element_size())
-        sizes = [parts[i].numel() * parts[i].element_size() for i in order]
-        zero_n = _align(out_like.numel() * out_like.element_size()) if out_like is not None else 0
-        dst = self.host(role, sum(sizes))
-        got: list[Optional[torch.Tensor]] = [None] * len(parts)
-        at = 0
-        for i, n in zip(order, sizes):
-            got[i] = dst[at:at + n].view(parts[i].dtype).view(parts[i].shape)
-            at += n
-        return order, zero_n, dst, got
-
+        every part starts at a multiple of its element size; the zero block, a view of the pooled
+        zeros, or None; the host buffer the bytes are read into; the parts' host views, None for
+        an absent part; whether every part and the output are one contiguous row [1, n], which
+        packs along dim 1 with no reshapes: a decode step's)."""
+        with torch.inference_mode(False):   # (views written in place in and out of inference mode)
+            order = sorted((i for i, p in enumerate(parts) if p is not None), key=lambda i: -parts[i].element_size())
+            sizes = [parts[i].numel() * parts[i].element_size() for i in order]
+            zero_n = _align(out_like.numel() * out_like.element_size()) if out_like is not None else 0
+            rows = all(parts[i].dim() == 2 and parts[i].shape[0] == 1 and parts[i].is_contiguous() for i in order) \
+                and (out_like is None or (out_like.dim() in (1, 2) and out_like.numel() == out_like.shape[-1]))
+            zero = None
+            if zero_n:
+                zero = self._zero_bytes(zero_n)
+                zero = zero.view(1, zero_n) if rows else zero
+            dst = self.host(role, sum(sizes))
+            got: list[Optional[torch.Tensor]] = [None] * len(parts)
+            at = 0
+            for i, n in zip(order, sizes):
+                got[i] = dst[at:at + n].view(parts[i].dtype).view(parts[i].shape)
+                at += n
+            if rows and dst.numel():
+                dst = dst.view(1, -1)
+        return order, zero, dst, got, rows
     def read(self, t: torch.Tensor, role: str = "read_one") -> torch.Tensor:
         """One device tensor on the host (a pooled buffer's view; valid until the next read for
         `role`)."""
         return self.read_packed([t], role=role)[0][0]
 
     # ---- host -> device --------------------------------------------------------------------------
+    def staged(self, shape, dtype: torch.dtype, role: str = "send") -> torch.Tensor:
+        """The pooled staging view `to_device([t], role)` sends a tensor of this shape and dtype
+        from: a producer on the host may write its result there directly (no copy into staging
+        then). Valid until the next routing read (see the class)."""
+        return self._send_layout(role, ((torch.Size(shape), dtype),))[2][0]
+
     def to_device(self, parts: Sequence[torch.Tensor], role: str = "send") -> list[torch.Tensor]:
         """Host tensors on the device in one copy from a pooled pinned buffer (each part's bytes
-        laid side by side there first: a host memcpy). Returns fresh device tensors of the
-        parts' shapes and dtypes (views of one device buffer)."""
-        order = sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
-        sizes = [parts[i].numel() * parts[i].element_size() for i in order]
-        total = sum(sizes)
-        stage = self.host(role, total)
-        at = 0
-        for i, n in zip(order, sizes):
-            stage[at:at + n].copy_(parts[i].detach().contiguous().reshape(-1).view(torch.uint8))
-            at += n
+        laid side by side there first: a host memcpy, skipped for a part already in its staging
+        view, `staged`). Returns fresh device tensors of the parts' shapes and dtypes (views of
+        one device buffer)."""
+        total, stage, views, spans = self._send_layout(role, tuple((p.shape, p.dtype) for p in parts))
+        for v, p in zip(views, parts):
+            if p.data_ptr() != v.data_ptr():
+                v.copy_(p)
+        if len(parts) == 1:
+            dev = torch.empty(views[0].shape, dtype=views[0].dtype, device=self.device)
+            if total:
+                dev.copy_(views[0], non_blocking=self.pinned)
+                COUNTS.h2d_pinned += 1
+            return [dev]
         dev = torch.empty(total, dtype=torch.uint8, device=self.device)
         if total:
             dev.copy_(stage, non_blocking=self.pinned)
             COUNTS.h2d_pinned += 1
-        got: list = [None] * len(parts)
-        at = 0
-        for i, n in zip(order, sizes):
-            got[i] = dev[at:at + n].view(parts[i].dtype).view(parts[i].shape)
-            at += n
-        return got
+        return [dev[a:b].view(v.dtype).view(v.shape) for (a, b), v in zip(spans, views)]
+
+    def _send_layout(self, role: str, meta: tuple) -> tuple:
+        """`to_device`'s staging for parts of these (shape, dtype)s: (total bytes, the staging
+        bytes, a typed view per part, its byte span), made once per shape."""
+        key = ("send", role, meta)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= 32:
+                self._layouts.clear()
+            with torch.inference_mode(False):
+                elem = [torch.empty(0, dtype=d).element_size() for _, d in meta]
+                order = sorted(range(len(meta)), key=lambda i: -elem[i])
+                sizes = {i: elem[i] * int(torch.Size(meta[i][0]).numel()) for i in order}
+                total = sum(sizes.values())
+                stage = self.host(role, total)
+                views, spans, at = [None] * len(meta), [None] * len(meta), 0
+                for i in order:
+                    spans[i] = (at, at + sizes[i])
+                    views[i] = stage[at:at + sizes[i]].view(meta[i][1]).view(meta[i][0])
+                    at += sizes[i]
+            layout = self._layouts[key] = (total, stage, views, spans)
+        return layout
