@@ -18,8 +18,15 @@ def run_probe(model_spec: Optional[str] = None, as_json: bool = False,
 
     model, hub = read_model(model_spec) if model_spec is not None else (None, None)  # a bad path fails first
     profile = get_profile(reprofile=reprofile, progress=sys.stderr.isatty())
+    # the accelerator's expert kernels tuned once on this GPU (cached beside the profile), before
+    # anything captures a CUDA graph; off a GPU one line says why not
+    from freetoken_py.hw.kernel_tune import probe_tuning
+
+    tuning = probe_tuning(retune=reprofile)
     data = build_report(profile, model, hub)
+    data["kernel_tuning"] = tuning
     if as_json:
+        print(tuning["line"], file=sys.stderr)
         print(json.dumps(data, indent=1, sort_keys=True))
     else:
         render(data)
@@ -169,6 +176,8 @@ def render(data: dict[str, Any]) -> None:
     console.print(rr.gpu_section(prof))
     console.print(rr.figures_table(prof))
     console.print(rr.cache_line(data))
+    if data.get("kernel_tuning"):
+        console.print(data["kernel_tuning"]["line"], markup=False, highlight=False)
     if data["model"]:
         console.print(rr.model_table(data["model"]))
         console.print(rr.layers_table(data["model"]))
