@@ -777,6 +777,8 @@ def test_gpu_session_script_reports_failed_steps_in_its_exit_status(tmp_path, st
         assert f"{name} rc={step_status}" in steps
     log = (out / "log.txt").read_text()
     assert "-k (placement and cuda) or cuda_registration" in log and "=== residency_gpu (int4 experts)" in log
+    # the kernel bench's 16 cases (4 formats x 2 geometries x T 1, 8), sized to the session's 10 minutes
+    assert "gpu_moe_kernels.py --models qwen3-30b-a3b,deepseek-v3 --tokens 1,8" in (out / "gpu_moe_kernels.json").read_text()
     assert "EMULATED" not in steps
     assert len(list(out.iterdir())) <= 8     # what the device tool brings back (it dropped the rest on the H200)
 

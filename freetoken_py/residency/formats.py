@@ -12,12 +12,14 @@ the streamer copies part by part, and the CPU tier's numba kernels read the host
     nvfp4 (an NVFP4 checkpoint's own bank: e2m1 nibbles, e4m3 group-16 scale bytes + the row's fp32
         factor, quant/nvfp4.py): q13 [2I, D/2] uint8, s13 [2I, D/16 + 4] uint8, q2 [D, I/2], s2
         [D, I/16 + 4]; computed from its dequantised weights with fp32 activations, as the numba
-        kernel reads them; not cut (each scale row ends in its factor), no Triton kernel yet
+        kernel reads them; not cut (each scale row ends in its factor); Triton kernel: scales
+        decoded arithmetically (`kernels._triton_moe`)
     fp8 (an FP8 block-scaled checkpoint's own bank: e4m3 bytes, one fp32 scale per row and block of
         g columns, the checkpoint's g x g block scale repeated on its rows, kernels.cpu_moe): q13
         [2I, D] uint8, s13 [2I, ceil(D/g)] fp32, q2 [D, I], s2 [D, ceil(I/g)]; computed from its
         dequantised weights with the activations exact in fp32, as the numba fp8 kernel takes
-        them; cut in whole column blocks; no Triton kernel yet
+        them; cut in whole column blocks; Triton kernel: native e4m3 on sm89+, a bit-exact
+        decode below (`kernels._triton_moe`)
 
 The accelerator tier computes a quantised expert (`compute`, torch; on a GPU at decode, the
 same arithmetic in `kernels.gpu_moe.moe_pairs_quant`'s Triton kernels) from its dequantised
