@@ -219,7 +219,7 @@ def _served_checkpoint(out: Path, name: str, specials: list[str], eos: list[str]
     raw.add_special_tokens([t for t in specials if raw.token_to_id(t) is None])
     eos_ids = [raw.token_to_id(t) for t in eos]
     dsa_util.build(name, out, vocab_size=raw.get_vocab_size(with_added_tokens=True), bos_token_id=eos_ids[0],
-                   eos_token_id=eos_ids[0])
+                   eos_token_id=eos_ids[0], max_position_embeddings=4096)  # (room for eval tools' long prompts)
     raw.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": specials[0], "eos_token": eos[0]}))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
@@ -320,3 +320,18 @@ def test_responses_forced_call(served):
             {"type": "message", "role": "user", "content": "Go to line 7."}, items[0],
             {"type": "function_call_output", "call_id": items[0]["call_id"], "output": "done"}]})
     assert r.status_code == 200, r.text
+
+
+def test_eval_tools_covers_the_dsml_format(tmp_path):
+    """`freetoken eval tools` takes the format from the model (here the bundled V3.2 template) and scores
+    it with the server's grammar: every forced output starts a call, every complete call is declared
+    and schema-valid."""
+    from freetoken_py.evals.tools import ToolsEvalOptions, run_tools_eval
+
+    path = _served_checkpoint(tmp_path / "v32", "deepseek_v32", V32_SPECIALS, ["<｜end▁of▁sentence｜>"], None)
+    out = run_tools_eval(ToolsEvalOptions(path, samples=1, num_requests=2, max_tokens=200, temperature=1.0,
+                                          as_json=True, json_runs=False))
+    assert out["tool_format"] == "deepseek_dsml" and out["required"]["outputs"] == 2
+    assert out["required"]["attempts"] == 2
+    for mode in ("constrained", "required"):
+        assert out[mode]["declared"] == out[mode]["parseable"] == out[mode]["valid"], out[mode]
