@@ -11,7 +11,9 @@ Errors as the hub sends them: 404 + X-Error-Code RepoNotFound / RevisionNotFound
 401 + X-Error-Code GatedRepo. Every request is logged as (method, path, Range header). A file can
 be declared larger than what is stored (`Lazy`: a real safetensors header for tens of GB of
 tensors): a read ending more than 1 MiB past the stored prefix is logged as a body read and refused. `cut_once` names
-files whose first whole-file GET stops after N bytes (Content-Length promised, connection closed).
+files whose first whole-file GET stops after N bytes (Content-Length promised, connection closed);
+`stall_once` names files whose first whole-file GET sends N bytes, sets `stalled` and then holds
+the connection open until `release` is set (a transfer in progress, for a test to kill its client).
 """
 from __future__ import annotations
 
@@ -83,6 +85,9 @@ class StubHub:
     cut_once: dict[str, int] = field(default_factory=dict)  # "repo/file": its first whole GET stops after N bytes
     log: list[tuple[str, str, str]] = field(default_factory=list)
     body_reads: list[str] = field(default_factory=list)
+    stall_once: dict[str, int] = field(default_factory=dict)  # "repo/file": send N bytes, then wait for `release`
+    stalled: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> "StubHub":
         hub = self
@@ -186,15 +191,19 @@ class _Handler(BaseHTTPRequestHandler):
         if rng:
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         key = f"{name}/{file}"
-        if not rng and key in self.stub.cut_once:     # promise it all, send part, hang up
-            cut = self.stub.cut_once.pop(key)
+        if not rng and (key in self.stub.cut_once or key in self.stub.stall_once):  # promise it all, send part
+            stall = key in self.stub.stall_once
+            cut = self.stub.stall_once.pop(key) if stall else self.stub.cut_once.pop(key)
             self.send_response(200)
             for k, v in {**headers, "Content-Length": str(size)}.items():
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(chunk[:cut])
             self.wfile.flush()
-            self.close_connection = True
+            if stall:                                 # ... and keep the transfer open until released
+                self.stub.stalled.set()
+                self.stub.release.wait(120)
+            self.close_connection = True              # then hang up
             return
         self._send(206 if rng else 200, chunk, headers)
 

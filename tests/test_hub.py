@@ -70,7 +70,7 @@ def hub():
     pickle_only["pytorch_model.bin"] = b"\x80\x02not really a pickle"
     vast = {"config.json": demo.files["config.json"],
             "model.safetensors": lazy_safetensors({"w": ("BF16", [2**25, 2**24])})}   # 1 PiB declared
-    repos = {"org/tiny": demo, "org/tiny2": repo_from_dir(DEMO), "org/gated": Repo(dict(demo.files), gated=True),
+    repos = {"org/tiny": demo, "org/tiny2": repo_from_dir(DEMO), "org/killed": repo_from_dir(DEMO), "org/gated": Repo(dict(demo.files), gated=True),
              "org/pickle": Repo(pickle_only), "org/vast": Repo(vast), "org/huge": huge_repo()}
     with StubHub(repos) as stub:
         yield stub
@@ -269,3 +269,86 @@ def test_serve_names_a_hub_model_by_its_repo_id(tmp_path, monkeypatch):
     assert _hub_name("org/tiny@v1") == "org/tiny" and _hub_name(None) is None
     (tmp_path / "org" / "tiny").mkdir(parents=True)
     assert _hub_name("org/tiny") is None          # a directory of that name wins: its folder name is used
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def test_quantize_by_hub_id_writes_what_quantize_of_the_directory_writes(hub, tmp_path):
+    import torch
+
+    env = env_for(hub, tmp_path / "hf")
+    for src, out in (("org/tiny2", tmp_path / "hub_q"), (str(DEMO), tmp_path / "dir_q")):
+        proc = cli(env, "quantize", "--to", "int4", src, str(out))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    from_hub, from_dir = _tensors(tmp_path / "hub_q"), _tensors(tmp_path / "dir_q")
+    assert from_hub.keys() == from_dir.keys() and any(k.endswith("weight_packed") for k in from_hub)
+    assert all(torch.equal(from_hub[k], from_dir[k]) for k in from_hub)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hub_q" / name).read_bytes() == (tmp_path / "dir_q" / name).read_bytes(), name
+    one_line_error(cli(env, "quantize", "--to", "int4", "org/pickle", str(tmp_path / "p")), "org/pickle", "pickle")
+
+
+def test_eval_kld_by_hub_id_equals_eval_of_the_directory(hub, tmp_path):
+    env = env_for(hub, tmp_path / "hf")
+    rows = []
+    for model in ("org/tiny2", str(DEMO)):
+        proc = cli(env, "eval", "kld", "--model", model, "--expert-dtype", "int8", "--window", "32",
+                   "--windows", "2", "--threads", "1", "--json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    from_hub, from_dir = rows
+    assert set(from_hub) == set(from_dir)
+    differ = {k for k in from_hub if from_hub[k] != from_dir[k]}
+    assert differ <= {"model", "against", "seconds"}, {k: (from_hub[k], from_dir[k]) for k in differ}
+    assert from_hub["mean_kld"] > 0   # int8 experts against the model's own precision: a real difference
+    one_line_error(cli(env, "eval", "kld", "--model", "org/nope", "--json"), "org/nope", "no such model")
+
+
+def test_a_killed_download_is_never_used_and_the_next_run_completes_it(hub, tmp_path):
+    """The process is killed (SIGKILL) mid-transfer of the weights: the cache keeps an incomplete
+    blob, no snapshot file; offline, that snapshot is refused in one line; online, the next run
+    fetches the file again and gives the local directory's tokens from a byte-identical file.
+    (huggingface_hub >= 2 downloads into a temp file unique to the process, so a later process
+    refetches from 0 rather than resuming, and the killed one's temp file stays behind, unused.)"""
+    import time
+
+    home = tmp_path / "hf"
+    env = env_for(hub, home)
+    hub.stall_once["org/killed/model.safetensors"] = CUT_AT
+    hub.stalled.clear()
+    hub.release.clear()
+    n_before = len(hub.log)
+    proc = subprocess.Popen([sys.executable, "-m", "freetoken_py", "run", "--model", "org/killed", "-n", "8", "-t",
+                             "0", "--json", PROMPT], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    blobs = home / "hub" / "models--org--killed" / "blobs"
+    try:
+        assert hub.stalled.wait(120), "the weights' transfer never started"
+        deadline = time.monotonic() + 60       # until huggingface_hub has written its first 10 MiB chunk
+        while not [p for p in blobs.glob("*.incomplete") if p.stat().st_size >= 10 * 2**20]:
+            assert time.monotonic() < deadline and proc.poll() is None, "no partial blob written"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(30)
+    finally:
+        hub.release.set()
+    (partial,) = blobs.glob("*.incomplete")
+    written = partial.stat().st_size
+    assert 0 < written <= CUT_AT < (DEMO / "model.safetensors").stat().st_size
+    assert not list(home.glob("hub/models--org--killed/snapshots/*/model.safetensors"))
+    one_line_error(cli(env_for(hub, home, HF_HUB_OFFLINE="1"), "run", "--model", "org/killed", "-n", "1", "x"),
+                   "org/killed", "lacks model.safetensors")
+    assert tokens(env, "org/killed") == tokens(env, str(DEMO))
+    first, *rest = [r for m, p, r in hub.log[n_before:]
+                    if m == "GET" and p.startswith("/org/killed/resolve/") and p.endswith("/model.safetensors")]
+    assert first == "" and len(rest) == 1                       # the killed GET, then one more
+    assert rest[0] == "" or 0 < int(rest[0][6:-1]) <= written   # a refetch, or a resume from what was on disk
+    (snap,) = home.glob("hub/models--org--killed/snapshots/*/model.safetensors")
+    assert snap.read_bytes() == (DEMO / "model.safetensors").read_bytes()
+    assert [(p, p.stat().st_size) for p in blobs.glob("*.incomplete")] in ([], [(partial, written)])
