@@ -104,6 +104,11 @@ def test_thinking_switch_from_each_api(v32, tmp_path):
     glm = _tokenizer(tmp_path, (server_util.TEMPLATES / "glm-5.2.jinja").read_text(encoding="utf-8"))
     assert glm.apply_chat_template(msgs, **openai_template_kwargs({}, "none")).endswith("<|assistant|><think></think>")
     assert render_chat(SimpleNamespace(tokenizer=glm), msgs, None, openai_template_kwargs({}, "high"))[1] == "open"
+    # GLM-5.2's template also reads reasoning_effort: "high" is High, anything else (or none) Max
+    assert glm.apply_chat_template(msgs, **openai_template_kwargs({}, "high")).startswith(
+        "[gMASK]<sop><|system|>Reasoning Effort: High<|user|>hi")
+    assert "Reasoning Effort: Max" in glm.apply_chat_template(msgs, **openai_template_kwargs({}, "medium"))
+    assert "Reasoning Effort" not in glm.apply_chat_template(msgs, **anthropic_template_kwargs({"thinking": {"type": "disabled"}}))
 
 
 # ---- the DSML parser ---------------------------------------------------------------------------
