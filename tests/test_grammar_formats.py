@@ -129,7 +129,7 @@ def test_random_walks_parse_into_declared_valid_calls(fmt, special, tmp_path):
 
 
 # ---- the engine decoding under each format's grammar ---------------------------------------------
-TEMPLATES = {"kimi_k2": "kimi-k2-thinking.jinja", "glm45": "glm-4.5.jinja",
+TEMPLATES = {"kimi_k2": "kimi-k2-thinking.jinja", "glm45": "glm-4.5.jinja", "glm47": "glm-5.2.jinja",
              "minimax_m2": "minimax-m2.jinja", "qwen3_coder_xml": "qwen3.5.jinja"}
 
 
@@ -141,7 +141,7 @@ def demo_llm():
 
 
 # DeepSeek's tags, spelled on the demo vocabulary, take ~10 byte tokens each: the random walks cover it
-@pytest.mark.parametrize("fmt", ["kimi_k2", "glm45", "qwen3_coder_xml"])
+@pytest.mark.parametrize("fmt", ["kimi_k2", "glm45", "glm47", "qwen3_coder_xml"])
 def test_engine_samples_valid_calls_in_each_format(fmt, demo_llm, tmp_path):
     """The demo weights prompted through each family's real template (same vocabulary), the grammar
     built by the server's own openai_constrained for tool_choice required, sampled by the engine at
