@@ -20,7 +20,7 @@ LATER_KEYS = {"false_copy_ul": 0.0, "false_copy_n": 4, "finetune_from": "", "seq
               "seq_rl_temperature": 0.7, "seq_rl_full": False, "seq_rl_min_lines": 1,
               "seq_prompts": "docstring", "tool_rl": 0.0, "tool_rl_tokens": 48,
               "seq_rl_greedy": False, "kl": 0.0,
-              "seq_rl_distinct": False}
+              "seq_rl_distinct": False, "time_schedule": False, "tokenizer": "", "stdlib": "", "site": ""}
 # Arguments that must match for a resume to continue the same run.
 RUN_KEYS = ("seed", "vocab", "hidden", "layers", "experts", "top_k", "moe_intermediate", "heads",
             "kv_heads", "seq_len", "short_seq_len", "long_from", "batch_size", "lr", "min_lr_frac", "warmup", "steps",
@@ -94,7 +94,7 @@ def resume(ckpt: Path, model, opt, gen, args) -> dict:
     for n, p in model.named_parameters():
         if n in state["adam_steps"]:
             opt.state[p] = {"step": torch.tensor(state["adam_steps"][n]),
-                            "exp_avg": tensors[f"exp_avg.{n}"].clone(),
-                            "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].clone()}
+                            "exp_avg": tensors[f"exp_avg.{n}"].to(p.device, copy=True),
+                            "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].to(p.device, copy=True)}
     gen.set_state(tensors["sampler.rng"])
     return state

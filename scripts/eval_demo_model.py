@@ -26,7 +26,9 @@ backend, as `freetoken run` uses it). Reported per model, in one JSON line:
   it parses and whether it repeats a line 3+ times), the first output a new user sees;
 - ppl / bits_per_byte: held-out perplexity per token and, comparable across tokenizers, bits per
   byte of the same text (the first 40 held-out files, first 6,000 characters each, windows of 512
-  tokens after an <|endoftext|>), scored by transformers (an independent forward).
+  tokens after an <|endoftext|>), scored by transformers (an independent forward);
+- meets_targets: whether parse >= 0.60 and repeated <= 0.10 (TARGETS: a new checkpoint ships only
+  when both hold and every client test passes with it), each and "all".
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "freetoken_py" / "data" / "demo_model"
 MAX_TOKENS = 64
 PPL_FILES, PPL_CHARS, PPL_WINDOW = 40, 6000, 512
+TARGETS = {"parse": (">=", 0.60), "repeated": ("<=", 0.10)}   # what a checkpoint must meet to ship (issue 43)
 README_PROMPT = "import os"   # the README's first command: freetoken run "import os" --max-tokens 64 --temperature 0
 
 
@@ -87,6 +90,12 @@ def score(prompts: list[str], continuations: list[str]) -> dict:
             # (added after the first runs: a model that writes one safe line for every prompt
             # scores well above; this says how many different first lines it writes)
             "distinct_first_lines": len({first_line(c) for c in continuations}) / n}
+
+
+def meets_targets(row: dict) -> dict:
+    """Each target of TARGETS met or not by a model's row, and all of them."""
+    met = {k: row[k] >= v if op == ">=" else row[k] <= v for k, (op, v) in TARGETS.items()}
+    return {**met, "all": all(met.values())}
 
 
 def first_line(continuation: str) -> str:
@@ -187,6 +196,7 @@ def evaluate(model_dir: Path, prompts: list[dict], ppl_texts: list[str], show: i
            "readme": {"prompt": README_PROMPT, "parses": parses(README_PROMPT, readme),
                       "repeated": is_repeated(readme), "text": readme},
            "load_s": round(load_s, 2)}
+    row["meets_targets"] = meets_targets(row)
     for p, c in list(zip(texts, conts))[:show]:
         print(f"--- {model_dir.name}\n{p}{c}", file=sys.stderr)
     return row
@@ -203,6 +213,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--show", type=int, default=0, help="print the first N samples to stderr")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--site", type=Path, default=None,
+                    help="the held-out packages of this site-packages directory (default: the running Python's)")
     ap.add_argument("--repetition-penalty", type=float, default=None,
                     help="override each model's generation_config.json repetition_penalty (1.0: none)")
     args = ap.parse_args(argv)
@@ -226,11 +238,12 @@ def main(argv=None) -> dict:
         args.new = Path(tmp.name) / args.new_run
         with contextlib.redirect_stdout(sys.stderr):  # stdout keeps the one JSON line
             train_demo_model.export(targs.work_dir / args.new_run, args.new, targs)
-    files = demo_corpus.heldout_files()
+    files = demo_corpus.heldout_files(args.site)
     prompts = demo_corpus.heldout_prompts(files, args.prompts)
     ordered = sorted(files, key=lambda f: demo_corpus.file_key(f[0]))
     ppl_texts = [text[:PPL_CHARS] for _, text in ordered[:PPL_FILES]]
     row = {"bench": "demo_model_eval", "prompts": len(prompts), "max_tokens": MAX_TOKENS,
+           "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
            "heldout_files": len(files), "ppl_bytes": sum(len(t.encode()) for t in ppl_texts)}
     for name, d in (("old", args.old), ("new", args.new)):
         if d is not None:

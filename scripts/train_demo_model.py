@@ -8,6 +8,8 @@ chat template.  No download.  See docs/demo_model.md for the recipe and its meas
 
     nice -n 19 python scripts/train_demo_model.py            # the defaults are the recipe
     python scripts/train_demo_model.py --export-only --out DIR   # latest checkpoint -> DIR
+    bash scripts/train_demo_gpu.sh                           # a larger model on one GPU in 10 minutes
+                                     # (--device cuda --time-schedule --tokenizer <shipped> --max-shard-mib 16)
 
 Stages: corpus -> byte-level BPE tokenizer -> token streams (cached in
 ~/.cache/freetoken-demo-train/data-*) -> Qwen3MoeForCausalLM (transformers) trained with
@@ -613,9 +615,30 @@ def is_val(rel: str) -> bool:
 
 
 def data_dir(args) -> Path:
-    """Where the run's corpus, tokenizer and token streams are cached (shared by runs)."""
+    """Where the run's corpus, tokenizer and token streams are cached (shared by runs). A given
+    --tokenizer (its bytes) and --stdlib / --site roots are part of the name."""
     tag = "" if args.code_comments == "keep" else f"-{args.code_comments}"
+    tokenizer, roots = getattr(args, "tokenizer", ""), [getattr(args, k, "") for k in ("stdlib", "site")]
+    if tokenizer:
+        tag += "-tok" + hashlib.sha1(Path(tokenizer).read_bytes()).hexdigest()[:10]
+    if any(roots):
+        tag += "-roots" + hashlib.sha1("\0".join(str(Path(r).resolve()) if r else "" for r in roots)
+                                      .encode()).hexdigest()[:10]
     return args.work_dir / f"data-v{args.vocab}-s{args.seed}-c{args.num_chats}{tag}"
+
+
+def given_tokenizer(path: str, vocab: int):
+    """A tokenizer.json of the same kind (--tokenizer, e.g. the shipped model's): the vocabulary
+    size and every special and marker token must be what this script would make."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(path)
+    if tok.get_vocab_size() != vocab:
+        raise SystemExit(f"--tokenizer {path}: {tok.get_vocab_size()} tokens, --vocab says {vocab}")
+    missing = [t for t in SPECIAL_TOKENS + MARKER_TOKENS if tok.token_to_id(t) is None
+               or tok.encode(t).ids != [tok.token_to_id(t)]]
+    if missing:
+        raise SystemExit(f"--tokenizer {path}: no single token for {missing}")
+    return tok
 
 
 def prepare_data(args, work: Path) -> dict:
@@ -630,7 +653,8 @@ def prepare_data(args, work: Path) -> dict:
                   for k in ("code", "val", "chats", "chat_offsets")}
         return {"tok": tok, "meta": meta, **arrays}
     t0 = time.time()
-    files, heldout = demo_corpus.collect()
+    roots = [Path(r) if r else None for r in (getattr(args, "stdlib", ""), getattr(args, "site", ""))]
+    files, heldout = demo_corpus.collect(*roots)
     if args.code_comments == "drop":  # training and validation code only; held-out files keep theirs
         files = [(r, demo_corpus.drop_comment_lines(t)) for r, t in files]
     train_files = [(r, t) for r, t in files if not is_val(r)]
@@ -643,15 +667,18 @@ def prepare_data(args, work: Path) -> dict:
           f"{len(chats)} chats ({time.time() - t0:.0f}s)", flush=True)
     # The tokenizer is fitted on every stdlib file, a fixed sample of the site-packages files
     # (about as many bytes again) and chats adding a quarter of those bytes.
-    rng = random.Random(args.seed)
-    stdlib = [t for r, t in train_files if r.startswith("stdlib/")]
-    site = [t for r, t in train_files if r.startswith("site/")]
-    rng.shuffle(site)
-    fit = stdlib + site[:len(stdlib)]
-    fit_bytes = sum(len(t.encode()) for t in fit)
-    chat_bytes = sum(len(c.encode()) for c in chats)
-    fit += chats[:max(1, int(len(chats) * min(1.0, 0.25 * fit_bytes / chat_bytes)))]
-    tok = train_tokenizer(fit, args.vocab)
+    if getattr(args, "tokenizer", ""):
+        tok = given_tokenizer(args.tokenizer, args.vocab)
+    else:
+        rng = random.Random(args.seed)
+        stdlib = [t for r, t in train_files if r.startswith("stdlib/")]
+        site = [t for r, t in train_files if r.startswith("site/")]
+        rng.shuffle(site)
+        fit = stdlib + site[:len(stdlib)]
+        fit_bytes = sum(len(t.encode()) for t in fit)
+        chat_bytes = sum(len(c.encode()) for c in chats)
+        fit += chats[:max(1, int(len(chats) * min(1.0, 0.25 * fit_bytes / chat_bytes)))]
+        tok = train_tokenizer(fit, args.vocab)
     eot = tok.token_to_id("<|endoftext|>")
 
     def stream(texts):
@@ -761,15 +788,35 @@ def val_loss(model, val, seq_len, windows) -> float:
     """Mean LM cross-entropy on `windows` evenly spaced windows of the validation stream."""
     import torch
     model.eval()
+    seq_len = min(seq_len, len(val) - 1)  # (a small corpus: its validation stream may be shorter)
     starts = [int(i * (len(val) - seq_len - 1) / max(1, windows - 1)) for i in range(windows)]
-    total = 0.0
-    with torch.no_grad():
+    total, device = 0.0, next(model.parameters()).device
+    with torch.no_grad(), autocast(device):
         for s in starts:
-            x = torch.from_numpy(val[s:s + seq_len + 1]).unsqueeze(0)  # [1, seq_len + 1]
-            logits = model(input_ids=x[:, :-1]).logits[0]              # [seq_len, vocab]
+            x = torch.from_numpy(val[s:s + seq_len + 1]).unsqueeze(0).to(device)  # [1, seq_len + 1]
+            logits = model(input_ids=x[:, :-1]).logits[0].float()                 # [seq_len, vocab]
             total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:]))
     model.train()
     return total / windows
+
+
+def autocast(device):
+    """bf16 autocast on a GPU (fp32 master weights and optimizer); nothing on the CPU, whose
+    runs stay fp32 bit for bit."""
+    import contextlib
+
+    import torch
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def schedule_step(step: int, trained_s: float, args) -> float:
+    """The step the LR and row-length schedules are read at: the step itself, or with
+    --time-schedule the share of --max-minutes trained so far times --steps (so warmup, the
+    cosine and the switch to long rows happen at the same shares of the time, whatever a step
+    costs on this machine)."""
+    if not args.time_schedule:
+        return step
+    return min(1.0, trained_s / (60 * args.max_minutes)) * args.steps
 
 
 def log_metric(work: Path, row: dict) -> None:
@@ -1091,15 +1138,17 @@ def train(model, opt, batches, data, args, work, state, ref=None):
     """Steps from state["step"] to args.steps (or until --max-minutes), checkpointing."""
     import torch
     model.train()
+    device = next(model.parameters()).device
     t0, tokens0, step = time.time(), state["tokens"], state["step"]
     last_ckpt = time.time()
     prompts = ul_prompts(args, data) if args.seq_ul or args.seq_rl else None
     tools = tool_prompts(args, data) if args.tool_rl else None
     tok = data.get("tok")
     stops = {tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")} if tok is not None else set()
-    while step < args.steps:
+    while (args.time_schedule or step < args.steps) and not (args.max_steps and step >= args.max_steps):
+        at = schedule_step(step, state["train_s"] + time.time() - t0, args)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
+            g["lr"] = lr_at(at, args)
         kind = float(torch.rand((), generator=batches.gen)) if args.seq_ul or args.seq_rl or args.tool_rl else 1.0
         if args.seq_ul + args.seq_rl <= kind < args.seq_ul + args.seq_rl + args.tool_rl:
             pick = torch.randint(len(tools), (args.seq_ul_prompts,), generator=batches.gen).tolist()
@@ -1125,8 +1174,9 @@ def train(model, opt, batches, data, args, work, state, ref=None):
             state["seq_ul"] = share if state.get("seq_ul") is None else 0.95 * state["seq_ul"] + 0.05 * share
             line = f"seq-ul {float(loss.detach()):.3f}  repeated share {share:.1%} (ema {state['seq_ul']:.1%})  "
         else:
-            x = batches.next(*shape_at(step, args))  # [rows, row length]
-            out = model(input_ids=x, labels=x)
+            x = batches.next(*shape_at(at, args)).to(device)  # [rows, row length]
+            with autocast(device):
+                out = model(input_ids=x, labels=x)
             loss, ul, ul_share = out.loss, None, 0.0
             if args.false_copy_ul:
                 ul, ul_share = false_copy_loss(out.logits, x, args.false_copy_n)
@@ -1143,16 +1193,17 @@ def train(model, opt, batches, data, args, work, state, ref=None):
         opt.zero_grad(set_to_none=True)
         step += 1
         el = time.time() - t0
-        if step % args.log_every == 0 or step == args.steps:
-            print(f"step {step:6d}/{args.steps}  {line}lr {lr_at(step - 1, args):.2e}  "
+        last = (step == args.steps and not args.time_schedule) or step == args.max_steps
+        if step % args.log_every == 0 or last:
+            print(f"step {step:6d}/{args.steps}  {line}lr {lr_at(at, args):.2e}  "
                   f"{(state['tokens'] - tokens0) / el:.0f} tok/s  {el:.0f}s", flush=True)
-        timed_out = args.max_minutes and el > 60 * args.max_minutes
-        if step % args.val_every == 0 or step == args.steps or timed_out:
+        timed_out = args.max_minutes and (state["train_s"] if args.time_schedule else 0) + el > 60 * args.max_minutes
+        if step % args.val_every == 0 or last or timed_out:
             state["val"] = val_loss(model, data["val"], args.seq_len, args.val_windows)
             log_metric(work, {"step": step, "tokens": state["tokens"], "val_loss": state["val"],
-                              "train_ema": state["ema"], "lr": lr_at(step - 1, args),
+                              "train_ema": state["ema"], "lr": lr_at(at, args),
                               "train_s": round(state["train_s"] + el)})
-        if (time.time() - last_ckpt > 60 * args.ckpt_minutes or step == args.steps or timed_out):
+        if (time.time() - last_ckpt > 60 * args.ckpt_minutes or last or timed_out):
             state["step"] = step
             ckpt.save(work, model, opt, batches.gen, dict(state, train_s=state["train_s"] + el))
             last_ckpt = time.time()
@@ -1163,7 +1214,9 @@ def train(model, opt, batches, data, args, work, state, ref=None):
     return state
 
 
-def save(model, tok, out_dir: Path, ids, max_len):
+def save(model, tok, out_dir: Path, ids, max_len, max_shard_mib: float = 0):
+    """The bf16 hub-layout checkpoint; with max_shard_mib, safetensors shards of at most that
+    many MiB (whole files, header included) and their index."""
     import torch
     from transformers import GenerationConfig
     if out_dir.exists():
@@ -1175,7 +1228,9 @@ def save(model, tok, out_dir: Path, ids, max_len):
         bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         do_sample=True, temperature=0.7, top_p=0.9, top_k=20)
-    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    # transformers counts tensor bytes only: leave 1 MiB of the limit for each file's header
+    shard = int((max_shard_mib - 1) * 2**20) if max_shard_mib else "50GB"
+    model.to("cpu", torch.bfloat16).save_pretrained(out_dir, safe_serialization=True, max_shard_size=shard)
     # transformers 5 writes rope_parameters / num_local_experts; hub checkpoints (and the
     # llama.cpp converter) spell them rope_theta / num_experts.  Write both, same values.
     cfg = json.loads((out_dir / "config.json").read_text())
@@ -1186,12 +1241,15 @@ def save(model, tok, out_dir: Path, ids, max_len):
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config(tok, max_len), indent=2, ensure_ascii=False) + "\n")
     keep = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"}
+            "tokenizer_config.json", "model.safetensors.index.json"}
     for p in out_dir.iterdir():
-        if p.name not in keep:
+        if p.name not in keep and not (p.name.startswith("model-") and p.suffix == ".safetensors"):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         else:
             p.chmod(0o644)  # save_pretrained may write 0600 through a temp file
+    big = [p.name for p in out_dir.iterdir() if max_shard_mib and p.stat().st_size > max_shard_mib * 2**20]
+    if big:  # one tensor larger than the limit goes to a shard of its own
+        raise SystemExit(f"{out_dir}: {big} larger than --max-shard-mib {max_shard_mib}")
 
 
 def sample(out_dir: Path, seed: int):
@@ -1238,19 +1296,20 @@ def export(work: Path, out: Path, args) -> None:
     run = argparse.Namespace(**{"short_seq_len": 0, "long_from": 1.0, "code_comments": "keep",
                                 **state["args"]})  # (and before --code-comments: kept them)
     run.work_dir = args.work_dir
-    tok = Tokenizer.from_file(str(data_dir(run) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(data_dir(run) / "tokenizer.json"))  # (a given --tokenizer was copied there)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKER_TOKENS}
     torch.manual_seed(run.seed)
     model = build_model(run, tok.get_vocab_size(), ids)
     ckpt.load_model(found, model)
-    save(model, tok, out, ids, max_len=MAX_POSITIONS)
+    save(model, tok, out, ids, max_len=MAX_POSITIONS, max_shard_mib=getattr(args, "max_shard_mib", 0))
     size = sum(p.stat().st_size for p in out.iterdir())
     long_from = next(i for i in range(run.steps + 1)  # the first step with --seq-len rows
                      if i == run.steps or shape_at(i, run)[0] == run.seq_len)
     print(json.dumps({"exported": str(found), "step": state["step"], "of": run.steps,
                       "long_rows_from_step": long_from,
                       "tokens": state["tokens"], "val_loss": state.get("val"),
-                      "out": str(out), "mb": round(size / 1e6, 1)}), flush=True)
+                      "out": str(out), "mb": round(size / 1e6, 1),
+                      "files": len([p for p in out.iterdir() if p.suffix == ".safetensors"])}), flush=True)
 
 
 def parse_args(argv=None):
@@ -1264,6 +1323,18 @@ def parse_args(argv=None):
                     help="no training: export the run's latest checkpoint to --out")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--max-minutes", type=float, default=0, help="stop (and checkpoint) after this")
+    ap.add_argument("--time-schedule", action="store_true",
+                    help="read the LR and row-length schedules at the share of --max-minutes trained, "
+                         "not of --steps (a time-bounded run: scripts/train_demo_gpu.sh)")
+    ap.add_argument("--max-steps", type=int, default=0, help="stop (and checkpoint) after this many steps (0: no cap)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast, fp32 weights and AdamW)")
+    ap.add_argument("--tokenizer", default="",
+                    help="use this tokenizer.json (e.g. the shipped model's) instead of fitting one")
+    ap.add_argument("--stdlib", default="", help="corpus: this stdlib directory (default: the running Python's)")
+    ap.add_argument("--site", default="", help="corpus: this site-packages directory (default: the running Python's)")
+    ap.add_argument("--prepare-only", action="store_true", help="build (or find) the cached data and stop")
+    ap.add_argument("--max-shard-mib", type=float, default=0,
+                    help="export: safetensors files of at most this many MiB (0: one file)")
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--short-seq-len", type=int, default=512,
@@ -1332,6 +1403,12 @@ def parse_args(argv=None):
         ap.error("--short-seq-len must divide --seq-len")
     if min(args.seq_ul, args.seq_rl, args.tool_rl) < 0 or args.seq_ul + args.seq_rl + args.tool_rl > 1:
         ap.error("--seq-ul, --seq-rl and --tool-rl are shares of the steps: each >= 0, together <= 1")
+    if args.time_schedule and not args.max_minutes:
+        ap.error("--time-schedule needs --max-minutes")
+    if args.device != "cpu" and (args.seq_ul or args.seq_rl or args.tool_rl or args.false_copy_ul):
+        ap.error("the unlikelihood and REINFORCE steps run on the CPU only (--device cpu)")
+    if args.max_shard_mib and args.max_shard_mib < 2:
+        ap.error("--max-shard-mib must be at least 2 (1 MiB is left for each file's header)")
     if args.kl and not args.finetune_from:
         ap.error("--kl needs --finetune-from (the KL is to the weights the fine-tune starts from)")
     if (args.seq_rl or args.tool_rl) and args.seq_rl_samples < 2:
@@ -1354,9 +1431,14 @@ def main(argv=None):
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     data = prepare_data(args, data_dir(args))
+    if args.prepare_only:
+        print(f"data cached in {data_dir(args)}", flush=True)
+        return
     tok = data["tok"]
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + MARKER_TOKENS}
-    model = build_model(args, tok.get_vocab_size(), ids)
+    model = build_model(args, tok.get_vocab_size(), ids).to(args.device)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
     opt = make_optimizer(model, args)
     batches = Batches(data, args.seq_len, args.batch_size, args.chat_frac, args.seed)
     state = {"step": 0, "tokens": 0, "ema": None, "train_s": 0.0, "val": None,
@@ -1385,7 +1467,7 @@ def main(argv=None):
     state = train(model, opt, batches, data, args, work, state, ref)
     print(f"stopped at step {state['step']}/{args.steps}: {state['tokens']} tokens in "
           f"{state['train_s']:.0f}s, val loss {state['val']:.3f}", flush=True)
-    if args.out is not None and state["step"] >= args.steps:
+    if args.out is not None and (state["step"] >= args.steps or args.time_schedule):  # (a timed run: where it stopped)
         export(work, args.out, args)
         if args.sample:
             sample(args.out, args.seed)
