@@ -106,6 +106,9 @@ def test_no_gpu_report_says_so_plainly(first_run, capsys):
     assert data["gpu_available"] is False and data["profile"]["gpu"]["gpus"] == []
     assert GPU_FIGURES <= set(data["profile"]["unavailable"])
     assert any(n.startswith("No usable GPU") for n in data["notes"])
+    # the expert kernels' one-time tuning is skipped, and one line says why (stderr with --json)
+    assert data["kernel_tuning"]["status"] == "skipped" and data["kernel_tuning"]["timed"] == 0
+    assert data["kernel_tuning"]["line"] in first_run[1].stderr.splitlines()
     render(build_report(load_profile(Path(data["cache_path"]))))
     text = capsys.readouterr().out
     for needle in ("Machine", "GPU: none", "dram_read_all_cores", "pcie_h2d_pinned", "What it means"):
