@@ -25,7 +25,7 @@ from pathlib import Path
 
 import harmony_util
 
-REASONING = "Zq"      # its tokens must not occur in the prompts (the key is its last token)
+REASONING = "ǂ"   # (two byte tokens) its last token must not occur in the prompts: it is the key
 ANSWER = "Hello"
 HIDDEN, HEAD_DIM = 32, 16
 
@@ -68,7 +68,7 @@ def build(out: Path) -> Path:
     n = tok.vocab_size
     config = tf.GptOssConfig(vocab_size=n, hidden_size=HIDDEN, intermediate_size=8, num_hidden_layers=1,
                              num_attention_heads=1, num_key_value_heads=1, head_dim=HEAD_DIM, num_local_experts=2,
-                             num_experts_per_tok=1, layer_types=["full_attention"], max_position_embeddings=8192,
+                             num_experts_per_tok=1, layer_types=["full_attention"], max_position_embeddings=131072,
                              tie_word_embeddings=False, eos_token_id=[ids["<|return|>"], ids["<|call|>"]],
                              bos_token_id=ids["<|start|>"], pad_token_id=0)
     model = tf.GptOssForCausalLM(config)
