@@ -37,6 +37,20 @@ def test_expert_kernels_compile_without_spills_and_with_16_byte_weight_loads(arc
     assert not bad, bad
 
 
+@pytest.mark.parametrize("arch", (80, 90))
+def test_split_k_gate_up_compiles_without_spills_and_with_16_byte_weight_loads(arch):
+    """The gate_up kernel's split-K variant (gpu_moe.split_k: grids short of a wave at one token)."""
+    from freetoken_py.kernels.gpu_autotune import default_config
+
+    bad = []
+    for fmt in FORMATS:
+        cfg = {**default_config(fmt, 1, "gate_up", fmt in ("int8", "int4", "nvfp4")), "SPLIT": 2}
+        r = _compile(fmt, 1, "gate_up", arch, config=cfg)
+        if r["spill_stores"] or r["spill_loads"] or r["wide_loads"] == 0 or r["config"]["SPLIT"] != 2:
+            bad.append(r)
+    assert not bad, bad
+
+
 def test_the_checks_can_fail():
     """The detectors on the compiled code: an oversized tile (a [64, 512] fp32 accumulator a
     program) spills, and rows not known to be 16-byte aligned are read in narrower loads."""

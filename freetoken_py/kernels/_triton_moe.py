@@ -167,13 +167,33 @@ def _pairs(plan, g, NT: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_epilogue(a_g, a_u, s, n, nm, p, pm, h_ptr, N_OUT, FMT: tl.constexpr, NT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, ROUND: tl.constexpr):
+    """h = silu(gate) * up from the finished dot products [NT, BLOCK_N] (int8: its row scales
+    first), rounded per 32 rows with ROUND, stored for the pairs p."""
+    if FMT == 1:                                                 # int8: one fp32 scale a row
+        a_g *= tl.load(s + n, mask=nm, other=0.0)[None, :]
+        a_u *= tl.load(s + N_OUT + n, mask=nm, other=0.0)[None, :]
+    h = a_g / (1.0 + tl.exp(-a_g)) * a_u
+    if ROUND:                                                    # (BLOCK_N a multiple of 32; rows past I are 0)
+        h = _round32(h, NT, BLOCK_N)
+    tl.store(h_ptr + p[:, None] * N_OUT + n[None, :], h, mask=pm[:, None] & nm[None, :])
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, stride_x, rows_ptr, plan_ptr, slots_ptr, table_ptr, n_slots, q_base, s_base, h_ptr,
-                   KW, SROW, N_OUT, G_COLS, FMT: tl.constexpr, G: tl.constexpr, NT: tl.constexpr,
+                   KW, SROW, N_OUT, G_COLS, part_ptr, cnt_ptr, FMT: tl.constexpr, G: tl.constexpr, NT: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIT: tl.constexpr, GW: tl.constexpr,
-                   RED: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr, NATIVE: tl.constexpr, ALIGN: tl.constexpr):
+                   RED: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr, NATIVE: tl.constexpr, ALIGN: tl.constexpr,
+                   SPLIT: tl.constexpr = 1):
     """h[p, i] = silu(gate_i . x[rows[p]]) * (up_i . x[rows[p]]) for the pairs p of group
     program_id(0) (fp32; rounded per 32 columns with ROUND), rows [BLOCK_N * program_id(1), +BLOCK_N)
-    of I = N_OUT. The expert's parts: table[0 | 1, slots[g]] elements from q_base / s_base."""
+    of I = N_OUT. The expert's parts: table[0 | 1, slots[g]] elements from q_base / s_base.
+    SPLIT > 1 (split-K, for grids shorter than a wave): program_id(2) takes the z-th of SPLIT
+    column ranges (whole BLOCK_K steps) and stores its partial dot products in part_ptr
+    ([groups, SPLIT, 2, NT, N_OUT] fp32); the last of a row block's SPLIT programs to finish (a
+    counter per group and row block in cnt_ptr: an atomic on the count only) sums them in z
+    order, a fixed order whichever program it is, and runs the epilogue."""
     g = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N_OUT
@@ -191,20 +211,40 @@ def gate_up_kernel(x_ptr, stride_x, rows_ptr, plan_ptr, slots_ptr, table_ptr, n_
     AW: tl.constexpr = BLOCK_K // UNIT // GW // RED
     acc_g = tl.zeros([NT, BLOCK_N, AW], dtype=tl.float32)
     acc_u = tl.zeros([NT, BLOCK_N, AW], dtype=tl.float32)
-    for k0 in tl.range(0, KW * UNIT, BLOCK_K, num_stages=STAGES):
+    if SPLIT == 1:
+        lo, hi = 0, KW * UNIT
+    else:                                                        # this program's whole steps of the columns
+        chunk = tl.cdiv(tl.cdiv(KW * UNIT, BLOCK_K), SPLIT) * BLOCK_K
+        lo = tl.program_id(2) * chunk
+        hi = tl.minimum(lo + chunk, KW * UNIT)
+    for k0 in tl.range(lo, hi, BLOCK_K, num_stages=STAGES):
         acc_g += _step(q, s, n, nm, f_g, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW, RED, NATIVE,
                        ROUND)
         acc_u += _step(q, s, n + N_OUT, nm, f_u, k0, KW, SROW, xp, pm, FMT, G, NT, BLOCK_N, BLOCK_K, UNIT, GW,
                        RED, NATIVE, ROUND)
     a_g = tl.sum(acc_g, axis=2)                                  # [NT, BLOCK_N]: the one cross-lane reduction
     a_u = tl.sum(acc_u, axis=2)
-    if FMT == 1:                                                 # int8: one fp32 scale a row
-        a_g *= tl.load(s + n, mask=nm, other=0.0)[None, :]
-        a_u *= tl.load(s + N_OUT + n, mask=nm, other=0.0)[None, :]
-    h = a_g / (1.0 + tl.exp(-a_g)) * a_u
-    if ROUND:                                                    # (BLOCK_N a multiple of 32; rows past I are 0)
-        h = _round32(h, NT, BLOCK_N)
-    tl.store(h_ptr + p[:, None] * N_OUT + n[None, :], h, mask=pm[:, None] & nm[None, :])
+    if SPLIT == 1:
+        _gate_up_epilogue(a_g, a_u, s, n, nm, p, pm, h_ptr, N_OUT, FMT, NT, BLOCK_N, ROUND)
+    else:
+        t = tl.arange(0, NT)
+        cell = t[:, None] * N_OUT + n[None, :]                   # [NT, BLOCK_N] within one (group, z, gate|up)
+        cm = nm[None, :] & (t < NT)[:, None]
+        base = part_ptr + g.to(tl.int64) * (SPLIT * 2 * NT) * N_OUT
+        mine = base + tl.program_id(2) * (2 * NT) * N_OUT
+        tl.store(mine + cell, a_g, mask=cm)
+        tl.store(mine + NT * N_OUT + cell, a_u, mask=cm)
+        counter = cnt_ptr + g * tl.num_programs(1) + tl.program_id(1)
+        done = tl.atomic_add(counter, 1, sem="acq_rel")          # (after this program's partials)
+        if done == SPLIT - 1:
+            a_g = tl.zeros([NT, BLOCK_N], dtype=tl.float32)
+            a_u = tl.zeros([NT, BLOCK_N], dtype=tl.float32)
+            for z in tl.static_range(SPLIT):                     # z order: the same sum whoever is last
+                src = base + z * (2 * NT) * N_OUT
+                a_g += tl.load(src + cell, mask=cm, other=0.0, cache_modifier=".cg")
+                a_u += tl.load(src + NT * N_OUT + cell, mask=cm, other=0.0, cache_modifier=".cg")
+            _gate_up_epilogue(a_g, a_u, s, n, nm, p, pm, h_ptr, N_OUT, FMT, NT, BLOCK_N, ROUND)
+            tl.atomic_xchg(counter, 0)                           # ready for the next launch
 
 
 @triton.jit

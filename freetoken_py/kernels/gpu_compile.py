@@ -35,8 +35,11 @@ def signature(fmt: str, kernel: str) -> dict:
     if kernel == "down":
         body.update({"out_ptr": act, "stride_out": "i32", "rows_ptr": "*i64", "T": "i32", "P": "i32",
                      "counter_ptr": "*i32"})
+    else:
+        body.update({"part_ptr": "*fp32", "cnt_ptr": "*i32"})      # (split-K's partials and counters)
     consts = ["FMT", "G", "NT", "BLOCK_N", "BLOCK_K", "UNIT", "GW", "RED", "STAGES"] + \
-        (["ROUND"] if kernel == "gate_up" else []) + ["NATIVE", "ALIGN"] + (["TB"] if kernel == "down" else [])
+        (["ROUND"] if kernel == "gate_up" else []) + ["NATIVE", "ALIGN"] + \
+        (["TB"] if kernel == "down" else ["SPLIT"])
     return {**head, **body, **{c: "constexpr" for c in consts}}
 
 
@@ -60,6 +63,7 @@ def compile_kernel(fmt: str, nt: int, kernel: str, arch: int, aligned: bool = Tr
               "ALIGN": (8 if fmt == "float" else 4) if aligned else 1, **cfg_consts}
     if kernel == "gate_up":
         consts["ROUND"] = rounded
+        consts.setdefault("SPLIT", 1)
     else:
         consts["TB"] = 1 if nt == 1 else 8          # (one token at decode; eight with NT = 8)
     names = list(sig)

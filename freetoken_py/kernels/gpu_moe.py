@@ -6,8 +6,10 @@ top-k experts on the accelerator, that is ~70 kernel launches and their Python p
 Here a layer-step's (token, expert) pairs are grouped by expert (`gpu_slots.plan`: each expert
 is read once for up to 8 of its tokens) and run in two launches (`launches`):
 
-    gate_up_kernel   grid (groups, I / BLOCK_N):  h[p] = silu(gate . x_t) * (up . x_t)   (fp32; x and h
-                                                  rounded as the CPU kernels see them where they are)
+    gate_up_kernel   grid (groups, I / BLOCK_N, SPLIT):  h[p] = silu(gate . x_t) * (up . x_t)   (fp32; x
+                                                  and h rounded as the CPU kernels see them where they
+                                                  are; D split SPLIT ways where the grid is short of a
+                                                  wave, `split_k`, the shares summed in a fixed order)
     down_kernel      grid (groups, D / BLOCK_N):  y[p] = w_p * (down . h[p]), then the last program of
                                                   each row block: out[t] += sum of y[p] over t's pairs,
                                                   in pair order (no atomics on values)
@@ -174,6 +176,52 @@ def prepare(table: SlotTable, pair_slots: Sequence[int], device: torch.device | 
 
 
 _counter_bufs: dict = {}
+_split_bufs: dict = {}
+_split_kept: list = []
+# resident programs an SM holds, by warps a program: at up to 128 registers a thread, 64K
+# registers an SM hold 4 programs of 4 warps (sm_80 .. sm_120 alike)
+RESIDENT_WARPS = 16
+MIN_SPLIT_STEPS = 4          # BLOCK_K steps a split-K share keeps at least (the pipeline fills)
+MAX_SPLIT = 8
+split_k_override: int | None = None      # a fixed SPLIT for every launch (tests, the interpreter)
+
+
+def split_k(programs: int, k_steps: int, dev: torch.device, warps: int = 4) -> int:
+    """The gate_up kernel's split of its columns (D): 1 unless its grid (`programs`) is short of one
+    wave (SMs x resident programs), then the largest power of two (at most MAX_SPLIT) whose grid
+    still fits a wave and whose shares keep MIN_SPLIT_STEPS steps of BLOCK_K each (decode at one
+    token on a wide D). Off CUDA: 1, or `split_k_override`."""
+    if split_k_override is not None:
+        return split_k_override
+    if dev.type != "cuda":
+        return 1
+    return split_for_wave(programs, k_steps,
+                          torch.cuda.get_device_properties(dev).multi_processor_count * max(1, RESIDENT_WARPS // warps))
+
+
+def split_for_wave(programs: int, k_steps: int, wave: int) -> int:
+    """`split_k`'s rule for a wave of `wave` resident programs."""
+    split = 1
+    while split < MAX_SPLIT and programs * split * 2 <= wave and k_steps >= MIN_SPLIT_STEPS * split * 2:
+        split *= 2
+    return split
+
+
+def _split_buffers(dev: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K partials (fp32) and a zeroed int32 counter per group and row block, kept per
+    device and grown as needed (each launch's last program of a block resets its counter; the
+    partials are rewritten by every launch, in stream order)."""
+    part, cnt = _split_bufs.get(dev, (None, None))
+    if part is None or part.numel() < floats:
+        if part is not None:
+            _split_kept.append(part)     # (a captured CUDA graph may still point at the old one)
+        part = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=dev)
+    if cnt is None or cnt.numel() < counters:
+        if cnt is not None:
+            _split_kept.append(cnt)
+        cnt = torch.zeros(max(counters, 1024), dtype=torch.int32, device=dev)
+    _split_bufs[dev] = (part, cnt)
+    return part, cnt
 
 
 def _counters(dev: torch.device, hidden: int) -> torch.Tensor:
@@ -198,10 +246,15 @@ def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.T
     shape, configs = (hidden, inter), configs or {}
     cu = finalize(configs["gate_up"], table.fmt, table.group_size) if "gate_up" in configs else \
         kernel_config(table.fmt, plan.nt, "gate_up", _rounds(table.fmt), table.group_size, shape)
-    k.gate_up_kernel[(plan.groups, -(-inter // cu["BLOCK_N"]))](
+    blocks = -(-inter // cu["BLOCK_N"])
+    if cu.get("SPLIT") is None:      # split-K only where the grid is short of a wave
+        cu["SPLIT"] = split_k(plan.groups * blocks, -(-hidden // cu["BLOCK_K"]), dev, cu.get("num_warps", 4))
+    part, cnt = _split_buffers(dev, plan.groups * cu["SPLIT"] * 2 * plan.nt * inter, plan.groups * blocks) \
+        if cu["SPLIT"] > 1 else (plan.h, plan.counters)
+    k.gate_up_kernel[(plan.groups, blocks, cu["SPLIT"])](
         x, x.stride(0), rows, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[0], table.bases[1],
-        plan.h, table.row_words(hidden), table.scale_row(hidden), inter, hidden // 16, ROUND=_rounds(table.fmt),
-        **common, **cu)
+        plan.h, table.row_words(hidden), table.scale_row(hidden), inter, hidden // 16, part, cnt,
+        ROUND=_rounds(table.fmt), **common, **cu)
     cd = finalize(configs["down"], table.fmt, table.group_size) if "down" in configs else \
         kernel_config(table.fmt, plan.nt, "down", False, table.group_size, shape)
     tokens = out.shape[0]
