@@ -25,6 +25,7 @@ FAMILIES = {
     "deepseek_v32": "DeepSeek-V3.2-Exp / V3.2",
     "glm_moe_dsa": "GLM-5 / 5.1 / 5.2",
     "minimax_m2": "MiniMax-M2 / M2.1 / M2.5",
+    "gpt_oss": "gpt-oss-20b / gpt-oss-120b",
     "qwen3_next": "Qwen3-Next-80B-A3B, Qwen3-Coder-Next",
     "qwen3_5_moe": "Qwen3.5 / Qwen3.6 MoE (35B-A3B, ...)",
 }
@@ -71,6 +72,12 @@ NOTES = {
     'minimax_m2': (
         'full-width q/k norm, RoPE on the first `rotary_dim` dims, sigmoid router '
         'with its correction bias on the block, w1/w3/w2 experts'
+    ),
+    'gpt_oss': (
+        'attention sinks, sliding-window (`layer_types`: sliding / full alternating) and full layers, q/k/v/o '
+        'biases, YaRN; top-k-then-softmax router with a bias; experts with biases and the clamped SwiGLU '
+        '(interleaved gate/up, `up + 1`); MXFP4 experts as released (run as nvfp4 on the cpu backend). The '
+        "fused decode step and windowed KV pages are not used yet (docs/architecture.md, \"Adding a family\")"
     ),
     'qwen3_next': (
         '**hybrid** — Gated DeltaNet linear attention (3 of 4 layers, '

@@ -50,3 +50,34 @@ def reference(path: Path):
 
     return tf.GptOssForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
+
+def write_mxfp4(src: Path, dst: Path, seed: int = 0, span: int = 12) -> Path:
+    """`src`'s checkpoint with every expert stack replaced by random MXFP4 in the published layout
+    (FAMILIES §F3): `*_blocks` uint8 [E, out, in/32, 16] (element 2b in byte b's low nibble, 2b + 1
+    in its high one), `*_scales` uint8 e8m0 [E, out, in/32], output-major, gate / up rows
+    interleaved; block exponents drawn over `span` octaves per row, a few all-zero blocks; the
+    biases stay plain; config.json gets quantization_config {quant_method: mxfp4}."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.bin"))
+    g = torch.Generator().manual_seed(seed)
+    for f in dst.glob("*.safetensors"):
+        out = {}
+        for name, t in load_file(f).items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                out[name] = t
+                continue
+            E, k, n = t.shape   # stored [E, in, out]: MXFP4 is [E, out, in/32, 16]
+            blocks = torch.randint(0, 256, (E, n, k // 32, 16), generator=g, dtype=torch.uint8)
+            blocks[:, :, 0][torch.rand(E, n, generator=g) < 0.1] = 0   # some all-zero blocks
+            scales = (127 - 6 - torch.randint(0, span, (E, n, k // 32), generator=g)).to(torch.uint8)
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+        save_file(out, f, metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

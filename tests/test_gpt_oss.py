@@ -7,7 +7,11 @@ configs (test_transformers_own_cached_decode_is_consistent)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +20,8 @@ from safetensors.torch import load_file, save_file
 import gpt_oss_util as gu
 import parity_util
 from freetoken_py.core import SamplingParams
+from freetoken_py.errors import ModelLoadError
+from freetoken_py.kernels._dots import INT_ACT
 from freetoken_py.llm import LLM
 
 ARCHS = ["gpt_oss", "gpt_oss_mixed"]
@@ -128,3 +134,109 @@ def test_prefix_cache_hit_equals_cold(backend, ckpt):
     assert again.num_cached_tokens == 32 and again.token_ids == cold
     assert _parity(llm, path, longer, 8) <= 1e-4
     assert llm.scheduler.running[0].num_cached_tokens == 32
+
+
+# --- MXFP4 experts as published (formats/mxfp4.py) ---
+
+def _mx_reference(path):
+    import transformers as tf
+
+    # transformers dequantises mxfp4 to bf16 on a CPU (the values are exact in bf16), then fp32
+    return tf.GptOssForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                quantization_config=tf.Mxfp4Config(dequantize=True)).eval()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mxfp4_checkpoint_matches_transformers_dequantised_reference(backend, ckpt, tmp_path):
+    """Hand-packed MXFP4 experts (gpt_oss_util.write_mxfp4: 12 octaves of block scales per row, zero
+    blocks); the cpu backend runs them as the nvfp4 execution format (codes and scales copied, no
+    re-rounding). cpu: <= 1e-4 with fp32 activations; the int8-activation default (AVX2) within 0.1."""
+    path = gu.write_mxfp4(ckpt("gpt_oss"), tmp_path / "mx")
+    prompt = _prompt(21, seed=1)
+    llm = _llm(path, backend, page_size=16)
+    if backend == "cpu":
+        assert {b.fmt for b in llm.model.experts.banks} == {"nvfp4"}
+    tokens, ours = parity_util.drive(llm, prompt, 32)
+    with torch.no_grad():
+        theirs = _mx_reference(path)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    tol = 1e-4 if backend == "torch" or INT_ACT != "int8" else 0.1
+    assert (ours - theirs).abs().max().item() <= tol
+    assert (ours - _theirs(ckpt("gpt_oss"), prompt + tokens[:-1], len(prompt) - 1)).abs().max().item() > 1e-2
+
+
+@pytest.mark.skipif(os.environ.get("FREETOKEN_INT_ACT") == "fp32", reason="this process already runs the exact path")
+def test_mxfp4_cpu_with_fp32_activations_matches_within_1e_4():
+    env = {**os.environ, "FREETOKEN_INT_ACT": "fp32"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "test_mxfp4_checkpoint_matches_transformers_dequantised_reference and cpu"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and re.search(r"\b1 passed", proc.stdout), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_mxfp4_to_nvfp4_is_exact_within_17_octaves_and_bounded_beyond():
+    """The conversion against the format's own decode (FAMILIES F3): bit for bit where each row's
+    live block exponents span <= 17 octaves (e4m3 powers of two 2^-9..2^8 times a row factor), and
+    within 2^-18 of the row's largest magnitude (re-rounded, counted) where they span more."""
+    from freetoken_py.formats.mxfp4 import dequantize_mxfp4, mxfp4_to_nvfp4
+    from freetoken_py.quant.nvfp4 import dequantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (64, 6, 16), generator=g, dtype=torch.uint8)
+    blocks[::7, 2] = 0
+    for span, exact in ((17, True), (25, False)):
+        scales = (100 + torch.randint(0, span + 1, (64, 6), generator=g)).to(torch.uint8)
+        scales[:, 0] = 100 + span   # every row reaches the full span
+        scales[:, 1] = 100
+        ref = dequantize_mxfp4(blocks, scales)
+        codes, s, flushed = mxfp4_to_nvfp4(blocks, scales)
+        ours = dequantize_nvfp4(codes, s, 16)
+        if exact:
+            assert flushed == 0 and torch.equal(ours, ref)
+        else:
+            assert flushed > 0
+            bound = ref.abs().amax(dim=1, keepdim=True) * 2.0 ** -18
+            assert ((ours - ref).abs() <= bound).all() and not torch.equal(ours, ref)
+
+
+# --- bad input: one line naming the field or tensor ---
+
+def _edited(src, dst, config=None, tensors=None):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.bin"))
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        for f in dst.glob("*.safetensors"):
+            save_file({k: tensors(k, v) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    return dst
+
+
+def _load_error(path) -> str:
+    with pytest.raises(ModelLoadError) as e:
+        _llm(path, "torch")
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_unknown_layer_type_is_one_line_naming_the_field(ckpt, tmp_path):
+    path = _edited(ckpt("gpt_oss"), tmp_path / "m", config={
+        "layer_types": ["sliding_attention", "full_attention", "chunked_attention", "full_attention"]})
+    msg = _load_error(path)
+    assert "'layer_types'[2]" in msg and "chunked_attention" in msg
+
+
+def test_sink_tensor_of_the_wrong_shape_is_one_line_naming_it(ckpt, tmp_path):
+    path = _edited(ckpt("gpt_oss"), tmp_path / "m",
+                   tensors=lambda k, v: v[:-1].clone() if k == "model.layers.1.self_attn.sinks" else v)
+    msg = _load_error(path)
+    assert "model.layers.1.self_attn.sinks" in msg and "[3]" in msg and "[4]" in msg
+
+
+def test_mxfp4_scales_that_do_not_match_the_blocks_are_one_line_naming_them(ckpt, tmp_path):
+    mx = gu.write_mxfp4(ckpt("gpt_oss"), tmp_path / "mx")
+    bad = _edited(mx, tmp_path / "bad", tensors=lambda k, v: v[:, :-2].clone()
+                  if k == "model.layers.0.mlp.experts.down_proj_scales" else v)
+    msg = _load_error(bad)
+    assert "model.layers.0.mlp.experts.down_proj_scales" in msg and "down_proj_blocks" in msg

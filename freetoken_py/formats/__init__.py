@@ -17,11 +17,12 @@ from freetoken_py.formats.packed import EXEC_FORMATS, Packed, cat_rows
 
 LOADS = ("unquantised bf16 / fp16 / fp32", "fp8 (block-scaled e4m3, weight_scale_inv)",
          "compressed-tensors pack-quantized int4 (symmetric, group 32 / 64 / 128)",
-         "compressed-tensors nvfp4-pack-quantized (group 16)", "ModelOpt NVFP4 (group 16)")
-LATER = {"mxfp4": "MXFP4", "gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "gguf": "GGUF",
+         "compressed-tensors nvfp4-pack-quantized (group 16)", "ModelOpt NVFP4 (group 16)",
+         "mxfp4 (e8m0 scales per 32, gpt-oss)")
+LATER = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "gguf": "GGUF",
          "hqq": "HQQ", "eetq": "EETQ", "fbgemm_fp8": "FBGEMM FP8", "torchao": "torchao", "quark": "Quark"}
 
-LOGICAL_TAGS = ("FP8_BLOCK", "CT_INT4", "NVFP4")   # the dtype a decoder gives its packed logical tensors
+LOGICAL_TAGS = ("FP8_BLOCK", "CT_INT4", "NVFP4", "MXFP4")   # the dtype a decoder gives its packed logical tensors
 
 __all__ = ["EXEC_FORMATS", "LOADS", "LOGICAL_TAGS", "Packed", "cat_rows", "decoder_for", "find_quant_config", "unsupported"]
 
@@ -54,6 +55,10 @@ def decoder_for(qcfg: dict | None, stored: dict, field: str = "config.json: quan
         from freetoken_py.formats.fp8 import Fp8BlockDecoder
 
         return Fp8BlockDecoder(qcfg, stored, field)
+    if method == "mxfp4":
+        from freetoken_py.formats.mxfp4 import mxfp4_decoder
+
+        return mxfp4_decoder(qcfg, stored, field)
     if method == "compressed-tensors":
         from freetoken_py.formats.ct_int4 import ct_decoder
 
