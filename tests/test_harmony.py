@@ -306,6 +306,11 @@ def test_calls_without_tools_and_malformed_calls_are_text():
     assert parsed.tool_calls == [] and parsed.reasoning == "print(1)"
     # text that is not harmony at all comes back as content
     assert collect(_feed(["plain words"])).content == "plain words"
+    # text that reaches no <|message|> within 256 characters is not harmony: shown as written,
+    # wherever it was cut (and a <|message|> after that is text too)
+    long = "<|start|>" + "word " * 60 + "<|channel|>final<|message|>x<|return|>"
+    assert _merged(_feed([long])) == _merged(_feed(list(long))) == [TextDelta(long)]
+    assert _feed(["<|start|>assistant"]) == []   # a message that never came
 
 
 # ---- grammar --------------------------------------------------------------------------------
@@ -459,3 +464,26 @@ def test_grammar_response_format_and_thinking_budget(tmp_path):
     assert m.consume_tokens(tok.encode("<|channel|>analysis<|message|>") + tok.encode(" a b c"))
     allowed = np.flatnonzero(np.frombuffer(m.compute_logit_bias(), np.uint8)[:n_vocab])
     assert list(allowed) == [tok.token_to_id("<|end|>")]
+
+
+_PIECES = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>", "<|",
+           "<|ch", "<|end", "|>", "assistant", "analysis", "final", "commentary", " to=functions.f", " to=python",
+           "json", " ", "\n", "hello", "ü€", '{"a": 1}', '{"s": "<|call|>"}', "{bad", "}"]
+
+
+def test_any_split_of_any_text_gives_the_same_events():
+    """Random texts of harmony's pieces, whole and cut anywhere, tools on and off (hypothesis)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=400, deadline=None)
+    @given(pieces=st.lists(st.sampled_from(_PIECES), max_size=16), cuts=st.lists(st.integers(0, 300), max_size=10),
+           tools=st.booleans())
+    def check(pieces, cuts, tools):
+        text = "".join(pieces)
+        bounds = [0] + sorted({c % (len(text) + 1) for c in cuts}) + [len(text)]
+        whole = _merged(_feed([text], tools))
+        assert _merged(_feed([text[a:b] for a, b in zip(bounds, bounds[1:])], tools)) == whole
+        assert _merged(_feed(list(text), tools)) == whole
+
+    check()

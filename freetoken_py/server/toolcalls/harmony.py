@@ -116,7 +116,9 @@ class HarmonyParser:
     become a tag is held back; a header and a call's body are buffered until they end).
 
     States: "header" (buffering up to <|message|>), "body" (a message's text, streamed as
-    reasoning or content), "call" (a tool call's arguments, buffered until <|call|>)."""
+    reasoning or content), "call" (a tool call's arguments, buffered until <|call|>), "raw" (a
+    header that did not reach <|message|> within `max_header_chars`: not harmony, the rest is
+    text as written)."""
 
     def __init__(self, tools_enabled: bool = False, syntax: HarmonySyntax = HARMONY):
         self.syntax = syntax
@@ -141,7 +143,7 @@ class HarmonyParser:
 
     def _drain(self, final: bool) -> list:
         events: list = []
-        step = {"header": self._step_header, "body": self._step_body, "call": self._step_call}
+        step = {"header": self._step_header, "body": self._step_body, "call": self._step_call, "raw": self._step_raw}
         while step[self._state](events, final):
             pass
         return [e for e in events if not isinstance(e, (TextDelta, ReasoningDelta)) or e.text]
@@ -149,13 +151,14 @@ class HarmonyParser:
     def _step_header(self, events: list, final: bool) -> bool:
         syn = self.syntax
         pos = self._buf.find(syn.message)
+        limit = syn.max_header_chars
+        if pos > limit or (pos < 0 and (len(self._buf) >= limit + len(syn.message) or final)):
+            if pos < 0 and final and self._buf.replace(syn.start, "").strip() in ("", syn.role):
+                self._buf = ""   # only the start of a message that never came
+                return False
+            self._state = "raw"   # not harmony after all: the rest is the model's text as written
+            return True
         if pos < 0:
-            if len(self._buf) > syn.max_header_chars or (final and self._buf.strip(" \n" + syn.start)):
-                # not harmony after all: what came is the model's text
-                self._raw_header, self._kind, self._state = "", TextDelta, "body"
-                return True
-            if final:
-                self._buf = ""
             return False
         head, self._buf = self._buf[:pos], self._buf[pos + len(syn.message):]
         self._raw_header = head + syn.message
@@ -166,6 +169,11 @@ class HarmonyParser:
             self._kind = ReasoningDelta if header.channel == syn.reasoning_channel else TextDelta
             self._state = "body"
         return True
+
+    def _step_raw(self, events: list, final: bool) -> bool:
+        events.append(TextDelta(self._buf))
+        self._buf = ""
+        return False
 
     def _step_body(self, events: list, final: bool) -> bool:
         pos, tag = _first(self._buf, self.syntax.ends)
