@@ -93,3 +93,22 @@ def test_ci_runs_the_gates_after_the_readme_tests():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     tests = next(i for i, line in enumerate(ci) if "python -m pytest -q" in line)
     assert "python bench/gates.py" in ci[tests + 1:]
+
+
+def test_expert_gate_has_a_floor_per_format_and_fails_on_a_planted_slowdown(recorded, monkeypatch):
+    """The expert-kernel gate (bench/expert_roofline.py): every format it runs has a floor below its
+    recorded share; a small run passes at half its own shares and fails with a 20 ms sleep per
+    kernel call planted in the measured loop."""
+    cfg = recorded["experts"]
+    assert set(cfg["floors"]) == set(cfg["recorded"]) == set(cfg["formats"]) >= {"int8", "int4", "fp8", "nvfp4"}
+    assert all(0 < cfg["floors"][f] < cfg["recorded"][f] for f in cfg["formats"])
+    import expert_roofline
+
+    small = dict(cfg, formats=["int8", "fp8"], bank_mib=64, rounds=2, sample_s=0.05, floors={})
+    clean = gates.experts_gate(small)
+    assert clean["passed"] and all(r["share"] > 0 for r in clean["formats"].values())
+    floors = {f: r["share"] / 2 for f, r in clean["formats"].items()}
+    real = expert_roofline.moe_experts
+    monkeypatch.setattr(expert_roofline, "moe_experts", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])
+    slow = gates.experts_gate(dict(small, floors=floors))
+    assert not slow["passed"], (clean, slow)

@@ -32,7 +32,8 @@ from numba.extending import overload
 from freetoken_py.envs import bf16_act, int_act, simd
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
-from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, bf16_row_dot, bf16_row_dot4, fp8f_row_dot,
+from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, HAS_AVX512VBMI, bf16_row_dot, bf16_row_dot4,
+                                        fp8bf_row_dot, fp8bf_row_dot4, fp8f_row_dot,
                                         fp8f_row_dot4, fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot, i8q8_row_dot4, i8q8v_row_dot,
                                         i8q8v_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
                                         q4q8_row_dot4, q4q8v_row_dot, q4q8v_row_dot4)
@@ -73,6 +74,10 @@ def _bf16_act_mode() -> str:
 
 
 BF16_ACT = _bf16_act_mode()
+# fp8 weights multiply bf16-rounded activations (the table decode + vdpbf16ps of _simd's "fp8 (e4m3)
+# weights x bf16 activations") where bf16 weights do (BF16_ACT) and the target has AVX512-VBMI;
+# else, and with FREETOKEN_BF16_ACT=fp32 or FREETOKEN_SIMD=avx2, the exact fp32-activation dots.
+FP8_ACT = "bf16" if BF16_ACT == "bf16" and HAS_AVX512VBMI else "fp32"
 
 
 def widen(v):
@@ -227,6 +232,65 @@ def nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs):
         r2 += sc * a2
         r3 += sc * a3
     return r0 * mul, r1 * mul, r2 * mul, r3 * mul
+
+
+@njit(cache=True, inline="always")
+def fp8bf_index(c, k):
+    """Position of column c's bf16 activation in prep_fp8bf_row's layout: per whole 64-column unit
+    the unpack order of _simd.fp8bf_row_dot ([16L + p] then [16L + 8 + p], L < 4, p < 8); a last
+    partial unit in natural order."""
+    base = (c >> 6) << 6
+    if base + 64 > k:
+        return c
+    r = c - base
+    return base + ((r >> 3) & 1) * 32 + (r >> 4) * 8 + (r & 7)
+
+
+@njit(fastmath=False, cache=True)
+def prep_fp8bf_rows(x):
+    """x [R, K] float32 -> uint16 [R, K]: bf16_bits of each element (as prep_bf16_rows) at
+    fp8bf_index: the activations of the fp8 x bf16 dots."""
+    k = x.shape[1]
+    out = np.empty(x.shape, np.uint16)
+    for r in range(x.shape[0]):
+        for j in range(k):
+            out[r, fp8bf_index(j, k)] = bf16_bits(x[r, j])
+    return out
+
+
+@njit(fastmath=True, cache=True)
+def fp8bf_row_dot_loop(w, s, xb, bk):
+    """The fp8 x bf16 dot in plain loops, any shape (prep_fp8bf_rows' layout)."""
+    k = xb.shape[0]
+    acc = np.float32(0.0)
+    for b in range(s.shape[0]):
+        a = np.float32(0.0)
+        for j in range(b * bk, min(k, (b + 1) * bk)):
+            a += e4m3_value(w[j]) * widen(xb[fp8bf_index(j, k)])
+        acc += s[b] * a
+    return acc
+
+
+@njit(fastmath=True, cache=True)
+def fp8bf_row_dot4_loop(w, s, x0, x1, x2, x3, bk):
+    return (fp8bf_row_dot_loop(w, s, x0, bk), fp8bf_row_dot_loop(w, s, x1, bk),
+            fp8bf_row_dot_loop(w, s, x2, bk), fp8bf_row_dot_loop(w, s, x3, bk))
+
+
+if FP8_ACT == "bf16":
+    @njit(fastmath=True, cache=True, inline="always")
+    def fp8bf_dot(w, s, xb, bk):
+        if bk % 64 == 0 and xb.shape[0] % 64 == 0:
+            return fp8bf_row_dot(w, s, xb, bk)
+        return fp8bf_row_dot_loop(w, s, xb, bk)
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def fp8bf_dot4(w, s, x0, x1, x2, x3, bk):
+        if bk % 64 == 0 and x0.shape[0] % 64 == 0:
+            return fp8bf_row_dot4(w, s, x0, x1, x2, x3, bk)
+        return fp8bf_row_dot4_loop(w, s, x0, x1, x2, x3, bk)
+else:
+    fp8bf_dot, fp8bf_dot4 = fp8bf_row_dot_loop, fp8bf_row_dot4_loop
 
 
 # The vector forms (_simd: fp8_row_dot_v, nvfp4_row_dot_v) where the shape allows, else the loops
@@ -441,6 +505,8 @@ def _row_dot_impl(w, s, xv, xg, hb):
         return lambda w, s, xv, xg, hb: bf16_row_dot(w, xv)
     if dtype in (types.uint16, types.float32):
         return lambda w, s, xv, xg, hb: dot(w, xv)
+    if dtype == types.uint8 and s.dtype == types.float32 and xv.dtype == types.uint16:   # fp8 x bf16 (prep_fp8bf_rows)
+        return lambda w, s, xv, xg, hb: fp8bf_dot(w, s, xv, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.float32:     # fp8: e4m3 bytes, float32 block scales
         return lambda w, s, xv, xg, hb: fp8_dot(w, s, xv, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.uint8 and xv.dtype == types.int8:   # nvfp4 x int8 activations
@@ -470,6 +536,8 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: bf16_row_dot4(w, x0, x1, x2, x3)
     if dtype in (types.uint16, types.float32):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
+    if dtype == types.uint8 and s.dtype == types.float32 and x0.dtype == types.uint16:
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8bf_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.float32:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.uint8 and x0.dtype == types.int8:
@@ -642,6 +710,8 @@ def prepare(w, s, x, gs):
 def _prepare_impl(w, s, x, gs):
     if w.dtype == types.uint8 and s.dtype == types.uint8 and INT_ACT == "int8":   # nvfp4 x int8 activations
         return lambda w, s, x, gs: prep_nv8_rows(x)
+    if w.dtype == types.uint8 and s.dtype == types.float32 and FP8_ACT == "bf16":   # fp8 x bf16 activations
+        return lambda w, s, x, gs: (prep_fp8bf_rows(x), np.zeros((x.shape[0], 1), np.float32))
     if w.dtype == types.uint8 and s.dtype in (types.float32, types.uint8):   # fp8 (nvfp4 with INT_ACT fp32): fp32 as is
         return lambda w, s, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))
     if w.dtype == types.uint8 and INT_ACT == "int8":

@@ -1096,6 +1096,8 @@ def _fp8f_codegen(num_x):
                 sgv = _splat(builder, builder.fmul(s_b, ir.Constant(_F32, 2.0 ** 120)) if folded else s_b, lanes)
                 with cgutils.for_range(builder, nvec) as blk:
                     off = builder.add(start, builder.mul(blk.index, ir.Constant(_I64, lanes)))
+                    if lanes == 64:       # one 64-byte line per step, PF_DIST ahead (AVX-512 forms)
+                        _prefetch(builder, wp, off)
                     bits = builder.and_(builder.shl(builder.sext(_vload(builder, wp, off, vb, 1), vi),
                                                     ir.Constant(vi, [20] * lanes)),
                                         ir.Constant(vi, [0x87FFFFFF - (1 << 32)] * lanes))
@@ -1479,3 +1481,135 @@ def bf16_row_dot4(typingctx, w, x0, x1, x2, x3):
     """bf16_row_dot of one row with four activation rows (the row loaded once) -> UniTuple(float32, 4)."""
     _check_bf16(w, x0, x1, x2, x3)
     return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3), _bf16_codegen(4)
+
+
+# --- fp8 (e4m3) weights x bf16 activations (AVX512-BF16 + AVX512-VBMI) ---------------------------
+#
+# The fp32-activation fp8 dots above spend ~5 port-0/5 uops per 16 weights on the decode and the
+# FMA (sign-extend, shift, mask, scale multiply, FMA): ~15 Gweights/s per core on a Xeon 6 VM,
+# below one core's DRAM read (~19 GB/s; docs/kernels.md "fp8 and nvfp4 at the memory wall").
+# Here the decode is a table: e4m3's 128 magnitudes have exact bf16 values (3 mantissa bits,
+# exponents 2^-9 .. 2^8, subnormals included), so per 64 weights (one 64-byte load) two vpermi2b
+# (AVX512-VBMI: a 128-entry byte table in two zmm, the index's bit 7 ignored) give the high and
+# the low byte of each weight's bf16 bits, one vpternlog puts the sign bit into the high byte, two
+# unpacks (vpunpcklbw / vpunpckhbw, within 128-bit lanes) make 2 x 32 bf16 words, and two
+# vdpbf16ps multiply them with the activations, rounded to bf16 once per row as the bf16-weight
+# path does (`_dots.prep_fp8bf_row`, laid out per 64-column unit in the unpacks' order: words
+# [16L + p for L < 4, p < 8] then [16L + 8 + p]). The block's fp32 sum is scaled once per block.
+# The weights are exact (no rebase: bf16 has fp32's exponent range); the only rounding beyond an
+# fp32 dot's is the activation's to bf16 (vdpbf16ps reads subnormal inputs as zero, and a product
+# below 2^-126 is flushed: |w x| < 1e-38, nothing a sum of a layer can see).
+# Used where BF16_ACT is "bf16" and the target has VBMI (`_dots.FP8_ACT`), for K and the block
+# multiples of 64; FREETOKEN_BF16_ACT=fp32 keeps the exact fp32 dots above.
+
+HAS_AVX512VBMI = _target_has("avx512vbmi")
+
+
+def _fp8_bf16_tables():
+    """(hi, lo): the high / low byte of the bf16 bits of each e4m3 magnitude 0..127, as the value
+    _dots.e4m3_value gives (0x7f, e4m3fn's NaN, reads as 480 there too)."""
+    import numpy as np
+
+    mags = np.arange(128, dtype=np.uint32)
+    normal = ((mags << 20) + (120 << 23)).view(np.float32)
+    value = np.where(mags >= 8, normal, mags.astype(np.float32) * np.float32(2.0 ** -9)).astype(np.float32)
+    bits = (value.view(np.uint32) >> 16).astype(np.uint16)
+    assert np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), value)   # exact in bf16
+    return [int(b >> 8) for b in bits], [int(b & 0xFF) for b in bits]
+
+
+_FP8_HI, _FP8_LO = _fp8_bf16_tables()
+# word j of the unpacklo (unpackhi) result = byte 16 (j // 8) + j % 8 (+ 8) of the 64 loaded
+_UNPACK_LO = [i for L in range(4) for p in range(8) for i in (64 + 16 * L + p, 16 * L + p)]
+_UNPACK_HI = [i for L in range(4) for p in range(8) for i in (64 + 16 * L + 8 + p, 16 * L + 8 + p)]
+
+
+def _c8(vals):
+    return ir.Constant(ir.VectorType(_I8, len(vals)), [v - 256 if v > 127 else v for v in vals])
+
+
+def _fp8bf_codegen(num_x):
+    """fp8 x bf16 dot of one row with `num_x` activation rows. args: w u8 [K], s f32 [G],
+    x_0.. u16 [K] (prep_fp8bf_row's layout), bk; K and bk multiples of 64 (a partial last block
+    of any multiple of 64)."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
+        wp, sp = arrays[0].data, arrays[1].data
+        xps = [a.data for a in arrays[2:2 + num_x]]
+        ngroups = cgutils.unpack_tuple(builder, arrays[1].shape)[0]
+        k = cgutils.unpack_tuple(builder, arrays[2].shape)[0]
+        bk = context.cast(builder, args[-1], signature.args[-1], types.int64)
+        v64b, v32s, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_F32, 16)
+        v32bf = ir.VectorType(_BFloat(), 32)
+        mod = builder.module
+        dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
+                                            "llvm.x86.avx512bf16.dpbf16ps.512")
+        perm = cgutils.get_or_insert_function(mod, ir.FunctionType(v64b, [v64b, v64b, v64b]),
+                                              "llvm.x86.avx512.vpermi2var.qi.512")
+        hi0, hi1, lo0, lo1 = _c8(_FP8_HI[:64]), _c8(_FP8_HI[64:]), _c8(_FP8_LO[:64]), _c8(_FP8_LO[64:])
+        m80 = _c8([0x80] * 64)
+        sh_lo = ir.Constant(ir.VectorType(_I32, 64), _UNPACK_LO)
+        sh_hi = ir.Constant(ir.VectorType(_I32, 64), _UNPACK_HI)
+        nchain = 2 if num_x == 1 else 1
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(num_x)]
+        parts = [[cgutils.alloca_once(builder, v16f) for _ in range(nchain)] for _ in range(num_x)]
+        with cgutils.for_range(builder, ngroups) as group:
+            g = group.index
+            start = builder.mul(g, bk)
+            rest = builder.sub(k, start)
+            n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
+            n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+            nunits = builder.lshr(n, ir.Constant(_I64, 6))
+            for ps in parts:
+                for part in ps:
+                    builder.store(ir.Constant(v16f, None), part)
+            with cgutils.for_range(builder, nunits) as unit:
+                off = builder.add(start, builder.shl(unit.index, ir.Constant(_I64, 6)))
+                _prefetch(builder, wp, off)                   # one 64-byte line per unit, PF_DIST ahead
+                b = _vload(builder, wp, off, v64b, 1)
+                hi = builder.or_(builder.call(perm, [hi0, b, hi1]), builder.and_(b, m80))
+                lo = builder.call(perm, [lo0, b, lo1])
+                wa = builder.bitcast(builder.bitcast(builder.shuffle_vector(hi, lo, sh_lo), v32s), v32bf)
+                wb = builder.bitcast(builder.bitcast(builder.shuffle_vector(hi, lo, sh_hi), v32s), v32bf)
+                for ps, xp in zip(parts, xps):
+                    xa = builder.bitcast(_vload(builder, xp, off, v32s, 2), v32bf)
+                    xb = builder.bitcast(_vload(builder, xp, builder.add(off, ir.Constant(_I64, 32)), v32s, 2), v32bf)
+                    builder.store(builder.call(dp, [builder.load(ps[0]), xa, wa]), ps[0])
+                    pb = ps[-1]
+                    builder.store(builder.call(dp, [builder.load(pb), xb, wb]), pb)
+            sgv = _splat(builder, builder.load(builder.gep(sp, [g])), 16)
+            for acc, ps in zip(accs, parts):
+                tot = builder.load(ps[0])
+                if nchain == 2:
+                    tot = builder.fadd(tot, builder.load(ps[1]), flags=_FAST)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(sgv, tot, flags=_FAST), flags=_FAST), acc)
+        res = [_hsum(builder, builder.load(acc)) for acc in accs]
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+def _check_fp8bf(w, s, *xs):
+    _check_fp8(w, s)
+    if not (HAS_AVX512BF16 and HAS_AVX512VBMI):
+        raise TypeError("fp8bf_row_dot needs AVX512-BF16 and AVX512-VBMI; _dots uses the fp32-activation dot elsewhere")
+    for a in xs:
+        if not (isinstance(a, types.Array) and a.dtype == types.uint16 and a.ndim == 1):
+            raise TypeError(f"bf16 activation rows are 1-D uint16 arrays of bf16 bits, got {a}")
+
+
+@intrinsic
+def fp8bf_row_dot(typingctx, w, s, x, bk):
+    """sum_b s[b] * sum_{j in block b} e4m3(w[j]) * bf16(x[j]) (vdpbf16ps); w u8 [K], s f32
+    [ceil(K/bk)], x u16 [K] bf16 bits in _dots.prep_fp8bf_row's layout; K, bk multiples of 64."""
+    _check_fp8bf(w, s, x)
+    return types.float32(w, s, x, bk), _fp8bf_codegen(1)
+
+
+@intrinsic
+def fp8bf_row_dot4(typingctx, w, s, x0, x1, x2, x3, bk):
+    """fp8bf_row_dot with four activation rows -> UniTuple(float32, 4)."""
+    _check_fp8bf(w, s, x0, x1, x2, x3)
+    return types.UniTuple(types.float32, 4)(w, s, x0, x1, x2, x3, bk), _fp8bf_codegen(4)
