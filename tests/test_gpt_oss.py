@@ -240,3 +240,60 @@ def test_mxfp4_scales_that_do_not_match_the_blocks_are_one_line_naming_them(ckpt
                   if k == "model.layers.0.mlp.experts.down_proj_scales" else v)
     msg = _load_error(bad)
     assert "model.layers.0.mlp.experts.down_proj_scales" in msg and "down_proj_blocks" in msg
+
+
+# --- freetoken probe: bytes per token from the real geometry ---
+
+def test_probe_reads_gpt_oss_20b_geometry(tmp_path):
+    """gpt-oss-20b's released tensors (headers only: MXFP4 experts, bf16 rest) and config: each
+    decode token reads top-4 of 32 experts in 24 layers at their stored bytes (blocks + e8m0 scales
+    + bf16 biases), and the KV cache adds 24 layers x K and V x 8 heads x 64 x 2 bytes (every layer
+    keeps its whole context today: the windowed layers' pages are not freed yet)."""
+    from freetoken_py.hw.model_bytes import read_model_bytes
+    from freetoken_py.models.checkpoint import TensorInfo
+
+    D, I, E, H, KV, hd, V, L = 2880, 2880, 32, 64, 8, 64, 201088, 24
+    cfg = {"model_type": "gpt_oss", "num_hidden_layers": L, "num_local_experts": E, "num_experts_per_tok": 4,
+           "hidden_size": D, "intermediate_size": I, "head_dim": hd, "num_attention_heads": H,
+           "num_key_value_heads": KV, "vocab_size": V, "sliding_window": 128, "tie_word_embeddings": False,
+           "quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    f = tmp_path / "model.safetensors"
+    nb = {"BF16": 2, "U8": 1}
+    infos = {}
+
+    def add(name, dtype, *shape):
+        n = 1
+        for s in shape:
+            n *= s
+        infos[name] = TensorInfo(name, f, dtype, tuple(shape), n * nb[dtype])
+
+    add("model.embed_tokens.weight", "BF16", V, D)
+    add("lm_head.weight", "BF16", V, D)
+    add("model.norm.weight", "BF16", D)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for x, rows in (("q", H * hd), ("k", KV * hd), ("v", KV * hd)):
+            add(p + f"self_attn.{x}_proj.weight", "BF16", rows, D)
+            add(p + f"self_attn.{x}_proj.bias", "BF16", rows)
+        add(p + "self_attn.o_proj.weight", "BF16", D, H * hd)
+        add(p + "self_attn.o_proj.bias", "BF16", D)
+        add(p + "self_attn.sinks", "BF16", H)
+        add(p + "input_layernorm.weight", "BF16", D)
+        add(p + "post_attention_layernorm.weight", "BF16", D)
+        add(p + "mlp.router.weight", "BF16", E, D)
+        add(p + "mlp.router.bias", "BF16", E)
+        add(p + "mlp.experts.gate_up_proj_blocks", "U8", E, 2 * I, D // 32, 16)
+        add(p + "mlp.experts.gate_up_proj_scales", "U8", E, 2 * I, D // 32)
+        add(p + "mlp.experts.gate_up_proj_bias", "BF16", E, 2 * I)
+        add(p + "mlp.experts.down_proj_blocks", "U8", E, D, I // 32, 16)
+        add(p + "mlp.experts.down_proj_scales", "U8", E, D, I // 32)
+        add(p + "mlp.experts.down_proj_bias", "BF16", E, D)
+    mb = read_model_bytes(tmp_path, infos=infos, label="gpt-oss-20b")
+    per_expert = 2 * I * (D // 2 + D // 32) + D * (I // 2 + I // 32) + 2 * (2 * I + D)   # 13,236,480
+    assert per_expert == 13_236_480
+    assert mb.per_token["routed_experts"] == L * 4 * per_expert == 1_270_702_080
+    assert mb.kv_bytes_per_token == L * 2 * KV * hd * 2 == 49_152
+    assert mb.weight_format == "mxfp4 (e8m0 scales per 32)" and mb.expert_dtype == "U8"
+    dense = L * (2 * (H * hd + 2 * KV * hd) * (D + 1) + 2 * (D * H * hd + D) + 2 * H + 4 * D + 2 * E * (D + 1)) + 2 * D
+    assert mb.per_token["dense"] == dense
