@@ -1,8 +1,9 @@
 """gpt-oss (`gpt_oss`) against transformers' GptOssForCausalLM (eager attention) on tiny random fp32
 checkpoints (tests/gpt_oss_util.py: window 4 far below the prompts, sliding / full layers
 alternating and mixed, YaRN, randomised sinks, norms and every bias), on both backends (torch:
-MoeTransformer.forward; cpu: the numba kernels, experts with their biases and the clamped SwiGLU
-in kernels/_moe_kernels.py). transformers' own cached decode equals its full forward on these
+MoeTransformer.forward; cpu: the numba kernels, the fused decode step with sinks, per-layer windows
+and the top-k router in kernels/cpu_decode.py, experts with their biases and the clamped SwiGLU in
+kernels/_moe_kernels.py). transformers' own cached decode equals its full forward on these
 configs (test_transformers_own_cached_decode_is_consistent)."""
 from __future__ import annotations
 
@@ -66,7 +67,10 @@ def test_transformers_own_cached_decode_is_consistent(arch, ckpt):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_and_32_cached_decode_steps_match_transformers(arch, backend, ckpt):
     path = ckpt(arch)
-    assert _parity(_llm(path, backend, page_size=16), path, _prompt(21, seed=1)) <= 1e-4
+    llm = _llm(path, backend, page_size=16)
+    # cpu: decode through the fused numba step (sinks in its softmax, each layer's window, the top-k router)
+    assert (backend == "cpu") == (type(llm.runner.fused).__name__ == "FusedDecoder")
+    assert _parity(llm, path, _prompt(21, seed=1)) <= 1e-4
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

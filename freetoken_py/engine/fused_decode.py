@@ -22,6 +22,7 @@ from freetoken_py.models.moe_transformer import MoeTransformer
 _EMPTY = np.zeros(0, np.float32)
 _ONE = np.ones(1, np.float32)
 _NO_GATE = np.zeros((0, 0), np.float32)  # decode_attn's output gate: none
+_NO_SINKS = np.zeros(0, np.float32)  # decode_attn's attention sinks: none
 
 
 def _vec(t) -> np.ndarray:
@@ -46,7 +47,9 @@ class _Layer:
     ln2: np.ndarray
     q_norm: np.ndarray
     k_norm: np.ndarray
-    router_bias: np.ndarray  # [E] sigmoid routers' choice bias; empty otherwise
+    router_bias: np.ndarray  # [E] sigmoid routers' choice bias, the top-k router's logit bias; empty otherwise
+    sinks: np.ndarray  # [nq] attention sinks (gpt-oss); empty otherwise
+    window: bool  # attends over the windowed contexts (a model mixing windowed and full layers)
 
 
 class FusedDecoder:
@@ -55,10 +58,12 @@ class FusedDecoder:
         self.model, self.cache, self.args = model, cache, a
         self.qk_kind = {"none": kd.QK_NONE, "head": kd.QK_HEAD, "full": kd.QK_FULL}[a.qk_norm]
         self.clip = float(a.clip_qkv) if a.clip_qkv is not None else -1.0  # < 0: no clipping
-        self.route = ({"softmax": kd.ROUTE_SOFTMAX, "sigmoid": kd.ROUTE_SIGMOID}[a.router], a.n_group, a.topk_group,
+        self.route = ({"softmax": kd.ROUTE_SOFTMAX, "sigmoid": kd.ROUTE_SIGMOID, "topk": kd.ROUTE_TOPK}[a.router],
+                      a.n_group, a.topk_group,
                       float(a.routed_scaling_factor))
         routers = [lw.router.dense for lw in model.weights.layers if lw.router is not None]
-        self.layers = [self._layer(lw, routers[0] if routers else lw.o.dense) for lw in model.weights.layers]
+        self.layers = [self._layer(lw, routers[0] if routers else lw.o.dense, a.mixed_windows and a.window(i) is not None)
+                       for i, lw in enumerate(model.weights.layers)]
         self.final_norm = _vec(model.weights.final_norm)
         self.k = [_kv_view(cache.k[i]) for i in range(a.num_layers)]
         self.v = [_kv_view(cache.v[i]) for i in range(a.num_layers)]
@@ -74,8 +79,6 @@ class FusedDecoder:
         """Every projection on the numba kernels (the cpu backend): attention in one format and
         group size, the routers in one format (one compiled specialisation per step)."""
         layers = model.weights.layers
-        if model.args.attn_sinks or model.args.mixed_windows or model.args.router == "topk":
-            return False   # gpt-oss: not in this step yet (MoeTransformer.forward on the kernels)
         attn = [lin for lw in layers for lin in (lw.qkv, lw.o)]
         routers = [lw.router for lw in layers if lw.router is not None]
         if model.dtype != torch.float32 or not all(isinstance(x, KernelLinear) for x in attn + routers):
@@ -84,18 +87,21 @@ class FusedDecoder:
                 and len({x.dense.fmt for x in routers}) <= 1)
 
     @staticmethod
-    def _layer(lw, router_like) -> _Layer:
+    def _layer(lw, router_like, window: bool = False) -> _Layer:
         w = lambda lin: (lin.dense.w, lin.dense.s, lin.dense.group_size)  # noqa: E731
         r = router_like  # a dense-MLP layer gets a 0-row router of the routers' type (no extra specialisation)
         router = (r.w[:0], r.s[:0], r.group_size) if lw.router is None else w(lw.router)
         return _Layer(w(lw.qkv), _vec(lw.qkv.bias), w(lw.o), _vec(lw.o.bias), router,
                       _vec(lw.input_norm), _vec(lw.post_norm),
                       _vec(lw.q_norm) if lw.q_norm is not None else _ONE,
-                      _vec(lw.k_norm) if lw.k_norm is not None else _ONE, _vec(lw.router_bias))
+                      _vec(lw.k_norm) if lw.k_norm is not None else _ONE,
+                      _vec(lw.router_bias if lw.router_bias is not None else getattr(lw.router, "bias", None)),
+                      _vec(lw.sinks) if lw.sinks is not None else _NO_SINKS, window)
 
     def forward(self, token_ids: list[int], positions: list[int], ctx: np.ndarray, ctx_off: np.ndarray,
-                new_slots: np.ndarray) -> torch.Tensor:
-        """One new token per row: ctx / ctx_off are each row's key slots (its own slot last).
+                new_slots: np.ndarray, windowed: tuple | None = None) -> torch.Tensor:
+        """One new token per row: ctx / ctx_off are each row's key slots (its own slot last);
+        windowed: (ctx, ctx_off) within the window, for the windowed layers of a model mixing them.
         Returns final-normed hidden states [T, D] (fp32)."""
         a, m = self.args, self.model
         T, D = len(token_ids), a.hidden_size
@@ -121,9 +127,9 @@ class FusedDecoder:
                 self.cache.write(i, torch.from_numpy(new_slots), kv[:, nq * hd:(nq + nkv) * hd].view(T, nkv, hd),
                                  kv[:, (nq + nkv) * hd:].view(T, nkv, hd))
             kd.decode_attn(qkv, nq, nkv, hd, not self.fp8, self.fp8, self.k[i], self.v[i], self.k_scale[i],
-                           self.v_scale[i], self.lut, new_slots, ctx, ctx_off, m.scale, attn, _NO_GATE, *L.o, L.o_bias, h,
-                           o_tmp, L.ln2, eps, *L.router, x2, logits, k, a.norm_topk_prob, ids, wts,
-                           self.route[0], L.router_bias, *self.route[1:])
+                           self.v_scale[i], self.lut, new_slots, *(windowed if L.window else (ctx, ctx_off)), m.scale,
+                           attn, _NO_GATE, *L.o, L.o_bias, h, o_tmp, L.ln2, eps, *L.router, x2, logits, k,
+                           a.norm_topk_prob, ids, wts, self.route[0], L.router_bias, *self.route[1:], L.sinks)
             lw = m.weights.layers[i]
             if lw.router is None:  # dense MLP layer
                 _add_swiglu(lw.mlp13, lw.mlp2, x2, h)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from freetoken_py.engine.cpu_backend import KernelExpertExecutor
-from freetoken_py.engine.fused_decode import _kv_view, _vec
+from freetoken_py.engine.fused_decode import _NO_SINKS, _kv_view, _vec
 from freetoken_py.kernels import cpu_decode as kd
 from freetoken_py.kernels.cpu_gdn import gdn_decode
 from freetoken_py.kernels.cpu_moe import ACTIVATIONS, add_moe_experts
@@ -160,7 +160,7 @@ class HybridDecoder:
                 kd.decode_attn(qkv, nq, nkv, hd, not self.fp8, self.fp8, self.k[i], self.v[i], self.k_scale[j],
                                self.v_scale[j], self.lut, new_slots, ctx, ctx_off, m.scale, buf("attn", T, nq * hd), gate,
                                *L.o, L.o_bias, h, o_tmp, L.ln2, eps, *L.router, x2, logits, k, renorm, ids, wts,
-                               self.route[0], L.router_bias, *self.route[1:])
+                               self.route[0], L.router_bias, *self.route[1:], _NO_SINKS)
             if lw.router is not None:
                 if banks is not None:
                     add_moe_experts(banks[i], x2, ids, wts, h, act)

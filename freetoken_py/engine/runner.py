@@ -102,25 +102,28 @@ class ModelRunner:
 
     def _forward_decode(self, chunks: list[ScheduledChunk], all_rows: bool = False) -> torch.Tensor:
         """One token per chunk through the fused numba step (same results as forward_batch's path)."""
-        window, ctx, sample_rows = self.model.args.sliding_window, [], []
-        for i, ch in enumerate(chunks):
-            ctx.append(decode_slots(self.cache, ch.req.page_table, ch.req.num_computed, window))
-            if ch.samples:
-                sample_rows.append(i)
-        ctx_off = np.zeros(len(ctx) + 1, np.int64)
-        np.cumsum([len(c) for c in ctx], out=ctx_off[1:])
-        flat = np.concatenate(ctx)
+        a, sample_rows = self.model.args, [i for i, ch in enumerate(chunks) if ch.samples]
+        mixed = a.mixed_windows   # gpt-oss: the windowed layers' contexts besides the full ones
+        flat, ctx_off = self._decode_contexts(chunks, None if mixed else a.sliding_window)
+        extra = {"windowed": self._decode_contexts(chunks, a.sliding_window)} if mixed else {}
         new_slots = flat[ctx_off[1:] - 1]  # each token's own slot ends its context
         gov, rows, context = self.governor, len(chunks), len(flat)
         threads = gov.choose(rows, context) if gov is not None else self._max_threads
         set_kernel_threads(threads)
         t0 = time.perf_counter()
-        extra = () if self.states is None else (np.array([ch.req.state_slot for ch in chunks], np.int64),)
+        slots = () if self.states is None else (np.array([ch.req.state_slot for ch in chunks], np.int64),)
         hidden = self.fused.forward([ch.req.token_at(ch.req.num_computed) for ch in chunks],
-                                    [ch.req.num_computed for ch in chunks], flat, ctx_off, new_slots, *extra)
+                                    [ch.req.num_computed for ch in chunks], flat, ctx_off, new_slots, *slots, **extra)
         for ch in chunks:
             ch.req.num_computed += 1
         logits = self.model.logits(hidden if all_rows else hidden[sample_rows])
         if gov is not None:
             gov.record(rows, threads, time.perf_counter() - t0, context)
         return logits
+
+    def _decode_contexts(self, chunks: list[ScheduledChunk], window: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Each one-token chunk's key slots (its own last), flat, and the offsets [len + 1]."""
+        ctx = [decode_slots(self.cache, ch.req.page_table, ch.req.num_computed, window) for ch in chunks]
+        ctx_off = np.zeros(len(ctx) + 1, np.int64)
+        np.cumsum([len(c) for c in ctx], out=ctx_off[1:])
+        return np.concatenate(ctx), ctx_off

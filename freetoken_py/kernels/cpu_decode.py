@@ -31,7 +31,7 @@ from freetoken_py.kernels._simd import exp_shift_sum
 from freetoken_py.kernels.cpu_linear import dense_rows
 
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
-ROUTE_SOFTMAX, ROUTE_SIGMOID = 0, 1  # ModelArgs.router
+ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_TOPK = 0, 1, 2  # ModelArgs.router
 
 
 @njit(fastmath=True, cache=True)
@@ -241,13 +241,17 @@ def _chunk_attention(qkv_t, nq, nkv, hd, ctx, j0, j1, kc, vc, kscale, vscale, lu
 
 
 @njit(fastmath=True, cache=True)
-def _combine(m, l, acc, c0, c1, out_t, hd):
-    """Merge chunks c0..c1 of one token: softmax over all keys = rescaled partial sums."""
+def _combine(m, l, acc, c0, c1, out_t, hd, sinks):
+    """Merge chunks c0..c1 of one token: softmax over all keys = rescaled partial sums. sinks [nq]
+    (gpt-oss; 0 entries: none): one more logit per head in the denominator, no value."""
     for h in range(m.shape[1]):
         mx = m[c0, h]
         for c in range(c0 + 1, c1):
             mx = max(mx, m[c, h])
         tot = np.float32(0.0)
+        if sinks.shape[0]:
+            mx = max(mx, sinks[h])
+            tot = np.exp(sinks[h] - mx)
         o = out_t[h * hd:(h + 1) * hd]
         o[:] = 0.0
         for c in range(c0, c1):
@@ -279,6 +283,29 @@ def _route(logits, top_k, renorm, ids, wts):
     if renorm:
         for j in range(top_k):
             wts[j] /= tot
+
+
+@njit(fastmath=True, cache=True)
+def _route_topk(logits, bias, top_k, ids, wts):
+    """gpt-oss (layers.moe.topk_softmax_route): the top_k of logits + bias (ties: lower id), softmax
+    over those k."""
+    for e in range(logits.shape[0]):
+        logits[e] += bias[e]
+    taken = np.zeros(logits.shape[0], np.bool_)
+    for j in range(top_k):
+        best = -1
+        for e in range(logits.shape[0]):
+            if not taken[e] and (best < 0 or logits[e] > logits[best]):
+                best = e
+        taken[best] = True
+        ids[j] = best
+    m = logits[ids[0]]
+    tot = np.float32(0.0)
+    for j in range(top_k):
+        wts[j] = np.exp(logits[ids[j]] - m)
+        tot += wts[j]
+    for j in range(top_k):
+        wts[j] /= tot
 
 
 @njit(fastmath=True, cache=True)
@@ -356,7 +383,7 @@ def _chunk_plan(ctx_off, T, heads, width):
 @njit(parallel=True, fastmath=True, cache=True)
 def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, lut, new_slots, ctx, ctx_off,
                 scale, attn, gate, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2, logits, top_k, renorm, ids,
-                wts, route_kind, rbias, n_group, topk_group, scaling):
+                wts, route_kind, rbias, n_group, topk_group, scaling, sinks):
     """Attention of the new tokens over their contexts, times the output gate where gate [T, nq*hd]
     has rows (decode_gated_qkv's; 0 rows: none), then decode_tail (o projection added into h,
     post-norm into x2, routing).
@@ -377,7 +404,7 @@ def decode_attn(qkv, nq, nkv, hd, write_kv, exact_last, kc, vc, kscale, vscale, 
         _chunk_attention(qkv[t], nq, nkv, hd, toks, j0, min(toks.shape[0], j0 + cs[t]), kc, vc, kscale,
                          vscale, lut, exact_last, scale, m[task], l[task], acc[task])
     for t in range(T):
-        _combine(m, l, acc, first[t], first[t + 1], attn[t], hd)
+        _combine(m, l, acc, first[t], first[t + 1], attn[t], hd, sinks)
         if gate.shape[0]:
             for i in range(attn.shape[1]):
                 attn[t, i] *= gate[t, i]
@@ -402,6 +429,8 @@ def decode_tail(attn, wo, so, gs, o_bias, h, o_tmp, ln2_w, eps, wr, sr, gsr, x2,
         for t in range(T):
             if route_kind == ROUTE_SIGMOID:
                 _route_sigmoid(logits[t], rbias, top_k, n_group, topk_group, renorm, scaling, ids[t], wts[t])
+            elif route_kind == ROUTE_TOPK:
+                _route_topk(logits[t], rbias, top_k, ids[t], wts[t])
             else:
                 _route(logits[t], top_k, renorm, ids[t], wts[t])
 

@@ -52,6 +52,9 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     them (bf16 / fp32 SwiGLU experts); False, or any other dtype, runs torch there."""
     layers = model.weights.layers
     activation = getattr(model.args, "hidden_act", "silu")
+    if getattr(model.args, "expert_bias", False):
+        raise FreetokenError(f"the residency tiers do not run biased experts yet ({model.args.model_type}); "
+                             "use --backend cpu or torch")
     if banks is not None:
         if activation != "silu":
             raise FreetokenError(f"the residency tiers compute SwiGLU experts; this model's are {activation!r}")
