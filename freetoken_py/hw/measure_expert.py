@@ -22,7 +22,7 @@ TOP_K = 8
 GROUP_SIZE = 32
 # a format whose group is part of its definition runs at that group: NVFP4's is 16 (at 32 the
 # kernel takes its any-shape fallback loop, ~40x slower: the figure once said 0.4 GB/s)
-FORMAT_GROUP = {"nvfp4": 16}
+FORMAT_GROUP = {"nvfp4": 16, "fp8": 128}   # fp8: the 128-column block FP8 checkpoints ship with
 
 
 def group_size(fmt: str) -> int:

@@ -258,39 +258,22 @@ def prep_fp8bf_rows(x):
     return out
 
 
-@njit(fastmath=True, cache=True)
-def fp8bf_row_dot_loop(w, s, xb, bk):
-    """The fp8 x bf16 dot in plain loops, any shape (prep_fp8bf_rows' layout)."""
-    k = xb.shape[0]
-    acc = np.float32(0.0)
-    for b in range(s.shape[0]):
-        a = np.float32(0.0)
-        for j in range(b * bk, min(k, (b + 1) * bk)):
-            a += e4m3_value(w[j]) * widen(xb[fp8bf_index(j, k)])
-        acc += s[b] * a
-    return acc
+# fp8 rows with prepared bf16 activations xb (FP8_ACT "bf16"; prepare also passes the fp32 rows xf as
+# the "xg" argument): the vdpbf16ps dot where K and the block are multiples of 64 (every real FP8
+# checkpoint: block 128), else the exact fp32-activation dots on xf (fp8_dot: vector forms for
+# multiples of 16, a loop otherwise), not a scalar bf16 loop (a 32-column block took it in the probe).
+@njit(fastmath=True, cache=True, inline="always")
+def fp8bf_dot(w, s, xb, xf, bk):
+    if bk % 64 == 0 and xb.shape[0] % 64 == 0:
+        return fp8bf_row_dot(w, s, xb, bk)
+    return fp8_dot(w, s, xf, bk)
 
 
-@njit(fastmath=True, cache=True)
-def fp8bf_row_dot4_loop(w, s, x0, x1, x2, x3, bk):
-    return (fp8bf_row_dot_loop(w, s, x0, bk), fp8bf_row_dot_loop(w, s, x1, bk),
-            fp8bf_row_dot_loop(w, s, x2, bk), fp8bf_row_dot_loop(w, s, x3, bk))
-
-
-if FP8_ACT == "bf16":
-    @njit(fastmath=True, cache=True, inline="always")
-    def fp8bf_dot(w, s, xb, bk):
-        if bk % 64 == 0 and xb.shape[0] % 64 == 0:
-            return fp8bf_row_dot(w, s, xb, bk)
-        return fp8bf_row_dot_loop(w, s, xb, bk)
-
-    @njit(fastmath=True, cache=True, inline="always")
-    def fp8bf_dot4(w, s, x0, x1, x2, x3, bk):
-        if bk % 64 == 0 and x0.shape[0] % 64 == 0:
-            return fp8bf_row_dot4(w, s, x0, x1, x2, x3, bk)
-        return fp8bf_row_dot4_loop(w, s, x0, x1, x2, x3, bk)
-else:
-    fp8bf_dot, fp8bf_dot4 = fp8bf_row_dot_loop, fp8bf_row_dot4_loop
+@njit(fastmath=True, cache=True, inline="always")
+def fp8bf_dot4(w, s, x0, x1, x2, x3, f0, f1, f2, f3, bk):
+    if bk % 64 == 0 and x0.shape[0] % 64 == 0:
+        return fp8bf_row_dot4(w, s, x0, x1, x2, x3, bk)
+    return fp8_dot4(w, s, f0, f1, f2, f3, bk)
 
 
 # The vector forms (_simd: fp8_row_dot_v, nvfp4_row_dot_v) where the shape allows, else the loops
@@ -506,7 +489,7 @@ def _row_dot_impl(w, s, xv, xg, hb):
     if dtype in (types.uint16, types.float32):
         return lambda w, s, xv, xg, hb: dot(w, xv)
     if dtype == types.uint8 and s.dtype == types.float32 and xv.dtype == types.uint16:   # fp8 x bf16 (prep_fp8bf_rows)
-        return lambda w, s, xv, xg, hb: fp8bf_dot(w, s, xv, 2 * hb)
+        return lambda w, s, xv, xg, hb: fp8bf_dot(w, s, xv, xg, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.float32:     # fp8: e4m3 bytes, float32 block scales
         return lambda w, s, xv, xg, hb: fp8_dot(w, s, xv, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.uint8 and xv.dtype == types.int8:   # nvfp4 x int8 activations
@@ -537,7 +520,7 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     if dtype in (types.uint16, types.float32):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
     if dtype == types.uint8 and s.dtype == types.float32 and x0.dtype == types.uint16:
-        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8bf_dot4(w, s, x0, x1, x2, x3, 2 * hb)
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8bf_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.float32:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8_dot4(w, s, x0, x1, x2, x3, 2 * hb)
     if dtype == types.uint8 and s.dtype == types.uint8 and x0.dtype == types.int8:
@@ -711,7 +694,7 @@ def _prepare_impl(w, s, x, gs):
     if w.dtype == types.uint8 and s.dtype == types.uint8 and INT_ACT == "int8":   # nvfp4 x int8 activations
         return lambda w, s, x, gs: prep_nv8_rows(x)
     if w.dtype == types.uint8 and s.dtype == types.float32 and FP8_ACT == "bf16":   # fp8 x bf16 activations
-        return lambda w, s, x, gs: (prep_fp8bf_rows(x), np.zeros((x.shape[0], 1), np.float32))
+        return lambda w, s, x, gs: (prep_fp8bf_rows(x), x)   # x: fp8bf_dot's exact fallback
     if w.dtype == types.uint8 and s.dtype in (types.float32, types.uint8):   # fp8 (nvfp4 with INT_ACT fp32): fp32 as is
         return lambda w, s, x, gs: (x, np.zeros((x.shape[0], 1), np.float32))
     if w.dtype == types.uint8 and INT_ACT == "int8":

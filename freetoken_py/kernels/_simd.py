@@ -1500,7 +1500,8 @@ def bf16_row_dot4(typingctx, w, x0, x1, x2, x3):
 # fp32 dot's is the activation's to bf16 (vdpbf16ps reads subnormal inputs as zero, and a product
 # below 2^-126 is flushed: |w x| < 1e-38, nothing a sum of a layer can see).
 # Used where BF16_ACT is "bf16" and the target has VBMI (`_dots.FP8_ACT`), for K and the block
-# multiples of 64; FREETOKEN_BF16_ACT=fp32 keeps the exact fp32 dots above.
+# multiples of 64 (other shapes: the exact fp32 dots above on the same call's fp32 rows, see
+# _dots.fp8bf_dot); FREETOKEN_BF16_ACT=fp32 keeps the exact fp32 dots above everywhere.
 
 HAS_AVX512VBMI = _target_has("avx512vbmi")
 
