@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-PROFILE_VERSION = 2   # 2: nvfp4 measured at its group of 16 (v1 measured g32, the fallback loop)
+PROFILE_VERSION = 3   # 2: nvfp4 measured at its group of 16 (v1 measured g32, the fallback loop); 3: fp8 at its block of 128 (v2: 32)
 
 
 class ProfileVersionError(ValueError):
