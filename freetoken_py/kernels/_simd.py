@@ -1060,8 +1060,10 @@ def fp8_row_dot_v64(typingctx, w, s, x, bk):
 # in L2 (2048 x 256 rows, one thread). The weight times its scale is rounded once to fp32, where the
 # loop above scales the block's sum; both are within fp32 rounding of the exact dot. Tried and not
 # kept: decoding through fp16 bits (`_e4m3_half`, vcvtph2ps) in this loop: 1.2x slower with one
-# activation row, even with four; a software prefetch per 64 bytes: no gain from DRAM (one thread,
-# 64 MB rotated: 27.7 vs 29.4 GB/s median).
+# activation row, even with four. A software prefetch per step (PF_DIST ahead) measured no gain
+# from DRAM on Zen 5 (one thread, 64 MB rotated: 27.7 vs 29.4 GB/s median) but 1.6x on the Xeon 6
+# VM of issue 45 (one thread, real expert widths: 0.45 -> 0.70-0.88 of the DRAM read, AVX-512 and
+# AVX2 forms; docs/kernels.md), so it is there.
 
 
 def _fp8f_codegen(num_x):
@@ -1096,8 +1098,7 @@ def _fp8f_codegen(num_x):
                 sgv = _splat(builder, builder.fmul(s_b, ir.Constant(_F32, 2.0 ** 120)) if folded else s_b, lanes)
                 with cgutils.for_range(builder, nvec) as blk:
                     off = builder.add(start, builder.mul(blk.index, ir.Constant(_I64, lanes)))
-                    if lanes == 64:       # one 64-byte line per step, PF_DIST ahead (AVX-512 forms)
-                        _prefetch(builder, wp, off)
+                    _prefetch(builder, wp, off)   # PF_DIST ahead: one per 64-byte line with AVX-512, 2-4 with AVX2
                     bits = builder.and_(builder.shl(builder.sext(_vload(builder, wp, off, vb, 1), vi),
                                                     ir.Constant(vi, [20] * lanes)),
                                         ir.Constant(vi, [0x87FFFFFF - (1 << 32)] * lanes))
