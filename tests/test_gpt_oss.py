@@ -335,3 +335,20 @@ def test_fp8_kv_within_the_kl_budget_of_the_fp32_cache(backend, ckpt):
     kl = torch.cat(kls).mean().item()
     print(f"gpt_oss {backend} fp8 KV: mean KL {kl:.3g}")
     assert 0 < kl <= 5e-3, kl
+
+
+def test_rms_norm_multiplies_in_fp32_as_gpt_oss_does_in_bf16(ckpt):
+    """gpt-oss's RMSNorm (FAMILIES §0 (b)): (w * x32_normed).to(bf16), not w * x_normed.to(bf16);
+    ours on a bf16 load equals transformers' GptOssRMSNorm bit for bit (the other flavour differs)."""
+    import transformers as tf
+
+    from freetoken_py.layers.norm import rms_norm
+
+    llm = LLM(ckpt("gpt_oss"), dtype="bfloat16", show_progress=False, backend="torch")
+    w = llm.model.weights.layers[1].post_norm
+    theirs = tf.models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm(w.shape[0], eps=llm.args.rms_norm_eps)
+    theirs.weight.data = w.clone()
+    x = torch.randn(16, w.shape[0], generator=torch.Generator().manual_seed(0)).bfloat16() * 3
+    ours = llm.model._norm(x, w, llm.args.rms_norm_eps)
+    assert torch.equal(ours, theirs(x))
+    assert not torch.equal(rms_norm(x, w, llm.args.rms_norm_eps), theirs(x))

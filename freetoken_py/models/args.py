@@ -66,6 +66,7 @@ class ModelArgs:
     rope_yarn: YarnParams | None = None  # GQA RoPE with YaRN's blend and cos/sin factor (gpt-oss)
     attn_sinks: bool = False  # a learnt per-head logit in every softmax, dropped after it (gpt-oss)
     expert_bias: bool = False  # routed experts' gate / up / down biases (gpt-oss)
+    norm_fp32_scale: bool = False  # RMSNorm multiplies by w in fp32, then casts (FAMILIES §0 (b): gpt-oss)
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window: every layer's, or with `layer_kinds` naming "sliding_attention"

@@ -83,7 +83,7 @@ class MoeTransformer:
         return norm(h, self.weights.final_norm, eps)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if self.args.zero_centred_norms:  # FAMILIES §0 (c): fp32 x times (1 + w) in fp32, then cast
+        if self.args.zero_centred_norms or self.args.norm_fp32_scale:  # §0 (c): (1 + w) loaded; (b): w, in fp32
             return F.rms_norm(x.float(), w.shape, w.float(), eps).to(x.dtype)
         return rms_norm(x, w, eps)
 
