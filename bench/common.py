@@ -175,20 +175,32 @@ import sys
 sys.path.insert(0, {src!r})
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"  # synthetic tokenizer: same split regex
+{prelude}
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", {outtype!r}, "--outfile", {out!r}, *{extra!r}]
 convert_hf_to_gguf.main()
 """
 
 
-def convert_to_gguf(model_dir: Path, outtype: str, extra: tuple[str, ...] = ()) -> Path:
-    """extra: more converter options (e.g. ("--no-mtp",) for a Qwen3.5 checkpoint without MTP layers)."""
+# The demo tokenizer has none of GLM's special tokens ([gMASK], <|user|>, ...) that the GLM
+# converters' _set_vocab_glm looks up: write its vocabulary the plain gpt2 way instead.
+GLM_VOCAB = "base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2"
+
+
+def convert_to_gguf(model_dir: Path, outtype: str, extra: tuple[str, ...] = (), prelude: str = "") -> Path:
+    """extra: more converter options (e.g. ("--no-mtp",) for a Qwen3.5 checkpoint without MTP layers);
+    prelude: Python run after the converter's modules are imported and before it starts (patches
+    for synthetic checkpoints, e.g. GLM_VOCAB)."""
     out = model_dir.parent / f"{model_dir.name}-{outtype}.gguf"
     if not out.exists():
         src = llama_cpp_source()
         log(f"converting {model_dir.name} to GGUF {outtype} with llama.cpp's convert_hf_to_gguf.py")
-        code = _CONVERT.format(src=str(src), model=str(model_dir), outtype=outtype, out=str(out), extra=tuple(extra))
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        code = _CONVERT.format(src=str(src), model=str(model_dir), outtype=outtype, out=str(out), extra=tuple(extra),
+                               prelude=prelude)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if proc.returncode != 0:
+            out.unlink(missing_ok=True)
+            raise RuntimeError(f"convert_hf_to_gguf failed for {model_dir.name}:\n{proc.stderr[-3000:]}")
     return out
 
 
@@ -218,11 +230,23 @@ def quantize_gguf(src: Path, ftype_name: str, output_type: str | None = None) ->
 
 
 class LlamaCppPeer:
-    def __init__(self, gguf: Path, threads: int, n_ctx: int = 2048):
+    def __init__(self, gguf: Path, threads: int, n_ctx: int = 2048, **kw):
+        """kw: more llama_cpp.Llama options (e.g. flash_attn=True; llama-cpp-python's default is off,
+        llama.cpp's own tools default to auto, i.e. on for the CPU)."""
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
+        opts = dict(n_batch=512, n_ubatch=512, verbose=False, **kw)
+        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, **opts)
+
+    def logits(self):
+        """The last evaluated token's logits (a numpy view of llama.cpp's buffer). `Llama.scores`
+        is only filled with logits_all=True in llama-cpp-python 0.3.x (it samples inside llama.cpp):
+        without it every row stays zero, so argmax over `scores` always gave token 0."""
+        import llama_cpp
+        import numpy as np
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
 
     def prefill_tps(self, prompt: list[int]) -> float:
         self.llm.reset()
@@ -233,11 +257,11 @@ class LlamaCppPeer:
     def decode_tps(self, prompt: list[int], num_tokens: int) -> float:
         self.llm.reset()
         self.llm.eval(prompt)
-        tok = prompt[-1]
+        tok = int(self.logits().argmax())
         t = time.perf_counter()
         for _ in range(num_tokens):
             self.llm.eval([tok])
-            tok = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+            tok = int(self.logits().argmax())
         return num_tokens / (time.perf_counter() - t)
 
     def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
@@ -245,10 +269,182 @@ class LlamaCppPeer:
         self.llm.eval(prompt)
         out = []
         for _ in range(num_tokens):
-            tok = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+            tok = int(self.logits().argmax())
             out.append(tok)
             self.llm.eval([tok])
         return out
+
+
+    def forced(self, prompt: list[int], tokens: list[int]):
+        """Logits [1 + len(tokens), V] (torch fp32) at the prompt's last position and after each of
+        `tokens`, fed one at a time (teacher forcing)."""
+        import numpy as np
+        import torch
+
+        self.llm.reset()
+        self.llm.eval(prompt)
+        rows = [np.array(self.logits())]
+        for tok in tokens:
+            self.llm.eval([tok])
+            rows.append(np.array(self.logits()))
+        return torch.tensor(np.stack(rows)).float()
+
+
+# ---- llama.cpp's KV state, written for a context it never prefilled ---------------------------
+
+def _kv_parse(buf: memoryview, off: int) -> tuple[dict, int]:
+    """One llama_kv_cache's part of a sequence state (llama-kv-cache.cpp state_write): stream count,
+    cell count, per cell (pos, n_seq_id, seq ids), then v_trans, n_layer and each layer's K rows.
+    Only caches without V tensors (MLA: the latent is the key) are handled."""
+    import numpy as np
+
+    def u32(o):
+        return int(np.frombuffer(buf, np.uint32, 1, o)[0]), o + 4
+
+    n_stream, off = u32(off)
+    if n_stream != 1:
+        raise RuntimeError(f"llama.cpp state: {n_stream} KV streams (expected 1)")
+    count, off = u32(off)
+    for _ in range(count):
+        n_seq = int(np.frombuffer(buf, np.uint32, 1, off + 4)[0])
+        off += 8 + 4 * n_seq
+    v_trans, off = u32(off)
+    n_layer, off = u32(off)
+    layers = []
+    for _ in range(n_layer):
+        ktype = int(np.frombuffer(buf, np.int32, 1, off)[0])
+        row = int(np.frombuffer(buf, np.uint64, 1, off + 4)[0])
+        off += 12
+        layers.append((ktype, row, np.frombuffer(buf, np.uint8, row * count, off).reshape(count, row)))
+        off += row * count
+    return {"count": count, "v_trans": v_trans, "layers": layers}, off
+
+
+def _kv_write(kv: dict, cells: int, seq_id: int = 0) -> list[bytes]:
+    """That cache's state for `cells` cells at positions 0..cells-1, each layer's rows tiled from
+    the parsed ones (the values a prefill would leave, in scale)."""
+    import numpy as np
+
+    meta = np.empty((cells, 3), np.int32)
+    meta[:, 0], meta[:, 1], meta[:, 2] = np.arange(cells), 1, seq_id
+    out = [np.array([1, cells], np.uint32).tobytes(), meta.tobytes(),
+           np.array([kv["v_trans"], len(kv["layers"])], np.uint32).tobytes()]
+    for ktype, row, rows in kv["layers"]:
+        out += [np.array([ktype], np.int32).tobytes(), np.array([row], np.uint64).tobytes(),
+                rows[np.arange(cells) % rows.shape[0]].tobytes()]
+    return out
+
+
+def llama_cpp_state_bytes(peer) -> bytes:
+    import ctypes
+
+    import llama_cpp
+
+    size = llama_cpp.llama_state_seq_get_size(peer.llm.ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    n = llama_cpp.llama_state_seq_get_data(peer.llm.ctx, buf, size, 0)
+    if n != size:
+        raise RuntimeError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
+    return bytes(buf)
+
+
+def llama_cpp_fill_context(peer, seed: list[int], cells: int, state: bytes | None = None) -> dict:
+    """Put `cells` tokens into llama.cpp's KV cache without prefilling them: prefill `seed` (its
+    real prefill), read the sequence state, write it back with the rows tiled to `cells` cells at
+    positions 0..cells-1 (every cache of the model: for GLM-DSA the MLA latents and the indexer
+    keys), and set llama-cpp-python's token count so the next eval() decodes at position `cells`.
+    `state`: a seed state read earlier (skips the seed prefill). Returns the seed state, the KV
+    bytes per cell and the cache's own position count after the write (`pos_max` + 1)."""
+    import ctypes
+
+    import llama_cpp
+
+    if state is None:
+        peer.llm.reset()
+        peer.llm.eval(seed)
+        state = llama_cpp_state_bytes(peer)
+    view = memoryview(state)
+    caches, off = [], 8                                   # magic u32 + seq id i32
+    while off < len(view):
+        kv, off = _kv_parse(view, off)
+        caches.append(kv)
+    if off != len(view):
+        raise RuntimeError("llama.cpp state: unexpected layout (parsed past the end)")
+    blob = state[:8] + b"".join(b for kv in caches for b in _kv_write(kv, cells))
+    peer.llm.reset()
+    mem = llama_cpp.llama_get_memory(peer.llm.ctx)
+    llama_cpp.llama_memory_clear(mem, True)
+    src = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+    if llama_cpp.llama_state_seq_set_data(peer.llm.ctx, src, len(blob), 0) != len(blob):
+        raise RuntimeError(f"llama_state_seq_set_data refused a {cells}-cell state")
+    peer.llm.n_tokens = cells
+    held = int(llama_cpp.llama_memory_seq_pos_max(mem, 0)) + 1
+    if held != cells:
+        raise RuntimeError(f"llama.cpp holds {held} positions after writing {cells}")
+    return {"state": state, "kv_bytes_per_token": sum(r for kv in caches for _, r, _ in kv["layers"]),
+            "positions_held": held, "caches": len(caches)}
+
+
+# ---- agreement: ours and llama.cpp (and a reference) on the same weights ------------------------
+
+def ours_drive(llm, prompt: list[int], steps: int):
+    """Our greedy tokens and the logits at each sampled position (the prompt's last, then `steps`
+    cached decode steps), as tests/parity_util.drive records them."""
+    import torch
+
+    from freetoken_py.core import SamplingParams
+
+    req = llm.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    rows = []
+    while len(req.output_token_ids) <= steps:
+        logits = llm.runner.forward_batch(llm.scheduler.schedule())
+        if len(logits):
+            rows.append(logits[0].float())
+            req.output_token_ids.append(int(logits[0].argmax()))
+    while not req.finished:   # let the scheduler retire the request
+        llm.step()
+    return list(req.output_token_ids[:steps + 1]), torch.stack(rows)
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def agreement(llm, peer, prompt: list[int], steps: int) -> dict:
+    """Ours vs llama.cpp along our greedy path: max |logit difference| (and our logits' std, for
+    scale), the positions where both pick the same token (llama.cpp teacher-forced on ours), and
+    the greedy tokens both runs share from the start."""
+    tokens, ours = ours_drive(llm, prompt, steps)
+    theirs = peer.forced(prompt, tokens[:-1])
+    own = peer.greedy(prompt, steps + 1)
+    diff = (ours - theirs).abs()
+    return {"steps": steps + 1, "max_abs_logit_diff": round(diff.max().item(), 4),
+            "first_step_max_abs_logit_diff": round(diff[0].max().item(), 4),
+            "logit_std": round(ours.std().item(), 4),
+            "argmax_equal_forced": int((ours.argmax(-1) == theirs.argmax(-1)).sum()),
+            "greedy_shared_prefix": shared_prefix(tokens, own)}
+
+
+def cpu_fields() -> dict:
+    """The CPU's name and the SIMD path freetoken's kernels take on it, for every bench line."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    try:
+        from freetoken_py.kernels import _simd
+        simd = "avx512" if _simd.HAS_AVX512 else ("avx2" if _simd.HAS_AVX2 else "portable")
+    except Exception as exc:  # noqa: BLE001 - the name still goes out
+        simd = f"unknown ({exc})"
+    return {"cpu": name, "isa": simd}
 
 
 # ---- engine adapters: (prefill_tps(prompt), decode_tps(prompt, n)) -----------------------------
