@@ -235,7 +235,7 @@ class LlamaCppPeer:
         llama.cpp's own tools default to auto, i.e. on for the CPU)."""
         from llama_cpp import Llama
 
-        opts = dict(n_batch=512, n_ubatch=512, verbose=False, **kw)
+        opts = {"n_batch": 512, "n_ubatch": 512, "verbose": False, **kw}
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, **opts)
 
     def logits(self):
