@@ -2,7 +2,8 @@
 decodes under.
 
 The grammar is plain data (llguidance's Lark dialect, see engine/grammar.py); this module never
-touches the engine. Every tool-call format the parser knows has its grammar (`SYNTAX`): Qwen3 /
+touches the engine. Every tool-call format the parser knows has its grammar, written from the same
+table its parser is made from (`SYNTAX`, toolcalls/formats.FORMATS): Qwen3 /
 Hermes JSON (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`), DeepSeek V3.1
 (`<｜tool▁calls▁begin｜>` sections, `NAME<｜tool▁sep｜>{json}`), DeepSeek-V3.2 DSML (`<｜DSML｜invoke
 name=...>` with `<｜DSML｜parameter name=... string="true|false">`), Kimi K2 (`functions.NAME:IDX` and
@@ -36,9 +37,11 @@ from dataclasses import dataclass
 
 from freetoken_py.core import Grammar
 from freetoken_py.server.protocol import bad, get
+from freetoken_py.server.toolcalls.formats import CALL_CLOSE, CALL_OPEN, FORMATS, THINK_CLOSE, THINK_OPEN, CallFormat
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# each format's one table (toolcalls/formats.py), which its parser is made from too
+SYNTAX: dict[str, CallFormat] = FORMATS
+CallSyntax = CallFormat
 MARKERS = (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE)
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 
@@ -263,7 +266,7 @@ def _regex(text: str) -> str:
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)  # (\\< would be a word edge)
 
 
-def _head(shape: Shape, syntax: "CallSyntax | None" = None) -> tuple[str, str]:
+def _head(shape: Shape, syntax: CallFormat | None = None) -> tuple[str, str]:
     """(the rule that starts the output, its extra rules): the reasoning block when there is one.
     Where the format's calls may sit inside the thought (Qwen3.5), the thought cannot spell the
     call opener either: every call the parser sees went through the grammar."""
@@ -295,68 +298,6 @@ def json_grammar(schema: dict, shape: Shape, name: str = "json_schema") -> Gramm
     head, rules = _head(shape)
     lark = f"%llguidance {{}}\nstart: {head} WS value\nvalue: {_json(schema)}\nWS: /[ \\t\\n]{{0,4}}/\n{rules}"
     return Grammar(lark, name)
-
-
-@dataclass(frozen=True)
-class CallSyntax:
-    """How one tool-call format writes calls (as its chat template renders them; the parser in
-    server/toolcalls reads what these grammars produce). A region is `open` ... `close`: one call
-    (`body`), or with `call_open` a section of `call_open` body `call_close` calls. XML-style bodies
-    (`key_open` set) write `name_open`, a `key_open` + value + `value_close` piece per argument and
-    `body_end`; a text value may not spell any of `stops` (the tags that would end it early for the
-    parser; a call's closing tag inside a value is fine: the parser takes the first closing tag
-    after which the call parses)."""
-    name: str
-    open: str
-    close: str
-    after_open: str = ""
-    before_close: str = ""
-    call_open: str | None = None
-    call_close: str = ""
-    name_prefix: str = ""      # Kimi: `functions.` before the name, `:IDX` after it
-    args_sep: str = ""         # DeepSeek / Kimi: between the name and the JSON arguments
-    name_open: str = ""        # XML styles, `{name}` filled in
-    key_open: str = ""         # `{key}` filled in
-    value_close: str = ""
-    value_tag: str = ""        # the tag that ends a value (its token where it is one)
-    body_end: str = ""
-    stops: tuple[str, ...] = ()
-    in_reasoning: bool = False
-    tags: tuple[str, ...] = ()  # other tags of a call (GLM's <arg_key>: one token in its vocabulary)
-
-    @property
-    def markers(self) -> tuple[str, ...]:
-        tags = (self.open, self.close, self.call_open, self.call_close.strip(), self.args_sep, self.value_tag,
-                *self.stops, *self.tags)
-        return tuple(dict.fromkeys(t for t in tags if t and t.startswith("<") and t.endswith((">", "|>"))))
-
-
-SYNTAX = {s.name: s for s in (
-    CallSyntax("qwen3_json", CALL_OPEN, CALL_CLOSE, "\n", "\n"),
-    CallSyntax("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", call_open="<｜tool▁call▁begin｜>",
-               call_close="<｜tool▁call▁end｜>", args_sep="<｜tool▁sep｜>"),
-    CallSyntax("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", call_open="<|tool_call_begin|>",
-               call_close="<|tool_call_end|>", name_prefix="functions.", args_sep="<|tool_call_argument_begin|>"),
-    CallSyntax("glm45", CALL_OPEN, CALL_CLOSE, name_open="{name}\n", key_open="<arg_key>{key}</arg_key>\n<arg_value>",
-               value_close="</arg_value>\n", value_tag="</arg_value>",
-               stops=("</arg_value>",), tags=("<arg_key>", "</arg_key>", "<arg_value>")),
-    CallSyntax("glm47", CALL_OPEN, CALL_CLOSE, name_open="{name}", key_open="<arg_key>{key}</arg_key><arg_value>",
-               value_close="</arg_value>", value_tag="</arg_value>", stops=("</arg_value>",),
-               tags=("<arg_key>", "</arg_key>", "<arg_value>")),
-    CallSyntax("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", "\n", call_open="<invoke",
-               call_close="</invoke>\n", name_open=' name="{name}">\n', key_open='<parameter name="{key}">',
-               value_close="</parameter>\n", value_tag="</parameter>",
-               stops=("</parameter>",)),
-    # DeepSeek-V3.2 DSML: `string="true"` before a text value, "false" before a JSON one
-    CallSyntax("deepseek_dsml", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", "\n",
-               call_open="<｜DSML｜invoke", call_close="</｜DSML｜invoke>\n", name_open=' name="{name}">\n',
-               key_open='<｜DSML｜parameter name="{key}" string="{string}">', value_close="</｜DSML｜parameter>\n",
-               value_tag="</｜DSML｜parameter>", stops=("</｜DSML｜parameter>",)),
-    CallSyntax("qwen3_coder_xml", CALL_OPEN, CALL_CLOSE, "\n", name_open="<function={name}>\n",
-               key_open="<parameter={key}>\n", value_close="\n</parameter>\n", value_tag="</parameter>",
-               body_end="</function>\n", stops=("</parameter>", "<parameter="),
-               in_reasoning=True),
-)}
 
 
 def tool_grammar(tools: list[dict], choice: ToolChoice, shape: Shape, response_schema: dict | None = None) -> Grammar:
@@ -428,18 +369,18 @@ def _seq(text: str, shape: Shape) -> str:
 
 
 # ---- one call's body, per tool-call format ----------------------------------------------------
-def _body(out: _Rules, rule: str, name: str, schema: dict, shape: Shape, syntax: CallSyntax) -> str:
+def _body(out: _Rules, rule: str, name: str, schema: dict, shape: Shape, syntax: CallFormat) -> str:
     if syntax.key_open:
         return _param_body(out, rule, name, schema, shape, syntax)
     if syntax.args_sep:   # DeepSeek V3.1 `NAME<｜tool▁sep｜>{json}`, Kimi `functions.NAME:IDX<|...|>{json}`
-        index = " /:[0-9]{1,4}/" if syntax.name_prefix else ""
+        index = " /:[0-9]{1,4}/" if syntax.call_id else ""
         out.add(f"{rule}: {_lit(syntax.name_prefix + name)}{index} {_seq(syntax.args_sep, shape)} {_json(schema)}")
     else:                 # Qwen3 / Hermes `{"name": NAME, "arguments": {...}}`
         out.add(f"{rule}: {_lit(_call_head(name))} {_json(schema)} \"}}\"")
     return rule
 
 
-def _param_body(out: _Rules, rule: str, name: str, schema: dict, shape: Shape, syntax: CallSyntax) -> str:
+def _param_body(out: _Rules, rule: str, name: str, schema: dict, shape: Shape, syntax: CallFormat) -> str:
     """GLM-4.5+, MiniMax-M2, Qwen3-Coder / Qwen3.5: the name, then one key/value piece per declared
     property in the schema's order (required ones always, the others optionally); a value is text
     where the parser reads the property as text, else JSON of its schema."""
@@ -507,7 +448,7 @@ def _reads_as_text(prop: dict) -> bool:
     return not types and not any(k in prop for k in ("$ref", "enum", "const", "oneOf", "allOf", "anyOf"))
 
 
-def _param_value(out: _Rules, rule: str, prop: dict, shape: Shape, syntax: CallSyntax) -> str:
+def _param_value(out: _Rules, rule: str, prop: dict, shape: Shape, syntax: CallFormat) -> str:
     """The grammar of one argument value and the tag after it."""
     close = syntax.value_close
     enum = prop.get("enum") if isinstance(prop.get("enum"), list) else [prop["const"]] if "const" in prop else None

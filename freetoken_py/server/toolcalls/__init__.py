@@ -10,6 +10,10 @@ model_type): Qwen3 / Hermes JSON in `<tool_call>`, Qwen3-Coder / Qwen3.5 XML
 are recognised and refused with `UnsupportedToolFormat` when tools are requested, instead of
 leaking raw markup to the client as text.
 
+Each format is one table (`formats.CallFormat` in `FORMATS`; gpt-oss's `harmony.HARMONY`) from
+which both this parser and the format's grammar (server/constraints.py, server/harmony_grammar.py)
+are made.
+
 Pure Python, no model or tokenizer: the server owns when to feed and what to send.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ from freetoken_py.server.toolcalls.formats import (
     SUPPORTED,
     THINK_CLOSE,
     THINK_OPEN,
+    CallFormat,
     ToolFormat,
     detect_reasoning,
     detect_tool_format,
@@ -38,7 +43,7 @@ from freetoken_py.server.toolcalls.formats import (
 from freetoken_py.server.toolcalls.harmony import HARMONY, HarmonyParser
 from freetoken_py.server.toolcalls.parser import OutputParser, UnsupportedToolFormat
 
-__all__ = ["FORMATS", "HARMONY", "SUPPORTED", "THINK_CLOSE", "THINK_OPEN", "HarmonyParser", "OutputParser",
+__all__ = ["FORMATS", "HARMONY", "SUPPORTED", "THINK_CLOSE", "THINK_OPEN", "CallFormat", "HarmonyParser", "OutputParser",
            "ParsedOutput", "ReasoningDelta", "TextDelta", "ToolCall", "ToolCallArgs", "ToolCallEnd", "ToolCallStart", "ToolFormat",
            "UnsupportedToolFormat", "collect", "detect_reasoning", "detect_tool_format", "make_parser", "markup_tokens",
            "new_call_id", "parse_output"]

@@ -1,8 +1,9 @@
 """One tool call's body (the text between its opening and closing tags) -> (name, arguments as JSON
-object text, the model's own call id or None), or None when the body is malformed.
+object text, the model's own call id or None), or None when the body is malformed: one reader per
+argument encoding, each set by a format's table (formats.CallFormat.parse picks and configures it).
 
-Each function takes `(body, schemas)`, schemas being name -> the tool's JSON schema, used to type
-argument values that a format writes as bare text (XML parameters, GLM's <arg_value>).
+`schemas` is name -> the tool's JSON schema, used to type argument values that a format writes as
+bare text (XML parameters, GLM's <arg_value>).
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def _named(name: str, args: dict | None, call_id: str | None = None) -> Parsed |
     return name, json.dumps(args, ensure_ascii=False), call_id
 
 
-def qwen3_json(body: str, schemas: dict) -> Parsed | None:
-    """Qwen3 / Hermes: `{"name": ..., "arguments": {...}}`."""
+def json_object_call(body: str) -> Parsed | None:
+    """`{"name": ..., "arguments": {...}}` (Qwen3 / Hermes); `parameters` is read as `arguments`."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -43,111 +44,50 @@ def qwen3_json(body: str, schemas: dict) -> Parsed | None:
     return _named(obj["name"], args if isinstance(args, dict) else None)
 
 
-_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+_FENCED = re.compile(r"\s*([^\s`]+)\s*\n```(?:json)?\n(.*)\n```\s*\Z", re.DOTALL)
 
 
-def qwen3_coder_xml(body: str, schemas: dict) -> Parsed | None:
-    """Qwen3-Coder / Qwen3.5: `<function=NAME><parameter=K>\\nV\\n</parameter>...</function>`; a value
-    is typed by the schema, text when the schema does not say (the reference parser's rule)."""
-    match = _FUNCTION.match(body)
-    if match is None:
+def name_then_json(body: str, sep: str, id_prefix: str | None, fenced: str) -> Parsed | None:
+    """`NAME<sep>{json}`. With `id_prefix` (Kimi's `functions.`) the text before `sep` is the
+    model's call id, `[...]PREFIX NAME[:IDX]`, kept (a template may write it back verbatim); with
+    `fenced`, that word as the name means `NAME\n```json\n{...}\n```` after `sep` (DeepSeek V3 / R1)."""
+    head, found, args = body.partition(sep)
+    if not found:
         return None
-    name = match.group(1).strip()
-    props = _properties(schemas, name)
-    args = {}
-    for key, raw in _PARAMETER.findall(match.group(2)):
-        value = raw[1:] if raw.startswith("\n") else raw  # the template wraps values in newlines
-        value = value[:-1] if value.endswith("\n") else value
-        args[key.strip()] = typed(value, props.get(key.strip()))
-    return _named(name, args)
-
-
-_GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-
-
-def glm45(body: str, schemas: dict) -> Parsed | None:
-    """GLM-4.5/4.6: `NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n...`; GLM-4.7 the same
-    without newlines. Values: typed by the schema; untyped ones JSON when they parse as a
-    non-string JSON value (the template writes non-strings with tojson), else text."""
-    name, sep, rest = body.partition("<arg_key>")
-    name, rest = name.strip(), sep + rest
-    if not name or any(c.isspace() for c in name) or _GLM_PAIR.sub("", rest).strip():
-        return None
-    props = _properties(schemas, name)
-    return _named(name, {k.strip(): typed(v, props.get(k.strip()), json_untyped=True)
-                         for k, v in _GLM_PAIR.findall(rest)})
-
-
-DEEPSEEK_SEP = "<｜tool▁sep｜>"
-_DEEPSEEK_V3 = re.compile(r"\s*([^\s`]+)\s*\n```(?:json)?\n(.*)\n```\s*\Z", re.DOTALL)
-
-
-def deepseek(body: str, schemas: dict) -> Parsed | None:
-    """DeepSeek V3.1: `NAME<｜tool▁sep｜>{json}`; V3 / R1: `function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n````."""
-    name, sep, args = body.partition(DEEPSEEK_SEP)
-    if not sep:
-        return None
-    old = _DEEPSEEK_V3.match(args) if name.strip() == "function" else None
+    if id_prefix is not None:
+        call_id = head.strip()
+        match = re.fullmatch(rf"(?:.*?{re.escape(id_prefix)})?(.+?)(?::\d+)?", call_id)
+        return None if match is None else _named(match.group(1), _json_object(args), call_id)
+    old = _FENCED.match(args) if fenced and head.strip() == fenced else None
     if old:
-        name, args = old.group(1), old.group(2)
-    return _named(name.strip(), _json_object(args))
+        head, args = old.group(1), old.group(2)
+    return _named(head.strip(), _json_object(args))
 
 
-KIMI_ARGS = "<|tool_call_argument_begin|>"
-_KIMI_ID = re.compile(r"(?:.*?functions\.)?(.+?)(?::\d+)?")  # a prefix before functions. (toolu_) is not the name
-
-
-def kimi_k2(body: str, schemas: dict) -> Parsed | None:
-    """Kimi K2: `functions.NAME:IDX<|tool_call_argument_begin|>{json}`; the id is kept (the
-    template writes it back into the history verbatim, so it must be the model's own)."""
-    call_id, sep, args = body.partition(KIMI_ARGS)
-    call_id = call_id.strip()
-    match = _KIMI_ID.fullmatch(call_id)
-    if not sep or match is None:
+def params(name: str, rest: str, param: re.Pattern, schemas: dict, fmt) -> Parsed | None:
+    """A parameter-style call (XML-like tags): the name, and `rest` holding `param` matches (groups
+    `key`, `value`, and `string` where the format marks text values: "true" is text, else JSON, a
+    value that is not JSON then typed as below). Values are typed by the schema (`typed`, with
+    `fmt.json_untyped`); `fmt.strict`: anything else in `rest` makes the call malformed;
+    `fmt.trim_newline`: one newline either side of a value is the template's; `fmt.unique_keys`:
+    a repeated parameter makes it malformed."""
+    name = name.strip()
+    if fmt.strict and param.sub("", rest).strip():
         return None
-    return _named(match.group(1), _json_object(args), call_id)
-
-
-_INVOKE = re.compile(r"""\s+name=(["']?)([^"'>\n]+)\1\s*>(.*)\Z""", re.DOTALL)
-_MINIMAX_PARAM = re.compile(r"""<parameter\s+name=(["']?)([^"'>\n]+)\1\s*>(.*?)</parameter>""", re.DOTALL)
-
-
-def minimax_m2(body: str, schemas: dict) -> Parsed | None:
-    """MiniMax-M2, the body after `<invoke`: ` name="NAME">` then `<parameter name="K">V</parameter>`
-    pieces. Values typed as for GLM (the template also writes non-strings with tojson)."""
-    match = _INVOKE.match(body)
-    if match is None or _MINIMAX_PARAM.sub("", match.group(3)).strip():
-        return None
-    name = match.group(2).strip()
-    props = _properties(schemas, name)
-    return _named(name, {k.strip(): typed(v, props.get(k.strip()), json_untyped=True)
-                         for _, k, v in _MINIMAX_PARAM.findall(match.group(3))})
-
-
-DSML = "｜DSML｜"
-DSML_PARAM_CLOSE = f"</{DSML}parameter>"
-_DSML_INVOKE = re.compile(r"""\s+name="([^"\n]+)"\s*>(.*)\Z""", re.DOTALL)
-_DSML_PARAM = re.compile(rf"""<{DSML}parameter\s+name="([^"\n]+)"\s+string="(true|false)"\s*>(.*?){DSML_PARAM_CLOSE}""",
-                         re.DOTALL)
-
-
-def deepseek_dsml(body: str, schemas: dict) -> Parsed | None:
-    """DeepSeek-V3.2 DSML, the body after `<｜DSML｜invoke`: ` name="NAME">` then
-    `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` pieces. string="true":
-    V is the text itself; "false": V is JSON (the published encoding's rule); a "false" value
-    that is not JSON is read as the schema types it (text at worst) rather than dropping the call."""
-    match = _DSML_INVOKE.match(body)
-    if match is None or _DSML_PARAM.sub("", match.group(2)).strip():
-        return None
-    name = match.group(1).strip()
     props = _properties(schemas, name)
     args = {}
-    for key, string, value in _DSML_PARAM.findall(match.group(2)):
-        key = key.strip()
-        if key in args:
-            return None  # the encoding's parser refuses a repeated parameter
-        args[key] = value if string == "true" else _json_value(value, props.get(key))
+    for match in param.finditer(rest):
+        key, value = match.group("key").strip(), match.group("value")
+        if fmt.unique_keys and key in args:
+            return None
+        if fmt.trim_newline:
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+        string = match.groupdict().get("string")
+        if string is not None:
+            args[key] = value if string == "true" else _json_value(value, props.get(key))
+        else:
+            args[key] = typed(value, props.get(key), json_untyped=fmt.json_untyped)
     return _named(name, args)
 
 

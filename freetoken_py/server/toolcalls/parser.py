@@ -195,7 +195,7 @@ class OutputParser:
 
     def _step_call(self, events: list, final: bool) -> bool:
         fmt = self._fmt
-        opener, closer = fmt.call_open or fmt.open, fmt.call_close or fmt.close
+        opener, closer = fmt.call_open or fmt.open, fmt.call_end or fmt.close
         end, parsed = self._closing(closer, final)
         if end < 0:
             if final:  # never closed: show what the model wrote rather than invent a call
