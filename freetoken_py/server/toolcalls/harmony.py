@@ -66,6 +66,10 @@ class HarmonySyntax:
         """A tool call's header as gpt-oss writes it (openai-harmony renders calls this way)."""
         return f"{self.channel}{self.tool_channel} to={self.namespace}{name} {self.constrain}json{self.message}"
 
+    def render_call(self, name: str, args: dict) -> str:
+        """A whole tool call as gpt-oss writes it (compact JSON arguments, as its grammar writes them)."""
+        return self.call_header(name) + json.dumps(args, ensure_ascii=False, separators=(",", ":")) + self.call
+
     def next_message(self) -> str:
         """Between two messages of one turn."""
         return f"{self.end}{self.start}{self.role}"
