@@ -14,7 +14,7 @@ import pytest
 import harmony_util
 from freetoken_py.cli import DEMO_MODEL
 from freetoken_py.server.constraints import Shape, ToolChoice, free_tokens, marker_tokens, request_grammar
-from freetoken_py.server.toolcalls import FORMATS, HARMONY, collect, make_parser, markup_tokens
+from freetoken_py.server.toolcalls import FORMATS, HARMONY, collect, detect_tool_format, make_parser, markup_tokens
 from freetoken_py.tokenizer import Tokenizer
 
 EDIT = {"type": "object", "required": ["path", "line"],
@@ -100,3 +100,16 @@ def test_a_call_rendered_by_the_table_is_accepted_by_its_grammar_and_parsed_back
         out = collect(parser.feed(text) + parser.finish())
         assert out.content.strip() == "Let me check." and [(c.name, json.loads(c.arguments)) for c in out.tool_calls] \
             == [WEATHER_CALL]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_table_names_the_templates_and_model_types_that_use_it(fmt):
+    """A template holding the format's `detect` markers (with plain `<tool_call>` in it too, which
+    several formats' markup contains) is that format; its `model_types` take it when the template
+    teaches tools in no way we can name."""
+    table = FORMATS[fmt]
+    assert table.detect and table.model_types
+    for marker in table.detect:
+        assert detect_tool_format(f"{{% if tools %}}<tool_call>{marker}{{% endif %}}") == fmt, marker
+    for model_type in table.model_types:
+        assert detect_tool_format("{% for t in tools %}{{ t }}{% endfor %}", model_type) == fmt

@@ -4,10 +4,10 @@ grammar (server/constraints.py writes calls from the same fields) are made, and 
 uses (from its chat template, else its config's `model_type`). gpt-oss's harmony has its own table
 (toolcalls/harmony.HARMONY: channels, not tags) on the same pattern.
 
-Adding a format is one `CallFormat` in `FORMATS` (plus its template markers in `_TEMPLATE_MARKERS`
-and its `model_type` in `_MODEL_TYPES`); tests/test_toolcall_tables.py then renders a call with the
-table, checks that the grammar accepts it and that the parser, fed the text split at every byte,
-reads the same call back."""
+Adding a format is one `CallFormat` in `FORMATS` (its template markers and model_types included)
+and its name in `_DETECT_ORDER`; tests/test_toolcall_tables.py then renders calls with the table,
+checks that the grammar accepts them and that the parser, fed the text split at every character,
+reads the same calls back."""
 from __future__ import annotations
 
 import re
@@ -44,7 +44,10 @@ class CallFormat:
       of a value is the template's; `unique_keys`: a repeated parameter makes the call malformed.
 
     `in_reasoning`: calls may come inside a <think> block (and are then calls, not reasoning);
-    `tags`: other tags of a call that a vocabulary may hold as single tokens."""
+    `tags`: other tags of a call that a vocabulary may hold as single tokens. Which models write it:
+    `detect`, strings whose presence in a chat template names the format (`_DETECT_ORDER` says
+    which format's are tried first), and `model_types`, config.json's `model_type`s that take it
+    when the template teaches tools in no way we can name."""
     name: str
     open: str
     close: str
@@ -70,6 +73,8 @@ class CallFormat:
     unique_keys: bool = False
     in_reasoning: bool = False
     tags: tuple[str, ...] = ()
+    detect: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
 
     @property
     def call_end(self) -> str:
@@ -139,7 +144,7 @@ _GLM_PARAM = r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_
 
 FORMATS = {f.name: f for f in (
     # Qwen3 / Hermes: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
-    CallFormat("qwen3_json", CALL_OPEN, CALL_CLOSE, "\n", "\n"),
+    CallFormat("qwen3_json", CALL_OPEN, CALL_CLOSE, "\n", "\n", detect=("<tool_call>",), model_types=("qwen3_moe",)),
     # Qwen3-Coder / Qwen3.5: `<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>`, also
     # inside reasoning; a parameter's closing tag may be missing; values text unless typed
     CallFormat("qwen3_coder_xml", CALL_OPEN, CALL_CLOSE, "\n", name_open="<function={name}>\n",
@@ -147,29 +152,36 @@ FORMATS = {f.name: f for f in (
                body_end="</function>\n", stops=("</parameter>", "<parameter="), in_reasoning=True,
                read_call=r"^\s*<function=(?P<name>[^>\n]+)>(?P<rest>.*?)(?:</function>\s*)?\Z",
                read_param=r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|\Z)",
-               strict=False, json_untyped=False, trim_newline=True),
+               strict=False, json_untyped=False, trim_newline=True, detect=("<function=", "<parameter="),
+               model_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")),
     # GLM-4.5/4.6: `NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...`
     CallFormat("glm45", CALL_OPEN, CALL_CLOSE, name_open="{name}\n", key_open="<arg_key>{key}</arg_key>\n<arg_value>",
                value_close="</arg_value>\n", value_tag="</arg_value>", stops=("</arg_value>",), tags=_GLM_TAGS,
-               read_call=_GLM_CALL, read_param=_GLM_PARAM),
+               read_call=_GLM_CALL, read_param=_GLM_PARAM, detect=("<arg_key>", "<arg_value>"),
+               model_types=("glm4_moe", "glm4_moe_lite")),
     # GLM-4.7 / GLM-5.x: the same calls without the newlines
     CallFormat("glm47", CALL_OPEN, CALL_CLOSE, name_open="{name}", key_open="<arg_key>{key}</arg_key><arg_value>",
                value_close="</arg_value>", value_tag="</arg_value>", stops=("</arg_value>",), tags=_GLM_TAGS,
-               read_call=_GLM_CALL, read_param=_GLM_PARAM),
+               read_call=_GLM_CALL, read_param=_GLM_PARAM,
+               detect=("{function-name}<arg_key>",),   # the instructions of GLM-4.7's and GLM-5.x's templates
+               model_types=("glm_moe_dsa",)),
     # DeepSeek V3.1: `NAME<｜tool▁sep｜>{json}` calls in a section; V3 / R1's fenced form read too
     CallFormat("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", call_open="<｜tool▁call▁begin｜>",
-               call_close="<｜tool▁call▁end｜>", args_sep="<｜tool▁sep｜>", fenced="function"),
+               call_close="<｜tool▁call▁end｜>", args_sep="<｜tool▁sep｜>", fenced="function",
+               detect=("tool▁calls▁begin", "tool▁call▁begin"), model_types=("deepseek_v3",)),
     # Kimi K2: `functions.NAME:IDX<|tool_call_argument_begin|>{json}`, the id the model's own (the
     # template writes it back into the history verbatim); a prefix before functions. is not the name
     CallFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                call_open="<|tool_call_begin|>", call_close="<|tool_call_end|>", name_prefix="functions.",
-               args_sep="<|tool_call_argument_begin|>", call_id=True),
+               args_sep="<|tool_call_argument_begin|>", call_id=True,
+               detect=("<|tool_calls_section_begin|>", "<|im_system|>tool_declare"), model_types=("kimi_k2", "kimi_k25")),
     # MiniMax-M2: `<invoke name="NAME">` then `<parameter name="K">V</parameter>` (any quotes or none)
     CallFormat("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", "\n", call_open="<invoke",
                call_close="</invoke>\n", name_open=' name="{name}">\n', key_open='<parameter name="{key}">',
                value_close="</parameter>\n", value_tag="</parameter>", stops=("</parameter>",),
                read_call=r"""\s+name=(?P<q>["']?)(?P<name>[^"'>\n]+)(?P=q)\s*>(?P<rest>.*)\Z""",
-               read_param=r"""<parameter\s+name=(?P<q>["']?)(?P<key>[^"'>\n]+)(?P=q)\s*>(?P<value>.*?)</parameter>"""),
+               read_param=r"""<parameter\s+name=(?P<q>["']?)(?P<key>[^"'>\n]+)(?P=q)\s*>(?P<value>.*?)</parameter>""",
+               detect=("<minimax:tool_call>",), model_types=("minimax_m2",)),
     # DeepSeek-V3.2 DSML: `string="true"` before a text value, "false" before a JSON one (a "false"
     # value that is not JSON is read as the schema types it rather than dropping the call)
     CallFormat("deepseek_dsml", f"<{_DSML}function_calls>", f"</{_DSML}function_calls>", "\n",
@@ -178,36 +190,22 @@ FORMATS = {f.name: f for f in (
                value_tag=f"</{_DSML}parameter>", stops=(f"</{_DSML}parameter>",), tags=(f"<{_DSML}parameter",),
                read_call=r"""\s+name="(?P<name>[^"\n]+)"\s*>(?P<rest>.*)\Z""",
                read_param=rf"""<{_DSML}parameter\s+name="(?P<key>[^"\n]+)"\s+string="(?P<string>true|false)"\s*>"""
-                          rf"""(?P<value>.*?)</{_DSML}parameter>""", unique_keys=True),
+                          rf"""(?P<value>.*?)</{_DSML}parameter>""", unique_keys=True,
+               detect=(f"{_DSML}function_calls", "dsml_token }}function_calls"), model_types=("deepseek_v32",)),
 )}
 SUPPORTED = (*FORMATS, "none")  # (and "harmony", gpt-oss's, with its own parser: toolcalls/harmony.py)
 
-# (format, markers that identify it in a chat template); checked in order, first match wins:
-# MiniMax's and GLM's markup contain "<tool_call>", and Qwen3-Coder's too, so plain Qwen3 is last.
-_TEMPLATE_MARKERS = (
-    ("harmony", ("<|channel|>", "<|call|>")),
-    # DeepSeek-V3.2's DSML (`function_calls` / `invoke`); DSML in other dialects is refused
-    ("deepseek_dsml", ("｜DSML｜function_calls", "dsml_token }}function_calls")),
-    ("unsupported:deepseek_dsml", ("｜DSML｜",)),
-    ("minimax_m2", ("<minimax:tool_call>",)),
-    ("kimi_k2", ("<|tool_calls_section_begin|>", "<|im_system|>tool_declare")),
-    ("glm47", ("{function-name}<arg_key>",)),   # the instructions of GLM-4.7's and GLM-5.x's templates
-    ("glm45", ("<arg_key>", "<arg_value>")),
-    ("deepseek_v31", ("tool▁calls▁begin", "tool▁call▁begin")),
-    ("unsupported:mistral", ("[TOOL_CALLS]",)),
-    ("unsupported:llama3", ("<|python_tag|>",)),
-    ("qwen3_coder_xml", ("<function=", "<parameter=")),
-    ("qwen3_json", ("<tool_call>",)),
-)
-
+# the formats that are no CallFormat: gpt-oss's harmony (its own table) and families recognised but
+# refused (DSML in dialects other than DeepSeek-V3.2's too), with the markers that name them
+_OTHER_MARKERS = {"harmony": ("<|channel|>", "<|call|>"), "unsupported:deepseek_dsml": ("｜DSML｜",),
+                  "unsupported:mistral": ("[TOOL_CALLS]",), "unsupported:llama3": ("<|python_tag|>",)}
+# the order templates are checked in, first match wins: a format whose templates also hold another's
+# markers comes first (MiniMax's, GLM's and Qwen3-Coder's markup contain "<tool_call>": plain Qwen3 is last)
+_DETECT_ORDER = ("harmony", "deepseek_dsml", "unsupported:deepseek_dsml", "minimax_m2", "kimi_k2", "glm47", "glm45",
+                 "deepseek_v31", "unsupported:mistral", "unsupported:llama3", "qwen3_coder_xml", "qwen3_json")
+_TEMPLATE_MARKERS = tuple((n, FORMATS[n].detect if n in FORMATS else _OTHER_MARKERS[n]) for n in _DETECT_ORDER)
 # config.json model_type -> format, for a template that renders tools in no way we can name
-_MODEL_TYPES = {
-    "deepseek_v3": "deepseek_v31", "deepseek_v32": "deepseek_dsml", "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2",
-    "glm_moe_dsa": "glm47",
-    "glm4_moe": "glm45", "glm4_moe_lite": "glm45", "minimax_m2": "minimax_m2",
-    "qwen3_next": "qwen3_coder_xml", "qwen3_5_moe": "qwen3_coder_xml", "qwen3_5_moe_text": "qwen3_coder_xml",
-    "qwen3_moe": "qwen3_json", "gpt_oss": "harmony",
-}
+_MODEL_TYPES = {"gpt_oss": "harmony", **{t: f.name for f in FORMATS.values() for t in f.model_types}}
 
 
 def detect_tool_format(chat_template: str | None, model_type: str | None = None) -> str:
