@@ -229,11 +229,13 @@ _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, 
 
 
 def write_modelopt_nvfp4(src: Path, dst: Path, ignore: tuple[str, ...] = ("self_attn.o_proj",),
-                         in_config: bool = False) -> Path:
+                         in_config: bool = False, select=None, exclude_modules: list[str] | None = None) -> Path:
     """ModelOpt's NVFP4 layout by its documented rule: weight_scale_2 = amax / (6 * 448) (a
     multiplier), weight_scale = e4m3(amax(group) / 6 / weight_scale_2), codes = nearest e2m1 of
     w / (weight_scale * weight_scale_2) (compressed-tensors' rounding, written with its packer),
-    plus an input_scale; the config in hf_quant_config.json (or config.json's quantization_config)."""
+    plus an input_scale; the config in hf_quant_config.json (or config.json's quantization_config).
+    `select(name)`: which weights to pack, instead of `quantisable(name, ignore)` (e.g. MLA and indexer
+    names, which `_LINEAR` does not know); `exclude_modules`: the config's list, written as given."""
     from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
     from compressed_tensors.quantization.lifecycle.forward import quantize
 
@@ -241,7 +243,7 @@ def write_modelopt_nvfp4(src: Path, dst: Path, ignore: tuple[str, ...] = ("self_
     out = {}
     for f in sorted(src.glob("*.safetensors")):
         for name, t in load_file(f).items():
-            if not quantisable(name, ignore):
+            if not (select(name) if select is not None else quantisable(name, ignore)):
                 out[name] = t
                 continue
             n, k = t.shape
@@ -254,8 +256,9 @@ def write_modelopt_nvfp4(src: Path, dst: Path, ignore: tuple[str, ...] = ("self_
             out[base + "weight_scale"], out[base + "weight_scale_2"] = ws, ws2.to(torch.float32)
             out[base + "input_scale"] = torch.tensor(1.0 / 448.0)
     save_file(out, dst / "model.safetensors")
-    q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-         "exclude_modules": ["lm_head", *[f"*{i}*" for i in ignore]]}
+    if exclude_modules is None:
+        exclude_modules = ["lm_head", *[f"*{i}*" for i in ignore]]
+    q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude_modules}
     if in_config:
         cfg["quantization_config"] = {"quant_method": "modelopt", **q}
     else:
