@@ -85,7 +85,8 @@ class LLM:
         self.scheduler = Scheduler(self.allocator, self.config.page_size, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.prefix_cache, self._cache_namespace,
                                    self.tracker, more_pages=self._more_pages if self.residency is not None else None,
-                                   state_pool=self.runner.states, states=states)
+                                   state_pool=self.runner.states, states=states,
+                                   windows=self.runner.cache.windows)   # windowed layers' pages (kvcache/window.py)
         # the residency tiers run on the torch backend: no fused CPU decoder holds views of the
         # KV tensors that _more_pages / _return_pages reallocate
         assert self.residency is None or self.runner.fused is None

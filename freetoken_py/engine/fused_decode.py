@@ -101,7 +101,8 @@ class FusedDecoder:
     def forward(self, token_ids: list[int], positions: list[int], ctx: np.ndarray, ctx_off: np.ndarray,
                 new_slots: np.ndarray, windowed: tuple | None = None) -> torch.Tensor:
         """One new token per row: ctx / ctx_off are each row's key slots (its own slot last);
-        windowed: (ctx, ctx_off) within the window, for the windowed layers of a model mixing them.
+        windowed: (ctx, ctx_off, new_slots) in the windowed layers' own pages, for those layers of a
+        model mixing them (kvcache/window.py).
         Returns final-normed hidden states [T, D] (fp32)."""
         a, m = self.args, self.model
         T, D = len(token_ids), a.hidden_size
@@ -122,12 +123,14 @@ class FusedDecoder:
         for i, L in enumerate(self.layers):
             kd.decode_qkv(h, L.ln1, eps, *L.qkv, L.qkv_bias, L.q_norm, L.k_norm, self.qk_kind, self.clip,
                           cos, sin, nq, nkv, hd, x, qkv)
+            # a windowed layer (of a model mixing them) writes and reads its own pages (kvcache/window.py)
+            lctx, loff, lnew = windowed if L.window else (ctx, ctx_off, new_slots)
             if self.fp8:  # KVCache quantises with its fixed per-head scales (torch's e4m3 rounding)
                 kv = torch.from_numpy(qkv)
-                self.cache.write(i, torch.from_numpy(new_slots), kv[:, nq * hd:(nq + nkv) * hd].view(T, nkv, hd),
+                self.cache.write(i, torch.from_numpy(lnew), kv[:, nq * hd:(nq + nkv) * hd].view(T, nkv, hd),
                                  kv[:, (nq + nkv) * hd:].view(T, nkv, hd))
             kd.decode_attn(qkv, nq, nkv, hd, not self.fp8, self.fp8, self.k[i], self.v[i], self.k_scale[i],
-                           self.v_scale[i], self.lut, new_slots, *(windowed if L.window else (ctx, ctx_off)), m.scale,
+                           self.v_scale[i], self.lut, lnew, lctx, loff, m.scale,
                            attn, _NO_GATE, *L.o, L.o_bias, h, o_tmp, L.ln2, eps, *L.router, x2, logits, k,
                            a.norm_topk_prob, ids, wts, self.route[0], L.router_bias, *self.route[1:], L.sinks)
             lw = m.weights.layers[i]

@@ -68,7 +68,7 @@ class ModelRunner:
             set_kernel_threads(self._max_threads)  # prefill: long regions, every core
         ids, positions, seqs, windowed, sample_rows = [], [], [], [], []
         row, a = 0, self.model.args
-        mixed = a.mixed_windows   # gpt-oss: windowed layers' contexts besides the full ones
+        mixed = a.mixed_windows   # gpt-oss: windowed layers' contexts (their own pages) besides the full ones
         for ch in chunks:
             req, start = ch.req, ch.req.num_computed
             tokens = req.all_token_ids[start:start + ch.num_new]
@@ -77,16 +77,16 @@ class ModelRunner:
             seqs.append(build_seq_attention(self.cache, req.page_table, start, ch.num_new, row,
                                             None if mixed else a.sliding_window))
             if mixed:
-                windowed.append(build_seq_attention(self.cache, req.page_table, start, ch.num_new, row,
+                windowed.append(build_seq_attention(self.cache, self._window_table(ch), start, ch.num_new, row,
                                                     a.sliding_window))
             row += ch.num_new
             if ch.samples:
                 sample_rows.append(row - 1)
-        new_slots = torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])  # new tokens end each context
+        new_slots = _new_slots(seqs)
         meta = AttentionMetadata(new_slots, seqs,
                                  [ch.req.state_slot for ch in chunks] if self.states is not None else None,
                                  {i: ch.captures for i, ch in enumerate(chunks) if ch.captures} or None,
-                                 AttentionMetadata(new_slots, windowed) if mixed else None)
+                                 AttentionMetadata(_new_slots(windowed), windowed) if mixed else None)
         if self._asym is not None:   # tokens of chunks of several: prefill precision; of chunks of one: decode's
             self._asym.prefill_rows = torch.tensor([ch.num_new > 1 for ch in chunks for _ in range(ch.num_new)])
         try:
@@ -105,7 +105,10 @@ class ModelRunner:
         a, sample_rows = self.model.args, [i for i, ch in enumerate(chunks) if ch.samples]
         mixed = a.mixed_windows   # gpt-oss: the windowed layers' contexts besides the full ones
         flat, ctx_off = self._decode_contexts(chunks, None if mixed else a.sliding_window)
-        extra = {"windowed": self._decode_contexts(chunks, a.sliding_window)} if mixed else {}
+        extra = {}
+        if mixed:   # the windowed layers' own pages: their contexts and the new tokens' slots
+            wflat, woff = self._decode_contexts(chunks, a.sliding_window, [self._window_table(ch) for ch in chunks])
+            extra = {"windowed": (wflat, woff, wflat[woff[1:] - 1])}
         new_slots = flat[ctx_off[1:] - 1]  # each token's own slot ends its context
         gov, rows, context = self.governor, len(chunks), len(flat)
         threads = gov.choose(rows, context) if gov is not None else self._max_threads
@@ -121,9 +124,24 @@ class ModelRunner:
             gov.record(rows, threads, time.perf_counter() - t0, context)
         return logits
 
-    def _decode_contexts(self, chunks: list[ScheduledChunk], window: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """Each one-token chunk's key slots (its own last), flat, and the offsets [len + 1]."""
-        ctx = [decode_slots(self.cache, ch.req.page_table, ch.req.num_computed, window) for ch in chunks]
+    def _window_table(self, ch: ScheduledChunk) -> list[int]:
+        """The windowed layers' page table of the chunk's request, its pages ensured (the
+        scheduler allocates them first; a pass driven without it gets them here)."""
+        w = self.cache.windows
+        w.ensure(ch.req, ch.req.num_computed + ch.num_new)
+        return w.table(ch.req.request_id)
+
+    def _decode_contexts(self, chunks: list[ScheduledChunk], window: int | None,
+                         tables: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Each one-token chunk's key slots (its own last), flat, and the offsets [len + 1]
+        (tables: the windowed layers' page tables instead of the requests' own)."""
+        tables = tables or [ch.req.page_table for ch in chunks]
+        ctx = [decode_slots(self.cache, t, ch.req.num_computed, window) for ch, t in zip(chunks, tables)]
         ctx_off = np.zeros(len(ctx) + 1, np.int64)
         np.cumsum([len(c) for c in ctx], out=ctx_off[1:])
         return np.concatenate(ctx), ctx_off
+
+
+def _new_slots(seqs) -> torch.Tensor:
+    """The new tokens' slots: they end each sequence's context."""
+    return torch.cat([s.ctx_slots[s.q_start - s.q_end:] for s in seqs])

@@ -4,6 +4,8 @@ Layout of one layer's cache (two rows per slot, shaped by the layer's state spec
 
     k[layer] : [num_pages * page_size, *spec.rows[0]]   (paged K/V: [Hkv, hd]; MLA latent: [1, latent])
     v[layer] : [num_pages * page_size, *spec.rows[1]]   (paged K/V: [Hkv, hd]; MLA rope key: [1, rope])
+    k[layer], v[layer] of a windowed layer (spec.PagedWindowKV): [window_pages * page_size, Hkv, hd],
+                its own pool, addressed by the request's windowed table (window.WindowPages)
     index[index_layer[layer]] : [num_pages * page_size, 1, index_dim]   (DSA index keys; only the layers
                 whose spec is paged_indexed_latent have one; never FP8: bf16 under an FP8 cache)
     slot      = page_id * page_size + offset          (flat index into the view [P*S, H, D])
@@ -23,11 +25,12 @@ saturate and are counted (`clipped_per_layer`).
 from __future__ import annotations
 
 import heapq
+import math
 
 import numpy as np
 import torch
 
-from freetoken_py.kvcache.spec import INDEX_FP8_DTYPE, PagedKV, PagedLatent, StateSpec, page_bytes
+from freetoken_py.kvcache.spec import INDEX_FP8_DTYPE, PagedKV, PagedLatent, StateSpec, page_bytes, window_of
 
 
 class OutOfPagesError(RuntimeError):
@@ -134,14 +137,24 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 spec: StateSpec | None = None):
+                 spec: StateSpec | None = None, window_layers: tuple[int, ...] = (), window_pages: int = 0):
+        """window_layers: the paged layers of a windowed kind (spec.PagedWindowKV), whose rows live
+        in their own pool of `window_pages` pages (addressed by window.WindowPages' tables, not by
+        the request's page table); `k[layer]` / `v[layer]` are then per-layer views."""
         self.spec = spec or PagedKV(num_kv_heads, head_dim)
         (kh, kw), (vh, vw) = self.spec.rows
         self.quantized = dtype == FP8
         storage = torch.uint8 if self.quantized else dtype
         self.device = torch.device(device)
-        self.k = torch.zeros((num_layers, num_pages * page_size, kh, kw), dtype=storage, device=self.device)
-        self.v = torch.zeros((num_layers, num_pages * page_size, vh, vw), dtype=storage, device=self.device)
+        self.window_layers = tuple(window_layers)
+        self.windows = None   # window.WindowPages of the windowed layers (for_specs sets it)
+        nf = num_layers - len(self.window_layers)
+        self._k = torch.zeros((nf, num_pages * page_size, kh, kw), dtype=storage, device=self.device)
+        self._v = torch.zeros((nf, num_pages * page_size, vh, vw), dtype=storage, device=self.device)
+        nw = len(self.window_layers)
+        self._wk = torch.zeros((nw, window_pages * page_size, kh, kw), dtype=storage, device=self.device)
+        self._wv = torch.zeros((nw, window_pages * page_size, vh, vw), dtype=storage, device=self.device)
+        self._views()
         self.dtype = dtype
         self.page_size = page_size
         self.num_pages = num_pages
@@ -162,12 +175,17 @@ class KVCache:
 
     @classmethod
     def for_specs(cls, specs: list[StateSpec], num_pages: int, page_size: int, dtype: torch.dtype,
-                  device: str | torch.device = "cpu") -> "KVCache":
+                  device: str | torch.device = "cpu", window_pages: int | None = None) -> "KVCache":
         """One spec per paged layer. Kinds may mix where their first two rows agree (MLA layers with
-        and without a DSA index key); the layers with a third row (the index key) get one in `index`."""
+        and without a DSA index key; windowed and full K/V layers); the layers with a third row
+        (the index key) get one in `index`, the windowed ones (spec.PagedWindowKV) their own pool
+        of `window_pages` pages (default `num_pages`: never fewer than the full layers hold)."""
         base = {spec.rows[:2] for spec in specs}
         if len(base) != 1:
             raise ValueError(f"paged layers of different row shapes cannot share a pool: {sorted(base)}")
+        windowed = [i for i, s in enumerate(specs) if window_of(s) is not None]
+        if windowed:   # sliding-window layers next to full ones: their own pool (window.py)
+            return cls._with_windows(specs, windowed, num_pages, page_size, dtype, device, window_pages)
         (_, latent), (_, rope) = specs[0].rows[:2]
         spec = specs[0] if len(specs[0].rows) == 2 else PagedLatent(latent, rope)
         cache = cls(len(specs), num_pages, page_size, 0, 0, dtype, device, spec=spec)
@@ -179,13 +197,60 @@ class KVCache:
             cache.index_layer = {layer: j for j, layer in enumerate(indexed)}
         return cache
 
+    def _views(self) -> None:
+        """`k` / `v`: the stacked tensors, or with windowed layers one view per paged layer."""
+        if not self.window_layers:
+            self.k, self.v = self._k, self._v
+            return
+        win = {layer: j for j, layer in enumerate(self.window_layers)}
+        full = iter(range(self._k.shape[0]))
+        order = [("w", win[i]) if i in win else ("f", next(full)) for i in range(len(win) + self._k.shape[0])]
+        self.k = [self._wk[j] if g == "w" else self._k[j] for g, j in order]
+        self.v = [self._wv[j] if g == "w" else self._v[j] for g, j in order]
+
+    @classmethod
+    def _with_windows(cls, specs, windowed: list[int], num_pages: int, page_size: int, dtype: torch.dtype,
+                      device, window_pages: int | None) -> "KVCache":
+        from freetoken_py.kvcache.window import WindowPages
+
+        windows = {window_of(specs[i]) for i in windowed}
+        if len(windows) != 1:
+            raise ValueError(f"windowed layers of different windows cannot share a pool: {sorted(windows)}")
+        (kh, kw), _ = specs[0].rows
+        n = num_pages if window_pages is None else window_pages
+        cache = cls(len(specs), num_pages, page_size, kh, kw, dtype, device, spec=PagedKV(kh, kw),
+                    window_layers=tuple(windowed), window_pages=n)
+        cache.windows = WindowPages(windows.pop(), page_size, n)
+        return cache
+
     def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.k, self.v, self.index)
+        """The tensors addressed by the page table (the windowed layers' are not)."""
+        return (self._k, self._v, self.index)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token's state takes across every layer, measured from the stored tensors."""
-        return sum(t[:, 0].numel() * t.element_size() for t in self._tensors())
+        """Bytes one token's state takes across every layer, measured from the stored tensors
+        (a windowed layer's while the token is in its window)."""
+        return sum(t.shape[0] * math.prod(t.shape[2:]) * t.element_size() for t in (*self._tensors(), self._wk, self._wv))
+
+    @property
+    def num_window_pages(self) -> int:
+        return self._wk.shape[1] // self.page_size
+
+    def grow_window(self, num_pages: int) -> None:
+        """The windowed layers' pool to `num_pages` pages (stored rows kept; the allocator follows)."""
+        if num_pages <= self.num_window_pages:
+            return
+        size = num_pages * self.page_size
+        grown = [torch.zeros((t.shape[0], size, *t.shape[2:]), dtype=t.dtype, device=self.device)
+                 for t in (self._wk, self._wv)]
+        old = self._wk.shape[1]
+        for new, cur in zip(grown, (self._wk, self._wv)):
+            new[:, :old].copy_(cur)
+        self._wk, self._wv = grown
+        self._views()
+        if self.windows is not None:
+            self.windows.grow(num_pages)
 
     def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """keys: [T, index_dim] (DSA index keys of the new tokens) into paged layer `layer`'s index rows."""
@@ -204,11 +269,13 @@ class KVCache:
         # (all first: a failure leaves the cache as it was)
         grown = [torch.empty((t.shape[0], size, *t.shape[2:]), dtype=t.dtype, device=self.device)
                  for t in self._tensors()]
-        old = self.k.shape[1]
+        old = self._k.shape[1]
         for new, cur in zip(grown, self._tensors()):
             new[:, :old].copy_(cur)
             new[:, old:].zero_()
-        (self.k, self.v, self.index), self.num_pages = grown, num_pages
+        (self._k, self._v, self.index), self.num_pages = grown, num_pages
+        self._views()
+        self.grow_window(num_pages)   # a windowed layer never holds more pages than the full ones
 
     def shrink(self, num_pages: int) -> None:
         """Reallocate K and V for the first `num_pages` pages (the allocator dropped the rest,
@@ -218,10 +285,11 @@ class KVCache:
             return
         n = num_pages * self.page_size
         k, v, index = (t[:, :n].clone() for t in self._tensors())
-        self.k, self.v, self.index, self.num_pages = k, v, index, num_pages
+        self._k, self._v, self.index, self.num_pages = k, v, index, num_pages
+        self._views()   # (the windowed layers' pool keeps its size: its pages are addressed apart)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole pages `src[i]` -> `dst[i]` in every layer (K and V)."""
+        """Copy whole pages `src[i]` -> `dst[i]` in every layer addressed by page tables (K and V)."""
         if not src:
             return
         offs = torch.arange(self.page_size)
@@ -284,8 +352,8 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, *spec.rows] in the compute dtype (paged K/V: [T, Hkv, hd] each)."""
         if not self.quantized:
-            self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-            self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+            self.k[layer].index_copy_(0, slots, k.to(self._k.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self._v.dtype))
             return
         if not self._layer_calibrated[layer]:  # first write to this layer: calibrate once, then fixed
             self.k_scale[layer] = _calibrate(k)

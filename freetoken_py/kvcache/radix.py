@@ -15,6 +15,10 @@ Contract with the scheduler (which never touches nodes):
 - `insert` adopts the caller's pages for token pages not yet cached (taking a reference); pages
   already cached are left with the caller, which releases them as usual.
 
+Models with windowed layers (window.py): a node may also hold the windowed layers' page of its
+tokens (`insert(..., window_pages)`); `match` then stops at the deepest page boundary whose
+window's pages are all held, and returns them (`MatchResult.window_pages`); eviction frees both.
+
 Hybrid models (recurrent layers, snapshots.py): a node may also hold a snapshot of the recurrent
 state after its page (`attach`). `match(..., with_state=True)` stops at the deepest matched node
 that holds a valid one and returns it; a snapshot is freed with its node on eviction, and
@@ -37,6 +41,8 @@ class MatchResult(NamedTuple):
     num_tokens: int  # = len(pages) * page_size
     handle: object | None  # the deepest matched node (opaque)
     snapshot: object | None = None  # with_state: the recurrent-state snapshot at num_tokens
+    # models with windowed layers (window.py): their pages of the match, positional, -1 behind the window
+    window_pages: list[int] | None = None
 
 
 class InsertResult(NamedTuple):
@@ -45,7 +51,7 @@ class InsertResult(NamedTuple):
 
 
 class _Node:
-    __slots__ = ("key", "page", "tag", "parent", "children", "last_access", "snap", "snap_used")
+    __slots__ = ("key", "page", "tag", "parent", "children", "last_access", "snap", "snap_used", "wpage", "wtag")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, tag: int = -1):
         self.key, self.page, self.parent, self.tag = key, page, parent, tag
@@ -53,6 +59,7 @@ class _Node:
         self.last_access = 0
         self.snap = None  # a snapshots.SnapshotRef of the recurrent state after this page, or None
         self.snap_used = 0  # when the snapshot was attached or last matched (its own LRU clock)
+        self.wpage, self.wtag = -1, -1  # the windowed layers' page of the same tokens (window.py), or -1
 
 
 class RadixCache:
@@ -60,6 +67,7 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.snapshots = snapshots  # hybrid models: where node snapshots live
+        self.windows = None  # models with windowed layers: their pages' pool (window.WindowPages)
         self._roots: dict[Hashable, _Node] = {}
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages held by the cache
@@ -95,7 +103,28 @@ class RadixCache:
             if node is not None:
                 node.snap_used = now
             return MatchResult(pages[:n], n * self.page_size, node, node.snap if node is not None else None)
+        if self.windows is not None:
+            return self._match_windowed(pages, node)
         return MatchResult(pages, len(pages) * self.page_size, node if pages else None)
+
+    def _match_windowed(self, pages: list[int], node: _Node | None) -> MatchResult:
+        """The deepest page boundary d of the match whose windowed rows are all cached: resuming
+        at token N = d * page_size reads the windowed keys (N - window, N), in pages
+        first_page(N) .. d - 1, which must be held by their nodes (a request keeps only its
+        window's pages, so older nodes may have none)."""
+        path = []
+        while node is not None and node.parent is not None and len(path) < len(pages):
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        tags = self.windows.allocator.tags_np
+        wpages = [n.wpage if n.wpage >= 0 and n.wtag == tags[n.wpage] else -1 for n in path]
+        d = len(pages)
+        while d and any(p < 0 for p in wpages[self.windows.first_page(d * self.page_size):d]):
+            d -= 1
+        first = self.windows.first_page(d * self.page_size)
+        return MatchResult(pages[:d], d * self.page_size, path[d - 1] if d else None, None,
+                           [p if j >= first else -1 for j, p in enumerate(wpages[:d])])
 
     def attach(self, namespace: Hashable, tokens: list[int], snapshot) -> bool:
         """Keep `snapshot` (the recurrent state after the full pages of `tokens`, already
@@ -141,11 +170,13 @@ class RadixCache:
         self.num_snapshots_evicted += len(held)
         return len(held)
 
-    def insert(self, namespace: Hashable, tokens: list[int], pages: list[int]) -> InsertResult:
-        """Cache the full pages of `tokens`, whose K/V live in `pages` (the caller's page table)."""
+    def insert(self, namespace: Hashable, tokens: list[int], pages: list[int],
+               window_pages: list[int] | None = None) -> InsertResult:
+        """Cache the full pages of `tokens`, whose K/V live in `pages` (the caller's page table);
+        window_pages: the caller's windowed table (window.py), adopted by the nodes lacking one."""
         node = self._roots.setdefault(namespace, _Node((), -1, None))
         now, new, old = next(self._clock), 0, 0
-        for key, page in zip(self._keys(tokens), pages):
+        for j, (key, page) in enumerate(zip(self._keys(tokens), pages)):
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(key, page, node, int(self.allocator.tags_np[page]))
@@ -154,9 +185,23 @@ class RadixCache:
                 new += 1
             else:
                 old += 1
+            if window_pages is not None and j < len(window_pages) and window_pages[j] >= 0:
+                self._adopt_window(child, window_pages[j])
             child.last_access = now
             node = child
         return InsertResult(new, old)
+
+    def _adopt_window(self, node: _Node, wpage: int) -> None:
+        tags = self.windows.allocator.tags_np
+        if node.wpage >= 0 and node.wtag == tags[node.wpage]:
+            return   # it has one: the caller's stays the caller's
+        self.windows.allocator.share([wpage])
+        node.wpage, node.wtag = wpage, int(tags[wpage])
+
+    def _release_window(self, node: _Node) -> None:
+        if node.wpage >= 0 and node.wtag == self.windows.allocator.tags_np[node.wpage]:
+            self.windows.allocator.release([node.wpage])   # (a stale one is no longer ours to give back)
+        node.wpage = node.wtag = -1
 
     def evictable_leaves(self) -> list[_Node]:
         return [n for n in self._nodes() if not n.children and self.allocator.refcount(n.page) == 1]
@@ -174,6 +219,8 @@ class RadixCache:
                 self._drop_snapshot(node)
                 self.num_snapshots_evicted += 1
             self.allocator.release([node.page])
+            if self.windows is not None:
+                self._release_window(node)
             self.num_pages -= 1
             self.num_evicted += 1
             freed += 1

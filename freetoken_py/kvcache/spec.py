@@ -24,9 +24,10 @@ held per request, not per token: the scheduler allocates a slot at admission, fr
 request finishes, aborts or is preempted (recompute starts from a zeroed slot), and a chunked
 prefill continues from it.
 
-Later kinds plug in the same way, without special cases elsewhere: a sliding-window layer is a
-paged kind whose pages below the window may be given back (its spec says `window`; page bytes
-unchanged, the scheduler frees pages a request no longer reads); a sparse-attention index key
+Later kinds plug in the same way, without special cases elsewhere: a sliding-window layer
+(`PagedWindowKV`) is a paged kind whose pages behind the window are given back: its layers keep
+their rows in their own page pool with its own allocator, tags and one page table per request
+(window.py), addressed like the others; a sparse-attention index key
 (DSA) is one more paged row per token (`PagedIndexedLatent`: its third row, held only by the layers
 of that kind, in the pool's `index` rows; a GLM-5.2 "shared" layer is a plain `PagedLatent`), and any per-request
 state of fixed size is a `StatePool`-held kind with its own tensors. Each kind is one spec class
@@ -45,6 +46,24 @@ class PagedKV:
     num_kv_heads: int
     head_dim: int
     kind = "paged_kv"
+
+    @property
+    def rows(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class PagedWindowKV:
+    """Sliding-window attention (gpt-oss's "sliding_attention" layers): K and V rows as `PagedKV`,
+    but a token at position p reads only keys (p - window, p], so the pages wholly behind the
+    window are given back as the sequence advances (window.WindowPages: these layers' own page
+    table per request and their own page pool). A request holds at most ceil((window - 1) /
+    page_size) + 1 pages of these layers between steps (window + one page of rows when the page
+    size divides the window), plus the chunk being prefilled during a step."""
+    num_kv_heads: int
+    head_dim: int
+    window: int
+    kind = "paged_window_kv"
 
     @property
     def rows(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -101,12 +120,23 @@ class Recurrent:
         return 4 * self.values_per_request  # fp32
 
 
-StateSpec = PagedKV | PagedLatent | PagedIndexedLatent | Recurrent
-PAGED_KINDS = ("paged_kv", "paged_latent", "paged_indexed_latent")
+StateSpec = PagedKV | PagedWindowKV | PagedLatent | PagedIndexedLatent | Recurrent
+PAGED_KINDS = ("paged_kv", "paged_window_kv", "paged_latent", "paged_indexed_latent")
 
 
 def is_paged(spec: StateSpec) -> bool:
     return spec.kind in PAGED_KINDS
+
+
+def window_of(spec: StateSpec) -> int | None:
+    """The sliding window of a windowed kind (its pages behind it are given back), else None."""
+    return getattr(spec, "window", None)
+
+
+def window_pages_per_seq(window: int, page_size: int) -> int:
+    """Pages of a windowed layer one sequence holds between steps: the keys (p - window, p] of
+    its next token p span at most this many pages."""
+    return -(-(window - 1) // page_size) + 1
 
 
 def values_per_token(spec: StateSpec) -> int:

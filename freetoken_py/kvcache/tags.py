@@ -32,6 +32,22 @@ class IntegrityTracker:
         self._slot: dict[int, int] = {}  # request id -> its index in _flat's ids
         self.num_checks = 0
         self.num_mismatches = 0  # requests aborted because a page tag changed under them
+        self.kinds: dict[str, IntegrityTracker] = {}  # other page pools (kvcache/window.py), checked with this one
+
+    def add_kind(self, name: str, allocator: PageAllocator) -> "IntegrityTracker":
+        """A tracker for another page pool (a windowed layers' pool, kvcache/window.py): the caller
+        records into it; `check` reports its mismatches with this pool's."""
+        self.kinds[name] = IntegrityTracker(allocator)
+        return self.kinds[name]
+
+    def drop(self, request_id: int, pages: list[int]) -> None:
+        """The request gave `pages` back while it goes on (a window moving past them)."""
+        old = self._expected.get(request_id)
+        if old is None or not pages:
+            return
+        keep = ~np.isin(old[0], np.asarray(pages, dtype=np.int64))
+        self._expected[request_id] = (old[0][keep], old[1][keep])
+        self._flat = None
 
     def record(self, request_id: int, pages: list[int]) -> None:
         """The request now holds `pages` as they are (call right after allocate/share)."""
@@ -54,6 +70,8 @@ class IntegrityTracker:
     def forget(self, request_id: int) -> None:
         if self._expected.pop(request_id, None) is not None:
             self._flat = None
+        for sub in self.kinds.values():
+            sub.forget(request_id)
 
     def valid_pages(self, request_id: int) -> list[int]:
         """The recorded pages whose tag still matches: the ones the request may safely release."""
@@ -74,7 +92,17 @@ class IntegrityTracker:
         return self._flat
 
     def check(self) -> dict[int, list[int]]:
-        """Request id -> its pages whose tag changed; empty when every request is intact."""
+        """Request id -> its pages whose tag changed (in this pool or one of `kinds`); empty when
+        every request is intact."""
+        out = self._check()
+        for sub in self.kinds.values():
+            for rid, pages in sub._check().items():
+                if rid not in out:
+                    self.num_mismatches += 1
+                out.setdefault(rid, []).extend(pages)
+        return out
+
+    def _check(self) -> dict[int, list[int]]:
         self.num_checks += 1
         pages, tags, owner, ids = self._flatten()
         if pages.size == 0:
@@ -102,6 +130,12 @@ class NullTracker:
         pass
 
     def forget(self, request_id: int) -> None:
+        pass
+
+    def add_kind(self, name: str, allocator: PageAllocator) -> "NullTracker":
+        return NullTracker(allocator)
+
+    def drop(self, request_id: int, pages: list[int]) -> None:
         pass
 
     def valid_pages(self, request_id: int) -> list[int] | None:

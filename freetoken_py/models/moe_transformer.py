@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken_py.kvcache import KVCache, PagedIndexedLatent, PagedKV, StatePool, StateSpec
+from freetoken_py.kvcache import KVCache, PagedIndexedLatent, PagedKV, PagedWindowKV, StatePool, StateSpec
 from freetoken_py.layers.attention import AttentionMetadata, paged_attention
 from freetoken_py.layers.dsa import IndexerWeights, dsa_selection
 from freetoken_py.layers.gated_deltanet import GdnWeights, gated_deltanet
@@ -99,6 +99,8 @@ class MoeTransformer:
             return a.gdn.state_spec
         if a.dsa is not None and a.dsa.is_full(i):  # DSA full layer: latent, rope key and index key
             return PagedIndexedLatent(a.mla.kv_lora_rank, a.mla.qk_rope_head_dim, a.dsa.head_dim)
+        if a.mixed_windows and a.window(i) is not None:  # gpt-oss: pages behind the window given back
+            return PagedWindowKV(a.num_kv_heads, a.head_dim, a.window(i))
         return self.state_spec()
 
     def state_specs(self) -> list[StateSpec]:

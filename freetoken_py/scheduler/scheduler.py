@@ -32,6 +32,7 @@ from freetoken_py.engine.runner import ScheduledChunk
 from freetoken_py.kvcache import PageAllocator, StatePool
 from freetoken_py.kvcache.radix import RadixCache
 from freetoken_py.kvcache.tags import IntegrityTracker, NullTracker
+from freetoken_py.kvcache.window import WindowPages
 from freetoken_py.scheduler.prefix_state import PrefixStateReuse
 
 
@@ -41,7 +42,7 @@ class Scheduler:
                  namespace: Callable[[Request], Hashable | None] | None = None,
                  tracker: IntegrityTracker | NullTracker | None = None,
                  more_pages: Callable[[int], int] | None = None, state_pool: StatePool | None = None,
-                 states: PrefixStateReuse | None = None):
+                 states: PrefixStateReuse | None = None, windows: WindowPages | None = None):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -58,6 +59,12 @@ class Scheduler:
         self.more_pages = more_pages
         self.state_pool = state_pool  # hybrids: the per-request recurrent-state slots
         self.states = states  # hybrid models: snapshots of the recurrent state in the prefix cache
+        # models with windowed layers: their own pages and tables (kvcache/window.py), tags and cached pages
+        self.windows = windows
+        self.wtracker = self.tracker.add_kind("window", windows.allocator) if windows is not None else None
+        if windows is not None and prefix_cache is not None:
+            assert states is None, "windowed layers in a hybrid: not supported"
+            prefix_cache.windows = windows
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -77,12 +84,33 @@ class Scheduler:
             self.prefix_cache.evict(need - self.allocator.num_free)  # cached pages go before requests
         if need > self.allocator.num_free and running and self.more_pages is not None:
             self.more_pages(need - self.allocator.num_free)
-        if need > self.allocator.num_free:
+        if need > self.allocator.num_free or not self._grow_window(req, upto):
             return False
         pages = self.allocator.allocate(need)
         req.page_table.extend(pages)
         self.tracker.record(req.request_id, pages)
         return True
+
+    def _grow_window(self, req: Request, upto: int) -> bool:
+        """Models with windowed layers: their pages for `req` up to token `upto` (the pages behind
+        its window were given back after its last step, `_trim`)."""
+        w = self.windows
+        if w is None:
+            return True
+        self._trim(req)   # (publish_prompts did after the last step; a loop driving schedule alone gets it here)
+        need = w.pages_needed(req, upto)
+        while need > w.allocator.num_free and self.prefix_cache is not None:
+            if not self.prefix_cache.evict(need - w.allocator.num_free):
+                break
+        if need > w.allocator.num_free:
+            return False
+        self.wtracker.record(req.request_id, w.ensure(req, upto))
+        return True
+
+    def _trim(self, req: Request) -> None:
+        """Give back the windowed layers' pages behind the request's next token's window."""
+        if self.windows is not None:
+            self.wtracker.drop(req.request_id, self.windows.trim(req))
 
     def _match_prefix(self, req: Request) -> bool:
         """Start a request with no pages from the longest cached prefix of its tokens. True when
@@ -95,12 +123,15 @@ class Scheduler:
         limit = (req.num_tokens - 1) // self.page_size * self.page_size  # keep >= 1 token to compute
         if self.states is not None:  # hybrid: only where the recurrent state is known too
             m = self.states.match(req, ns, req.all_token_ids[:limit])
-        else:
+        else:  # windowed layers: only where their window's pages are cached too
             m = self.prefix_cache.match(ns, req.all_token_ids[:limit])
         if m.pages:
             self.allocator.share(m.pages)
             req.page_table = list(m.pages)
             self.tracker.record(req.request_id, m.pages)
+            if self.windows is not None:
+                self.windows.adopt(req, m.window_pages)
+                self.wtracker.record(req.request_id, self.windows.held(req.request_id))
         req.num_computed = m.num_tokens
         if not req.output_token_ids:
             req.num_cached_tokens = m.num_tokens
@@ -111,13 +142,22 @@ class Scheduler:
         valid = self.tracker.valid_pages(req.request_id)
         if valid is not None and valid != req.page_table:
             publish = False  # a page changed hands under it: its K/V must not enter the cache
+        w, wvalid = self.windows, None
+        if w is not None:
+            wvalid = self.wtracker.valid_pages(req.request_id)
+            if wvalid is not None and wvalid != w.held(req.request_id):
+                publish = False
         ns = self.namespace(req) if (publish and self.prefix_cache is not None) else None
         if self.states is not None:  # hybrid: pages up to its last snapshot, which goes with them
             self.states.release(req, ns)
         elif ns is not None:
-            self.prefix_cache.insert(ns, req.all_token_ids[:req.num_computed], req.page_table)
+            self.prefix_cache.insert(ns, req.all_token_ids[:req.num_computed], req.page_table,
+                                     w.table(req.request_id) if w is not None else None)
         self.allocator.release(req.page_table if valid is None else valid)  # never free a page we lost
         self.tracker.forget(req.request_id)
+        if w is not None:
+            w.release(req.request_id, wvalid)
+            self.wtracker.forget(req.request_id)
         req.page_table = []
         if req.state_slot is not None:
             self.state_pool.free(req.state_slot)
@@ -231,7 +271,15 @@ class Scheduler:
 
     def publish_prompts(self, chunks: list[ScheduledChunk]) -> None:
         """After a forward: cache the prompt pages of requests whose prefill just completed, so
-        requests arriving while they decode can share them."""
+        requests arriving while they decode can share them. Then (windowed layers) each request
+        gives back its windowed pages behind its next token's window."""
+        try:
+            self._publish_prompts(chunks)
+        finally:
+            for ch in chunks:
+                self._trim(ch.req)
+
+    def _publish_prompts(self, chunks: list[ScheduledChunk]) -> None:
         if self.prefix_cache is None:
             return
         if self.states is not None:  # hybrid: snapshots (with their pages) instead
@@ -244,7 +292,8 @@ class Scheduler:
                 continue  # decode steps and unfinished prefill chunks: nothing to publish
             ns = self.namespace(req)
             if ns is not None:
-                self.prefix_cache.insert(ns, req.prompt_token_ids, req.page_table)
+                self.prefix_cache.insert(ns, req.prompt_token_ids, req.page_table,
+                                         self.windows.table(req.request_id) if self.windows is not None else None)
 
     def finish(self, req: Request, publish: bool = True) -> None:
         """Remove a finished or aborted request. publish=False for a request whose pages failed
