@@ -6,6 +6,7 @@ converted with llama.cpp's own convert_hf_to_gguf.py from the llama-cpp-python s
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -215,6 +216,7 @@ def quantize_gguf(src: Path, ftype_name: str, output_type: str | None = None) ->
     _gguf_py()
     import gguf
 
+    llama_cpp_without_amx()   # before llama.cpp reads its buffer-type list
     tail = f"-{ftype_name.lower()}" + (f"-out{output_type.lower()}" if output_type else "")
     out = src.with_name(src.stem.rsplit("-", 1)[0] + f"{tail}.gguf")
     if not out.exists():
@@ -229,12 +231,77 @@ def quantize_gguf(src: Path, ftype_name: str, output_type: str | None = None) ->
     return out
 
 
+_AMX_STATE: dict = {}
+
+
+def llama_cpp_without_amx() -> str | None:
+    """Take the AMX buffer type out of llama.cpp's CPU extra buffer types, in this process, before a
+    model is loaded: the same placement as a llama.cpp built without AMX (or run on a CPU without
+    it, e.g. an AMD EPYC): repackable weights (x86: Q4_0, Q4_K, IQ4_NL, MXFP4) still go to
+    CPU_REPACK, the rest to plain CPU buffers. Why: on a CPU with AMX (Intel Xeon, `amx_int8`)
+    llama.cpp puts Q4_0 / Q4_1 / Q8_0 matmul weights (attention, output, dense FFN) into its AMX
+    buffer, and its AMX mul_mat segfaults here (llama.cpp issue #20824, open; #16315: AMX Q4_0
+    results wrong) - every Q8_0 / Q4_0 peer crashed at its first prefill. The list is a static
+    std::vector in libggml-cpu (ggml_backend_cpu_get_extra_buffer_types(), read lazily by the model
+    loader); its AMX entry is removed in place. Returns a note for the bench line (None: no AMX in
+    this build)."""
+    if "note" in _AMX_STATE:
+        return _AMX_STATE["note"]
+    import llama_cpp
+
+    # the copies llama_cpp loaded (the wheel ships libggml-cpu.so, .so.0 and .so.0.25.3 as separate
+    # files, so opening another name would load a second, unused copy)
+    loaded = {Path(line.split()[-1]).name.split(".so")[0]: line.split()[-1]
+              for line in open("/proc/self/maps") if "/llama_cpp/lib/" in line}
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    cpu, base = (ctypes.CDLL(loaded.get(n, str(lib_dir / f"{n}.so"))) for n in ("libggml-cpu", "libggml-base"))
+    get = cpu._Z39ggml_backend_cpu_get_extra_buffer_typesv   # std::vector<ggml_backend_buffer_type_t> &
+    get.restype = ctypes.c_void_p
+    name = base.ggml_backend_buft_name
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    vec = get()
+    begin, end = (ctypes.c_void_p.from_address(vec + 8 * i).value for i in range(2))
+    items = [ctypes.c_void_p.from_address(begin + 8 * i).value for i in range((end - begin) // 8)]
+    names = [name(b).decode() for b in items]
+    keep = [b for b, n in zip(items, names) if n != "AMX"]
+    note = None
+    if len(keep) != len(items):
+        for i, b in enumerate(keep):
+            ctypes.c_void_p.from_address(begin + 8 * i).value = b
+        ctypes.c_void_p.from_address(vec + 8).value = begin + 8 * len(keep)
+        # the device's own NULL-terminated copy (ggml_backend_dev_get_extra_bufts, what the model
+        # loader asks for; made when the CPU backend registered, i.e. already at `import llama_cpp`)
+        cpu.ggml_backend_cpu_reg.restype = ctypes.c_void_p
+        reg = cpu.ggml_backend_cpu_reg()
+        base.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+        base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+        base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+            base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts"))
+        arr = fn(base.ggml_backend_reg_dev_get(reg, 0))
+        copy = []
+        while (b := ctypes.c_void_p.from_address(arr + 8 * len(copy)).value):
+            copy.append(b)
+        kept = [b for b in copy if name(b).decode() != "AMX"]
+        for i in range(len(copy)):
+            ctypes.c_void_p.from_address(arr + 8 * i).value = kept[i] if i < len(kept) else None
+        note = (f"AMX buffer type removed from llama.cpp's CPU extra buffers ({names} -> "
+                f"{[n for n in names if n != 'AMX']}): its AMX mul_mat segfaults here (llama.cpp #20824); "
+                "weights placed as on a CPU without AMX")
+        log(note)
+    _AMX_STATE["note"] = note
+    return note
+
+
 class LlamaCppPeer:
     def __init__(self, gguf: Path, threads: int, n_ctx: int = 2048, **kw):
         """kw: more llama_cpp.Llama options (e.g. flash_attn=True; llama-cpp-python's default is off,
-        llama.cpp's own tools default to auto, i.e. on for the CPU)."""
+        llama.cpp's own tools default to auto, i.e. on for the CPU). `self.amx`: the note from
+        llama_cpp_without_amx (None where the build has no AMX buffer type)."""
         from llama_cpp import Llama
 
+        self.amx = llama_cpp_without_amx()
         opts = {"n_batch": 512, "n_ubatch": 512, "verbose": False, **kw}
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, **opts)
 

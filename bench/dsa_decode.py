@@ -309,7 +309,8 @@ def main() -> None:
                             "context_filled_by": f"KV state: {args.llama_seed} tokens prefilled, tiled to each "
                                                  "context with llama_state_seq_set_data",
                             "seed_prefill_tps": fill["seed_prefill_tps"],
-                            "attention": "indexer top-k applied as a mask over dense attention (all latents read)"}
+                            "attention": "indexer top-k applied as a mask over dense attention (all latents read)",
+                            "amx": common._AMX_STATE.get("note")}
     common.emit(out)
 
 

@@ -219,6 +219,7 @@ def main() -> None:
         peer = samples["llama.cpp-mxfp4"]
         out.update(common.peer_fields(ours, peer, "mxfp4 (experts) + bf16", peer_bpt))
         out["llama_cpp"]["prefill_samples"] = [round(x, 1) for x in peer["prefill"]]
+        out["llama_cpp"]["amx"] = common._AMX_STATE.get("note")
         out["agreement"] = agree
     common.emit(out)
 
