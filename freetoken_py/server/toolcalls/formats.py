@@ -10,6 +10,7 @@ checks that the grammar accepts them and that the parser, fed the text split at 
 reads the same calls back."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -118,8 +119,6 @@ class CallFormat:
         return "\n".join(f"{self.open}{self.after_open}{b}{self.before_close}{self.close}" for b in bodies_)
 
     def _render_body(self, name: str, args: dict) -> str:
-        import json
-
         if self.key_open:
             pieces = "".join(self.key_open.format(key=k, string="true" if isinstance(v, str) else "false")
                              + (v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)) + self.value_close
@@ -136,7 +135,7 @@ def _regex(pattern: str) -> re.Pattern:
     return re.compile(pattern, re.DOTALL)
 
 
-ToolFormat = CallFormat   # (the parser's former name for it)
+ToolFormat = CallFormat   # (the parser's former name for it, still exported)
 _DSML = "｜DSML｜"
 _GLM_TAGS = ("<arg_key>", "</arg_key>", "<arg_value>")
 _GLM_CALL = r"\s*(?P<name>(?:(?!<arg_key>)\S)+)\s*(?P<rest>(?:<arg_key>.*)?)\Z"   # a name without spaces, then pairs
@@ -174,7 +173,8 @@ FORMATS = {f.name: f for f in (
     CallFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                call_open="<|tool_call_begin|>", call_close="<|tool_call_end|>", name_prefix="functions.",
                args_sep="<|tool_call_argument_begin|>", call_id=True,
-               detect=("<|tool_calls_section_begin|>", "<|im_system|>tool_declare"), model_types=("kimi_k2", "kimi_k25")),
+               detect=("<|tool_calls_section_begin|>", "<|im_system|>tool_declare"),
+               model_types=("kimi_k2", "kimi_k25")),
     # MiniMax-M2: `<invoke name="NAME">` then `<parameter name="K">V</parameter>` (any quotes or none)
     CallFormat("minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>", "\n", call_open="<invoke",
                call_close="</invoke>\n", name_open=' name="{name}">\n', key_open='<parameter name="{key}">',
