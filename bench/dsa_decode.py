@@ -4,7 +4,7 @@ indexer's top-k beyond the context: every key attended), and llama.cpp on the sa
 GLM-5 conversion, GlmMoeDsaForCausalLM -> glm-dsa, bf16), at contexts of 1K, 8K and 32K tokens.
 
     python bench/dsa_decode.py [--layers 2] [--experts 8] [--contexts 1024,8192,32768] [--steps 6]
-                               [--threads 2] [--no-llama-cpp] [--llama-seed 512] [--tiny]
+                               [--threads 2] [--no-llama-cpp] [--llama-seed 512] [--tiny] [--prepare]
     python bench/dsa_decode.py --check [--threads 1]    # tiny: ours vs llama.cpp vs transformers
 
 Geometry: GLM-5's real attention widths (hidden 6144, 64 heads, q_lora 2048, kv_lora 512, nope 192,
@@ -69,7 +69,12 @@ def build(out: Path, geometry: dict, layers: int, experts: int, dtype: str = "bf
         torch.manual_seed(0)
         kinds = ["full" if i % 2 == 0 else "shared" for i in range(layers)]
         cfg = GlmMoeDsaConfig(**geometry, num_hidden_layers=layers, n_routed_experts=experts, indexer_types=kinds)
-        model = GlmMoeDsaForCausalLM(cfg)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(getattr(torch, dtype))   # built in its dtype: no fp32 copy of a bf16 model
+        try:
+            model = GlmMoeDsaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(prev)
         if randomise:
             with torch.no_grad():
                 for pname, p in model.named_parameters():
@@ -255,6 +260,7 @@ def main() -> None:
                     "state is tiled to each context")
     ap.add_argument("--tiny", action="store_true", help="smoke geometry (hidden 256), seconds")
     ap.add_argument("--check", action="store_true", help="tiny-size agreement check only (no timing)")
+    ap.add_argument("--prepare", action="store_true", help="only build the checkpoint and its GGUF (untimed), then exit")
     args = ap.parse_args()
     from freetoken_py.kernels import configure_threads
 
@@ -265,6 +271,9 @@ def main() -> None:
     name = f"glm5-dsa-{'tiny' if args.tiny else 'real'}-l{args.layers}-e{args.experts}"
     g = TINY if args.tiny else REAL
     src = build(common.WORK / name, g, args.layers, args.experts)
+    if args.prepare:
+        common.log(f"prepared: {src}, {dense_copy(src)}, {common.convert_to_gguf(src, 'bf16', prelude=common.GLM_VOCAB)}")
+        return
     runners = {"dsa": engine(src, contexts, args.steps), "dense": engine(dense_copy(src), contexts, args.steps)}
     makers = {name: (lambda ctx, r=r: step_timer(r, ctx, args.steps)) for name, r in runners.items()}
     fill, peer_weights = {}, None

@@ -12,7 +12,7 @@ plus the peak RSS of starting up from each quantised checkpoint (a fresh process
 checkpoint's size.
 
     python bench/formats_decode.py [--layers 8] [--rounds 3] [--decode-tokens 32] [--prompt-len 512] [--threads 2]
-                                   [--formats int8,fp8,int4,nvfp4] [--nvfp4-peer q4_0|mxfp4] [--no-rss]
+                                   [--formats int8,fp8,int4,nvfp4] [--nvfp4-peer q4_0|mxfp4] [--no-rss] [--prepare]
     python bench/formats_decode.py --layers 2 --hidden 256 --experts 8 --width 128 --vocab 4352 --threads 1  # smoke
 
 The quantised checkpoints are written by `freetoken quantize` from a random bf16 one (built
@@ -139,6 +139,8 @@ def main() -> None:
                     help="llama.cpp's format against our nvfp4: Q4_0 (4.5 bits everywhere, as ours) or MXFP4_MOE "
                          "(experts MXFP4 at 4.25 bits, every other tensor Q8_0)")
     ap.add_argument("--no-rss", action="store_true", help="skip the fresh-process start-up RSS of each format")
+    ap.add_argument("--prepare", action="store_true", help="only build every checkpoint and GGUF this run needs "
+                    "(CPU-heavy, untimed: run it before the quiet window), then exit")
     args = ap.parse_args()
     from freetoken_py.kernels import configure_threads
     from freetoken_py.llm import LLM
@@ -152,6 +154,12 @@ def main() -> None:
         raise SystemExit(f"--formats: unknown {unknown} (known: {', '.join(FORMATS)})")
     kinds = {f: ("mxfp4_moe" if f == "nvfp4" and args.nvfp4_peer == "mxfp4" else FORMATS[f]) for f in fmts}
     paths = {f: quantised(src, f) for f in fmts}
+    if args.prepare:
+        for f in fmts:
+            if not args.no_llama_cpp:
+                common.log(f"{f}: peer {peer_gguf(src, f, paths[f], args.peer_output, kinds[f])[0].name}")
+        common.log("prepared: " + ", ".join(str(paths[f]) for f in fmts))
+        return
     samples, bpt, peer_bpt, sizes, rss, peer_out, peer_name = {}, {}, {}, {}, {}, {}, {}
     # one peer at a time with the formats it serves (int8 with Q8_0, fp8 with Q8_0 + bf16 output,
     # int4 + nvfp4 with Q4_0 + bf16 output), its engines dropped before the next loads: all resident

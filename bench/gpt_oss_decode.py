@@ -4,7 +4,7 @@ cpu backend, against llama.cpp on the same weights (convert_hf_to_gguf.py's gpt-
 the MXFP4 blocks repacked as ggml MXFP4, everything else bf16), interleaved rounds.
 
     python bench/gpt_oss_decode.py [--layers 4] [--vocab 32000] [--rounds 3] [--decode-tokens 32]
-                                   [--prompt-len 512] [--threads 2] [--no-llama-cpp]
+                                   [--prompt-len 512] [--threads 2] [--no-llama-cpp] [--prepare]
     python bench/gpt_oss_decode.py --check [--threads 1]    # tiny: ours vs llama.cpp vs transformers
 
 Geometry: gpt-oss-20b's real widths (hidden 2880, 64 query / 8 key-value heads of 64, q/k/v/o
@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--agree-steps", type=int, default=8, help="greedy steps of the agreement check")
     ap.add_argument("--check", action="store_true", help="tiny-size agreement check only (no timing)")
     ap.add_argument("--tiny", action="store_true", help="the timed line at the tiny geometry (a smoke run, seconds)")
+    ap.add_argument("--prepare", action="store_true", help="only build the checkpoint and its GGUF (untimed), then exit")
     args = ap.parse_args()
     from freetoken_py.kernels import configure_threads
 
@@ -185,6 +186,9 @@ def main() -> None:
     geo = TINY if args.tiny else REAL
     name = f"gpt-oss-{'tiny' if args.tiny else '20b-shape'}-l{args.layers}-v{args.vocab}"
     model_dir = build(common.WORK / name, geo, args.layers, args.vocab, kind)
+    if args.prepare:
+        common.log(f"prepared: {model_dir}, {common.convert_to_gguf(model_dir, 'bf16')}")
+        return
     prompt = common.random_prompt(args.vocab, args.prompt_len)
     llm = LLM(model_dir, dtype="bfloat16", backend="cpu", max_num_seqs=1, max_model_len=2048, show_progress=False,
               enable_prefix_cache=False)   # a repeated prompt must be prefilled, not matched
