@@ -158,19 +158,43 @@ def llama_step_timer(peer, ctx: int, seed: list[int], fill: dict):
     return step
 
 
+def llama_prefilled_timer(peer, ctx: int, vocab: int, upto: int, prefill: dict):
+    """llama.cpp holding `ctx` positions by really prefilling them (contexts <= `upto` only: None
+    beyond); the prefill's tokens/s goes into `prefill`. The cross-check of the state-written
+    context: both must decode at the same speed."""
+    if ctx > upto:
+        return None
+    prompt = common.random_prompt(vocab, ctx)
+    peer.llm.reset()
+    t0 = time.perf_counter()
+    peer.llm.eval(prompt)
+    prefill[ctx] = round(ctx / (time.perf_counter() - t0), 2)
+    common.log(f"llama.cpp prefilled {ctx} tokens at {prefill[ctx]} tok/s")
+    tok = [int(peer.logits().argmax())]
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        peer.llm.eval([tok[0]])
+        tok[0] = int(peer.logits().argmax())
+        return time.perf_counter() - t0
+    return step
+
+
 def decode_tps(makers: dict, contexts: list[int], steps: int) -> dict:
     """Median tokens/s per engine and context, the engines' steps alternated (shared noise), two
-    warm-up steps each (numba compiles on the first). makers: name -> ctx -> step timer."""
+    warm-up steps each (numba compiles on the first). makers: name -> ctx -> step timer (or None:
+    that engine skips the context)."""
     out = {name: {} for name in makers}
     for ctx in contexts:
         timers = {name: make(ctx) for name, make in makers.items()}
-        times = {name: [] for name in makers}
+        timers = {name: t for name, t in timers.items() if t is not None}
+        times = {name: [] for name in timers}
         for _ in range(steps + 2):
             for name, step in timers.items():
                 times[name].append(step())
-        for name in makers:
+        for name in timers:
             out[name][ctx] = round(1 / common.median(times[name][2:]), 3)
-        common.log(f"context {ctx}: " + ", ".join(f"{n} {out[n][ctx]} tok/s" for n in makers))
+        common.log(f"context {ctx}: " + ", ".join(f"{n} {out[n][ctx]} tok/s" for n in timers))
     return out
 
 
@@ -258,6 +282,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--llama-seed", type=int, default=512, help="tokens llama.cpp really prefills before its "
                     "state is tiled to each context")
+    ap.add_argument("--llama-prefill-upto", type=int, default=1024,
+                    help="contexts up to this length are also really prefilled by llama.cpp (a second llama.cpp "
+                         "engine, 'llama.cpp-prefilled', alternated with the others): the check that the "
+                         "state-written context decodes at the speed of a prefilled one (0: none)")
     ap.add_argument("--tiny", action="store_true", help="smoke geometry (hidden 256), seconds")
     ap.add_argument("--check", action="store_true", help="tiny-size agreement check only (no timing)")
     ap.add_argument("--prepare", action="store_true", help="only build the checkpoint and its GGUF (untimed), then exit")
@@ -276,7 +304,7 @@ def main() -> None:
         return
     runners = {"dsa": engine(src, contexts, args.steps), "dense": engine(dense_copy(src), contexts, args.steps)}
     makers = {name: (lambda ctx, r=r: step_timer(r, ctx, args.steps)) for name, r in runners.items()}
-    fill, peer_weights = {}, None
+    fill, peer_weights, prefilled = {}, None, {}
     if not args.no_llama_cpp:
         gguf, peer = llama_peer(src, args.threads, max(contexts) + args.steps + 64)
         peer_weights = common.gguf_decode_bytes(gguf, runners["dsa"].model.args.top_k,
@@ -286,6 +314,10 @@ def main() -> None:
         fill.update(common.llama_cpp_fill_context(peer, seed, args.llama_seed))
         fill["seed_prefill_tps"] = round(args.llama_seed / (time.perf_counter() - t0), 2)
         makers["llama.cpp"] = lambda ctx: llama_step_timer(peer, ctx, seed, fill)
+        if args.llama_prefill_upto and min(contexts) <= args.llama_prefill_upto:
+            _, peer2 = llama_peer(src, args.threads, min(max(contexts), args.llama_prefill_upto) + args.steps + 64)
+            makers["llama.cpp-prefilled"] = lambda ctx: llama_prefilled_timer(peer2, ctx, g["vocab_size"],
+                                                                              args.llama_prefill_upto, prefilled)
     tps = decode_tps(makers, contexts, args.steps)
     cache, dsa = runners["dsa"].cache, runners["dsa"].model.args.dsa
     ours_weights = weight_bytes(runners["dsa"].model)
@@ -306,6 +338,10 @@ def main() -> None:
                        dense_over_llama_cpp=round(tps["dense"][ctx] / lc, 3),
                        kv_read_bytes_llama_cpp=ctx * fill["kv_bytes_per_token"],
                        bytes_per_token_llama_cpp=peer_weights + ctx * fill["kv_bytes_per_token"])
+        if ctx in tps.get("llama.cpp-prefilled", {}):
+            row.update(llama_cpp_prefilled_tps=tps["llama.cpp-prefilled"][ctx],
+                       llama_cpp_state_over_prefilled=round(tps["llama.cpp"][ctx] / tps["llama.cpp-prefilled"][ctx], 3),
+                       llama_cpp_prefill_tps=prefilled[ctx])
         rows[ctx] = row
     first = contexts[0]
     out = {"bench": "dsa_decode", **common.cpu_fields(), "model": name, "threads": args.threads,
@@ -316,7 +352,8 @@ def main() -> None:
         out["llama_cpp"] = {"gguf": "bf16 (convert_hf_to_gguf GlmMoeDsaForCausalLM)", "flash_attn": True,
                             "weights_bytes_per_token": peer_weights, "kv_bytes_per_token": fill["kv_bytes_per_token"],
                             "context_filled_by": f"KV state: {args.llama_seed} tokens prefilled, tiled to each "
-                                                 "context with llama_state_seq_set_data",
+                                                 "context with llama_state_seq_set_data; contexts <= "
+                                                 f"{args.llama_prefill_upto} also really prefilled (llama_cpp_prefilled_tps)",
                             "seed_prefill_tps": fill["seed_prefill_tps"],
                             "attention": "indexer top-k applied as a mask over dense attention (all latents read)",
                             "amx": common._AMX_STATE.get("note")}
