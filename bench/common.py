@@ -255,7 +255,11 @@ def llama_cpp_without_amx() -> str | None:
               for line in open("/proc/self/maps") if "/llama_cpp/lib/" in line}
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     cpu, base = (ctypes.CDLL(loaded.get(n, str(lib_dir / f"{n}.so"))) for n in ("libggml-cpu", "libggml-base"))
-    get = cpu._Z39ggml_backend_cpu_get_extra_buffer_typesv   # std::vector<ggml_backend_buffer_type_t> &
+    try:
+        get = cpu._Z39ggml_backend_cpu_get_extra_buffer_typesv   # std::vector<ggml_backend_buffer_type_t> &
+    except AttributeError:   # another build (symbol not exported): leave llama.cpp as it is
+        _AMX_STATE["note"] = None
+        return None
     get.restype = ctypes.c_void_p
     name = base.ggml_backend_buft_name
     name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
