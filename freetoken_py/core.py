@@ -51,6 +51,9 @@ class SamplingParams:
     # k >= 0 = each token's own and its k most likely alternatives
     logprobs: int | None = None  # of every generated token
     prompt_logprobs: int | None = None  # of every prompt token after the first (bypasses the prefix cache)
+    # detokenizer option (as vLLM's skip_special_tokens): special tokens this request keeps in its text,
+    # e.g. its chat format's tool-call and reasoning tags, which the server's output parser reads
+    keep_special_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         checks = [

@@ -45,11 +45,16 @@ class Tokenizer:
         self._keep: frozenset[int] = frozenset()
 
     def keep_in_text(self, markup) -> None:
-        """Special tokens that `decode` keeps even when it skips special tokens: the tool-call and
-        reasoning tags of the model's chat format, which the output parser must see (GLM's
-        <tool_call> and Kimi's <|tool_call_begin|> are special tokens). Strings that are not
-        special tokens of this vocabulary are ignored."""
-        self._keep = frozenset(i for i in map(self.token_to_id, markup) if i in self._special_ids)
+        """Special tokens that `decode` keeps by default even when it skips special tokens: the
+        tool-call and reasoning tags of the model's chat format, which the output parser must see
+        (GLM's <tool_call> and Kimi's <|tool_call_begin|> are special tokens). Strings that are
+        not special tokens of this vocabulary are ignored. This changes every later decode; a
+        server request passes its own (`SamplingParams.keep_special_tokens`) instead."""
+        self._keep = self.special_ids(markup)
+
+    def special_ids(self, tokens) -> frozenset[int]:
+        """The ids of those of `tokens` (strings) that are special tokens of this vocabulary."""
+        return frozenset(i for i in map(self.token_to_id, tokens) if i in self._special_ids)
 
     def added_token_ids(self) -> list[int]:
         """The ids of the vocabulary's added tokens (special or not), in id order."""
@@ -70,9 +75,11 @@ class Tokenizer:
                 ids = [bos] + ids
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if skip_special_tokens and self._keep:
-            ids = [i for i in ids if i in self._keep or i not in self._special_ids]
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> str:
+        """keep: special token ids kept in the text on top of `keep_in_text`'s (one request's)."""
+        keep = self._keep | keep if keep else self._keep
+        if skip_special_tokens and keep:
+            ids = [i for i in ids if i in keep or i not in self._special_ids]
             skip_special_tokens = False
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -154,8 +161,9 @@ class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas without re-decoding everything (vLLM's
     prefix/read-offset scheme); holds back incomplete UTF-8 sequences."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
-        self.tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], keep: frozenset[int] = frozenset()):
+        """keep: special token ids this request keeps in its text (`Tokenizer.decode`)."""
+        self.tok, self.keep = tokenizer, keep
         self.ids = list(prompt_ids[-5:])  # context so decoders that strip a leading space behave
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -163,8 +171,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset:])
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], keep=self.keep)
+        full = self.tok.decode(self.ids[self.prefix_offset:], keep=self.keep)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]

@@ -157,9 +157,9 @@ def test_logprobs_of_an_mla_model_through_the_fused_decoder(tmp_path_factory):
 
 def test_prompt_rows_scored_in_slices(llm, hf, monkeypatch):
     """SCORE_ROWS smaller than a chunk: the slices join without a gap or a repeat."""
-    import freetoken_py.llm as llm_module
+    import freetoken_py.engine.engine as engine_module
 
-    monkeypatch.setattr(llm_module, "SCORE_ROWS", 5)
+    monkeypatch.setattr(engine_module, "SCORE_ROWS", 5)
     ids = prompt_ids(llm, 31)
     (out,) = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2))
     check(out.prompt_logprobs[1:], reference_logprobs(hf, ids)[:-1], ids[1:], 2)

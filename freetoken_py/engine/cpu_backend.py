@@ -9,6 +9,8 @@ one layer at a time, dropping the torch copies as it goes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from freetoken_py.errors import FreetokenError
@@ -175,9 +177,28 @@ def _check_int4_dense(a, group_size: int) -> None:
                              f"{group_size}; not: {', '.join(bad)} (use --dense-dtype int8)")
 
 
+@dataclass(frozen=True)
+class CpuModel:
+    """`load_cpu_parts`' result: the model on the kernels, the store(s) its banks come from, and
+    the KV storage of `--kv-dtype auto` (the checkpoint's precision where the kernels read it
+    in place: bf16 halves the bytes decode attention streams; fp32 otherwise)."""
+    model: MoeTransformer
+    expert_store: object
+    prefill_expert_store: object | None
+    kv_dtype: torch.dtype
+
+
 def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = None, group_size: int = 32,
                    dense_format: str | None = None, expert_cache: str = "auto",
                    show_progress: bool = True, prefill_format: str | None = None) -> MoeTransformer:
+    """`load_cpu_parts`' model alone (benches and tests that need only the forward)."""
+    return load_cpu_parts(model_dir, dtype, expert_format, group_size, dense_format, expert_cache, show_progress,
+                          prefill_format).model
+
+
+def load_cpu_parts(model_dir, dtype: str = "auto", expert_format: str | None = None, group_size: int = 32,
+                   dense_format: str | None = None, expert_cache: str = "auto",
+                   show_progress: bool = True, prefill_format: str | None = None) -> CpuModel:
     """Load for the cpu backend: dense weights through the loader, experts through the store.
     prefill_format: a second copy of the experts in this format for prefill chunks
     (`--prefill-expert-dtype`), from the store as well (its cache file, mapped), unless it is
@@ -203,14 +224,15 @@ def load_cpu_model(model_dir, dtype: str = "auto", expert_format: str | None = N
     packed = packed_dense(ckpt, model, groups) if groups is not None else None
     use_cpu_kernels(model, fmt, expert_group if dense_format is None else group_size, dense_format=dense_format,
                     banks=store.banks, packed=packed)
-    model.expert_store = store  # which file the banks map, for stats and tests
+    model.expert_store = store  # (an alias for tests and benches; the engine reads CpuModel's)
+    pstore = None
     if prefill_format is not None and prefill_format != fmt:
         pgroup = ckpt.decoder.group_size if prefill_format == native else group_size
         pstore = open_expert_store(model_dir, model.args, load_dtype, prefill_format, pgroup, expert_cache,
                                    show_progress)
         model.experts.prefill_banks = pstore.banks
-        model.prefill_expert_store = pstore
-    return model
+    kv_dtype = torch.bfloat16 if load_dtype == torch.bfloat16 else torch.float32
+    return CpuModel(model, store, pstore, kv_dtype)
 
 
 def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, group_size: int = 32,
@@ -219,8 +241,6 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
     """banks: prebuilt per-layer ExpertBanks (from the expert store); else converted from the
     model's torch expert stacks. packed: `packed_dense`'s per-layer checkpoint weights, run in
     their own format instead of converting the loaded ones."""
-    from freetoken_py.kernels import ExpertBank
-
     dense_fmt = dense_format or weight_format(model.dtype)
     expert_format = expert_format or dense_fmt
     if expert_format not in EXPERT_FORMATS:
@@ -233,56 +253,68 @@ def use_cpu_kernels(model: MoeTransformer, expert_format: str | None = None, gro
         _check_int4_dense(a, group_size)
     head_fmt = _head_format(dense_fmt)
     w = model.weights
-    prebuilt, banks = banks, []
+    out_banks = []
     for i, lw in enumerate(w.layers):
         pk = packed[i] if packed is not None else {}
-        lw.qkv = _kernel(lw.qkv, dense_fmt, group_size, pk.get("qkv")) if lw.qkv is not None else None
-        lw.o = _kernel(lw.o, dense_fmt, group_size, pk.get("o"))
-        if lw.mla is not None:  # MLA: its projections on the kernels, kv_b (W_UK / W_UV) kept as stored
-            _mla_kernels(lw.mla, dense_fmt, group_size)
-        if lw.indexer is not None:  # DSA indexer: wq_b / wk in the dense format, weights_proj fp32 (its head weights)
-            ix = lw.indexer
-            ix.wq_b, ix.wk = _kernel(ix.wq_b, dense_fmt, group_size), _kernel(ix.wk, dense_fmt, group_size)
-            ix.weights_proj = _kernel(ix.weights_proj, "fp32")
-            ix.k_norm, ix.k_norm_bias = ix.k_norm.float(), ix.k_norm_bias.float()
-        if lw.gdn is not None:  # Gated DeltaNet: the fused input projection on the kernels, the rest fp32
-            g = lw.gdn
-            g.in_proj, g.conv, g.norm = _kernel(g.in_proj, dense_fmt, group_size), g.conv.float(), g.norm.float()
-        lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
-        if lw.q_norm is not None:
-            lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
+        _attention_kernels(lw, dense_fmt, group_size, pk)
         if lw.router is not None:
-            # a sigmoid router stays fp32 (as transformers and llama.cpp keep it): its scores pick experts
-            lw.router = _kernel(lw.router, "fp32" if lw.router_bias is not None else head_fmt)
-            if lw.shared13 is not None:  # the shared expert is dense work, in the dense format
-                lw.shared13 = _kernel(lw.shared13, dense_fmt, group_size, pk.get("shared13"))
-                lw.shared2 = _kernel(lw.shared2, dense_fmt, group_size, pk.get("shared2"))
-            if lw.shared_gate is not None:  # [1, D]: its sigmoid scales the shared expert, kept fp32
-                lw.shared_gate = _kernel(lw.shared_gate, "fp32")
-            if prebuilt is not None:
-                banks.append(prebuilt[i] if lw.b13 is None else prebuilt[i].with_biases(lw.b13, lw.b2))
-            elif lw.w13 is None:
-                raise FreetokenError("model was loaded without its experts; pass the expert store's banks")
-            else:
-                inter = lw.w13.shape[1] // 2
-                bank = ExpertBank.from_weights(lw.w13[:, :inter], lw.w13[:, inter:], lw.w2,
-                                               fmt=expert_format, group_size=group_size)
-                banks.append(bank if lw.b13 is None else bank.with_biases(lw.b13, lw.b2))
-            lw.w13 = lw.w2 = lw.b13 = lw.b2 = None
+            out_banks.append(_moe_kernels(lw, dense_fmt, head_fmt, expert_format, group_size, pk,
+                                          banks[i] if banks is not None else None))
         else:
             lw.mlp13 = _kernel(lw.mlp13, dense_fmt, group_size, pk.get("mlp13"))
             lw.mlp2 = _kernel(lw.mlp2, dense_fmt, group_size, pk.get("mlp2"))
-            banks.append(None)
+            out_banks.append(None)
         if progress is not None:
             progress()
     w.lm_head = _kernel(w.lm_head, head_fmt, packed=packed[-1].get("lm_head") if packed is not None else None)
     w.final_norm = w.final_norm.float()
-    model.experts = KernelExpertExecutor(banks, activation=a.hidden_act)
+    model.experts = KernelExpertExecutor(out_banks, activation=a.hidden_act)
     if model.hybrid:  # Gated DeltaNet layers: conv, delta rule and gated norm in numba (kernels/cpu_gdn.py)
         from freetoken_py.layers.gdn_cpu import gated_deltanet_cpu
 
         model.gdn_mixer = gated_deltanet_cpu
-    # KV storage of `--kv-dtype auto`: the checkpoint's precision where the kernels read it in
-    # place (bf16 halves the bytes decode attention streams); fp32 otherwise
-    model.kv_dtype = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32
     model.dtype = torch.float32  # activations; the embedding rows are widened on lookup
+
+
+def _attention_kernels(lw, dense_fmt: str, group_size: int, pk: dict) -> None:
+    """One layer's attention (GQA, MLA, the DSA indexer, Gated DeltaNet) and norms, in place."""
+    lw.qkv = _kernel(lw.qkv, dense_fmt, group_size, pk.get("qkv")) if lw.qkv is not None else None
+    lw.o = _kernel(lw.o, dense_fmt, group_size, pk.get("o"))
+    if lw.mla is not None:  # MLA: its projections on the kernels, kv_b (W_UK / W_UV) kept as stored
+        _mla_kernels(lw.mla, dense_fmt, group_size)
+    if lw.indexer is not None:  # DSA indexer: wq_b / wk in the dense format, weights_proj fp32 (its head weights)
+        ix = lw.indexer
+        ix.wq_b, ix.wk = _kernel(ix.wq_b, dense_fmt, group_size), _kernel(ix.wk, dense_fmt, group_size)
+        ix.weights_proj = _kernel(ix.weights_proj, "fp32")
+        ix.k_norm, ix.k_norm_bias = ix.k_norm.float(), ix.k_norm_bias.float()
+    if lw.gdn is not None:  # Gated DeltaNet: the fused input projection on the kernels, the rest fp32
+        g = lw.gdn
+        g.in_proj, g.conv, g.norm = _kernel(g.in_proj, dense_fmt, group_size), g.conv.float(), g.norm.float()
+    lw.input_norm, lw.post_norm = lw.input_norm.float(), lw.post_norm.float()
+    if lw.q_norm is not None:
+        lw.q_norm, lw.k_norm = lw.q_norm.float(), lw.k_norm.float()
+
+
+def _moe_kernels(lw, dense_fmt: str, head_fmt: str, expert_format: str, group_size: int, pk: dict, prebuilt):
+    """One MoE layer's router and shared expert on the kernels, in place; returns its ExpertBank
+    (`prebuilt`, the store's, or converted from the torch stacks, which are dropped)."""
+    from freetoken_py.kernels import ExpertBank
+
+    # a sigmoid router stays fp32 (as transformers and llama.cpp keep it): its scores pick experts
+    lw.router = _kernel(lw.router, "fp32" if lw.router_bias is not None else head_fmt)
+    if lw.shared13 is not None:  # the shared expert is dense work, in the dense format
+        lw.shared13 = _kernel(lw.shared13, dense_fmt, group_size, pk.get("shared13"))
+        lw.shared2 = _kernel(lw.shared2, dense_fmt, group_size, pk.get("shared2"))
+    if lw.shared_gate is not None:  # [1, D]: its sigmoid scales the shared expert, kept fp32
+        lw.shared_gate = _kernel(lw.shared_gate, "fp32")
+    if prebuilt is not None:
+        bank = prebuilt if lw.b13 is None else prebuilt.with_biases(lw.b13, lw.b2)
+    elif lw.w13 is None:
+        raise FreetokenError("model was loaded without its experts; pass the expert store's banks")
+    else:
+        inter = lw.w13.shape[1] // 2
+        bank = ExpertBank.from_weights(lw.w13[:, :inter], lw.w13[:, inter:], lw.w2,
+                                       fmt=expert_format, group_size=group_size)
+        bank = bank if lw.b13 is None else bank.with_biases(lw.b13, lw.b2)
+    lw.w13 = lw.w2 = lw.b13 = lw.b2 = None
+    return bank

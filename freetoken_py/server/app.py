@@ -25,6 +25,7 @@ from freetoken_py.server.async_engine import (
     EngineStoppedError,
     QueueFullError,
 )
+from freetoken_py.server.engine_api import EngineAPI
 from freetoken_py.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from freetoken_py.server.metrics import render as render_metrics
 from freetoken_py.server.protocol import (
@@ -54,7 +55,7 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     max_queue: int = 64
-    llm: object | None = None
+    llm: EngineAPI | None = None   # server/engine_api.py: all the server uses of the engine
     engine: AsyncEngine | None = None
     load_error: str | None = None
     on_load_failed: Callable[[], None] | None = None  # `freetoken serve` exits; tests keep the server up
@@ -199,7 +200,7 @@ def create_app(load: Callable[[], object], state: ServerState) -> FastAPI:
     return app
 
 
-async def _load(load: Callable[[], object], state: ServerState) -> None:
+async def _load(load: Callable[[], EngineAPI], state: ServerState) -> None:
     try:
         llm = await asyncio.to_thread(load)
     except Exception as exc:  # reported by /ready and every request

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from freetoken_py.core import RequestOutput, SamplingParams
 from freetoken_py.errors import ContextLengthError, FreetokenError
+from freetoken_py.server.engine_api import EngineAPI
 from freetoken_py.server.metrics import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram
 
 log = logging.getLogger("freetoken.server")
@@ -97,7 +98,7 @@ class EngineStats:
 
 
 class AsyncEngine:
-    def __init__(self, llm, max_queue: int = 64):
+    def __init__(self, llm: EngineAPI, max_queue: int = 64):
         if max_queue < 1:
             raise FreetokenError("--max-queue must be >= 1")
         self.llm = llm

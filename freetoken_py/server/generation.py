@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from freetoken_py.core import SamplingParams
 from freetoken_py.errors import FreetokenError
 from freetoken_py.server.async_engine import AsyncEngine
+from freetoken_py.server.engine_api import EngineAPI
 from freetoken_py.server.protocol import ApiError, bad, clamp_max_tokens, fix_sampling
 from freetoken_py.server.sse import Final, engine_events, until_disconnect
 from freetoken_py.server.toolcalls import (
@@ -35,7 +36,7 @@ class Prepared:
         return make_parser(self.tool_format, self.reasoning, self.tools is not None, self.tools)
 
 
-def render_chat(llm, messages: list[dict], tools: list[dict] | None,
+def render_chat(llm: EngineAPI, messages: list[dict], tools: list[dict] | None,
                 template_kwargs: dict | None = None) -> tuple[list[int], bool | str]:
     """Prompt ids and the reasoning mode: "open" when the template itself opened a <think> block,
     False when it closed one (thinking switched off), else whether the template knows <think>.
@@ -112,7 +113,7 @@ def late_system_mode(tok) -> str:
     return _LATE_MODE[template]
 
 
-async def prepare_chat(llm, engine: AsyncEngine, messages: list[dict], tools: list[dict] | None,
+async def prepare_chat(llm: EngineAPI, engine: AsyncEngine, messages: list[dict], tools: list[dict] | None,
                        sampling: dict, max_tokens: int | None, stop: tuple[str, ...],
                        template_kwargs: dict | None = None, template_tools: list[dict] | None | bool = True
                        ) -> Prepared:
@@ -123,13 +124,15 @@ async def prepare_chat(llm, engine: AsyncEngine, messages: list[dict], tools: li
     ids, reasoning = await asyncio.to_thread(render_chat, llm, messages, rendered, template_kwargs)
     engine.check_prompt(len(ids))
     tool_format = detect_tool_format(llm.tokenizer.chat_template, llm.args.model_type)
-    llm.tokenizer.keep_in_text(markup_tokens(tool_format))  # the parser's tags survive detokenizing
-    prep = Prepared(ids, make_params(llm, engine, sampling, max_tokens, stop, len(ids)), tool_format, reasoning, tools)
+    # the parser's tags survive detokenizing: this request's own option, not the shared tokenizer's
+    params = make_params(llm, engine, sampling, max_tokens, stop, len(ids),
+                         keep_special_tokens=markup_tokens(tool_format))
+    prep = Prepared(ids, params, tool_format, reasoning, tools)
     prep.parser()  # fail now (400) rather than after the headers went out
     return prep
 
 
-def make_params(llm, engine: AsyncEngine, sampling: dict, max_tokens: int | None, stop: tuple[str, ...],
+def make_params(llm: EngineAPI, engine: AsyncEngine, sampling: dict, max_tokens: int | None, stop: tuple[str, ...],
                 num_prompt_tokens: int, **extra) -> SamplingParams:
     limit = engine.context_limit
     if max_tokens is not None and max_tokens >= limit:
