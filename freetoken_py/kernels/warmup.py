@@ -1,7 +1,7 @@
 """Compile (or load from numba's on-disk cache) the expert and dense kernels this package's API
 exports (`moe_experts`, `dense_linear`), every format and activation. The fused decode steps
 (paged attention, MLA, Gated DeltaNet: kernels/cpu_decode.py, cpu_mla.py, cpu_gdn.py) take
-per-model argument types; the engine warms them for the model it loaded (`LLM._warm_kernels`)."""
+per-model argument types; the engine warms them for the model it loaded (`engine.warmup.warm_kernels`)."""
 from __future__ import annotations
 
 import time

@@ -686,7 +686,7 @@ class ResidencyExecutor:
         return reached < held
 
     def lend_slots(self, num_slots: int) -> None:
-        """The KV cache took `num_slots` slots' worth of memory (`LLM._more_pages`): the elastic
+        """The KV cache took `num_slots` slots' worth of memory (`Engine._more_pages`): the elastic
         sizing may not grow back into it until `reclaim_slots`."""
         if self.elastic is not None:
             before = self.elastic.max_slots
@@ -694,7 +694,7 @@ class ResidencyExecutor:
             self._slots_lent += before - self.elastic.max_slots
 
     def reclaim_slots(self) -> None:
-        """The KV cache went back to its start-up size (`LLM._return_pages`): the elastic sizing's
+        """The KV cache went back to its start-up size (`KvSlotSplit.return_pages`): the elastic sizing's
         ceiling gets back exactly what `lend_slots` took off it."""
         if self.elastic is not None:
             self.elastic = replace(self.elastic, max_slots=self.elastic.max_slots + self._slots_lent)
