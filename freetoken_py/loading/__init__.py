@@ -139,8 +139,10 @@ def attach_tiers(loaded: LoadedModel, c: EngineConfig):
     cache: on a GPU the slots take what is left. They become the model's expert executor."""
     if c.residency == "off":
         return None
-    from freetoken_py.residency.attach import attach_residency
+    from freetoken_py.residency.attach import build_residency
 
     store = loaded.expert_store
-    return attach_residency(loaded.model, c.residency, c.residency_profile, c.vram_budget_bytes, c.residency_policy,
+    tiers = build_residency(loaded.model, c.residency, c.residency_profile, c.vram_budget_bytes, c.residency_policy,
                             banks=store.banks if store is not None else None)
+    loaded.model.experts = tiers   # the one change to the model after load, made here where it is seen
+    return tiers

@@ -42,7 +42,19 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
                      memory_probe: Optional[Callable[[], int]] = None, audit: bool = False,
                      prefetch: bool = True, cpu_kernels: bool = True, banks: Optional[list] = None
                      ) -> ResidencyExecutor:
-    """`vram_budget_bytes`: bytes for expert slots (0 = on CUDA, the free VRAM less max(1 GiB, a
+    """`build_residency`, plugged in as the model's expert executor."""
+    executor = build_residency(model, mode, profile_name, vram_budget_bytes, policy, memory_probe, audit, prefetch,
+                               cpu_kernels, banks)
+    model.experts = executor
+    return executor
+
+
+def build_residency(model, mode: str, profile_name: str, vram_budget_bytes: int = 0, policy: str = "ours",
+                    memory_probe: Optional[Callable[[], int]] = None, audit: bool = False,
+                    prefetch: bool = True, cpu_kernels: bool = True, banks: Optional[list] = None
+                    ) -> ResidencyExecutor:
+    """The tiers' executor for `model` (the caller makes it the model's expert executor).
+    `vram_budget_bytes`: bytes for expert slots (0 = on CUDA, the free VRAM less max(1 GiB, a
     tenth of the card) (call it after the dense weights and the KV cache are placed); emulated, room for half the
     model's experts, so a tiny model exercises hits, streaming and the CPU at once). `banks`: per
     layer the expert store's `ExpertBank` (`--expert-dtype`: bf16, fp32, int8 or int4; None for
@@ -50,28 +62,11 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     kernels read; without, the model's torch expert stacks (the checkpoint's precision).
     `cpu_kernels`: with the torch stacks, the CPU tier runs the numba expert kernels on views of
     them (bf16 / fp32 SwiGLU experts); False, or any other dtype, runs torch there."""
-    layers = model.weights.layers
     activation = getattr(model.args, "hidden_act", "silu")
-    if getattr(model.args, "expert_bias", False):
-        raise FreetokenError(f"the residency tiers do not run biased experts yet ({model.args.model_type}); "
-                             "use --backend cpu or torch")
-    if banks is not None:
-        if activation != "silu":
-            raise FreetokenError(f"the residency tiers compute SwiGLU experts; this model's are {activation!r}")
-        host = [bank_parts(b) if b is not None else None for b in banks]
-    else:
-        host = [(lw.w13, lw.w2) if lw.w13 is not None else None for lw in layers]
-    moe = [i for i, h in enumerate(host) if h is not None]
-    if not moe:
-        raise ValueError("this model has no routed experts")
-    fmt = ExpertFormat.of_bank(banks[moe[0]]) if banks is not None else ExpertFormat.of_float(*host[moe[0]])
+    host, moe, fmt = _host_experts(model, banks, activation)
     num_experts, expert_bytes = host[moe[0]][0].shape[0], fmt.expert_bytes
-    device = "cpu" if mode == "emulate" else "cuda"
-    profile = _measured_profile(_probe_format(fmt)) if profile_name == "measured" else get_profile(profile_name)
-    if profile_name == "measured":   # this machine's fixed host costs too (timed on the real executor)
-        kernels = banks is not None or (cpu_kernels and activation == "silu")
-        profile = with_host_costs(profile, num_experts, fmt, model.args.top_k, kernels)
-    profile = emulated(profile) if mode == "emulate" else profile
+    kernels = banks is not None or (cpu_kernels and activation == "silu")   # the CPU tier on the numba kernels
+    profile = _tier_profile(model, mode, profile_name, fmt, num_experts, kernels)
     if mode == "cuda" and banks is None:   # pinned banks make the host -> device copies asynchronous DMA
         _pin_in_place(model, moe, host)
     # (the expert store's banks are page-locked where they lie by the engine: engine.expert_store.pin_banks)
@@ -84,9 +79,8 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
     else:
         budget = expert_bytes * (len(moe) * num_experts // 2)
     num_slots = min(budget // expert_bytes, len(moe) * num_experts)
-    slots = SlotCache(num_slots, fmt.specs, device)
-    flops = 2.0 * 3 * fmt.inter * fmt.hidden     # gate+up [2I, D] and down [D, I]
-    cost = CostModel(profile, expert_bytes, flops)
+    slots = SlotCache(num_slots, fmt.specs, "cpu" if mode == "emulate" else "cuda")
+    cost = CostModel(profile, expert_bytes, 2.0 * 3 * fmt.inter * fmt.hidden)   # flops: gate+up [2I, D], down [D, I]
     routers = route_predictors(model, set(moe)) if prefetch else None
     elastic = ElasticVram(expert_bytes, num_slots) if memory_probe is not None else None
     if mode == "cuda" and memory_probe is None:
@@ -102,13 +96,39 @@ def attach_residency(model, mode: str, profile_name: str, vram_budget_bytes: int
         _warm(banks[moe[0]])
     else:
         cpu_banks = _cpu_banks(host, activation) if cpu_kernels else None
-    executor = ResidencyExecutor(host, fmt, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
-                                 routers=routers, top_k=model.args.top_k, elastic=elastic,
-                                 memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
-                                 audit=audit, measure_live=mode == "cuda",
-                                 cpu_banks=cpu_banks, dense_layer_bytes=dense_layer)
-    model.experts = executor
-    return executor
+    return ResidencyExecutor(host, fmt, make_policy(policy, moe, num_experts, num_slots, profile), cost, slots,
+                             routers=routers, top_k=model.args.top_k, elastic=elastic,
+                             memory_probe=memory_probe, label=profile.name if mode == "emulate" else "cuda",
+                             audit=audit, measure_live=mode == "cuda", cpu_banks=cpu_banks,
+                             dense_layer_bytes=dense_layer)
+
+
+def _host_experts(model, banks: Optional[list], activation: str):
+    """Per layer the host expert weights the tiers serve ((w13, w2) parts, None for a dense layer),
+    the MoE layers' indices and their `ExpertFormat`."""
+    if getattr(model.args, "expert_bias", False):
+        raise FreetokenError(f"the residency tiers do not run biased experts yet ({model.args.model_type}); "
+                             "use --backend cpu or torch")
+    if banks is not None:
+        if activation != "silu":
+            raise FreetokenError(f"the residency tiers compute SwiGLU experts; this model's are {activation!r}")
+        host = [bank_parts(b) if b is not None else None for b in banks]
+    else:
+        host = [(lw.w13, lw.w2) if lw.w13 is not None else None for lw in model.weights.layers]
+    moe = [i for i, h in enumerate(host) if h is not None]
+    if not moe:
+        raise ValueError("this model has no routed experts")
+    fmt = ExpertFormat.of_bank(banks[moe[0]]) if banks is not None else ExpertFormat.of_float(*host[moe[0]])
+    return host, moe, fmt
+
+
+def _tier_profile(model, mode: str, profile_name: str, fmt: ExpertFormat, num_experts: int, kernels: bool):
+    """The tier profile: a hand-built one by name, or "measured" (this machine's, with its fixed
+    host costs timed on the real executor); emulated when the accelerator tier runs on CPU."""
+    profile = _measured_profile(_probe_format(fmt)) if profile_name == "measured" else get_profile(profile_name)
+    if profile_name == "measured":
+        profile = with_host_costs(profile, num_experts, fmt, model.args.top_k, kernels)
+    return emulated(profile) if mode == "emulate" else profile
 
 
 def _pin_in_place(model, moe: list[int], host: list) -> None:
