@@ -22,6 +22,7 @@ import torch
 import gpt_oss_util as gu
 import parity_util
 from freetoken_py.core import FinishReason, SamplingParams
+from freetoken_py.kvcache import spec
 from freetoken_py.kvcache.spec import window_pages_per_seq
 from freetoken_py.llm import LLM
 
@@ -217,3 +218,60 @@ def test_a_windowed_page_taken_from_under_a_request_aborts_it_alone(backend, ckp
     llm.prefix_cache.evict(1 << 30)
     # every windowed page came back but the one taken from the victim (never freed twice)
     assert w.allocator.num_free == w.allocator.num_pages - 1
+
+
+def test_the_plan_sums_the_kinds_and_bounds_the_windowed_pool(ckpt):
+    """engine/memory.py: full layers get pages per token of context, the windowed layers' pool
+    its bound per sequence (spec.window_pool_pages); the bytes add up to the budget."""
+    from freetoken_py.engine.memory import WINDOW_CHUNK_FLOOR
+
+    llm = _llm(ckpt("gpt_oss"), "torch", page_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+               kv_cache_bytes=1 << 20)
+    cache, plan = llm.runner.cache, llm.memory
+    bound = spec.window_pool_pages(4, 4, 2, max(64, WINDOW_CHUNK_FLOOR))
+    assert cache.num_window_pages == plan.window_pages == bound == 2 * (2 + 1) + 128
+    assert llm.allocator.num_pages == plan.num_pages > 2 * bound   # what the window does not need goes to context
+    per_row = 2 * 2 * 16 * 4   # K and V, 2 heads of 16, fp32: one layer's row
+    assert (plan.num_pages * 2 + bound * 2) * 4 * per_row <= 1 << 20   # 2 full + 2 windowed layers
+    assert cache.windows.allocator.num_pages == bound
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_small_windowed_pool_gives_back_the_caches_windows_first(backend, ckpt):
+    """A windowed pool of 8 pages (2 sequences' bound at page 4 over W 4 is 6 plus a chunk)
+    under a prefix cache that keeps windows of every published prompt: the cache gives back
+    its windowed pages (LRU) before anything else, hits stop where windows are left, and the
+    tokens stay those of an engine with a mirrored pool."""
+    from freetoken_py.core import Request
+    from freetoken_py.engine.runner import ModelRunner
+    from freetoken_py.kvcache import PageAllocator
+    from freetoken_py.kvcache.radix import RadixCache
+    from freetoken_py.scheduler.scheduler import Scheduler
+
+    path = ckpt("gpt_oss")
+    ref = _llm(path, backend, page_size=4)
+    small = ModelRunner(ref.model, 64, 4, torch.float32, fused_decode=(backend == "cpu"), window_pages=8)
+    w = small.cache.windows
+    alloc = PageAllocator(64)
+    cache = RadixCache(alloc, 4)
+    sched = Scheduler(alloc, 4, 2, 8, cache, windows=w)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    base = _prompt(24, seed=21)
+    prompts = [base + _prompt(n, seed=30 + n) for n in (5, 9, 3, 7)] + [base + [1, 2]]
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    reqs = [Request(p, params) for p in prompts]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work:
+        chunks = sched.schedule()
+        sampling = [c for c in chunks if c.samples]   # (before the pass moves num_computed)
+        logits = small.forward_batch(chunks)
+        sched.publish_prompts(chunks)
+        for ch, row in zip(sampling, logits):
+            ch.req.output_token_ids.append(int(row.argmax()))
+            if len(ch.req.output_token_ids) == params.max_tokens:
+                sched.finish(ch.req)
+        assert w.allocator.num_free >= 0
+    assert [r.output_token_ids for r in reqs] == want
+    assert cache.num_windows_evicted > 0 and cache.num_evicted == 0   # windows went, full pages stayed
+    assert any(r.num_cached_tokens for r in reqs)   # hits still happen where windows were left

@@ -44,7 +44,7 @@ class Engine:
                            self.model.device.type == "cuda")
         self.memory, self._page_bytes = plan, plan.page_bytes
         self.runner = ModelRunner(self.model, plan.num_pages, config.page_size, self.kv_dtype,
-                                  state_slots=config.max_num_seqs + plan.snapshot_slots)
+                                  state_slots=config.max_num_seqs + plan.snapshot_slots, window_pages=plan.window_pages)
         self.residency = attach_tiers(loaded, config)   # after the KV cache: on a GPU the slots take what is left
         self._build_caches(plan)
         self.outputs = OutputProcessor(self.tokenizer, self.generation.eos_token_ids)

@@ -14,6 +14,7 @@ import torch
 from freetoken_py.config import EngineConfig
 from freetoken_py.errors import FreetokenError
 from freetoken_py.kvcache import paged_bytes
+from freetoken_py.kvcache.spec import window_of, window_pool_pages
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class MemoryPlan:
     state_bytes: int       # one request's recurrent state (0: not a hybrid)
     snapshot_slots: int    # recurrent-state slots kept for prefix snapshots, beyond max_num_seqs
     num_pages: int
+    window_pages: int | None = None   # windowed layers' own pool (kvcache/window.py); None: not such a model
 
 
 def kv_dtype_of(c: EngineConfig, auto: torch.dtype) -> torch.dtype:
@@ -34,11 +36,33 @@ def kv_dtype_of(c: EngineConfig, auto: torch.dtype) -> torch.dtype:
 def plan_memory(c: EngineConfig, paged_specs, state_specs, kv_dtype: torch.dtype, max_model_len: int,
                 on_cuda: bool) -> MemoryPlan:
     # only the paged layers count (a hybrid's linear-attention layers keep a per-request state)
+    windowed = [s for s in paged_specs if window_of(s) is not None]
+    if windowed:   # the kinds summed: full layers per token, windowed ones bounded per sequence
+        return _plan_windowed(c, paged_specs, windowed, kv_dtype, max_model_len, on_cuda)
     page_bytes = paged_bytes(paged_specs, c.page_size, kv_dtype)
     state = sum(s.bytes_per_request for s in state_specs if s.kind == "recurrent")
     budget = kv_budget(c, page_bytes, max_model_len, on_cuda)
     slots = snapshot_slot_count(c, state, budget)   # hybrids: out of the KV budget, before the pages
     return MemoryPlan(page_bytes, state, slots, num_pages(c, budget, page_bytes, slots, state))
+
+
+WINDOW_CHUNK_FLOOR = 512   # a pass outside the scheduler (FP8 calibration: warmup.KV_CALIBRATION_TOKENS)
+
+
+def _plan_windowed(c: EngineConfig, specs, windowed, kv_dtype: torch.dtype, max_model_len: int,
+                   on_cuda: bool) -> MemoryPlan:
+    """Windowed layers (kvcache/window.py) next to full ones: the full layers' pages for the
+    budget, the windowed layers' pool at its bound (spec.window_pool_pages), never more pages
+    than the full layers have (a windowed page is only held where a full one is)."""
+    full_bytes = paged_bytes([s for s in specs if window_of(s) is None], c.page_size, kv_dtype)
+    win_bytes = paged_bytes(windowed, c.page_size, kv_dtype)
+    bound = window_pool_pages(window_of(windowed[0]), c.page_size, c.max_num_seqs,
+                              max(c.max_num_batched_tokens, WINDOW_CHUNK_FLOOR))
+    budget = kv_budget(c, full_bytes, max_model_len, on_cuda) + (0 if c.kv_cache_bytes else bound * win_bytes)
+    mirrored = max(2, budget // (full_bytes + win_bytes))
+    if bound >= mirrored:
+        return MemoryPlan(full_bytes + win_bytes, 0, 0, mirrored, mirrored)
+    return MemoryPlan(full_bytes, 0, 0, max(2, (budget - bound * win_bytes) // full_bytes), bound)
 
 
 def kv_budget(c: EngineConfig, page_bytes: int, max_model_len: int, on_cuda: bool) -> int:

@@ -34,13 +34,14 @@ class ScheduledChunk:
 
 class ModelRunner:
     def __init__(self, model: MoeTransformer, num_pages: int, page_size: int, kv_dtype: torch.dtype | None = None,
-                 fused_decode: bool = True, state_slots: int = 0):
+                 fused_decode: bool = True, state_slots: int = 0, window_pages: int | None = None):
         """state_slots: per-request recurrent-state slots of a hybrid model (max_num_seqs plus the
-        spares kept for prefix-state snapshots); ignored by models without recurrent layers."""
+        spares kept for prefix-state snapshots); ignored by models without recurrent layers.
+        window_pages: the windowed layers' own pool (kvcache/window.py; default num_pages)."""
         self.model = model
         # only the paged layers (every layer but a hybrid's linear-attention ones) have K/V pages
         self.cache = KVCache.for_specs(model.paged_specs(), num_pages, page_size,
-                                       kv_dtype or model.dtype, model.device)   # with the dense weights: VRAM when on a GPU
+                                       kv_dtype or model.dtype, model.device, window_pages)   # with the dense weights: VRAM when on a GPU
         self.states = (StatePool(model.state_specs(), max(1, state_slots), model.device)
                        if model.hybrid else None)   # kvcache/state.py: one slot per request
         self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)

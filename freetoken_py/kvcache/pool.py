@@ -273,9 +273,11 @@ class KVCache:
         for new, cur in zip(grown, self._tensors()):
             new[:, :old].copy_(cur)
             new[:, old:].zero_()
+        mirrored = self.num_window_pages >= self.num_pages   # (a planned, bounded pool keeps its size)
         (self._k, self._v, self.index), self.num_pages = grown, num_pages
         self._views()
-        self.grow_window(num_pages)   # a windowed layer never holds more pages than the full ones
+        if mirrored:
+            self.grow_window(num_pages)   # a windowed layer never holds more pages than the full ones
 
     def shrink(self, num_pages: int) -> None:
         """Reallocate K and V for the first `num_pages` pages (the allocator dropped the rest,

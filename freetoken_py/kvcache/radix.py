@@ -68,6 +68,7 @@ class RadixCache:
         self.page_size = page_size
         self.snapshots = snapshots  # hybrid models: where node snapshots live
         self.windows = None  # models with windowed layers: their pages' pool (window.WindowPages)
+        self.num_windows_evicted = 0  # windowed pages given back alone (evict_windows)
         self._roots: dict[Hashable, _Node] = {}
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages held by the cache
@@ -197,6 +198,19 @@ class RadixCache:
             return   # it has one: the caller's stays the caller's
         self.windows.allocator.share([wpage])
         node.wpage, node.wtag = wpage, int(tags[wpage])
+
+    def evict_windows(self, num_pages: int) -> int:
+        """Give back up to `num_pages` windowed pages held only by the cache, least recently used
+        nodes first (their full pages stay cached; a hit then stops before them). Returns freed."""
+        if self.windows is None:
+            return 0
+        a = self.windows.allocator
+        held = sorted((n for n in self._nodes() if n.wpage >= 0 and n.wtag == a.tags_np[n.wpage]
+                       and a.refcount(n.wpage) == 1), key=lambda n: n.last_access)[:num_pages]
+        for node in held:
+            self._release_window(node)
+        self.num_windows_evicted += len(held)
+        return len(held)
 
     def _release_window(self, node: _Node) -> None:
         if node.wpage >= 0 and node.wtag == self.windows.allocator.tags_np[node.wpage]:

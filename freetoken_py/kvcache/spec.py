@@ -139,6 +139,14 @@ def window_pages_per_seq(window: int, page_size: int) -> int:
     return -(-(window - 1) // page_size) + 1
 
 
+def window_pool_pages(window: int, page_size: int, max_num_seqs: int, max_chunk_tokens: int) -> int:
+    """Pages a windowed layers' pool needs for the running sequences: each holds
+    `window_pages_per_seq` between steps, and a step's chunks (at most `max_chunk_tokens` tokens in
+    all) add at most ceil(n / page_size) + 1 pages each. Pages the prefix cache keeps come on top
+    and are given back first when the pool runs short (RadixCache.evict_windows)."""
+    return max_num_seqs * (window_pages_per_seq(window, page_size) + 1) + -(-max_chunk_tokens // page_size)
+
+
 def values_per_token(spec: StateSpec) -> int:
     """Stored values per token per layer."""
     return sum(h * w for h, w in spec.rows)

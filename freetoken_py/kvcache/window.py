@@ -41,6 +41,8 @@ class WindowPages:
         self.allocator = PageAllocator(num_pages)
         self.tables: dict[int, list[int]] = {}   # request id -> page per sequence page, -1 = not held
         self._finalizers: dict[int, weakref.finalize] = {}
+        # reclaim(n): give back up to n pages held elsewhere (the prefix cache's, set by the scheduler)
+        self.reclaim = None
 
     def first_page(self, pos: int) -> int:
         """The first sequence page a token at position `pos` reads (keys (pos - window, pos])."""
@@ -76,7 +78,10 @@ class WindowPages:
         lost = [j for j in range(first, min(last, len(t))) if t[j] < 0]
         if lost:
             raise RuntimeError(f"request {req.request_id}: windowed pages {lost} were given back but are read")
-        pages = self.allocator.allocate(max(0, last - max(len(t), first)))
+        need = max(0, last - max(len(t), first))
+        if need > self.allocator.num_free and self.reclaim is not None:
+            self.reclaim(need - self.allocator.num_free)
+        pages = self.allocator.allocate(need)
         it = iter(pages)
         t.extend(next(it) if j >= first else -1 for j in range(len(t), last))
         return pages

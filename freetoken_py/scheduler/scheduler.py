@@ -65,6 +65,7 @@ class Scheduler:
         if windows is not None and prefix_cache is not None:
             assert states is None, "windowed layers in a hybrid: not supported"
             prefix_cache.windows = windows
+            windows.reclaim = prefix_cache.evict_windows   # (passes run outside the scheduler)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -99,6 +100,8 @@ class Scheduler:
             return True
         self._trim(req)   # (publish_prompts did after the last step; a loop driving schedule alone gets it here)
         need = w.pages_needed(req, upto)
+        if need > w.allocator.num_free and self.prefix_cache is not None:   # the cache's windows go first
+            self.prefix_cache.evict_windows(need - w.allocator.num_free)
         while need > w.allocator.num_free and self.prefix_cache is not None:
             if not self.prefix_cache.evict(need - w.allocator.num_free):
                 break
