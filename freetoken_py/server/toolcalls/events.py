@@ -67,3 +67,30 @@ def collect(events: list, parsed: ParsedOutput | None = None) -> ParsedOutput:
         elif isinstance(ev, ToolCallEnd):
             out.tool_calls.append(ToolCall(*pending.pop(ev.index)))
     return out
+
+
+class StreamParser:
+    """The feed / finish loop both streaming parsers share: `STEPS` maps each state to the name of
+    the method that advances it; a step returns True while it made progress."""
+
+    STEPS: dict[str, str] = {}
+    _state: str
+    _buf: str
+    _finished: bool
+
+    def feed(self, text: str) -> list:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> list:
+        events = self._drain(final=True)
+        self._finished = True
+        return events
+
+    def _drain(self, final: bool) -> list:
+        events: list = []
+        while getattr(self, self.STEPS[self._state])(events, final):
+            pass
+        return [e for e in events if not isinstance(e, (TextDelta, ReasoningDelta)) or e.text]

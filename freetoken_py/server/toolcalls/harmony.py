@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from freetoken_py.server.toolcalls.bodies import _json_object
 from freetoken_py.server.toolcalls.events import (
+    StreamParser,
     ReasoningDelta,
     TextDelta,
     ToolCallArgs,
@@ -114,7 +115,7 @@ def parse_header(text: str, syntax: HarmonySyntax = HARMONY) -> Header:
     return Header(channel, recipient.group(1) if recipient else "")
 
 
-class HarmonyParser:
+class HarmonyParser(StreamParser):
     """Streaming harmony parser with OutputParser's interface: `feed(delta) -> events`, then
     `finish() -> events`; any split of the text gives the same events (a suffix that could still
     become a tag is held back; a header and a call's body are buffered until they end).
@@ -123,6 +124,8 @@ class HarmonyParser:
     reasoning or content), "call" (a tool call's arguments, buffered until <|call|>), "raw" (a
     header that did not reach <|message|> within `max_header_chars`: not harmony, the rest is
     text as written)."""
+
+    STEPS = {"header": "_step_header", "body": "_step_body", "call": "_step_call", "raw": "_step_raw"}
 
     def __init__(self, tools_enabled: bool = False, syntax: HarmonySyntax = HARMONY):
         self.syntax = syntax
@@ -134,23 +137,6 @@ class HarmonyParser:
         self._index = 0
         self._finished = False
 
-    def feed(self, text: str) -> list:
-        if self._finished:
-            raise RuntimeError("feed() after finish()")
-        self._buf += text
-        return self._drain(final=False)
-
-    def finish(self) -> list:
-        events = self._drain(final=True)
-        self._finished = True
-        return events
-
-    def _drain(self, final: bool) -> list:
-        events: list = []
-        step = {"header": self._step_header, "body": self._step_body, "call": self._step_call, "raw": self._step_raw}
-        while step[self._state](events, final):
-            pass
-        return [e for e in events if not isinstance(e, (TextDelta, ReasoningDelta)) or e.text]
 
     def _step_header(self, events: list, final: bool) -> bool:
         syn = self.syntax

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from freetoken_py.errors import FreetokenError
 from freetoken_py.server.toolcalls.events import (
+    StreamParser,
     ReasoningDelta,
     TextDelta,
     ToolCallArgs,
@@ -38,7 +39,7 @@ def _first(text: str, tags: list[str]) -> tuple[int, str | None]:
     return min(hits) if hits else (-1, None)
 
 
-class OutputParser:
+class OutputParser(StreamParser):
     """Streaming parser: `feed(delta) -> events`, then `finish() -> events`.
 
     States: "start" (reasoning=True: does the text open with <think>?), "think" (reasoning until
@@ -46,6 +47,9 @@ class OutputParser:
     "text" (content, watching for the format's opening tag), "section" (between the calls of a
     sectioned format), "call" (buffering one call's body). A call returns to where it began.
     """
+
+    STEPS = {"start": "_step_start", "think": "_step_think", "text": "_step_text",
+             "section": "_step_section", "call": "_step_call"}
 
     def __init__(self, tool_format: str = "none", reasoning: bool | str = False, tools_enabled: bool = False,
                  tools: list[dict] | None = None):
@@ -69,24 +73,6 @@ class OutputParser:
         self._index = 0
         self._finished = False
 
-    def feed(self, text: str) -> list:
-        if self._finished:
-            raise RuntimeError("feed() after finish()")
-        self._buf += text
-        return self._drain(final=False)
-
-    def finish(self) -> list:
-        events = self._drain(final=True)
-        self._finished = True
-        return events
-
-    def _drain(self, final: bool) -> list:
-        events: list = []
-        step = {"start": self._step_start, "think": self._step_think, "text": self._step_text,
-                "section": self._step_section, "call": self._step_call}
-        while step[self._state](events, final):
-            pass
-        return [e for e in events if not isinstance(e, (TextDelta, ReasoningDelta)) or e.text]
 
     def _take_leading_ws(self) -> bool:
         """After a tag, skip whitespace; False while only whitespace has arrived."""
