@@ -122,6 +122,16 @@ class ConfigReader:
         self.cfg = cfg
         self.path = path
 
+    def layer_types(self, num_layers: int, supported: tuple[str, ...]) -> tuple[str, ...]:
+        """`layer_types` as given: one entry per layer, each one of `supported`."""
+        kinds = self.cfg["layer_types"]
+        if not isinstance(kinds, list) or len(kinds) != num_layers:
+            raise ModelLoadError(f"{self.path}: 'layer_types' must list one entry per layer ({num_layers})")
+        for i, k in enumerate(kinds):
+            if k not in supported:
+                raise ModelLoadError(f"{self.path}: 'layer_types'[{i}] is {k!r} (supported: {', '.join(supported)})")
+        return tuple(kinds)
+
     def get(self, *keys: str, default=..., kind=int):
         for key in keys:
             if key in self.cfg and self.cfg[key] is not None:

@@ -36,12 +36,7 @@ def layer_kinds(c: ConfigReader, num_layers: int) -> tuple[str, ...]:
     kinds = c.cfg.get("layer_types")
     if kinds is None:  # transformers' default: sliding on even layers
         return tuple(LAYER_KINDS[i % 2] for i in range(num_layers))
-    if not isinstance(kinds, list) or len(kinds) != num_layers:
-        raise ModelLoadError(f"{c.path}: 'layer_types' must list one entry per layer ({num_layers})")
-    for i, k in enumerate(kinds):
-        if k not in LAYER_KINDS:
-            raise ModelLoadError(f"{c.path}: 'layer_types'[{i}] is {k!r} (supported: {', '.join(LAYER_KINDS)})")
-    return tuple(kinds)
+    return c.layer_types(num_layers, LAYER_KINDS)
 
 
 def parse_config(c: ConfigReader) -> ModelArgs:

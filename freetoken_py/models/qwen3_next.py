@@ -26,12 +26,7 @@ def layer_kinds(c: ConfigReader, num_layers: int) -> tuple[str, ...]:
         if interval < 1:
             raise ModelLoadError(f"{c.path}: 'full_attention_interval' ({interval}) must be positive")
         return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
-    if not isinstance(kinds, list) or len(kinds) != num_layers:
-        raise ModelLoadError(f"{c.path}: 'layer_types' must list one entry per layer ({num_layers})")
-    for i, k in enumerate(kinds):
-        if k not in LAYER_KINDS:
-            raise ModelLoadError(f"{c.path}: 'layer_types'[{i}] is {k!r} (supported: {', '.join(LAYER_KINDS)})")
-    return tuple(kinds)
+    return c.layer_types(num_layers, LAYER_KINDS)
 
 
 def gdn_config(c: ConfigReader) -> GdnConfig:
