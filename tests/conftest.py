@@ -14,6 +14,10 @@ import torch
 # bf16 (docs/kernels.md); tests/test_kernels_bf16act.py runs that path explicitly. Set before any
 # freetoken kernel is imported, and inherited by the CLI subprocesses tests start.
 os.environ.setdefault("FREETOKEN_BF16_ACT", "fp32")
+# Subprocesses (the CLI, kernel checks) import this checkout, whatever copy of the package pip installed
+# and whatever directory they run in.
+_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 VOCAB = 160
 
