@@ -77,7 +77,7 @@ NOTES = {
         'attention sinks, sliding-window (`layer_types`: sliding / full alternating) and full layers, q/k/v/o '
         'biases, YaRN; top-k-then-softmax router with a bias; experts with biases and the clamped SwiGLU '
         '(interleaved gate/up, `up + 1`); MXFP4 experts as released (run as nvfp4 on the cpu backend). Windowed '
-        "layers keep their whole context in the KV pool for now (docs/architecture.md, \"Adding a family\")"
+        'layers hold window + one page of KV per sequence (docs/kvcache.md)'
     ),
     'qwen3_next': (
         '**hybrid** — Gated DeltaNet linear attention (3 of 4 layers, '

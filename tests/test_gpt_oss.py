@@ -252,7 +252,7 @@ def test_probe_reads_gpt_oss_20b_geometry(tmp_path):
     """gpt-oss-20b's released tensors (headers only: MXFP4 experts, bf16 rest) and config: each
     decode token reads top-4 of 32 experts in 24 layers at their stored bytes (blocks + e8m0 scales
     + bf16 biases), and the KV cache adds 24 layers x K and V x 8 heads x 64 x 2 bytes (every layer
-    keeps its whole context today: the windowed layers' pages are not freed yet)."""
+    counts every layer's rows per token; the windowed pool's fixed size is not reported yet)."""
     from freetoken_py.hw.model_bytes import read_model_bytes
     from freetoken_py.models.checkpoint import TensorInfo
 
