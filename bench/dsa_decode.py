@@ -143,12 +143,9 @@ def step_timer(runner, ctx: int, steps: int):
     return step
 
 
-def llama_step_timer(peer, ctx: int, seed: list[int], fill: dict):
-    """llama.cpp holding `ctx` positions (its KV state written, common.llama_cpp_fill_context; the
-    seed state read once and kept in `fill`); each call decodes one token, returns seconds."""
-    got = common.llama_cpp_fill_context(peer, seed, ctx, fill.get("state"))
-    fill.update(got)
-    tok = [int(peer.logits().argmax()) if ctx <= len(seed) else seed[0]]
+def _greedy_step(peer, first: int):
+    """A timer that decodes one greedy token on llama.cpp per call (starting from `first`), in seconds."""
+    tok = [first]
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -156,6 +153,14 @@ def llama_step_timer(peer, ctx: int, seed: list[int], fill: dict):
         tok[0] = int(peer.logits().argmax())
         return time.perf_counter() - t0
     return step
+
+
+def llama_step_timer(peer, ctx: int, seed: list[int], fill: dict):
+    """llama.cpp holding `ctx` positions (its KV state written, common.llama_cpp_fill_context; the
+    seed state read once and kept in `fill`); each call decodes one token, returns seconds."""
+    got = common.llama_cpp_fill_context(peer, seed, ctx, fill.get("state"))
+    fill.update(got)
+    return _greedy_step(peer, int(peer.logits().argmax()) if ctx <= len(seed) else seed[0])
 
 
 def llama_prefilled_timer(peer, ctx: int, vocab: int, upto: int, prefill: dict):
@@ -170,14 +175,7 @@ def llama_prefilled_timer(peer, ctx: int, vocab: int, upto: int, prefill: dict):
     peer.llm.eval(prompt)
     prefill[ctx] = round(ctx / (time.perf_counter() - t0), 2)
     common.log(f"llama.cpp prefilled {ctx} tokens at {prefill[ctx]} tok/s")
-    tok = [int(peer.logits().argmax())]
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        peer.llm.eval([tok[0]])
-        tok[0] = int(peer.logits().argmax())
-        return time.perf_counter() - t0
-    return step
+    return _greedy_step(peer, int(peer.logits().argmax()))
 
 
 def decode_tps(makers: dict, contexts: list[int], steps: int) -> dict:

@@ -78,8 +78,6 @@ def hub():
 
 def env_for(hub: StubHub, home: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    root = str(Path(__file__).resolve().parents[1])     # the checkout under test, whatever was pip-installed
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return {**env, "HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
 
 
