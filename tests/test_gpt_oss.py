@@ -349,6 +349,6 @@ def test_rms_norm_multiplies_in_fp32_as_gpt_oss_does_in_bf16(ckpt):
     theirs = tf.models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm(w.shape[0], eps=llm.args.rms_norm_eps)
     theirs.weight.data = w.clone()
     x = torch.randn(16, w.shape[0], generator=torch.Generator().manual_seed(0)).bfloat16() * 3
-    ours = llm.model._norm(x, w, llm.args.rms_norm_eps)
+    ours = llm.model.arch.norm(x, w, llm.args.rms_norm_eps)   # the model file's RmsNorm kind
     assert torch.equal(ours, theirs(x))
     assert not torch.equal(rms_norm(x, w, llm.args.rms_norm_eps), theirs(x))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from freetoken_py.engine.cpu_backend import KernelExpertExecutor
 from freetoken_py.kernels import cpu_decode as kd
@@ -22,6 +21,7 @@ from freetoken_py.kvcache import KVCache
 from freetoken_py.layers.dsa import index_keys, index_queries
 from freetoken_py.layers.linear import KernelLinear
 from freetoken_py.layers.mla import mla_project
+from freetoken_py.layers.mlp import swiglu
 from freetoken_py.models.moe_transformer import MoeTransformer
 
 _ONE = np.ones(1, np.float32)
@@ -130,21 +130,16 @@ def add_ffn(m: MoeTransformer, i: int, lw, x: np.ndarray, h: np.ndarray, banks, 
     `shared_expert_gate`). The hybrid decode step runs its own numba form (cpu_decode.add_swiglu)."""
     xt = torch.from_numpy(x)
     if lw.router is None:
-        h += _swiglu(lw.mlp13, lw.mlp2, xt).numpy()
+        h += swiglu(lw.mlp13, lw.mlp2, xt).numpy()
         return
-    ids, wts = m._route(lw, xt)
+    ids, wts = m.route(i, xt)
     ids, wts = ids.contiguous(), wts.float().contiguous()
     if banks is not None:
         add_moe_experts(banks[i], x, ids.numpy(), wts.numpy(), h, act)
     else:
         h += m.experts(i, xt, ids, wts).numpy()
     if lw.shared13 is not None:
-        shared = _swiglu(lw.shared13, lw.shared2, xt)
+        shared = swiglu(lw.shared13, lw.shared2, xt)
         if lw.shared_gate is not None:
             shared = torch.sigmoid(lw.shared_gate(xt)) * shared
         h += shared.numpy()
-
-
-def _swiglu(w13, w2, x: torch.Tensor) -> torch.Tensor:
-    gate, up = w13(x).chunk(2, dim=-1)
-    return w2(F.silu(gate) * up)

@@ -232,3 +232,55 @@ def gated_deltanet(cfg: GdnConfig, w: GdnWeights, x: torch.Tensor, meta, conv_st
 
 
 gated_deltanet.captures = True  # honours meta.state_captures (scheduler/prefix_state.py)
+
+
+@dataclass(frozen=True)
+class GdnMixer:
+    """The Gated DeltaNet token mixer (a model file's layer kind, layers/decoder.py): a recurrent
+    state per request instead of pages. proj: the checkpoint's input projections, "separate"
+    (in_proj_qkv / z / b / a: Qwen3.5) or "grouped" per key head (in_proj_qkvz / ba: Qwen3-Next),
+    read as one fused [q | k | v | z | b | a] linear either way."""
+    cfg: GdnConfig
+    hidden: int
+    proj: str = "separate"
+    paged = False
+
+    def state_spec(self) -> Recurrent:
+        return self.cfg.state_spec
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        g, D, p = self.cfg, self.hidden, "linear_attn."
+        shapes = {p + "conv1d.weight": (g.conv_dim, 1, g.conv_kernel), p + "dt_bias": (g.num_v_heads,),
+                  p + "A_log": (g.num_v_heads,), p + "norm.weight": (g.v_head_dim,),
+                  p + "out_proj.weight": (D, g.value_dim)}
+        if self.proj == "grouped":
+            shapes.update({p + "in_proj_qkvz.weight": (2 * g.key_dim + 2 * g.value_dim, D),
+                           p + "in_proj_ba.weight": (2 * g.num_v_heads, D)})
+        else:
+            shapes.update({p + "in_proj_qkv.weight": (g.conv_dim, D), p + "in_proj_z.weight": (g.value_dim, D),
+                           p + "in_proj_b.weight": (g.num_v_heads, D), p + "in_proj_a.weight": (g.num_v_heads, D)})
+        return shapes
+
+    def load(self, get, prefix: str) -> dict:
+        """The input projections fused (grouped rows per key head [q k v z] and [b a] reordered)."""
+        from freetoken_py.layers.linear import TorchLinear
+
+        g, p = self.cfg, prefix + "linear_attn."
+        if self.proj == "grouped":
+            Hk, dk, dv, r = g.num_k_heads, g.k_head_dim, g.v_head_dim, g.num_v_heads // g.num_k_heads
+            q, k, v, z = get(p + "in_proj_qkvz.weight").view(Hk, 2 * dk + 2 * r * dv, -1).split(
+                [dk, dk, r * dv, r * dv], dim=1)
+            b, a = get(p + "in_proj_ba.weight").view(Hk, 2 * r, -1).split([r, r], dim=1)
+            rows = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]
+        else:
+            rows = [get(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
+        gdn = GdnWeights(in_proj=TorchLinear(torch.cat(rows).contiguous()), conv=get(p + "conv1d.weight")[:, 0].contiguous(),
+                         A_log=get(p + "A_log", torch.float32), dt_bias=get(p + "dt_bias", torch.float32),
+                         norm=get(p + "norm.weight"))
+        return dict(gdn=gdn, o=TorchLinear(get(p + "out_proj.weight")))
+
+    def held(self, held, prefix: str) -> int:
+        return sum(held(prefix + name, name.startswith("linear_attn.in_proj")) for name in self.shapes())
+
+    def forward(self, lw, x: torch.Tensor, ctx, i: int) -> torch.Tensor:
+        return lw.o(ctx.gdn(self.cfg, lw.gdn, x, ctx.meta, ctx.states.conv[i], ctx.states.rec[i]))

@@ -225,3 +225,70 @@ def _expanded(cfg: MlaConfig, w: MlaWeights, q_nope, q_rope, c, k_rope, mask) ->
     q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [H, n, dqk]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.softmax_scale)  # [H, n, dv]
     return o.transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class MlaAttention:
+    """The MLA token mixer (a model file's layer kind, layers/decoder.py): projections and
+    attention above over the paged latent pool. With DSA (`dsa`, layers/dsa.py) a layer with an
+    `indexer` runs DeepSeek sparse attention's selection, caches its index keys beside the
+    latents and leaves the selection to the shared layers after it, which reuse it as it is."""
+    cfg: MlaConfig
+    hidden: int
+    dsa: object = None                 # layers.dsa.DsaConfig, or None: dense MLA
+    indexer: bool = False              # this layer owns an indexer (DSA "full" layer)
+    paged = True
+
+    @property
+    def scale(self) -> float:
+        return self.cfg.softmax_scale
+
+    def state_spec(self):
+        if self.indexer:   # latent, rope key and index key per token
+            from freetoken_py.kvcache import PagedIndexedLatent
+            return PagedIndexedLatent(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, self.dsa.head_dim)
+        return self.cfg.state_spec
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {f"self_attn.{k}": v for k, v in self.cfg.tensor_shapes(self.hidden).items()}
+        if self.indexer:
+            shapes.update({f"self_attn.indexer.{k}": v
+                           for k, v in self.dsa.tensor_shapes(self.hidden, self.cfg.q_lora_rank).items()})
+        return shapes
+
+    def load(self, get, prefix: str) -> dict:
+        """kv_b stays one [H*(dn+dv), R] tensor, split into W_UK / W_UV by view; the indexer's
+        weights_proj at fp32 whatever the load dtype (transformers' _keep_in_fp32_modules)."""
+        from freetoken_py.layers.dsa import IndexerWeights
+        from freetoken_py.layers.linear import TorchLinear
+
+        p, m = prefix + "self_attn.", self.cfg
+        bias = (lambda n: get(p + n + ".bias")) if m.bias else (lambda n: None)  # noqa: E731
+        lora = m.q_lora_rank is not None
+        mla = MlaWeights(
+            q_a=TorchLinear(get(p + "q_a_proj.weight"), bias("q_a_proj")) if lora else None,
+            q_a_norm=get(p + "q_a_layernorm.weight") if lora else None,
+            q_b=TorchLinear(get(p + ("q_b_proj.weight" if lora else "q_proj.weight"))),
+            kv_a=TorchLinear(get(p + "kv_a_proj_with_mqa.weight"), bias("kv_a_proj_with_mqa")),
+            kv_a_norm=get(p + "kv_a_layernorm.weight"), kv_b=get(p + "kv_b_proj.weight"))
+        i = p + "indexer."
+        indexer = IndexerWeights(
+            wq_b=TorchLinear(get(i + "wq_b.weight")), wk=TorchLinear(get(i + "wk.weight")),
+            k_norm=get(i + "k_norm.weight"), k_norm_bias=get(i + "k_norm.bias"),
+            weights_proj=TorchLinear(get(i + "weights_proj.weight", torch.float32))) if self.indexer else None
+        return dict(mla=mla, o=TorchLinear(get(p + "o_proj.weight"), bias("o_proj")), indexer=indexer)
+
+    def held(self, held, prefix: str) -> int:
+        return sum(held(prefix + name, False) for name in self.shapes())
+
+    def forward(self, lw, x: torch.Tensor, ctx, i: int) -> torch.Tensor:
+        kvi, sparse = ctx.kv_layer[i], None
+        if self.dsa is not None:
+            from freetoken_py.layers.dsa import dsa_selection
+
+            def sparse(q_resid: torch.Tensor):
+                if lw.indexer is not None:
+                    ctx.selection = dsa_selection(self.dsa, lw.indexer, ctx.cache, kvi, ctx.meta, x, q_resid,
+                                                  ctx.cos, ctx.sin)
+                return ctx.selection
+        return lw.o(mla_attention(self.cfg, lw.mla, ctx.cache, kvi, ctx.meta, x, ctx.cos, ctx.sin, ctx.eps, sparse))

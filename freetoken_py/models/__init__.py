@@ -1,7 +1,8 @@
 """One module per Hugging Face `model_type`, found through a lazy registry.
 
-A model module exposes `SCHEME` (a WeightScheme: its checkpoint tensor names) and
-`parse_config(ConfigReader) -> ModelArgs`. Nothing is imported until a model of that type loads.
+A model module exposes `SCHEME` (a WeightScheme: its checkpoint tensor names),
+`parse_config(ConfigReader) -> ModelArgs` and `architecture(ModelArgs) -> Architecture` (its
+layers composed from layers/' kinds: models/architecture.py). Nothing is imported until a model of that type loads.
 """
 from __future__ import annotations
 
@@ -39,3 +40,8 @@ def model_module(model_type: str):
         raise UnsupportedModelError(f"config.json: model_type '{model_type}' is not supported "
                                     f"(supported: {', '.join(supported_model_types())})")
     return importlib.import_module(f"freetoken_py.models.{name}")
+
+
+def architecture_of(args):
+    """The model file's composition of its layers (models/architecture.Architecture) for `args`."""
+    return model_module(args.model_type).architecture(args)

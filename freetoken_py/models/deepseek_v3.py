@@ -8,6 +8,10 @@ from freetoken_py.errors import ModelLoadError, UnsupportedModelError
 from freetoken_py.layers.mla import MlaConfig, YarnParams, yarn_get_mscale
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.weights import WeightScheme
+from freetoken_py.layers.decoder import DecoderLayer
+from freetoken_py.layers.mla import MlaAttention
+from freetoken_py.layers.moe import SigmoidRouter
+from freetoken_py.models.architecture import Architecture, feed_forward
 
 SCHEME = WeightScheme()
 
@@ -99,3 +103,14 @@ def parse_config(c: ConfigReader, sparse: tuple[bool, ...] | None = None, model_
         intermediate_size=c.get("intermediate_size", default=0), sparse_layers=sparse,
         shared_intermediate_size=c.get("moe_intermediate_size") * c.get("n_shared_experts", default=0),
         mla=mla, dsa=dsa, **c.sigmoid_router(num_experts, top_k), **common)
+
+
+def architecture(a: ModelArgs) -> Architecture:
+    """MLA (with DSA's indexer on its "full" layers where the family has one: deepseek_v32,
+    glm_moe_dsa); the grouped sigmoid router and an ungated shared expert; dense first layers.
+    Every family reading its config through parse_config above (glm4_moe_lite, kimi_k25 too)."""
+    router = SigmoidRouter(a.top_k, a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
+    layers = tuple(DecoderLayer(MlaAttention(a.mla, a.hidden_size, a.dsa, a.dsa is not None and a.dsa.is_full(i)),
+                                feed_forward(a, i, router, SCHEME, shared_width=a.shared_intermediate_size))
+                   for i in range(a.num_layers))
+    return Architecture(layers, a.mla.rotary())

@@ -8,6 +8,9 @@ shared expert; dense SwiGLU MLPs on the first `first_k_dense_replace` layers. Th
 """
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.weights import WeightScheme
+from freetoken_py.layers.decoder import DecoderLayer
+from freetoken_py.layers.moe import SigmoidRouter
+from freetoken_py.models.architecture import Architecture, feed_forward, gqa, plain_rope
 
 SCHEME = WeightScheme()  # mlp.gate(.e_score_correction_bias), mlp.experts.{e}, mlp.shared_experts
 
@@ -25,3 +28,12 @@ def parse_config(c: ConfigReader) -> ModelArgs:
         shared_intermediate_size=moe_inter * c.get("n_shared_experts", default=1),
         rotary_dim=c.partial_rotary_dim(common["head_dim"]), o_bias=False,
         **c.sigmoid_router(num_experts, top_k), **common)
+
+
+def architecture(a: ModelArgs) -> Architecture:
+    """GQA with q/k/v biases (no o bias), per-head q/k norm if use_qk_norm, partial RoPE; the
+    grouped sigmoid router and an ungated shared expert; dense first layers."""
+    attn = gqa(a, qk_norm=a.qk_norm)
+    router = SigmoidRouter(a.top_k, a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
+    return Architecture(tuple(DecoderLayer(attn, feed_forward(a, i, router, SCHEME, shared_width=a.shared_intermediate_size))
+                              for i in range(a.num_layers)), plain_rope(a))

@@ -8,6 +8,7 @@ from freetoken_py.models import deepseek_v3
 from freetoken_py.models.args import ConfigReader, ModelArgs
 
 SCHEME = deepseek_v3.SCHEME
+architecture = deepseek_v3.architecture  # MLA (+ DSA's indexer), sigmoid router, shared expert
 
 
 def parse_config(c: ConfigReader) -> ModelArgs:

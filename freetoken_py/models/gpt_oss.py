@@ -25,6 +25,10 @@ from freetoken_py.errors import ModelLoadError, UnsupportedModelError
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.deepseek_v3 import _yarn
 from freetoken_py.models.weights import WeightScheme
+from freetoken_py.layers.decoder import DecoderLayer, RmsNorm
+from freetoken_py.layers.mla import YarnRotary
+from freetoken_py.layers.moe import TopKRouter
+from freetoken_py.models.architecture import Architecture, feed_forward, gqa, plain_rope
 
 SCHEME = WeightScheme(router="mlp.router.weight", router_bias="mlp.router.bias")
 LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -100,3 +104,14 @@ def expand(tensors: dict) -> dict:
             for j, proj in enumerate(("gate_proj", "up_proj")):
                 out[f"{prefix}{e}.{proj}.{leaf}"] = _part(info, (rows // 2, *rest), e, j, rows, 2, transposed)
     return out
+
+
+def architecture(a: ModelArgs) -> Architecture:
+    """GQA with q/k/v/o biases and a sink per head, windowed layers (their own pages) alternating
+    with full ones; the top-k router with its bias; biased experts (the clamped SwiGLU: the
+    experts' activation "gptoss"); RMSNorm multiplying in fp32; YaRN RoPE."""
+    norm, router = RmsNorm(fp32_scale=True), TopKRouter(a.top_k)
+    layers = tuple(DecoderLayer(gqa(a, sinks=True, norm=norm, window=a.window(i) if a.mixed_windows else None),
+                                feed_forward(a, i, router, SCHEME, expert_bias=True)) for i in range(a.num_layers))
+    rope = plain_rope(a) if a.rope_yarn is None else YarnRotary.from_params(a.rope_dim, a.rope_theta, a.rope_yarn)
+    return Architecture(layers, rope, norm)

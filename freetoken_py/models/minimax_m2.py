@@ -8,6 +8,9 @@ always renormalised); Mixtral's w1 / w3 / w2 expert names; no shared expert, no 
 from freetoken_py.errors import UnsupportedModelError
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.weights import WeightScheme
+from freetoken_py.layers.decoder import DecoderLayer
+from freetoken_py.layers.moe import SigmoidRouter
+from freetoken_py.models.architecture import Architecture, feed_forward, gqa, plain_rope
 
 SCHEME = WeightScheme(router="block_sparse_moe.gate.weight", router_bias="block_sparse_moe.e_score_correction_bias",
                       expert="block_sparse_moe.experts.{e}.", expert_proj=("w1", "w3", "w2"))
@@ -30,3 +33,12 @@ def parse_config(c: ConfigReader) -> ModelArgs:
         moe_intermediate_size=inter, intermediate_size=inter, norm_topk_prob=True,
         sparse_layers=(True,) * num_layers, router="sigmoid",
         rotary_dim=c.partial_rotary_dim(common["head_dim"]), **common)
+
+
+def architecture(a: ModelArgs) -> Architecture:
+    """GQA, no biases, q/k norm over the whole projection, partial RoPE; a sigmoid router with its
+    choice bias, one group, renormalised; every layer MoE, no shared expert."""
+    attn = gqa(a, qk_norm="full")
+    router = SigmoidRouter(a.top_k, a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
+    return Architecture(tuple(DecoderLayer(attn, feed_forward(a, i, router, SCHEME)) for i in range(a.num_layers)),
+                        plain_rope(a))

@@ -2,6 +2,9 @@
 clamping of q, k and v; softmax router, renormalised only if `norm_topk_prob`."""
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.weights import WeightScheme
+from freetoken_py.layers.decoder import DecoderLayer
+from freetoken_py.layers.moe import SoftmaxRouter
+from freetoken_py.models.architecture import Architecture, feed_forward, gqa, plain_rope
 
 SCHEME = WeightScheme()
 
@@ -15,3 +18,10 @@ def parse_config(c: ConfigReader) -> ModelArgs:
         moe_intermediate_size=c.get("intermediate_size"), intermediate_size=c.get("intermediate_size"),
         norm_topk_prob=c.get("norm_topk_prob", default=False, kind=bool),
         sparse_layers=(True,) * num_layers, **c.common())
+
+
+def architecture(a: ModelArgs) -> Architecture:
+    """GQA with q/k norm over the whole projection, then clip_qkv; softmax router."""
+    attn, router = gqa(a, qk_norm="full", clip=a.clip_qkv), SoftmaxRouter(a.top_k, a.norm_topk_prob)
+    return Architecture(tuple(DecoderLayer(attn, feed_forward(a, i, router, SCHEME)) for i in range(a.num_layers)),
+                        plain_rope(a))

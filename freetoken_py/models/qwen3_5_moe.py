@@ -15,7 +15,7 @@ import sys
 
 from freetoken_py.errors import ModelLoadError, UnsupportedModelError
 from freetoken_py.models.args import ConfigReader, ModelArgs
-from freetoken_py.models.qwen3_next import parse_hybrid
+from freetoken_py.models.qwen3_next import hybrid_architecture, parse_hybrid
 from freetoken_py.models.weights import WeightScheme
 
 SCHEME = WeightScheme(shared_expert="mlp.shared_expert.", gdn_proj="separate")
@@ -85,3 +85,8 @@ def expand(tensors: dict) -> dict:
             else:
                 out[f"{prefix}{e}.down_proj.{suffix}"] = info.sub(e)
     return out
+
+
+def architecture(a: ModelArgs):
+    """Qwen3-Next's hybrid (models/qwen3_next.py) with separate GDN input projections."""
+    return hybrid_architecture(a, SCHEME)

@@ -2,6 +2,9 @@
 renormalisation, dense MLP layers via `decoder_sparse_step` / `mlp_only_layers`."""
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.weights import WeightScheme
+from freetoken_py.layers.decoder import DecoderLayer
+from freetoken_py.layers.moe import SoftmaxRouter
+from freetoken_py.models.architecture import Architecture, feed_forward, gqa, plain_rope
 
 SCHEME = WeightScheme()
 
@@ -20,3 +23,10 @@ def parse_config(c: ConfigReader) -> ModelArgs:
         intermediate_size=c.get("intermediate_size", default=0),
         norm_topk_prob=c.get("norm_topk_prob", default=False, kind=bool),
         sparse_layers=sparse, **c.common())
+
+
+def architecture(a: ModelArgs) -> Architecture:
+    """GQA with per-head q/k norm; softmax router; dense MLP layers where the config says."""
+    attn, router = gqa(a, qk_norm="head"), SoftmaxRouter(a.top_k, a.norm_topk_prob)
+    return Architecture(tuple(DecoderLayer(attn, feed_forward(a, i, router, SCHEME)) for i in range(a.num_layers)),
+                        plain_rope(a))

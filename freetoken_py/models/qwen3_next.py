@@ -14,6 +14,10 @@ from freetoken_py.errors import ModelLoadError
 from freetoken_py.layers.gated_deltanet import GdnConfig
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.weights import WeightScheme
+from freetoken_py.layers.decoder import DecoderLayer, RmsNorm
+from freetoken_py.layers.gated_deltanet import GdnMixer
+from freetoken_py.layers.moe import SoftmaxRouter
+from freetoken_py.models.architecture import Architecture, feed_forward, gqa, plain_rope
 
 SCHEME = WeightScheme(shared_expert="mlp.shared_expert.", gdn_proj="grouped")
 LAYER_KINDS = ("full_attention", "linear_attention")
@@ -76,3 +80,19 @@ def rename(name: str) -> str | None:
 def note_skipped(count: int) -> None:
     if count:
         print(f"freetoken: qwen3_next: {count} multi-token-prediction (mtp.*) tensors not loaded", file=sys.stderr)
+
+
+def hybrid_architecture(a: ModelArgs, names: WeightScheme) -> Architecture:
+    """Gated DeltaNet layers (a recurrent state) and gated full-attention layers (per-head q/k
+    norm, partial RoPE), as `layer_types` says; a softmax router and a shared expert behind a
+    sigmoid gate; every RMSNorm but the GDN output norm zero-centred (qwen3_5_moe too)."""
+    norm, router = RmsNorm(zero_centred=True), SoftmaxRouter(a.top_k, a.norm_topk_prob)
+    attn, gdn = gqa(a, qk_norm="head", output_gate=True, norm=norm), GdnMixer(a.gdn, a.hidden_size, names.gdn_proj)
+    layers = tuple(DecoderLayer(gdn if a.is_linear(i) else attn,
+                                feed_forward(a, i, router, names, shared_width=a.shared_intermediate_size,
+                                             shared_gate=True)) for i in range(a.num_layers))
+    return Architecture(layers, plain_rope(a), norm)
+
+
+def architecture(a: ModelArgs) -> Architecture:
+    return hybrid_architecture(a, SCHEME)
