@@ -16,7 +16,9 @@ from freetoken_py.engine.cpu_backend import KernelExpertExecutor
 from freetoken_py.kernels import cpu_decode as kd
 from freetoken_py.kernels.cpu_moe import ACTIVATIONS, add_moe_experts
 from freetoken_py.kvcache import KVCache
+from freetoken_py.layers.gqa import GqaAttention
 from freetoken_py.layers.linear import KernelLinear
+from freetoken_py.layers.moe import SigmoidRouter, TopKRouter
 from freetoken_py.models.moe_transformer import MoeTransformer
 
 _EMPTY = np.zeros(0, np.float32)
@@ -56,14 +58,13 @@ class FusedDecoder:
     def __init__(self, model: MoeTransformer, cache: KVCache):
         a = model.args
         self.model, self.cache, self.args = model, cache, a
-        self.qk_kind = {"none": kd.QK_NONE, "head": kd.QK_HEAD, "full": kd.QK_FULL}[a.qk_norm]
-        self.clip = float(a.clip_qkv) if a.clip_qkv is not None else -1.0  # < 0: no clipping
-        self.route = ({"softmax": kd.ROUTE_SOFTMAX, "sigmoid": kd.ROUTE_SIGMOID, "topk": kd.ROUTE_TOPK}[a.router],
-                      a.n_group, a.topk_group,
-                      float(a.routed_scaling_factor))
+        attn = model.layers[0].mixer   # GQA on every layer, one qk-norm kind and clip (supports)
+        self.qk_kind = {"none": kd.QK_NONE, "head": kd.QK_HEAD, "full": kd.QK_FULL}[attn.qk_norm]
+        self.clip = float(attn.clip) if attn.clip is not None else -1.0  # < 0: no clipping
+        self.renorm, *self.route = route_args(model)
         routers = [lw.router.dense for lw in model.weights.layers if lw.router is not None]
-        self.layers = [self._layer(lw, routers[0] if routers else lw.o.dense, a.mixed_windows and a.window(i) is not None)
-                       for i, lw in enumerate(model.weights.layers)]
+        self.layers = [self._layer(lw, routers[0] if routers else lw.o.dense, layer.mixer.window is not None)
+                       for layer, lw in zip(model.layers, model.weights.layers)]
         self.final_norm = _vec(model.weights.final_norm)
         self.k = [_kv_view(cache.k[i]) for i in range(a.num_layers)]
         self.v = [_kv_view(cache.v[i]) for i in range(a.num_layers)]
@@ -78,6 +79,9 @@ class FusedDecoder:
     def supports(model: MoeTransformer) -> bool:
         """Every projection on the numba kernels (the cpu backend): attention in one format and
         group size, the routers in one format (one compiled specialisation per step)."""
+        mixers = [layer.mixer for layer in model.layers]
+        if not all(isinstance(m, GqaAttention) for m in mixers) or len({(m.qk_norm, m.clip) for m in mixers}) > 1:
+            return False
         layers = model.weights.layers
         attn = [lin for lw in layers for lin in (lw.qkv, lw.o)]
         routers = [lw.router for lw in layers if lw.router is not None]
@@ -132,7 +136,7 @@ class FusedDecoder:
             kd.decode_attn(qkv, nq, nkv, hd, not self.fp8, self.fp8, self.k[i], self.v[i], self.k_scale[i],
                            self.v_scale[i], self.lut, lnew, lctx, loff, m.scale,
                            attn, _NO_GATE, *L.o, L.o_bias, h, o_tmp, L.ln2, eps, *L.router, x2, logits, k,
-                           a.norm_topk_prob, ids, wts, self.route[0], L.router_bias, *self.route[1:], L.sinks)
+                           self.renorm, ids, wts, self.route[0], L.router_bias, *self.route[1:], L.sinks)
             lw = m.weights.layers[i]
             if lw.router is None:  # dense MLP layer
                 _add_swiglu(lw.mlp13, lw.mlp2, x2, h)
@@ -146,6 +150,17 @@ class FusedDecoder:
         out = np.empty_like(h)
         kd.rms_rows(h, self.final_norm, eps, out)
         return torch.from_numpy(out)
+
+
+def route_args(model: MoeTransformer) -> tuple[bool, int, int, int, float]:
+    """The decode kernels' router arguments from the model's router kind (one per model):
+    (renormalise, kind, n_group, topk_group, scaling); a model without MoE layers: softmax's."""
+    router = next((layer.ffn.router for layer in model.layers if layer.sparse), None)
+    if isinstance(router, SigmoidRouter):
+        return router.renormalize, kd.ROUTE_SIGMOID, router.n_group, router.topk_group, float(router.scaling)
+    if isinstance(router, TopKRouter):   # softmax over the k chosen logits: their weights sum to one
+        return True, kd.ROUTE_TOPK, 1, 1, 1.0
+    return router is not None and router.renormalize, kd.ROUTE_SOFTMAX, 1, 1, 1.0
 
 
 def _add_swiglu(w13, w2, x2: np.ndarray, h: np.ndarray) -> None:

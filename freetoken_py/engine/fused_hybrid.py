@@ -25,13 +25,14 @@ import numpy as np
 import torch
 
 from freetoken_py.engine.cpu_backend import KernelExpertExecutor
-from freetoken_py.engine.fused_decode import _NO_SINKS, _kv_view, _vec
+from freetoken_py.engine.fused_decode import _NO_SINKS, _kv_view, _vec, route_args
 from freetoken_py.kernels import cpu_decode as kd
 from freetoken_py.kernels.cpu_gdn import gdn_decode
 from freetoken_py.kernels.cpu_moe import ACTIVATIONS, add_moe_experts
 from freetoken_py.kvcache import KVCache
 from freetoken_py.layers.gdn_cpu import gdn_params
 from freetoken_py.layers.linear import KernelLinear
+from freetoken_py.layers.gqa import GqaAttention
 from freetoken_py.models.moe_transformer import MoeTransformer
 
 _ONE = np.ones(1, np.float32)
@@ -70,8 +71,7 @@ class HybridDecoder:
         self.model, self.cache, self.states, self.args = model, cache, states, a
         self.conv = [None if c is None else c.numpy() for c in states.conv]  # zero-copy views of the pool
         self.rec = [None if r is None else r.numpy() for r in states.rec]
-        self.route = ({"softmax": kd.ROUTE_SOFTMAX, "sigmoid": kd.ROUTE_SIGMOID}[a.router], a.n_group,
-                      a.topk_group, float(a.routed_scaling_factor))
+        self.renorm, *self.route = route_args(model)
         layers = model.weights.layers
         routers = [_w(lw.router) for lw in layers if lw.router is not None]
         self.layers = [self._layer(lw, routers[0] if routers else _w(lw.o)) for lw in layers]
@@ -90,12 +90,13 @@ class HybridDecoder:
     def supports(model: MoeTransformer) -> bool:
         """A hybrid on the numba kernels (fp32 activations, KernelLinear projections) whose full
         attention is the gated kind of Qwen3-Next / 3.5 (per-head qk-norm, no bias, no clipping)."""
-        a, layers = model.args, model.weights.layers
+        layers = model.weights.layers
         lins = [x for lw in layers for x in (lw.gdn.in_proj if lw.gdn is not None else lw.qkv, lw.o, lw.router,
                                              lw.shared13, lw.shared2, lw.shared_gate, lw.mlp13, lw.mlp2)
                 if x is not None]
-        attn_ok = a.attn_output_gate and a.qk_norm == "head" and a.clip_qkv is None and all(
-            lw.qkv.bias is None for lw in layers if lw.gdn is None)
+        attn = [layer.mixer for layer in model.layers if layer.mixer.paged]
+        attn_ok = all(isinstance(m, GqaAttention) and m.output_gate and m.qk_norm == "head" and m.clip is None
+                      and not m.bias for m in attn)
         return (model.hybrid and model.dtype == torch.float32 and attn_ok
                 and all(isinstance(x, KernelLinear) for x in lins))
 
@@ -138,7 +139,7 @@ class HybridDecoder:
         ex = m.experts  # looked up per step: LLM may wrap it (--record-routing)
         banks = ex.banks if type(ex) is KernelExpertExecutor else None
         act = ACTIVATIONS[ex.activation] if banks is not None else 0
-        renorm = a.norm_topk_prob
+        renorm = self.renorm
         for i, L in enumerate(self.layers):
             lw = m.weights.layers[i]
             if lw.gdn is not None:

@@ -69,7 +69,7 @@ class ModelRunner:
             set_kernel_threads(self._max_threads)  # prefill: long regions, every core
         ids, positions, seqs, windowed, sample_rows = [], [], [], [], []
         row, a = 0, self.model.args
-        mixed = a.mixed_windows   # gpt-oss: windowed layers' contexts (their own pages) besides the full ones
+        mixed = self.cache.windows is not None   # windowed layers (their own pages) besides full ones: gpt-oss
         for ch in chunks:
             req, start = ch.req, ch.req.num_computed
             tokens = req.all_token_ids[start:start + ch.num_new]
@@ -104,7 +104,7 @@ class ModelRunner:
     def _forward_decode(self, chunks: list[ScheduledChunk], all_rows: bool = False) -> torch.Tensor:
         """One token per chunk through the fused numba step (same results as forward_batch's path)."""
         a, sample_rows = self.model.args, [i for i, ch in enumerate(chunks) if ch.samples]
-        mixed = a.mixed_windows   # gpt-oss: the windowed layers' contexts besides the full ones
+        mixed = self.cache.windows is not None   # the windowed layers' contexts besides the full ones
         flat, ctx_off = self._decode_contexts(chunks, None if mixed else a.sliding_window)
         extra = {}
         if mixed:   # the windowed layers' own pages: their contexts and the new tokens' slots

@@ -1,8 +1,9 @@
 """Architecture-independent description of a MoE decoder, parsed from config.json.
 
-Each model file (named after config.json's `model_type`) turns its config into a `ModelArgs` and
-owns all knowledge of its checkpoint's tensor names; the forward pass in `moe_transformer.py` only
-sees `ModelArgs` and `ModelWeights`.
+Each model file (named after config.json's `model_type`) turns its config into a `ModelArgs` (the
+geometry and the config's own choices) and composes its layers from them (`architecture(args)`,
+models/architecture.py); what a family always has (gpt-oss's sinks, Qwen3-Next's gated attention
+and zero-centred norms) is said there, in the layer kinds' options, not here.
 """
 from __future__ import annotations
 
@@ -60,13 +61,7 @@ class ModelArgs:
     # DeltaNet, layers/gated_deltanet.py, configured by `gdn`); None = every layer full attention
     layer_kinds: tuple[str, ...] | None = None
     gdn: GdnConfig | None = None
-    attn_output_gate: bool = False  # q_proj rows per head [query | gate]; o = o_proj(attn * sigmoid(gate))
-    zero_centred_norms: bool = False  # RMSNorm weights stored as w, applied as (1 + w) in fp32 (FAMILIES §0 (c))
-    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(shared_expert_gate(x))
     rope_yarn: YarnParams | None = None  # GQA RoPE with YaRN's blend and cos/sin factor (gpt-oss)
-    attn_sinks: bool = False  # a learnt per-head logit in every softmax, dropped after it (gpt-oss)
-    expert_bias: bool = False  # routed experts' gate / up / down biases (gpt-oss)
-    norm_fp32_scale: bool = False  # RMSNorm multiplies by w in fp32, then casts (FAMILIES §0 (b): gpt-oss)
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window: every layer's, or with `layer_kinds` naming "sliding_attention"

@@ -65,7 +65,7 @@ def parse_config(c: ConfigReader) -> ModelArgs:
         num_experts=c.get("num_local_experts"), top_k=c.get("num_experts_per_tok"),
         moe_intermediate_size=inter, intermediate_size=inter, norm_topk_prob=True,
         sparse_layers=(True,) * num_layers, router="topk", layer_kinds=kinds,
-        rope_yarn=yarn, attn_sinks=True, expert_bias=True, norm_fp32_scale=True, **common)
+        rope_yarn=yarn, **common)
 
 
 def _part(info, shape: tuple[int, ...], e: int, start: int, end: int, step: int = 1, transposed: bool = False):

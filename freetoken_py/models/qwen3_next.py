@@ -65,7 +65,7 @@ def parse_hybrid(c: ConfigReader, model_type: str, norm_topk_prob: bool | None =
         intermediate_size=c.get("intermediate_size", default=0), norm_topk_prob=norm_topk_prob,
         sparse_layers=sparse, shared_intermediate_size=c.get("shared_expert_intermediate_size", default=0),
         rotary_dim=c.partial_rotary_dim(head_dim), layer_kinds=layer_kinds(c, num_layers), gdn=gdn_config(c),
-        attn_output_gate=True, zero_centred_norms=True, shared_expert_gate=True, **common)
+        **common)
 
 
 def parse_config(c: ConfigReader) -> ModelArgs:

@@ -106,7 +106,7 @@ def build_residency(model, mode: str, profile_name: str, vram_budget_bytes: int 
 def _host_experts(model, banks: Optional[list], activation: str):
     """Per layer the host expert weights the tiers serve ((w13, w2) parts, None for a dense layer),
     the MoE layers' indices and their `ExpertFormat`."""
-    if getattr(model.args, "expert_bias", False):
+    if any(getattr(layer.ffn, "expert_bias", False) for layer in model.layers):
         raise FreetokenError(f"the residency tiers do not run biased experts yet ({model.args.model_type}); "
                              "use --backend cpu or torch")
     if banks is not None:
