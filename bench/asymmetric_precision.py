@@ -132,7 +132,7 @@ def main() -> None:
                        p99_kld=round(res.p99_kld, 6), same_top1=round(res.same_top1, 4),
                        expert_rel_l2=[e for e in res.expert_rel_l2 if e is not None])
         stats = llm.stats()
-        store = llm.model.expert_store
+        store = llm.loaded.expert_store
         row["expert_bytes"] = sum(a.nbytes for b in store.banks if b is not None for a in (b.w13, b.s13, b.w2, b.s2))
         if "prefill_experts" in stats:
             row["prefill_expert_bytes"] = stats["prefill_experts"]["bytes"]

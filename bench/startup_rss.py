@@ -56,7 +56,7 @@ for mode in modes:
     deq = packed.DEQUANTISED_BYTES
     llm = start(path, mode)
     out[mode] = {"vmhwm_bytes": status("VmHWM"), "added_bytes": status("VmHWM") - before,
-                 "dequantised_bytes": packed.DEQUANTISED_BYTES - deq, "source": llm.model.expert_store.source}
+                 "dequantised_bytes": packed.DEQUANTISED_BYTES - deq, "source": llm.loaded.expert_store.source}
 print(json.dumps(out))
 """
 

@@ -188,7 +188,7 @@ def test_greedy_tokens_equal_the_torch_reference(cache, checkpoint_factory, tmp_
     sources = []
     for _ in range(2 if cache == "auto" else 1):  # auto: the second engine maps the file the first wrote
         llm = LLM(path, show_progress=False, backend="cpu", expert_cache=cache)
-        sources.append(llm.model.expert_store.source)
+        sources.append(llm.loaded.expert_store.source)
         assert llm.generate([prompt], params)[0].token_ids == expected
     assert sources == (["built", "cache"] if cache == "auto" else ["built"])
 

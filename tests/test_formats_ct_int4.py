@@ -63,7 +63,7 @@ def test_ct_int4_banks_are_the_checkpoint_bytes(ct_ckpt):
     a = llm.args
     t = load_file(ct_ckpt / "model.safetensors")
     for layer in (i for i, s in enumerate(a.sparse_layers) if s):
-        bank = llm.model.expert_store.banks[layer]
+        bank = llm.loaded.expert_store.banks[layer]
         assert (bank.fmt, bank.group_size) == ("int4", 32)
         w13, w2 = bank.dequantized()
         inter = bank.inter
@@ -97,9 +97,9 @@ def test_full_precision_bf16_scales_load_exactly(checkpoint_factory, tmp_path):
     src = write_ct_int4(checkpoint_factory(ARCH), tmp_path / "m", only_experts=True)   # scales: all 8 bf16 bits
     _, llm = first_logits(src, "cpu")
     layer = next(i for i, s in enumerate(llm.args.sparse_layers) if s)
-    w13, _ = llm.model.expert_store.banks[layer].dequantized()
+    w13, _ = llm.loaded.expert_store.banks[layer].dequantized()
     name = f"model.layers.{layer}.mlp.experts.3.gate_proj.weight"
-    assert torch.equal(w13[3, :llm.model.expert_store.banks[layer].inter], ct_reference(src, name))
+    assert torch.equal(w13[3, :llm.loaded.expert_store.banks[layer].inter], ct_reference(src, name))
     assert llm.model.weights.layers[0].qkv.dense.fmt == "fp32"   # attention on the ignore list: stays float
 
 

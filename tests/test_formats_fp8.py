@@ -35,7 +35,7 @@ def test_fp8_logits_match_transformers_dequantised(fp8_ckpt, checkpoint_factory,
 
 def test_fp8_banks_and_dense_weights_equal_the_checkpoint_exactly(fp8_ckpt):
     _, llm = first_logits(fp8_ckpt, "cpu", expert_cache="off")
-    a, store = llm.args, llm.model.expert_store
+    a, store = llm.args, llm.loaded.expert_store
     layer = next(i for i, s in enumerate(a.sparse_layers) if s)
     bank = store.banks[layer]
     assert bank.fmt == "fp8" and bank.w13.dtype.itemsize == 1
@@ -82,11 +82,11 @@ def test_fp8_edge_blocks_against_our_torch_dequantisation(checkpoint_factory, tm
 def test_fp8_expert_cache_is_mapped_on_the_next_start(fp8_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
     first, llm = first_logits(fp8_ckpt, "cpu")
-    assert llm.model.expert_store.source == "built" and "fp8-g16" in llm.model.expert_store.path.name
+    assert llm.loaded.expert_store.source == "built" and "fp8-g16" in llm.loaded.expert_store.path.name
     again, llm2 = first_logits(fp8_ckpt, "cpu")
-    assert llm2.model.expert_store.source == "cache"
+    assert llm2.loaded.expert_store.source == "cache"
     assert torch.equal(first, again)
-    llm.model.expert_store.path.unlink()
+    llm.loaded.expert_store.path.unlink()
 
 
 def test_expert_dtype_converts_on_request_and_says_so(fp8_ckpt):
@@ -96,7 +96,7 @@ def test_expert_dtype_converts_on_request_and_says_so(fp8_ckpt):
     notes = [str(w.message) for w in seen if "converting" in str(w.message)]
     assert len(notes) == 1 and "fp8" in notes[0] and "int8" in notes[0] and "\n" not in notes[0]
     layer = next(i for i, s in enumerate(llm.args.sparse_layers) if s)
-    assert llm.model.expert_store.banks[layer].fmt == "int8"
+    assert llm.loaded.expert_store.banks[layer].fmt == "int8"
     assert (ours - reference_logits(fp8_ckpt)).abs().max().item() < 0.5   # int8 of the fp8 values: close, not equal
 
 
@@ -200,7 +200,7 @@ def test_fp8_fused_qwen35_experts_load_and_match_our_torch_dequantisation(tmp_pa
     for backend in ("torch", "cpu"):
         ours, llm = first_logits(fp8, backend, expert_cache="off")
         assert (ours - want).abs().max().item() <= 1e-4, backend
-    a, bank = llm.args, llm.model.expert_store.banks[0]
+    a, bank = llm.args, llm.loaded.expert_store.banks[0]
     assert bank.fmt == "fp8"
     w13, w2 = bank.dequantized()
     stored = load_file(plain / "model.safetensors")

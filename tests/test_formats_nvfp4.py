@@ -81,7 +81,7 @@ def test_nvfp4_banks_and_dense_weights_equal_the_checkpoint_exactly(ct_qwen, mo_
     a, t = llm.args, load_file(q / "model.safetensors")
     codes_key = "weight_packed" if which == "ct" else "weight"
     for layer in (i for i, s in enumerate(a.sparse_layers) if s):
-        bank = llm.model.expert_store.banks[layer]
+        bank = llm.loaded.expert_store.banks[layer]
         assert (bank.fmt, bank.group_size, bank.w13.dtype, bank.s13.dtype) == ("nvfp4", 16, np.uint8, np.uint8)
         w13, w2 = bank.dequantized()
         inter = bank.inter
@@ -110,7 +110,7 @@ def test_nvfp4_banks_and_dense_weights_equal_the_checkpoint_exactly(ct_qwen, mo_
 def test_nvfp4_bytes_per_weight(ct_qwen):
     """4 bits + one e4m3 byte per 16 weights + 4 bytes per row: what a token streams."""
     _, llm = first_logits(ct_qwen[0], "cpu", expert_cache="off")
-    bank = next(b for b in llm.model.expert_store.banks if b is not None)
+    bank = next(b for b in llm.loaded.expert_store.banks if b is not None)
     weights = bank.num_experts * 3 * bank.inter * bank.hidden
     rows = bank.num_experts * (2 * bank.inter + bank.hidden)
     assert bank.nbytes == weights // 2 + weights // 16 + 4 * rows
@@ -121,12 +121,12 @@ def test_nvfp4_expert_cache_is_mapped_on_the_next_start(ct_qwen, tmp_path, monke
 
     monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
     first, llm = first_logits(ct_qwen[0], "cpu")
-    assert llm.model.expert_store.source == "built" and "nvfp4-g16" in llm.model.expert_store.path.name
+    assert llm.loaded.expert_store.source == "built" and "nvfp4-g16" in llm.loaded.expert_store.path.name
     builds = expert_store.LAYER_BUILDS
     again, llm2 = first_logits(ct_qwen[0], "cpu")
-    assert llm2.model.expert_store.source == "cache" and expert_store.LAYER_BUILDS == builds
+    assert llm2.loaded.expert_store.source == "cache" and expert_store.LAYER_BUILDS == builds
     assert torch.equal(first, again)
-    llm.model.expert_store.path.unlink()
+    llm.loaded.expert_store.path.unlink()
 
 
 def test_expert_dtype_converts_nvfp4_on_request_and_says_so(mo_qwen):
@@ -136,7 +136,7 @@ def test_expert_dtype_converts_nvfp4_on_request_and_says_so(mo_qwen):
         ours, llm = first_logits(q, "cpu", expert_cache="off", expert_dtype="int8")
     notes = [str(w.message) for w in seen if "converting" in str(w.message)]
     assert len(notes) == 1 and "nvfp4" in notes[0] and "int8" in notes[0] and "\n" not in notes[0]
-    assert next(b for b in llm.model.expert_store.banks if b is not None).fmt == "int8"
+    assert next(b for b in llm.loaded.expert_store.banks if b is not None).fmt == "int8"
     assert (ours - reference_logits(plain)).abs().max().item() < 0.5
 
 

@@ -133,7 +133,7 @@ def test_quantised_experts_do_not_depend_on_placement(arch, fmt, mode, checkpoin
             ex.cost = replace(ex.cost, profile=replace(ex.cost.profile, cpu_call_s=0.0, copy_call_s=0.0))
         runs[name] = drive_llm(llm)
         assert ex.fmt.name == fmt and ex.slots.slot_bytes == ex.cpu_banks[1].bytes_per_expert
-        store = llm.model.expert_store.banks
+        store = llm.loaded.expert_store.banks
         assert all((h is None) == (b is None) for h, b in zip(ex.host, store))
         assert all(h is None or h[0].data_ptr() == b.w13.ctypes.data for h, b in zip(ex.host, store))
         if mode == "cuda":   # the store page-locks its banks in place: the copies are asynchronous DMA

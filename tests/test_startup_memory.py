@@ -53,7 +53,7 @@ for mode in modes:
             break
     deq = packed.DEQUANTISED_BYTES
     llm = start(big, mode)
-    out.append({"mode": mode, "added": status("VmHWM") - before, "source": llm.model.expert_store.source,
+    out.append({"mode": mode, "added": status("VmHWM") - before, "source": llm.loaded.expert_store.source,
                 "dequantised": packed.DEQUANTISED_BYTES - deq})
 print(json.dumps(out))
 """

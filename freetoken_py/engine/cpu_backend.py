@@ -224,7 +224,6 @@ def load_cpu_parts(model_dir, dtype: str = "auto", expert_format: str | None = N
     packed = packed_dense(ckpt, model, groups) if groups is not None else None
     use_cpu_kernels(model, fmt, expert_group if dense_format is None else group_size, dense_format=dense_format,
                     banks=store.banks, packed=packed)
-    model.expert_store = store  # (an alias for tests and benches; the engine reads CpuModel's)
     pstore = None
     if prefill_format is not None and prefill_format != fmt:
         pgroup = ckpt.decoder.group_size if prefill_format == native else group_size

@@ -120,7 +120,6 @@ def _load_tier_experts(model_dir: Path, c: EngineConfig):
     store = open_expert_store(model_dir, model.args, model.dtype, fmt, group, c.expert_cache, c.show_progress)
     if c.residency == "cuda":      # page-locked where they lie: the streamer's copies are asynchronous
         pin_banks(store.banks, show_progress=c.show_progress)
-    model.expert_store = store   # (an alias for tests and benches; the engine reads LoadedModel's)
     return model, store
 
 
