@@ -1,9 +1,10 @@
 """Before / after a refactor: the same checkpoints decoded by two source trees, interleaved in one run.
 
-    python bench/redesign_ab.py --before REV [--models qwen3,mla,hybrid] [--precisions bf16,int4]
+    python bench/redesign_ab.py --before REV [--after REV] [--models qwen3,mla,hybrid] [--precisions bf16,int4]
                                 [--rounds 5] [--decode-tokens 32] [--prompt-len 256] [--threads 2]
 
-REV (a commit) is checked out into bench/_work/tree-REV (a git worktree); each tree runs in its
+Each REV (a commit) is checked out into bench/_work/tree-REV (a git worktree; --after defaults to
+this working tree, uncommitted changes included); each tree runs in its
 own worker process (PYTHONPATH = that tree) holding an `LLM` over the same checkpoint, and the
 rounds alternate between the two workers, so drift in the machine's memory bandwidth hits both
 alike. Checkpoints are the engine benches' own at real widths, fewer layers: bench/cpu_decode.py's
@@ -95,16 +96,18 @@ def worker(model_dir: str, precision: str, threads: str) -> None:
 
 
 def main() -> None:
+    sys.path.insert(1, str(ROOT))   # (the parent, not the workers: it names the CPU with this tree's package)
     ap = common.bench_args(__doc__)
-    ap.add_argument("--before", required=True, help="the commit to compare this tree against")
+    ap.add_argument("--before", required=True, help="the commit to compare against")
+    ap.add_argument("--after", default=None, help="a commit (default: this working tree as it is)")
     ap.add_argument("--models", default="qwen3,mla,hybrid")
     ap.add_argument("--precisions", default="bf16,int4")
     ap.set_defaults(rounds=5, prompt_len=256)
     args = ap.parse_args()
-    trees = {"before": _tree(args.before), "after": ROOT}
+    trees = {"before": _tree(args.before), "after": _tree(args.after) if args.after else ROOT}
     out = {"bench": "redesign_ab", "before": args.before,
-           "after": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                   text=True).stdout.strip(),
+           "after": args.after or "working tree at " + subprocess.run(
+               ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
            "threads": args.threads, "rounds": args.rounds, "decode_tokens": args.decode_tokens,
            "prompt_len": args.prompt_len, **common.cpu_fields(), "models": {}}
     for kind in args.models.split(","):

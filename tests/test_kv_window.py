@@ -275,3 +275,23 @@ def test_a_small_windowed_pool_gives_back_the_caches_windows_first(backend, ckpt
     assert [r.output_token_ids for r in reqs] == want
     assert cache.num_windows_evicted > 0 and cache.num_evicted == 0   # windows went, full pages stayed
     assert any(r.num_cached_tokens for r in reqs)   # hits still happen where windows were left
+
+
+def test_probe_figures_are_what_the_pools_hold(ckpt):
+    """`freetoken probe --model`'s KV figures (hw/model_bytes.py, from the config alone) against
+    the pools at the default page size: per token only the full layers' rows; per request, the
+    most rows a sequence's windowed layers held while it decoded across page borders."""
+    from freetoken_py.hw.model_bytes import read_model_bytes
+
+    path = ckpt("gpt_oss_mixed")
+    m = read_model_bytes(path)
+    llm = _llm(path, "torch", enable_prefix_cache=False)
+    _, _, held = _run(llm, _prompt(42, seed=3), 40)
+    a = llm.args
+    windowed = sum(k == "sliding_attention" for k in a.layer_kinds)
+    row = 2 * a.num_kv_heads * a.head_dim * 2      # bf16 K and V of one layer, one token
+    assert 0 < windowed < a.num_layers
+    assert m.kv_bytes_per_token == (a.num_layers - windowed) * row
+    assert m.window_bytes_per_request == windowed * row * max(rows for *_, rows in held)
+    assert m.kv_bytes(4096) == 4096 * m.kv_bytes_per_token + m.window_bytes_per_request
+

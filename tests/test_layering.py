@@ -141,23 +141,25 @@ def test_llm_implements_the_engine_interface():
 
 # ---- function size --------------------------------------------------------------------------------
 MAX_FUNCTION_LINES = 60
-# older functions over the limit, each to be split when next touched (the list only shrinks;
-# _plan_core is a numba-compiled planner core, kernel-like)
-KNOWN_LONG = {("residency/_jit.py", "_plan_core"), ("residency/simulate.py", "simulate"),
-              ("residency/executor.py", "__call__"), ("residency/calibrate.py", "measure_host_costs")}
+# numba-compiled functions are kernels wherever they live (residency/_jit.py's planner core): exempt
+
+
+def _numba_kernel(node) -> bool:
+    names = {d.func.id if isinstance(d, ast.Call) and isinstance(d.func, ast.Name) else getattr(d, "id", None)
+             for d in node.decorator_list}
+    return bool(names & {"njit", "jit"})
 
 
 def test_no_function_over_60_lines_outside_kernels():
-    """Every function in freetoken_py but kernels/ (numba kernels) is at most 60 lines, decorators
-    excluded, docstring included, but for KNOWN_LONG."""
+    """Every function in freetoken_py but the numba kernels (kernels/, and @njit ones elsewhere)
+    is at most 60 lines, decorators excluded, docstring included."""
     long = set()
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).as_posix()
         if rel.startswith("kernels/"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _numba_kernel(node):
                 if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
                     long.add((rel, node.name))
-    assert long <= KNOWN_LONG, f"functions over {MAX_FUNCTION_LINES} lines: {sorted(long - KNOWN_LONG)}"
-    assert not KNOWN_LONG - long, f"now short enough, drop from KNOWN_LONG: {sorted(KNOWN_LONG - long)}"
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {sorted(long)}"

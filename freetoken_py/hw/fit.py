@@ -29,7 +29,7 @@ def memory_bytes(profile: HardwareProfile) -> tuple[int, int]:
 
 
 def need_bytes(model: ModelBytes) -> int:
-    return model.total_bytes + model.kv_bytes_per_token * CONTEXT_LEN
+    return model.total_bytes + model.kv_bytes(CONTEXT_LEN)
 
 
 def fit(model: ModelBytes, profile: HardwareProfile) -> dict[str, Any]:

@@ -61,11 +61,16 @@ class ModelBytes:
     num_experts: int
     vocab_size: int
     tied_embeddings: bool
-    kv_bytes_per_token: int             # bf16 KV cache, the paged (full-attention) layers
+    kv_bytes_per_token: int             # bf16 KV cache, the paged layers that keep every token
     per_token: dict[str, int] = field(default_factory=dict)   # bytes read per decode token
     weight_format: str = "unquantised"  # formats/ decoder's description (fp8 block [128, 128], ...)
     format_error: Optional[str] = None  # set when freetoken cannot load this format (the one-line reason)
     state_bytes_per_request: int = 0    # hybrids: fp32 conv + recurrent state of the linear-attention layers
+    window_bytes_per_request: int = 0   # sliding-window layers next to full ones (gpt-oss): bf16 K/V, window + a page
+
+    def kv_bytes(self, tokens: int) -> int:
+        """The KV cache one request of `tokens` holds: every full layer's rows, the windowed layers' window."""
+        return self.kv_bytes_per_token * tokens + self.window_bytes_per_request
 
     @property
     def routed_expert_bytes(self) -> int:
@@ -169,18 +174,49 @@ def state_bytes_per_request(cfg: dict[str, Any], num_layers: int) -> int:
     return n * 4 * ((2 * hk * dk + hv * dv) * (kernel - 1) + hv * dk * dv)
 
 
+PAGE_SIZE = 16   # the engine's default page size (EngineConfig.page_size)
+
+
+def _windowed_layers(cfg: dict[str, Any], num_layers: int) -> int:
+    """Layers keeping only a sliding window in their own pages (kvcache/window.py): the
+    "sliding_attention" ones of a model mixing them with full layers (gpt-oss; transformers'
+    default for gpt_oss without `layer_types`: sliding on even layers)."""
+    kinds = cfg.get("layer_types")
+    if kinds is None and cfg.get("model_type") == "gpt_oss":
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if not isinstance(kinds, list) or not cfg.get("sliding_window") or len(set(kinds[:num_layers])) < 2:
+        return 0
+    return sum(k == "sliding_attention" for k in kinds[:num_layers])
+
+
+def window_bytes_per_request(cfg: dict[str, Any], num_layers: int) -> int:
+    """bf16 K/V one request holds in the windowed layers between steps, whatever its length: the
+    keys (p - W, p] of its next token span at most ceil((W - 1) / S) + 1 pages of S rows
+    (kvcache/spec.window_pages_per_seq: the window and at most one page)."""
+    n = _windowed_layers(cfg, num_layers)
+    if not n:
+        return 0
+    rows = (-(-(int(cfg["sliding_window"]) - 1) // PAGE_SIZE) + 1) * PAGE_SIZE
+    return 2 * n * _kv_row(cfg) * rows
+
+
+def _kv_row(cfg: dict[str, Any]) -> int:
+    """Values one GQA layer caches per token: K and V of every kv head."""
+    heads = int(_first(cfg, "num_attention_heads", default=0))
+    kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
+    head_dim = int(_first(cfg, "head_dim", default=0)) or (int(_first(cfg, "hidden_size", default=0)) // max(heads, 1))
+    return 2 * kv_heads * head_dim
+
+
 def kv_bytes_per_token(cfg: dict[str, Any], num_layers: int) -> int:
     """bf16 KV cache bytes one token adds (MLA models cache the compressed latent, DSA ones an
-    index key besides on their indexer layers; hybrids only in their full-attention layers)."""
-    num_layers -= _linear_layers(cfg, num_layers)
+    index key besides on their indexer layers; hybrids only in their full-attention layers, models
+    mixing windowed and full layers only in the full ones)."""
+    num_layers -= _linear_layers(cfg, num_layers) + _windowed_layers(cfg, num_layers)
     if cfg.get("kv_lora_rank"):
         per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
     else:
-        heads = int(_first(cfg, "num_attention_heads", default=0))
-        kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
-        head_dim = int(_first(cfg, "head_dim", default=0)) or (
-            int(_first(cfg, "hidden_size", default=0)) // max(heads, 1))
-        per_layer = 2 * kv_heads * head_dim
+        per_layer = _kv_row(cfg)
     index = int(cfg.get("index_head_dim") or 0) * _index_key_layers(cfg, num_layers) if cfg.get("index_topk") else 0
     return 2 * (per_layer * num_layers + index)
 
@@ -254,6 +290,7 @@ def read_model_bytes(model_dir: Path, infos: Optional[dict] = None, label: Optio
         top_k=top_k, num_experts=num_experts, vocab_size=vocab, tied_embeddings=tied,
         kv_bytes_per_token=kv_bytes_per_token(cfg, num_layers),
         state_bytes_per_request=state_bytes_per_request(cfg, num_layers),
+        window_bytes_per_request=window_bytes_per_request(cfg, num_layers),
         per_token=per_token_bytes(by_category, layers, top_k,
                                   embed[0].shape[0] if embed else vocab, tied),
         **_weight_format(model_dir, infos))

@@ -93,6 +93,8 @@ def model_table(model: dict) -> Table:
     t.add_row("KV per token", size(model["kv_bytes_per_token"]))
     if model.get("state_bytes_per_request"):   # hybrids: the linear-attention layers' fixed state
         t.add_row("state per request", size(model["state_bytes_per_request"]) + " (conv + recurrent, fp32)")
+    if model.get("window_bytes_per_request"):   # sliding-window layers: their window, whatever the context
+        t.add_row("window KV per request", size(model["window_bytes_per_request"]) + " (sliding layers, bf16)")
     return t
 
 

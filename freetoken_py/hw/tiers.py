@@ -74,7 +74,7 @@ def vram_plan(model: ModelBytes, profile: HardwareProfile) -> TierPlan:
     budget, vram = _vram_budget(profile), profile.gbps("vram_d2d")
     if budget is None or vram is None:
         return TierPlan("all-VRAM", False, _no_gpu(profile))
-    need = model.total_bytes + model.kv_bytes_per_token * CONTEXT_LEN
+    need = model.total_bytes + model.kv_bytes(CONTEXT_LEN)
     if need > budget:
         return TierPlan("all-VRAM", False, f"needs {need / 2**30:.1f} GiB (weights + KV for "
                         f"{CONTEXT_LEN} tokens), {budget / 2**30:.1f} GiB of VRAM is free")
@@ -107,7 +107,7 @@ def hybrid_plan(model: ModelBytes, profile: HardwareProfile) -> TierPlan:
     dense = model.total_bytes - model.routed_expert_bytes - emb          # lm_head included
     if model.tied_embeddings:
         dense += emb                                                      # lm_head reads it
-    dense += model.kv_bytes_per_token * CONTEXT_LEN
+    dense += model.kv_bytes(CONTEXT_LEN)
     spare = budget - dense
     if spare < 0:
         return TierPlan("hybrid", False, f"dense weights + KV need {dense / 2**30:.1f} GiB, "

@@ -30,6 +30,28 @@ _LAYERS = 4         # MoE layers of the synthetic model
 _MAX_HIDDEN = 256    # the tiny experts' width (the conversions of wider activations cost microseconds more)
 
 
+def _bench_experts(num_experts: int, d: int, inter: int, dtype: torch.dtype, g: torch.Generator,
+                   cpu_kernels: bool, expert_format: str, group_size: int):
+    """(host experts per layer, their ExpertFormat, the CPU tier's banks or None) of _LAYERS
+    random layers, as the store would hold them."""
+    from freetoken_py.kernels.cpu_moe import ExpertBank
+    from freetoken_py.residency.formats import QUANTISED, ExpertFormat, bank_parts
+
+    w13 = [(torch.rand(num_experts, 2 * inter, d, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
+    w2 = [(torch.rand(num_experts, d, inter, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
+    if expert_format in QUANTISED:   # the store's banks: the host banks and the CPU tier's
+        banks = [ExpertBank.from_weights(a[:, :inter], a[:, inter:], b, fmt=expert_format, group_size=group_size)
+                 for a, b in zip(w13, w2)]
+        return [bank_parts(b) for b in banks], ExpertFormat.of_bank(banks[0]), banks
+    banks = None
+    if cpu_kernels:   # the numba CPU tier for bf16 / fp32 experts; torch on the host weights otherwise
+        try:
+            banks = [ExpertBank.view_of(a, b) for a, b in zip(w13, w2)]
+        except ValueError:
+            banks = None
+    return list(zip(w13, w2)), ExpertFormat.of_float(w13[0], w2[0]), banks
+
+
 def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbps: float,
                        layer_bytes: int, dtype: torch.dtype = torch.bfloat16, calls: int = 48,
                        warmup: int = 8, seed: int = 0, cpu_kernels: bool = True,
@@ -43,10 +65,8 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
     "nvfp4": the experts quantised in banks, as `--expert-dtype` or a quantised checkpoint holds
     them (the numba kernels then always; int4 and fp8 with `group_size`, the experts one group
     wide if that is more than 32 columns; nvfp4 in its groups of 16)."""
-    from freetoken_py.kernels.cpu_moe import ExpertBank
     from freetoken_py.residency.adaptive import AdaptivePolicy
     from freetoken_py.residency.executor import ResidencyExecutor
-    from freetoken_py.residency.formats import QUANTISED, ExpertFormat, bank_parts
     from freetoken_py.residency.planner import CostModel
     from freetoken_py.residency.profiles import GB, PROFILES, emulated
     from freetoken_py.residency.slots import SlotCache
@@ -58,21 +78,7 @@ def measure_host_costs(num_experts: int, top_k: int, hidden: int, cpu_expert_gbp
     if expert_format == "nvfp4":
         group_size, d = 16, max(16, d // 16 * 16)        # nvfp4 banks: whole groups of 16 on both axes
     inter = max(_INTER, group_size) if expert_format in ("int4", "fp8") else _INTER
-    w13 = [(torch.rand(num_experts, 2 * inter, d, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
-    w2 = [(torch.rand(num_experts, d, inter, generator=g) - 0.5).to(dtype) for _ in range(_LAYERS)]
-    banks = None
-    if expert_format in QUANTISED:   # the store's banks: the host banks and the CPU tier's
-        banks = [ExpertBank.from_weights(a[:, :inter], a[:, inter:], b, fmt=expert_format, group_size=group_size)
-                 for a, b in zip(w13, w2)]
-        host = [bank_parts(b) for b in banks]
-        fmt = ExpertFormat.of_bank(banks[0])
-    else:
-        if cpu_kernels:   # the numba CPU tier for bf16 / fp32 experts; torch on the host weights otherwise
-            try:
-                banks = [ExpertBank.view_of(a, b) for a, b in zip(w13, w2)]
-            except ValueError:
-                banks = None
-        host, fmt = list(zip(w13, w2)), ExpertFormat.of_float(w13[0], w2[0])
+    host, fmt, banks = _bench_experts(num_experts, d, inter, dtype, g, cpu_kernels, expert_format, group_size)
     expert_bytes = fmt.expert_bytes
     profile = replace(emulated(PROFILES["rtx4090"]), cpu_expert_gbps=cpu_expert_gbps)   # (no slot: GPU unused)
     cost = CostModel(profile, expert_bytes, 6.0 * inter * d)

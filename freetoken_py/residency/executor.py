@@ -139,34 +139,15 @@ class ResidencyExecutor:
         # look-ahead's logits and, when the CPU tier may have work, x come to the host in one
         # packed read, which also zeroes the layer's output buffer (transfers.read_packed)
         with_accel = x.device == self.slots.device
-        # reading the routing back waits for the compute stream (ids are where x is)
-        synced = with_accel and self._cuda
         nxt = self._next_moe_layer(layer) if self.top_k > 0 and self.slots.num_slots else None
-        logits = self._router_logits(nxt, x, with_accel)
-        out_dev = x_host = timing = None
         resident = self.policy.resident(layer)
-        if with_accel:
-            # (the CPU tier may get work unless every expert of the layer is resident)
-            pack_x = ids.shape[0] <= PACK_X_TOKENS and len(resident) < self._num_experts[layer]
-            (ids, weights, logits, x_host), out_dev = self.transfers.read_packed(
-                [ids, weights, logits, x if pack_x else None], out_like=x)
-            if self._cuda:
-                self.flush_timing(wait=False)      # that read waited for the GPU: earlier layers' events are done
-                timing = (self.transfers.event(True), self.transfers.event(True))
-                timing[0].record()                 # the experts' time on the GPU's clock, from here
-        else:
-            x_host = x
+        ids, weights, logits, x_host, out_dev, timing = self._read_routing(layer, nxt, x, ids, weights, resident)
         decode = ids.shape[0] == 1 if self.decode_step is None else self.decode_step
         self._measure_lead(decode, timing[0] if timing is not None else None)
-        self.streamer.new_call(synced)       # after it no earlier compute reads a slot any more
-        one = ids.tolist()[0] if ids.shape[0] == 1 else None
-        if one is not None and len(set(one)) < len(one):
-            one = None                        # (repeated experts: the general path)
-        if one is not None:                   # decode: k distinct experts, a pair each
-            tokens = dict.fromkeys(sorted(one), 1)
-        else:
-            counts = torch.bincount(ids.flatten(), minlength=self.host[layer][0].shape[0]).tolist()
-            tokens = {e: n for e, n in enumerate(counts) if n}
+        # reading the routing back waits for the compute stream (ids are where x is): after this
+        # no earlier compute reads a slot any more
+        self.streamer.new_call(with_accel and self._cuda)
+        one, tokens = self._tokens(layer, ids)
         self._score_prefetch(layer, tokens, decode)
         plan = self.policy.split(layer, LayerStats(tokens, resident), self.cost)
         self.policy.touch(layer, self.step, tokens)
@@ -194,16 +175,51 @@ class ResidencyExecutor:
                     if plan.cpu or cpu_cuts else None)
         out = self._sum_parts(out, ready, cpu_part, out_dev, x, with_accel)
         self._count(layer, plan, tokens, cuts, one is not None)
+        self._end_timing(layer, plan, timing, t0)
+        return out
+
+    def _read_routing(self, layer: int, nxt, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, resident):
+        """(ids, weights, logits, x_host, out_dev, timing) on the host. x with the accelerator (on
+        its device; emulated, both on the host): the routing, the look-ahead's logits (for the
+        next MoE layer `nxt`) and, when the CPU tier may have work, x come to the host in one
+        packed read, which also zeroes the layer's output buffer (transfers.read_packed)."""
+        with_accel = x.device == self.slots.device
+        logits = self._router_logits(nxt, x, with_accel)
+        if not with_accel:
+            return ids, weights, logits, x, None, None
+        # (the CPU tier may get work unless every expert of the layer is resident)
+        pack_x = ids.shape[0] <= PACK_X_TOKENS and len(resident) < self._num_experts[layer]
+        (ids, weights, logits, x_host), out_dev = self.transfers.read_packed(
+            [ids, weights, logits, x if pack_x else None], out_like=x)
+        timing = None
+        if self._cuda:
+            self.flush_timing(wait=False)      # that read waited for the GPU: earlier layers' events are done
+            timing = (self.transfers.event(True), self.transfers.event(True))
+            timing[0].record()                 # the experts' time on the GPU's clock, from here
+        return ids, weights, logits, x_host, out_dev, timing
+
+    def _tokens(self, layer: int, ids: torch.Tensor) -> tuple[list | None, dict]:
+        """(a lone token's k distinct experts or None, {expert: tokens routed to it})."""
+        one = ids.tolist()[0] if ids.shape[0] == 1 else None
+        if one is not None and len(set(one)) < len(one):
+            one = None                        # (repeated experts: the general path)
+        if one is not None:                   # decode: k distinct experts, a pair each
+            return one, dict.fromkeys(sorted(one), 1)
+        counts = torch.bincount(ids.flatten(), minlength=self.host[layer][0].shape[0]).tolist()
+        return None, {e: n for e, n in enumerate(counts) if n}
+
+    def _end_timing(self, layer: int, plan, timing, t0: float) -> None:
+        """The layer-step's predicted time, and its measured one: on the GPU's clock (read back
+        later, no wait now) or, without events, the host's."""
         c = self.telemetry.layers[layer]
         c.predicted_s += self.cost.layer_step_s(plan)     # (the simulator's layer-step, fixed costs included)
-        if timing is not None:     # ends when the two parts' sum is ready; read back later, no wait now
+        if timing is not None:     # ends when the two parts' sum is ready
             timing[1].record()
             self._prev_end = timing[1]
             self._timing.append((self.step, layer, *timing))
         else:                      # the accelerator's part has been waited for above
             self._prev_end = time.perf_counter()
             c.measured_s += self._prev_end - t0
-        return out
 
     def _sum_parts(self, out, ready, cpu_part, out_dev, x, send: bool):
         """The layer's output on x's device: the accelerator's part (`out`, read back when x is on

@@ -91,10 +91,31 @@ class SimResult:
         elif tokens > 0:
             self.prefill_tokens, self.prefill_seconds = self.prefill_tokens + tokens, self.prefill_seconds + seconds
 
+    def _count(self, tokens: dict, p, expert_bytes: int) -> None:
+        """A layer-step's pairs by where the plan `p` runs them, and the bytes it streams."""
+        self.routed_pairs += sum(tokens.values())
+        self.hit_pairs += sum(tokens[e] for e in p.hits)
+        self.stream_pairs += sum(tokens[e] for e in p.stream)
+        self.cpu_pairs += sum(tokens[e] for e in p.cpu)
+        self.split_pairs += sum(tokens[e] for e, _ in p.split)
+        self.split_cpu_share += sum(tokens[e] * (1 - f) for e, f in p.split)
+        self.streamed_experts += len(p.stream)
+        self.pcie_bytes += len(p.stream) * expert_bytes + sum(int(f * expert_bytes) for _, f in p.split)
+
     def to_dict(self) -> dict:
         return dict(asdict(self), hit_rate=self.hit_rate, cpu_share=self.cpu_share,
                     decode_tok_s=self.decode_tok_s, prefill_tok_s=self.prefill_tok_s,
                     prefetch_accuracy=self.prefetch_accuracy)
+
+
+def _look_ahead(r: SimResult, policy, nxt: int, guess, allowed: int, step: int, expert_bytes: int):
+    """The executor's _prefetch: the same admissions (policy.look_ahead), copied in order; counted
+    in r. Returns (the experts in flight for layer nxt, the copies issued)."""
+    flying, copies, stopped = look_ahead(policy, nxt, guess, allowed, step)
+    r.prefetch_copies += copies
+    r.prefetch_stops += stopped
+    r.pcie_bytes += copies * expert_bytes
+    return flying, copies
 
 
 def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, prefetch: bool = False,
@@ -107,12 +128,10 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
     lead to replay that run); `prefill_lead_s` the same for the other steps (None:
     `lead_s`). `prefetch_limit` False drops the allowance (the stop still applies): what the
     allowance saves."""
-    profile = cost.profile
-    layers = trace.moe_layers
+    profile, layers = cost.profile, trace.moe_layers
     nxt_layer = dict(zip(layers, layers[1:]))
     prefetch = prefetch and trace.has_predictions
-    # every layer-step: its share of the dense weights read, and the executor's fixed host work (0 in the
-    # hand-built profiles)
+    # every layer-step: its share of the dense weights read, the executor's fixed host work (0: hand-built profiles)
     fixed_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB) + profile.host_layer_s \
         + cost.host_step_s
     lead_decode = fixed_layer_s if lead_s is None else lead_s
@@ -128,20 +147,11 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
             guessed.clear()             # as the executor's _new_step: a prediction lives within its step
             in_flight.clear()
             r.tokens += step_tokens
-        counts = tokens_per_expert(ids, trace.num_experts)
-        tokens = {int(e): int(counts[e]) for e in np.flatnonzero(counts)}
-        stats = LayerStats(tokens, policy.resident(layer))
-        p = policy.split(layer, stats, cost)
+        tokens = {int(e): int(c) for e, c in enumerate(tokens_per_expert(ids, trace.num_experts)) if c}
+        p = policy.split(layer, LayerStats(tokens, policy.resident(layer)), cost)
         policy.touch(layer, step, tokens)
         policy.admit_many(layer, p.stream, step)
-        r.routed_pairs += int(counts.sum())
-        r.hit_pairs += sum(tokens[e] for e in p.hits)
-        r.stream_pairs += sum(tokens[e] for e in p.stream)
-        r.cpu_pairs += sum(tokens[e] for e in p.cpu)
-        r.split_pairs += sum(tokens[e] for e, _ in p.split)
-        r.split_cpu_share += sum(tokens[e] * (1 - f) for e, f in p.split)
-        r.streamed_experts += len(p.stream)
-        r.pcie_bytes += len(p.stream) * cost.expert_bytes + sum(int(f * cost.expert_bytes) for _, f in p.split)
+        r._count(tokens, p, cost.expert_bytes)
         if not prefetch:
             step_s += fixed_layer_s + cost.moe_s(p)
             continue
@@ -158,13 +168,10 @@ def simulate(trace: RoutingTrace, policy, cost: CostModel, dense_bytes: int, pre
         queued = max(gpu_end, backlog + own_copies_s)
         nxt = nxt_layer.get(layer)
         guess = trace.prediction(step, nxt) if nxt is not None else None
-        if guess:   # the executor's _prefetch: the same admissions (policy.look_ahead), copied in order
+        if guess:
             guessed[nxt] = guess
             allowed = prefetch_allowance(p, cost, lead) if prefetch_limit else len(guess)
-            in_flight[nxt], copies, stopped = look_ahead(policy, nxt, guess, allowed, step)
-            r.prefetch_copies += copies
-            r.prefetch_stops += stopped
-            r.pcie_bytes += copies * cost.expert_bytes
+            in_flight[nxt], copies = _look_ahead(r, policy, nxt, guess, allowed, step, cost.expert_bytes)
             queued += copies * cost.copy_s()
         # the queue keeps working through the rest of this layer and up to the next one's routing
         backlog = max(0.0, queued - moe_s - lead)
@@ -308,8 +315,7 @@ def upper_bound_tok_s(trace: RoutingTrace, cost: CostModel, dense_bytes: int, ca
     Only decode steps count; MIN runs on each stretch of consecutive decode steps with its own
     free preload, since a policy may take any number of misses in a prefill to prepare for it.
     """
-    profile = cost.profile
-    layers = trace.moe_layers
+    profile, layers = cost.profile, trace.moe_layers
     dense_layer_s = dense_bytes / max(1, len(layers)) / (profile.vram_gbps * GB)
     decode = [s for s, step in enumerate(trace.steps) if step and trace.is_decode(s)]
     if not decode:
