@@ -251,8 +251,8 @@ def test_mxfp4_scales_that_do_not_match_the_blocks_are_one_line_naming_them(ckpt
 def test_probe_reads_gpt_oss_20b_geometry(tmp_path):
     """gpt-oss-20b's released tensors (headers only: MXFP4 experts, bf16 rest) and config: each
     decode token reads top-4 of 32 experts in 24 layers at their stored bytes (blocks + e8m0 scales
-    + bf16 biases), and the KV cache adds 24 layers x K and V x 8 heads x 64 x 2 bytes (every layer
-    counts every layer's rows per token; the windowed pool's fixed size is not reported yet)."""
+    + bf16 biases); the KV cache adds the 12 full layers x K and V x 8 heads x 64 x 2 bytes per
+    token, and the 12 windowed layers a fixed 144 rows each per request (kvcache/window.py)."""
     from freetoken_py.hw.model_bytes import read_model_bytes
     from freetoken_py.models.checkpoint import TensorInfo
 
@@ -297,7 +297,10 @@ def test_probe_reads_gpt_oss_20b_geometry(tmp_path):
     per_expert = 2 * I * (D // 2 + D // 32) + D * (I // 2 + I // 32) + 2 * (2 * I + D)   # 13,236,480
     assert per_expert == 13_236_480
     assert mb.per_token["routed_experts"] == L * 4 * per_expert == 1_270_702_080
-    assert mb.kv_bytes_per_token == L * 2 * KV * hd * 2 == 49_152
+    # half the layers slide over 128 keys (transformers' default layer_types: even layers): per
+    # token only the full layers' K/V; per request the windowed ones hold 128 keys + one page of 16
+    assert mb.kv_bytes_per_token == L // 2 * 2 * KV * hd * 2 == 24_576
+    assert mb.window_bytes_per_request == L // 2 * 2 * KV * hd * 2 * (128 + 16) == 3_538_944
     assert mb.weight_format == "mxfp4 (e8m0 scales per 32)" and mb.expert_dtype == "U8"
     dense = L * (2 * (H * hd + 2 * KV * hd) * (D + 1) + 2 * (D * H * hd + D) + 2 * H + 4 * D + 2 * E * (D + 1)) + 2 * D
     assert mb.per_token["dense"] == dense

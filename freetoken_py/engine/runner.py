@@ -15,6 +15,9 @@ from freetoken_py.engine.threads_governor import ThreadGovernor
 from freetoken_py.kernels.threads import set_kernel_threads
 from freetoken_py.kvcache import KVCache, StatePool
 from freetoken_py.layers.attention import AttentionMetadata, build_seq_attention
+from freetoken_py.layers.gated_deltanet import GdnMixer
+from freetoken_py.layers.gqa import GqaAttention
+from freetoken_py.layers.mla import MlaAttention
 from freetoken_py.models.moe_transformer import MoeTransformer
 
 
@@ -32,6 +35,17 @@ class ScheduledChunk:
         return self.req.num_computed + self.num_new == self.req.num_tokens
 
 
+# the fused numba decode step of each set of mixer kinds a model's layers use (layers/decoder.py)
+DECODERS = {frozenset({GqaAttention}): FusedDecoder, frozenset({MlaAttention}): MlaDecoder,
+            frozenset({GdnMixer, GqaAttention}): HybridDecoder}
+
+
+def fused_decoder(model: MoeTransformer):
+    """The decode step for the model's mixer kinds (GQA; MLA, DSA's included; Gated DeltaNet with
+    gated GQA), or None: prefill's forward then runs every step."""
+    return DECODERS.get(frozenset(type(layer.mixer) for layer in model.layers))
+
+
 class ModelRunner:
     def __init__(self, model: MoeTransformer, num_pages: int, page_size: int, kv_dtype: torch.dtype | None = None,
                  fused_decode: bool = True, state_slots: int = 0, window_pages: int | None = None):
@@ -46,9 +60,8 @@ class ModelRunner:
                        if model.hybrid else None)   # kvcache/state.py: one slot per request
         self.fused = None  # the cpu backend's numba decode step (engine/fused_decode.py)
         self.governor = None  # its thread count, re-decided from step times (threads_governor.py)
-        # by attention kind; hybrids: engine/fused_hybrid.py over the state pool too
-        decoder = HybridDecoder if model.hybrid else MlaDecoder if model.args.mla is not None else FusedDecoder
-        if fused_decode and decoder.supports(model):
+        decoder = fused_decoder(model)
+        if fused_decode and decoder is not None and decoder.supports(model):
             from freetoken_py.envs import adaptive_threads
             from freetoken_py.kernels.threads import configured_threads
 
