@@ -1271,14 +1271,41 @@ def _nv_half(builder, wp, sp, wbyte, qe, qo, lane, accs, qps, sxps, cps):
                                    flags=_FAST), acc)
 
 
+def _nv_lookup512(builder, b):
+    """<64 x i8> packed bytes -> (2 e2m1 + 12 of the low nibbles, of the high nibbles): the low
+    nibbles by one vpermb on a 64-entry table (its index bits 4-5 ignored by repeating the 16
+    entries: no mask), the high ones by one vpshufb of (b >> 4) & 15 (one vgf2p8affineqb)."""
+    v64b = ir.VectorType(_I8, 64)
+    permb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64b, [v64b, v64b]),
+                                           "llvm.x86.avx512.permvar.qi.512")
+    lo = builder.call(permb, [_c8(_NV_TABLE * 4), b])
+    _, hi = _nv_lookup(builder, b, 64)
+    return lo, hi
+
+
+def _nv_group_scales512(builder, sp, g0):
+    """e4m3 group scales g0 .. g0 + 7 -> <16 x float> [s_g0 x2 | ...] / 256 without vcvtph2ps: one
+    byte permute puts scale g at the top byte of dwords 2g, 2g + 1 (zeros below), an arithmetic
+    shift by 4 and a mask leave the sign at bit 31 and the 7 magnitude bits at fp32's exponent /
+    mantissa boundary (value / 2^120; an e4m3 subnormal an fp32 subnormal), and a multiply by
+    2^112 (no fast-math flags: exact) gives value / 256, as `_nv_group_scales`."""
+    v64b, v16i, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+    b = _vload(builder, sp, g0, ir.VectorType(_I8, 8), 1)
+    wide = builder.shuffle_vector(b, ir.Constant(b.type, None),
+                                  ir.Constant(ir.VectorType(_I32, 64), [(i // 8) if i % 4 == 3 else 8 for i in range(64)]))
+    bits = builder.and_(builder.ashr(builder.bitcast(wide, v16i), ir.Constant(v16i, [4] * 16)),
+                        ir.Constant(v16i, [0x87FFFFFF - (1 << 32)] * 16))
+    return builder.fmul(builder.bitcast(bits, v16f), ir.Constant(v16f, [2.0 ** 112] * 16))
+
+
 def _nv_unit512(builder, wp, sp, unit, accs, qps, sxps, cps):
     """One 128-column unit (64 packed bytes, 8 groups; AVX-512): acc (<16 x float>) += float(corr +
     lo . q_even + hi . q_odd) * [s_g x2 ..] * s_x (two vpdpbusd into the corrections)."""
     v64b, v16i, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
     wbyte = builder.shl(unit, ir.Constant(_I64, 6))
     _prefetch(builder, wp, wbyte)
-    lo, hi = _nv_lookup(builder, _vload(builder, wp, wbyte, v64b, 1), 64)
-    sc = _nv_group_scales(builder, sp, builder.shl(unit, ir.Constant(_I64, 3)), 8)
+    lo, hi = _nv_lookup512(builder, _vload(builder, wp, wbyte, v64b, 1))
+    sc = _nv_group_scales512(builder, sp, builder.shl(unit, ir.Constant(_I64, 3)))
     col = builder.shl(unit, ir.Constant(_I64, 7))
     lane = builder.shl(unit, ir.Constant(_I64, 4))
     for acc, qp, sxp, cp in zip(accs, qps, sxps, cps):
@@ -1552,39 +1579,81 @@ def _fp8bf_codegen(num_x):
         m80 = _c8([0x80] * 64)
         sh_lo = ir.Constant(ir.VectorType(_I32, 64), _UNPACK_LO)
         sh_hi = ir.Constant(ir.VectorType(_I32, 64), _UNPACK_HI)
-        nchain = 2 if num_x == 1 else 1
+        nchain = 4 if num_x == 1 else 2
         accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(num_x)]
         parts = [[cgutils.alloca_once(builder, v16f) for _ in range(nchain)] for _ in range(num_x)]
-        with cgutils.for_range(builder, ngroups) as group:
-            g = group.index
-            start = builder.mul(g, bk)
-            rest = builder.sub(k, start)
-            n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
-            n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
-            nunits = builder.lshr(n, ir.Constant(_I64, 6))
-            for ps in parts:
-                for part in ps:
-                    builder.store(ir.Constant(v16f, None), part)
-            with cgutils.for_range(builder, nunits) as unit:
-                off = builder.add(start, builder.shl(unit.index, ir.Constant(_I64, 6)))
-                _prefetch(builder, wp, off)                   # one 64-byte line per unit, PF_DIST ahead
+        def decode(offs):
+            """The 64 weights at each of offs as 2 x 32 bf16 words each (the table decode)."""
+            ws = []
+            for off in offs:
+                _prefetch(builder, wp, off)               # one 64-byte line per unit, PF_DIST ahead
                 b = _vload(builder, wp, off, v64b, 1)
                 hi = builder.or_(builder.call(perm, [hi0, b, hi1]), builder.and_(b, m80))
                 lo = builder.call(perm, [lo0, b, lo1])
-                wa = builder.bitcast(builder.bitcast(builder.shuffle_vector(hi, lo, sh_lo), v32s), v32bf)
-                wb = builder.bitcast(builder.bitcast(builder.shuffle_vector(hi, lo, sh_hi), v32s), v32bf)
+                ws += [builder.bitcast(builder.bitcast(builder.shuffle_vector(hi, lo, sh), v32s), v32bf)
+                       for sh in (sh_lo, sh_hi)]
+            return ws
+
+        def xload(xp, off, col):
+            return builder.bitcast(_vload(builder, xp, builder.add(off, ir.Constant(_I64, col)), v32s, 2), v32bf)
+
+        def flat():
+            """Blocks of 128 (every FP8 checkpoint) and K % 128 == 0: one trip per block, its two
+            units' four vdpbf16ps in two chains from zero, one FMA with the splatted block scale."""
+            with cgutils.for_range(builder, builder.lshr(k, ir.Constant(_I64, 7))) as loop:
+                off = builder.shl(loop.index, ir.Constant(_I64, 7))
+                ws = decode([off, builder.add(off, ir.Constant(_I64, 64))])
+                sgv = _splat(builder, builder.load(builder.gep(sp, [loop.index])), 16)
+                for acc, xp in zip(accs, xps):
+                    pa = builder.call(dp, [ir.Constant(v16f, None), ws[0], xload(xp, off, 0)])
+                    pb = builder.call(dp, [ir.Constant(v16f, None), ws[1], xload(xp, off, 32)])
+                    pa = builder.call(dp, [pa, ws[2], xload(xp, off, 64)])
+                    pb = builder.call(dp, [pb, ws[3], xload(xp, off, 96)])
+                    tot = builder.fadd(pa, pb, flags=_FAST)
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(sgv, tot, flags=_FAST), flags=_FAST), acc)
+
+        def units(offs):
+            """64 weights at each of offs into parts[.][2i], parts[.][2i + 1] (the general loop)."""
+            ws = decode(offs)
+            for i, off in enumerate(offs):
                 for ps, xp in zip(parts, xps):
-                    xa = builder.bitcast(_vload(builder, xp, off, v32s, 2), v32bf)
-                    xb = builder.bitcast(_vload(builder, xp, builder.add(off, ir.Constant(_I64, 32)), v32s, 2), v32bf)
-                    builder.store(builder.call(dp, [builder.load(ps[0]), xa, wa]), ps[0])
-                    pb = ps[-1]
-                    builder.store(builder.call(dp, [builder.load(pb), xb, wb]), pb)
-            sgv = _splat(builder, builder.load(builder.gep(sp, [g])), 16)
-            for acc, ps in zip(accs, parts):
-                tot = builder.load(ps[0])
-                if nchain == 2:
-                    tot = builder.fadd(tot, builder.load(ps[1]), flags=_FAST)
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(sgv, tot, flags=_FAST), flags=_FAST), acc)
+                    for h in range(2):
+                        part = ps[(2 * i + h) % nchain]
+                        builder.store(builder.call(dp, [builder.load(part), ws[2 * i + h], xload(xp, off, 32 * h)]), part)
+
+        def general():
+            """Any bk and K multiples of 64: per block a loop over pairs of units (parts reset per
+            block), then acc += scale * the parts' sum."""
+            with cgutils.for_range(builder, ngroups) as group:
+                g = group.index
+                start = builder.mul(g, bk)
+                rest = builder.sub(k, start)
+                n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
+                n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+                nunits = builder.lshr(n, ir.Constant(_I64, 6))
+                for ps in parts:
+                    for part in ps:
+                        builder.store(ir.Constant(v16f, None), part)
+                with cgutils.for_range(builder, builder.lshr(nunits, ir.Constant(_I64, 1))) as pair:
+                    off = builder.add(start, builder.shl(pair.index, ir.Constant(_I64, 7)))
+                    units([off, builder.add(off, ir.Constant(_I64, 64))])
+                with builder.if_then(builder.trunc(nunits, ir.IntType(1))):
+                    last = builder.shl(builder.sub(nunits, ir.Constant(_I64, 1)), ir.Constant(_I64, 6))
+                    units([builder.add(start, last)])
+                sgv = _splat(builder, builder.load(builder.gep(sp, [g])), 16)
+                for acc, ps in zip(accs, parts):
+                    tot = builder.load(ps[0])
+                    for part in ps[1:]:
+                        tot = builder.fadd(tot, builder.load(part), flags=_FAST)
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(sgv, tot, flags=_FAST), flags=_FAST), acc)
+
+        is_flat = builder.and_(builder.icmp_unsigned("==", bk, ir.Constant(_I64, 128)),
+                               builder.icmp_unsigned("==", builder.and_(k, ir.Constant(_I64, 127)), ir.Constant(_I64, 0)))
+        with builder.if_else(is_flat) as (then, otherwise):
+            with then:
+                flat()
+            with otherwise:
+                general()
         res = [_hsum(builder, builder.load(acc)) for acc in accs]
         if num_x == 1:
             return res[0]
