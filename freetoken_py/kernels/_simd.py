@@ -1215,8 +1215,9 @@ def nvfp4_row_dot4_v(typingctx, w, s, x0, x1, x2, x3):
 # 32-byte halves) meet their activations. Either way i32 lane L covers columns 8L..8L+7, group g
 # (16 columns) lanes 2g and 2g + 1: one convert, then one FMA with [s_g x2 | ...] * s_x per lane
 # (s_x per lane precomputed as well). The e4m3 group scales are decoded as fp16 bits (`_e4m3_half`:
-# exact, subnormals included) with vcvtph2ps; the result leaves out a factor 128 (1/2 for 2 x e2m1,
-# 256 for the fp16 rebase) and the row factor, which `_dots.nvfp4q8_dot` applies.
+# exact, subnormals included) with vcvtph2ps (AVX2), or by bit placement into fp32 (AVX-512:
+# `_nv_group_scales512`, the same value / 256, 3 uops fewer per 128 weights); the result leaves out
+# a factor 128 (1/2 for 2 x e2m1, 256 for the rebase) and the row factor, which `_dots.nvfp4q8_dot` applies.
 # Ranges: u8 <= 24, |q_x| <= 127: a vpmaddubsw pair <= 6096 and the sum of the low and high
 # nibbles' pairs <= 12192 (no i16 saturation), an i32 lane <= 24384 + 12192.
 
@@ -1523,7 +1524,9 @@ def bf16_row_dot4(typingctx, w, x0, x1, x2, x3):
 # unpacks (vpunpcklbw / vpunpckhbw, within 128-bit lanes) make 2 x 32 bf16 words, and two
 # vdpbf16ps multiply them with the activations, rounded to bf16 once per row as the bf16-weight
 # path does (`_dots.prep_fp8bf_row`, laid out per 64-column unit in the unpacks' order: words
-# [16L + p for L < 4, p < 8] then [16L + 8 + p]). The block's fp32 sum is scaled once per block.
+# [16L + p for L < 4, p < 8] then [16L + 8 + p]). The block's fp32 sum is scaled once per block:
+# for blocks of 128 (every FP8 checkpoint) one loop trip per block, whose ~36 instructions per 128
+# weights left the loop bookkeeping behind (vdpbf16ps, ~2 cycles per zmm here, is the floor).
 # The weights are exact (no rebase: bf16 has fp32's exponent range); the only rounding beyond an
 # fp32 dot's is the activation's to bf16 (vdpbf16ps reads subnormal inputs as zero, and a product
 # below 2^-126 is flushed: |w x| < 1e-38, nothing a sum of a layer can see).
