@@ -73,6 +73,15 @@ def _half_to_float(builder, bits, lanes):
     return builder.fmul(builder.bitcast(f, ft), scale)
 
 
+def _block_span(builder, g, bk, k):
+    """(first column, columns) of block g of bk columns in a row of k: a partial last block
+    shorter, none past the row's end clamped to 0."""
+    start = builder.mul(g, bk)
+    rest = builder.sub(k, start)
+    n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
+    return start, builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+
+
 def _scale(builder, sp, idx):
     """int4 group scale idx as float: stored as fp16 bits in a uint16 array (_buffers.scale_dtype)."""
     return _half_to_float(builder, builder.load(builder.gep(sp, [idx])), 1)
@@ -997,10 +1006,7 @@ def _fp8_codegen(num_x, lanes=_LANES):
         parts = [cgutils.alloca_once(builder, v16f) for _ in range(num_x)]
         with cgutils.for_range(builder, ngroups) as group:
             g = group.index
-            start = builder.mul(g, bk)
-            rest = builder.sub(k, start)
-            n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
-            n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+            start, n = _block_span(builder, g, bk, k)
             nvec = builder.udiv(n, ir.Constant(_I64, lanes))
             for part in parts:
                 builder.store(ir.Constant(v16f, None), part)
@@ -1086,10 +1092,7 @@ def _fp8f_codegen(num_x):
         fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32]), "llvm.fabs.f32")
         with cgutils.for_range(builder, ngroups) as group:
             g = group.index
-            start = builder.mul(g, bk)
-            rest = builder.sub(k, start)                  # a partial last block (a multiple of 64 here)
-            n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
-            n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+            start, n = _block_span(builder, g, bk, k)
             nvec = builder.udiv(n, ir.Constant(_I64, lanes))
             s_b = builder.load(builder.gep(sp, [g]))
             fold = builder.fcmp_ordered("<", builder.call(fabs, [s_b]), ir.Constant(_F32, 128.0))
@@ -1629,10 +1632,7 @@ def _fp8bf_codegen(num_x):
             block), then acc += scale * the parts' sum."""
             with cgutils.for_range(builder, ngroups) as group:
                 g = group.index
-                start = builder.mul(g, bk)
-                rest = builder.sub(k, start)
-                n = builder.select(builder.icmp_signed("<", rest, bk), rest, bk)
-                n = builder.select(builder.icmp_signed("<", n, ir.Constant(_I64, 0)), ir.Constant(_I64, 0), n)
+                start, n = _block_span(builder, g, bk, k)
                 nunits = builder.lshr(n, ir.Constant(_I64, 6))
                 for ps in parts:
                     for part in ps:
