@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_py.layers.linear import TorchLinear
+from freetoken_py.layers.mlp import held_swiglu, load_swiglu, swiglu, swiglu_shapes
 
 
 def softmax_topk_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,8 +185,6 @@ class MoeBlock:
         return [prefix + self.names.expert.format(e=e) for e in range(self.num_experts)]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        from freetoken_py.layers.mlp import swiglu_shapes
-
         s, (g, u, d), I, D = self.names, self.names.expert_proj, self.width, self.hidden
         shapes = {s.router: (self.num_experts, D)}
         if self.router.bias:
@@ -203,8 +202,6 @@ class MoeBlock:
     def load(self, get, prefix: str, skip_experts: bool = False) -> dict:
         """skip_experts: the routed experts' weights left None (the cpu backend's expert store builds
         its banks from the checkpoint itself); their biases are small and load either way."""
-        from freetoken_py.layers.mlp import load_swiglu
-
         s, (g, u, d) = self.names, self.names.expert_proj
         out = dict(zip(("router", "router_bias"), self.router.load(get, prefix + s.router, prefix + s.router_bias)))
         if self.shared_width:
@@ -223,8 +220,6 @@ class MoeBlock:
     def held(self, held, prefix: str, skip_experts: bool = False) -> tuple[int, int]:
         """(bytes held, the moment on top): the stacking holds each expert's gate and up rows
         concatenated (w13's size) besides the stack for a moment."""
-        from freetoken_py.layers.mlp import held_swiglu
-
         s, (g, u, d) = self.names, self.names.expert_proj
         total = self.router.held(held, prefix + s.router, prefix + s.router_bias)
         if self.shared_width:
@@ -241,8 +236,6 @@ class MoeBlock:
         return self.router.route(lw, x)
 
     def forward(self, lw, x: torch.Tensor, ctx, i: int) -> torch.Tensor:
-        from freetoken_py.layers.mlp import swiglu
-
         ids, weights = self.router.route(lw, x)
         out = ctx.experts(i, x, ids, weights.to(x.dtype))
         if lw.shared13 is not None:

@@ -84,11 +84,6 @@ class ModelArgs:
         return self.layer_kinds is not None and self.layer_kinds[i] == "linear_attention"
 
     @property
-    def paged_layers(self) -> list[int]:
-        """The layers with a paged KV / latent cache, in order (every layer but the linear ones)."""
-        return [i for i in range(self.num_layers) if not self.is_linear(i)]
-
-    @property
     def has_o_bias(self) -> bool:
         return self.attention_bias if self.o_bias is None else self.o_bias
 

@@ -8,7 +8,7 @@ import psutil
 import torch
 
 from freetoken_py.errors import ModelLoadError
-from freetoken_py.models import model_module
+from freetoken_py.models import architecture_of, model_module
 from freetoken_py.models.args import ConfigReader, ModelArgs
 from freetoken_py.models.checkpoint import LogicalReader, TensorInfo, list_checkpoint_tensors, read_json
 from freetoken_py.models.moe_transformer import MoeTransformer
@@ -180,16 +180,18 @@ def load_model(model_dir: "Path | str | Checkpoint", dtype: str = "auto", show_p
         raise ValueError(f"experts must be 'load' or 'skip', got {experts!r}")
     ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
     model_dir, args, scheme, tensors = ckpt.model_dir, ckpt.args, ckpt.scheme, ckpt.logical
-    validate(args, scheme, tensors, model_dir)
+    arch = architecture_of(args)   # the model file's layers: validation, loading and the forward share it
+    validate(args, scheme, tensors, model_dir, arch)
     stored = tensors["model.embed_tokens.weight"].dtype
     torch_dtype = resolve_dtype(dtype, stored)
-    held, moment = held_bytes(args, scheme, tensors, torch_dtype, experts == "skip")
+    held, moment = held_bytes(args, scheme, tensors, torch_dtype, experts == "skip", arch)
     check_host_memory(model_dir, held + moment, torch_dtype, experts == "skip")
     reader = ckpt.reader() if not defer else _Deferring(ckpt.reader(), defer, tensors)
     with progress_bar(f"Loading {model_dir.name}", total=args.num_layers, enabled=show_progress) as advance:
-        weights = load_weights(args, scheme, reader, torch_dtype, progress=advance, skip_experts=experts == "skip")
+        weights = load_weights(args, scheme, reader, torch_dtype, progress=advance, skip_experts=experts == "skip",
+                               arch=arch)
     reader.close()
-    return MoeTransformer(args, weights, torch_dtype)
+    return MoeTransformer(args, weights, torch_dtype, arch=arch)
 
 
 class _Deferring:

@@ -77,20 +77,21 @@ class ModelWeights:
     layers: list[LayerWeights] = field(default_factory=list)
 
 
-def expected_shapes(a: ModelArgs, s: WeightScheme) -> dict[str, tuple[int, ...]]:
+def expected_shapes(a: ModelArgs, s: WeightScheme, arch=None) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint must hold and its shape: the embedding, final norm and head,
     and per layer what its kinds name (models/<model_type>.py's architecture, layers/decoder.py)."""
     shapes = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size), "model.norm.weight": (a.hidden_size,)}
     if not a.tie_word_embeddings:
         shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
-    for i, layer in enumerate(architecture_of(a).layers):
+    for i, layer in enumerate((arch or architecture_of(a)).layers):
         prefix = s.layer.format(i=i)
         shapes.update({prefix + name: shape for name, shape in layer.shapes(a.hidden_size).items()})
     return shapes
 
 
-def validate(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], model_dir: Path) -> None:
-    expected = expected_shapes(a, s)
+def validate(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], model_dir: Path, arch=None) -> None:
+    """arch: the model file's Architecture for `a`, when the caller has built it already."""
+    expected = expected_shapes(a, s, arch)
     for name, shape in expected.items():
         info = tensors.get(name)
         if info is None:
@@ -123,7 +124,7 @@ _STORED_AS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 
 
 def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dtype: torch.dtype,
-               skip_experts: bool = False) -> tuple[int, int]:
+               skip_experts: bool = False, arch=None) -> tuple[int, int]:
     """What `load_weights` holds in anonymous memory at `dtype`, and the most it holds on top of
     that for a moment (bytes). A tensor stored at `dtype` and used as it is stays a view of the
     checkpoint's mapping (file pages the kernel may drop and read again); a cast one, and one
@@ -138,7 +139,7 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
     if not a.tie_word_embeddings:
         total += held("lm_head.weight", False)
     peak = 0
-    for i, layer in enumerate(architecture_of(a).layers):
+    for i, layer in enumerate((arch or architecture_of(a)).layers):
         p = s.layer.format(i=i)
         total += sum(held(p + name, False) for name in NORMS.values()) + layer.mixer.held(held, p)
         ffn, moment = layer.ffn.held(held, p, skip_experts)
@@ -147,14 +148,14 @@ def held_bytes(a: ModelArgs, s: WeightScheme, tensors: dict[str, TensorInfo], dt
 
 
 def load_weights(a: ModelArgs, s: WeightScheme, reader: TensorReader, dtype: torch.dtype,
-                 progress=None, skip_experts: bool = False) -> ModelWeights:
+                 progress=None, skip_experts: bool = False, arch=None) -> ModelWeights:
     """Each layer's tensors through its kinds (layer.mixer.load, layer.ffn.load) into LayerWeights.
     skip_experts: leave `w13`/`w2` None on MoE layers (the cpu backend's expert store builds
     its banks straight from the checkpoint, so stacking them here would be a second full copy)."""
     def get(name: str, at: torch.dtype | None = None) -> torch.Tensor:
         return reader.get(name).to(at or dtype).contiguous()
 
-    arch = architecture_of(a)
+    arch = arch or architecture_of(a)
     embed = get("model.embed_tokens.weight")
     weights = ModelWeights(embed=embed, final_norm=arch.norm.prepare(get("model.norm.weight")),
                            lm_head=TorchLinear(embed if a.tie_word_embeddings else get("lm_head.weight")))
