@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from freetoken_py.config import EngineConfig
 from freetoken_py.errors import ModelLoadError
 from freetoken_py.models.checkpoint import TensorInfo as CheckpointTensor
 from freetoken_py.models.checkpoint import list_checkpoint_tensors, read_json
@@ -174,7 +175,7 @@ def state_bytes_per_request(cfg: dict[str, Any], num_layers: int) -> int:
     return n * 4 * ((2 * hk * dk + hv * dv) * (kernel - 1) + hv * dk * dv)
 
 
-PAGE_SIZE = 16   # the engine's default page size (EngineConfig.page_size)
+PAGE_SIZE = EngineConfig.page_size   # the engine's default page size (the windowed pool's pages)
 
 
 def _windowed_layers(cfg: dict[str, Any], num_layers: int) -> int:
