@@ -578,9 +578,13 @@ def llama_cpp_seq_state(peer, vocab_size: int) -> dict:
             "seq_state_bytes_at_64": sizes[0]}
 
 
-def time_rounds(engines: dict, prompt: list[int], n: int, rounds: int, digits: int = 1) -> dict:
+def time_rounds(engines: dict, prompt: list[int], n: int, rounds: int, digits: int = 1,
+                dram: list[float] | None = None) -> dict:
     """Warm-up (numba compile / page-in, untimed), then interleaved rounds over every engine's
-    (prefill, decode) timers: {name: {"prefill": [tok/s], "decode": [tok/s]}}."""
+    (prefill, decode) timers: {name: {"prefill": [tok/s], "decode": [tok/s]}}. `dram`: a list that
+    gets one DRAM read sample (GB/s, all cores, `round_dram_gbps`) after each round, so a reader can
+    see the machine's bandwidth move between rounds (a shared VM's swung 35 <-> 55 GB/s within a
+    minute, docs/performance.md)."""
     short = prompt[:16]
     for prefill, decode in engines.values():
         prefill(prompt[:32])
@@ -592,7 +596,32 @@ def time_rounds(engines: dict, prompt: list[int], n: int, rounds: int, digits: i
             samples[name]["prefill"].append(prefill(prompt))
             log(f"round {r} {name}: decode {samples[name]['decode'][-1]:.{digits}f} tok/s, "
                 f"prefill {samples[name]['prefill'][-1]:.1f} tok/s")
+        if dram is not None:
+            dram.append(round_dram_gbps())
+            log(f"round {r} DRAM read {dram[-1]:.1f} GB/s")
     return samples
+
+
+_DRAM_BUF: list = []
+
+
+def round_dram_gbps() -> float:
+    """One all-core DRAM read sample (freetoken_py.hw.measure_dram, a 512 MiB buffer kept for the
+    process: >> any L3 here, small beside the engines), the median of two passes."""
+    from freetoken_py.hw.measure_dram import make_buffer, read_samples
+    from freetoken_py.kernels.threads import configured_threads
+
+    if not _DRAM_BUF:
+        _DRAM_BUF.append(make_buffer(512 << 20))
+    return statistics.median(read_samples(_DRAM_BUF[0], configured_threads(), 2, 5.0))
+
+
+def paired_ratio(ours: list[float], peer: list[float]) -> float | None:
+    """Median over rounds of ours / peer within each round: with both timed seconds apart in one
+    round, the machine's bandwidth drift between rounds cancels (the ratio of the two medians
+    can pair one engine's fast round with the other's slow one)."""
+    pairs = [a / b for a, b in zip(ours, peer) if b > 0]
+    return round(median(pairs), 3) if pairs else None
 
 
 def peer_fields(ours: dict, peer: dict, kind: str, peer_bpt: int, digits: int = 2, samples: bool = True) -> dict:
@@ -604,7 +633,9 @@ def peer_fields(ours: dict, peer: dict, kind: str, peer_bpt: int, digits: int = 
           "bytes_per_token": peer_bpt, "decode_gbps": round(pd * peer_bpt / 1e9, 2)}
     if samples:
         lc["decode_samples"] = [round(x, digits) for x in peer["decode"]]
-    return {"llama_cpp": lc, "ratio_decode": round(dec / pd, 3), "ratio_prefill": round(pre / pp, 3)}
+    return {"llama_cpp": lc, "ratio_decode": round(dec / pd, 3), "ratio_prefill": round(pre / pp, 3),
+            "paired_ratio_decode": paired_ratio(ours["decode"], peer["decode"]),
+            "paired_ratio_prefill": paired_ratio(ours["prefill"], peer["prefill"])}
 
 
 def emit(result: dict, out: Path | None = None) -> int:

@@ -18,7 +18,9 @@ checkpoint's size.
 The quantised checkpoints are written by `freetoken quantize` from a random bf16 one (built
 with transformers' classes). Prints one JSON line: the CPU and SIMD path, the DRAM rate (probe),
 per format tokens/s, bytes per token, GB/s, the DRAM roofline fraction, llama.cpp's figures and
-the decode / prefill ratios, and the start-up RSS.
+the decode / prefill ratios, and the start-up RSS. A DRAM read sample follows each round
+("round_dram_gbps"); "paired_decode" / "paired_prefill" are the medians of the per-round ratios
+(ours / peer timed seconds apart), which a bandwidth swing between rounds does not bias.
 Rounds interleave each format with its own peer; a pair's engines are freed before the next pair
 loads (int4 and nvfp4 share their Q4_0 peer), so the box never holds more than three models.
 The peer's output tensor (lm_head) is stored as ours runs it (`--peer-output same`, the default):
@@ -160,7 +162,7 @@ def main() -> None:
                 common.log(f"{f}: peer {peer_gguf(src, f, paths[f], args.peer_output, kinds[f])[0].name}")
         common.log("prepared: " + ", ".join(str(paths[f]) for f in fmts))
         return
-    samples, bpt, peer_bpt, sizes, rss, peer_out, peer_name = {}, {}, {}, {}, {}, {}, {}
+    samples, bpt, peer_bpt, sizes, rss, peer_out, peer_name, round_dram = {}, {}, {}, {}, {}, {}, {}, {}
     # one peer at a time with the formats it serves (int8 with Q8_0, fp8 with Q8_0 + bf16 output,
     # int4 + nvfp4 with Q4_0 + bf16 output), its engines dropped before the next loads: all resident
     # at once come to about the box's 24 GiB, and the page cache then thrashes (our samples swung
@@ -187,7 +189,9 @@ def main() -> None:
                     engines[peer_name[f]] = common.llama_cpp_timers(gguf, args.threads)
                 peer_bpt[f] = common.gguf_decode_bytes(gguf, llm.args.top_k, llm.args.num_experts)
             del llm
-        samples.update(common.time_rounds(engines, prompt, n, args.rounds))
+        group_dram: list[float] = []
+        samples.update(common.time_rounds(engines, prompt, n, args.rounds, dram=group_dram))
+        round_dram.update({f: group_dram for f in members})
         del engines
         gc.collect()
     dram, method = common.dram_gbps()
@@ -205,7 +209,7 @@ def main() -> None:
                "prefill_samples": [round(x, 1) for x in ours["prefill"]],
                "checkpoint_bytes": sizes[f] if f not in LOAD_TIME else None,
                "run_from": f"bf16 checkpoint, {LOAD_TIME[f]} at load" if f in LOAD_TIME else "its own checkpoint",
-               "startup_peak_rss_bytes": rss.get(f)}
+               "startup_peak_rss_bytes": rss.get(f), "round_dram_gbps": [round(x, 1) for x in round_dram.get(f, [])]}
         peer = samples.get(peer_name.get(f))
         if peer:
             row.update(common.peer_fields(ours, peer, kinds[f], peer_bpt[f], samples=True))
@@ -213,7 +217,8 @@ def main() -> None:
             row["llama_cpp_output_type"] = peer_out[f]
         out["formats"][f] = row
     out["llama_cpp_amx"] = common._AMX_STATE.get("note")
-    out["ratios"] = {f: {"decode": r.get("ratio_decode"), "prefill": r.get("ratio_prefill")}
+    out["ratios"] = {f: {"decode": r.get("ratio_decode"), "prefill": r.get("ratio_prefill"),
+                         "paired_decode": r.get("paired_ratio_decode"), "paired_prefill": r.get("paired_ratio_prefill")}
                      for f, r in out["formats"].items()}
     common.emit(out)
 
