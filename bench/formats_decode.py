@@ -21,6 +21,11 @@ per format tokens/s, bytes per token, GB/s, the DRAM roofline fraction, llama.cp
 the decode / prefill ratios, and the start-up RSS. A DRAM read sample follows each round
 ("round_dram_gbps"); "paired_decode" / "paired_prefill" are the medians of the per-round ratios
 (ours / peer timed seconds apart), which a bandwidth swing between rounds does not bias.
+Expert kernels against llama.cpp's (issue 45, item 3): `--heads 1 --vocab 4352 --experts 32
+--layers 12` keeps Qwen3-30B-A3B's expert shape (2048 / 768, top-8) but shrinks attention and
+lm_head to ~4 % of the bytes per token, so each format's decode GB/s is its expert kernel's
+streaming rate inside a real decode step, next to llama.cpp's nearest format on the same weights
+and the per-round DRAM samples.
 Rounds interleave each format with its own peer; a pair's engines are freed before the next pair
 loads (int4 and nvfp4 share their Q4_0 peer), so the box never holds more than three models.
 The peer's output tensor (lm_head) is stored as ours runs it (`--peer-output same`, the default):
@@ -62,12 +67,13 @@ def build(args) -> Path:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    name = f"qwen3-30b-a3b-shape-l{args.layers}-h{args.hidden}-e{args.experts}-w{args.width}-v{args.vocab}"
+    heads = args.heads or max(1, args.hidden // 64)
+    name = (f"qwen3-30b-a3b-shape-l{args.layers}-h{args.hidden}-e{args.experts}-w{args.width}-v{args.vocab}"
+            + ("" if heads == max(1, args.hidden // 64) else f"-a{heads}"))
     out = common.WORK / name
     if not (out / "config.json").exists():
         # built in bf16 (torch's default dtype set for the construction): at 8 layers the fp32
         # model transformers would otherwise build first is ~22 GB, the box's whole memory
-        heads = max(1, args.hidden // 64)
         cfg = Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                              num_attention_heads=heads, num_key_value_heads=max(1, heads // 8), head_dim=128,
                              intermediate_size=4 * args.hidden, moe_intermediate_size=args.width,
@@ -134,6 +140,10 @@ def main() -> None:
     for flag, default in (("--layers", 8), ("--hidden", 2048), ("--experts", 128), ("--width", 768),
                           ("--vocab", 151936)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--heads", type=int, default=None,
+                    help="attention heads (default hidden / 64, as Qwen3-30B-A3B); with --heads 1 and a small "
+                         "--vocab the routed experts are ~95 %% of the bytes read per token: the expert kernels' "
+                         "line against llama.cpp's on the same weights (see the module doc)")
     ap.add_argument("--formats", default="int8,fp8,int4,nvfp4")
     ap.add_argument("--peer-output", choices=("same", "default"), default="same",
                     help="llama.cpp's output tensor type: as our lm_head is stored (same), or its own default")
@@ -197,7 +207,8 @@ def main() -> None:
     dram, method = common.dram_gbps()
     out = {"bench": "formats_decode", **common.cpu_fields(),
            "model": f"qwen3_moe shape: hidden {args.hidden}, {args.layers} layers, "
-           f"{args.experts} experts of width {args.width}, top-{min(8, args.experts)}, vocab {args.vocab}",
+           f"{args.experts} experts of width {args.width}, top-{min(8, args.experts)}, vocab {args.vocab}"
+           + (f", {args.heads} attention heads" if args.heads else ""),
            "threads": args.threads, "prompt_len": args.prompt_len, "decode_tokens": n, "rounds": args.rounds,
            "dram_gbps": round(dram, 2), "dram_method": method, "formats": {}}
     for f in fmts:

@@ -265,3 +265,73 @@ def test_decode_row_blocks_match_reference(fmt, group_size, num_t, k):
     x = torch.randn(num_t, hidden, generator=torch.Generator().manual_seed(5))
     out = moe_experts(bank, x, ids, w)
     assert close_to_ref(out, moe_ref_slack(bank, x, ids, w, "silu"), TOL.get(fmt, 1e-4))
+
+
+def _row_block_form():
+    """moe_rows with stage 2 always in the row-block form (_down_block): the reference for the
+    expert-major decode stage, which must add the same products in the same order."""
+    from numba import njit, prange
+
+    from freetoken_py.kernels._dots import prepare
+    from freetoken_py.kernels._moe_kernels import _down_block, _gate_up_block, group_pairs, row_blocks
+
+    @njit(parallel=True, fastmath=True)
+    def run(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out, b13, b2):
+        k = topk_ids.shape[1]
+        ids, wts = topk_ids.reshape(-1), topk_weights.reshape(-1)
+        xv, xg = prepare(w13, s13, x, gs)
+        inter, hidden = w13.shape[1] // 2, w2.shape[1]
+        order, eids, off = group_pairs(ids, w13.shape[0])
+        rb1, rb2 = row_blocks(off, inter, hidden, threads)
+        h = np.empty((ids.shape[0], inter), np.float32)
+        nb1 = (inter + rb1 - 1) // rb1
+        for task in prange(eids.shape[0] * nb1):
+            u = task // nb1
+            i0 = (task - u * nb1) * rb1
+            e = eids[u]
+            _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0, min(inter, i0 + rb1), kind,
+                           gs // 2, h, b13[e] if b13.shape[0] else np.zeros(0, np.float32))
+        hv, hg = prepare(w2, s2, h, gs)
+        for task in prange((hidden + rb2 - 1) // rb2):
+            _down_block(w2, s2, hv, hg, order, eids, off, wts, k, task * rb2, min(hidden, task * rb2 + rb2), gs // 2, out)
+        if b2.shape[0]:
+            for p in range(ids.shape[0]):
+                for d in range(hidden):
+                    out[p // k, d] += wts[p] * b2[ids[p], d]
+    return run
+
+
+@pytest.mark.parametrize("fmt, group_size", [("fp32", 32), ("int8", 32), ("int4", 32), ("fp8", 128), ("nvfp4", 16)])
+@pytest.mark.parametrize("num_t, k, biased", [(1, 8, False), (2, 3, False), (3, 4, True)])
+def test_expert_major_down_stage_equals_the_row_block_form(fmt, group_size, num_t, k, biased):
+    """Decode routing (<= 4 pairs per expert) at a hidden width with a partial last expert-major
+    block (D = 576 = 2 x 256 + 64) takes the expert-major down stage. Its output equals the
+    row-block form's (the same dots, the same products added in the same order; fast-math may
+    contract the multiply-add differently in the two, so to 1e-6 rather than bit for bit) and, for
+    the unbiased experts, the float64 reference (gpt-oss's biases: tests/test_gpt_oss.py)."""
+    import numba
+
+    from freetoken_py.kernels._dots import ACTIVATIONS
+    from freetoken_py.kernels._moe_kernels import RB_DOWN_FEW, few_pairs, group_pairs, moe_rows
+
+    num_e, inter, hidden = 9, 128, 576
+    ids, w = routing(num_t, num_e, k, seed=3 + num_t)
+    off = group_pairs(ids.reshape(-1).numpy().astype(np.int64), num_e)[2]
+    threads = numba.get_num_threads()
+    assert few_pairs(off) and (len(off) - 1) * -(-hidden // RB_DOWN_FEW) >= 4 * threads   # the path under test
+    bank = ExpertBank.from_weights(*random_experts(num_e, inter, hidden, seed=2), fmt=fmt, group_size=group_size)
+    activation = "silu"
+    if biased:
+        g = torch.Generator().manual_seed(9)
+        bank = bank.with_biases(torch.randn(num_e, 2 * inter, generator=g) * 0.1, torch.randn(num_e, hidden, generator=g) * 0.1)
+        activation = "gptoss"
+    x = torch.randn(num_t, hidden, generator=torch.Generator().manual_seed(5))
+    xs, idn, wn = x.numpy(), ids.numpy().astype(np.int64), w.numpy().astype(np.float32)
+    new, old = np.zeros((num_t, hidden), np.float32), np.zeros((num_t, hidden), np.float32)
+    args = (bank.w13, bank.s13, bank.w2, bank.s2, xs, idn, wn, ACTIVATIONS[activation], bank.group_size, threads)
+    moe_rows(*args, new, bank.b13, bank.b2)
+    _row_block_form()(*args, old, bank.b13, bank.b2)
+    assert rel_err(new, torch.from_numpy(old).double()) <= 1e-6
+    if not biased and fmt != "nvfp4":   # nvfp4's int8 activation blocks: tests/test_formats_nvfp4.py
+        q8 = fmt in ("int4", "int8") and INT_ACT == "int8"
+        assert close_to_ref(new, moe_ref_slack(bank, x, ids, w, activation, q8), TOL.get(fmt, 1e-4))
