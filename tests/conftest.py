@@ -6,8 +6,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# MKL (torch's fp32 GEMMs on x86) takes alignment-dependent code paths unless told otherwise, so the
+# same product of the same values can differ in the last bits between two loads of a model whose
+# tensors lie at other offsets: on an AMD EPYC Zen 4 the DSA checkpoint with a full context and the
+# same checkpoint as plain MLA differed by 2e-7 (tests/test_dsa_models.py compares them bit for bit).
+# Strict conditional numerical reproducibility, read when MKL first runs (set before torch loads it);
+# subprocesses inherit it.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # bf16 weights multiply exact fp32 activations in the suite (the parity tests compare with fp32
 # references at 1e-4..1e-5), also on CPUs with AVX512-BF16, where the default rounds activations to

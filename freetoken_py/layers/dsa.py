@@ -9,7 +9,8 @@ Per token (Hi = index_n_heads, di = index_head_dim, dr = the MLA's qk_rope_head_
     score[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * di^-0.5)         (fp32)
 
 A query attends only to the `topk` causal keys of highest score; where its context holds no more
-than `topk` keys that is all of them, and the selection is skipped (plain MLA, bit for bit).
+than `topk` keys that is all of them, and the selection is skipped (plain MLA, bit for bit where
+torch's BLAS is reproducible: MKL's alignment-dependent paths can move the last bits, MKL_CBWR).
 GLM-5.2's `shared` layers have no indexer: they reuse the last `full` layer's selection (the
 selection is a function of positions, and every MLA layer sees the same context slots).
 """
