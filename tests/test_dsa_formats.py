@@ -304,7 +304,9 @@ def test_nvfp4_modelopt_matches_transformers_on_its_dequantised_weights(kind, ba
     keys a small change moves the next layers' selections. So that path is held to transformers with
     its activations rounded alike (_q8_aware): <= 1e-4 at most positions, and within 2e-2 at the
     rest, where the two sums' order puts one activation on the other side of an int8 rounding tie
-    (measured: one position of 17 at 7.8e-3, the others <= 2e-6)."""
+    (measured: one position of 17 at 7.8e-3, the others <= 2e-6, on a Xeon 6; four of 17 at
+    7.8e-3 - 1.6e-2 on an AMD EPYC Zen 4, where torch's reference sums in another order, so the
+    share held at <= 1e-4 is 0.6: a real error moves every position, or one past 2e-2)."""
     q, plain = nvfp4(kind)
     llm = LLM(q, dtype="float32", show_progress=False, backend=backend, expert_cache="off", page_size=16)
     tokens, ours = parity_util.drive(llm, _prompt(), STEPS)
@@ -314,7 +316,7 @@ def test_nvfp4_modelopt_matches_transformers_on_its_dequantised_weights(kind, ba
         assert (ours - theirs).abs().max().item() <= 1e-4
     else:
         d = (ours - _q8_aware(plain, llm, ids)).abs().amax(-1)
-        assert (d <= 1e-4).float().mean().item() >= 0.8 and d.max().item() <= 2e-2, d.tolist()
+        assert (d <= 1e-4).float().mean().item() >= 0.6 and d.max().item() <= 2e-2, d.tolist()
     assert (theirs - _theirs(src, ids)).abs().max().item() > 1e-2   # the e2m1 values are in effect
 
 

@@ -17,13 +17,14 @@ single-token dot — T = 1 decode and grouped prefill are the same loops:
 Stage 2 owns whole output rows, so the top-k sum needs no atomics and no extra pass. Where every
 expert is hit by at most 4 pairs (decode), stage 2 runs expert-major instead, as stage 1 does:
 
-    stage 2' prange over (expert, block of RB_DOWN_FEW rows of D):  y[p, d] = down_d . h_p
-    combine  prange over blocks of D:  out[t, d] += w_p * y[p, d], experts ascending, pairs in order
+    stage 2' prange over (expert, block of RB_DOWN_FEW rows of D):  y[q, d] = down_d . h_order[q]
+             (the dense GEMV block, cpu_linear.gemv_block, over the expert's pairs' rows)
+    combine  prange over blocks of D:  out[t, d] += w_p * y[q, d], experts ascending, pairs in order
 
 so each task streams one expert's contiguous rows (the row-block form reads every expert's rows
 in short pieces per task); the combine adds the same products in the same order as the
 row-block form (fast-math may contract a multiply-add differently: equal to ~1e-7, not bit for bit). On a Zen 4 VM (2 threads, Qwen3-30B-A3B
-widths, one decode token, interleaved) the whole call read 9-14 % faster for int4 / nvfp4 / fp8
+widths, one decode token, interleaved) the whole call read 2-12 % faster for int4 / nvfp4 / fp8 / int8
 (docs/kernels.md, "Expert-major down stage").
 
 Row blocks (``row_blocks``): RB1 / RB2 rows per task where the experts are hit by several pairs
@@ -37,6 +38,7 @@ import numpy as np
 from numba import njit, prange
 
 from freetoken_py.kernels._dots import act, prepare, row_dot, row_dot4
+from freetoken_py.kernels.cpu_linear import gemv_block
 
 RB1 = 16   # gate/up rows per stage-1 task: 16 x (2 rows) x D bytes, small enough to balance 2 threads
 RB2 = 16   # down rows per stage-2 task
@@ -173,35 +175,14 @@ def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
 
 
 @njit(fastmath=True, cache=True)
-def _down_rows(w2e, s2e, hv, hg, pairs, d0, d1, hb, y):
-    """y[p, d0:d1] = down_e[d] . h_p for one expert (w2e [D, I]) and its pairs, 4 per row pass
-    (the same dots, chunks and padding as _down_block, so the same values)."""
-    n = pairs.shape[0]
-    for q in range(0, n, 4):
-        if n - q == 1:
-            p = pairs[q]
-            for d in range(d0, d1):
-                y[p, d] = row_dot(w2e[d], s2e[d], hv[p], hg[p], hb)
-            continue
-        p0, p1, p2, p3 = pairs[q], pairs[min(q + 1, n - 1)], pairs[min(q + 2, n - 1)], pairs[min(q + 3, n - 1)]
+def _combine(y, order, wts, k, d0, d1, out):
+    """out[t, d0:d1] += w_p * y[q, d0:d1] for the grouped pairs p = order[q] in order (experts
+    ascending, pairs in order): _down_block's order of additions."""
+    for q in range(order.shape[0]):
+        p = order[q]
+        t = p // k
         for d in range(d0, d1):
-            y0, y1, y2, y3 = row_dot4(w2e[d], s2e[d], hv[p0], hv[p1], hv[p2], hv[p3], hg[p0], hg[p1], hg[p2], hg[p3], hb)
-            y[p0, d] = y0
-            y[p1, d] = y1
-            y[p2, d] = y2
-            y[p3, d] = y3
-
-
-@njit(fastmath=True, cache=True)
-def _combine(y, order, off, wts, k, d0, d1, out):
-    """out[t, d0:d1] += w_p * y[p, d0:d1] over the grouped pairs, experts ascending and pairs in
-    order: _down_block's order of additions."""
-    for u in range(off.shape[0] - 1):
-        for q in range(off[u], off[u + 1]):
-            p = order[q]
-            t = p // k
-            for d in range(d0, d1):
-                out[t, d] += wts[p] * y[p, d]
+            out[t, d] += wts[p] * y[q, d]
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -231,16 +212,16 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
     hv, hg = prepare(w2, s2, h, gs)
     nbd = (hidden + RB_DOWN_FEW - 1) // RB_DOWN_FEW
     if few_pairs(off) and eids.shape[0] * nbd >= 4 * threads:    # decode: expert-major (module doc)
-        y = np.empty((num_pairs, hidden), np.float32)
+        hvg, hgg = hv[order], hg[order]               # the pairs' activations in grouped order
+        y = np.empty((num_pairs, hidden), np.float32)    # y[q]: pair order[q]'s down projection
         for task in prange(eids.shape[0] * nbd):
             u = task // nbd
             d0 = (task - u * nbd) * RB_DOWN_FEW
-            e = eids[u]
-            _down_rows(w2[e], s2[e], hv, hg, order[off[u]:off[u + 1]], d0, min(hidden, d0 + RB_DOWN_FEW),
-                       gs // 2, y)
+            a, b = off[u], off[u + 1]
+            gemv_block(w2[eids[u]], s2[eids[u]], hvg[a:b], hgg[a:b], gs // 2, d0, min(hidden, d0 + RB_DOWN_FEW), y[a:b])
         for task in prange((hidden + RB_COMBINE - 1) // RB_COMBINE):
             d0 = task * RB_COMBINE
-            _combine(y, order, off, wts, k, d0, min(hidden, d0 + RB_COMBINE), out)
+            _combine(y, order, wts, k, d0, min(hidden, d0 + RB_COMBINE), out)
     else:
         nb2 = (hidden + rb2 - 1) // rb2
         for task in prange(nb2):

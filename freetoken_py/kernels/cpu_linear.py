@@ -89,7 +89,7 @@ class DenseWeight:
 
 
 @njit(fastmath=True, cache=True)
-def _gemv_block(w, s, xv, xg, hb, n0, n1, out):
+def gemv_block(w, s, xv, xg, hb, n0, n1, out):
     """out[:, n0:n1]: 4 tokens per pass over the rows (a 2-3 token tail padded with repeats)."""
     num_t = xv.shape[0]
     for t in range(0, num_t, 4):
@@ -114,7 +114,7 @@ def dense_rows(w, s, x, gs, out):
     num_tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(num_tasks):
         n0 = task * ROWS_PER_TASK
-        _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
+        gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -125,7 +125,7 @@ def dense_rows_prepared(w, s, xv, xg, gs, out):
     num_tasks = (n + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(num_tasks):
         n0 = task * ROWS_PER_TASK
-        _gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
+        gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
 
 
 def dense_linear(dw: DenseWeight, x):
