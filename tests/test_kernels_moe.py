@@ -10,6 +10,8 @@ kernel's arithmetic; tests/test_kernels_q8act.py adds the looser check against f
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -267,6 +269,7 @@ def test_decode_row_blocks_match_reference(fmt, group_size, num_t, k):
     assert close_to_ref(out, moe_ref_slack(bank, x, ids, w, "silu"), TOL.get(fmt, 1e-4))
 
 
+@functools.lru_cache(maxsize=None)
 def _row_block_form():
     """moe_rows with stage 2 always in the row-block form (_down_block): the reference for the
     expert-major decode stage, which must add the same products in the same order."""
