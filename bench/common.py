@@ -580,15 +580,15 @@ def llama_cpp_seq_state(peer, vocab_size: int) -> dict:
 
 def time_rounds(engines: dict, prompt: list[int], n: int, rounds: int, digits: int = 1,
                 dram: list[float] | None = None) -> dict:
-    """Warm-up (numba compile / page-in, untimed), then interleaved rounds over every engine's
+    """Warm-up (numba compile / page-in: one full untimed round), then interleaved rounds over every engine's
     (prefill, decode) timers: {name: {"prefill": [tok/s], "decode": [tok/s]}}. `dram`: a list that
     gets one DRAM read sample (GB/s, all cores, `round_dram_gbps`) after each round, so a reader can
     see the machine's bandwidth move between rounds (a shared VM's swung 35 <-> 55 GB/s within a
     minute, docs/performance.md)."""
     short = prompt[:16]
-    for prefill, decode in engines.values():
-        prefill(prompt[:32])
-        decode(short, 2)
+    for prefill, decode in engines.values():   # a whole untimed round: every engine's first timed round
+        prefill(prompt)                        # was its slowest (Xeon 6 and Zen 4 runs), e.g. pages of
+        decode(short, n)                       # experts first touched there
     samples = {name: {"prefill": [], "decode": []} for name in engines}
     for r in range(rounds):
         for name, (prefill, decode) in engines.items():
