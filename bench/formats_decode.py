@@ -67,9 +67,10 @@ def build(args) -> Path:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    heads = args.heads or max(1, args.hidden // 64)
+    qwen_heads = max(1, args.hidden // 64)     # Qwen3-30B-A3B's 32 at hidden 2048
+    heads = args.heads or qwen_heads
     name = (f"qwen3-30b-a3b-shape-l{args.layers}-h{args.hidden}-e{args.experts}-w{args.width}-v{args.vocab}"
-            + ("" if heads == max(1, args.hidden // 64) else f"-a{heads}"))
+            + ("" if heads == qwen_heads else f"-a{heads}"))
     out = common.WORK / name
     if not (out / "config.json").exists():
         # built in bf16 (torch's default dtype set for the construction): at 8 layers the fp32

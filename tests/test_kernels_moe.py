@@ -312,16 +312,15 @@ def test_expert_major_down_stage_equals_the_row_block_form(fmt, group_size, num_
     row-block form's (the same dots, the same products added in the same order; fast-math may
     contract the multiply-add differently in the two, so to 1e-6 rather than bit for bit) and, for
     the unbiased experts, the float64 reference (gpt-oss's biases: tests/test_gpt_oss.py)."""
-    import numba
-
     from freetoken_py.kernels._dots import ACTIVATIONS
-    from freetoken_py.kernels._moe_kernels import RB_DOWN_FEW, few_pairs, group_pairs, moe_rows
+    from freetoken_py.kernels._moe_kernels import down_expert_major, group_pairs, moe_rows
 
     num_e, inter, hidden = 9, 128, 576
     ids, w = routing(num_t, num_e, k, seed=3 + num_t)
     off = group_pairs(ids.reshape(-1).numpy().astype(np.int64), num_e)[2]
-    threads = numba.get_num_threads()
-    assert few_pairs(off) and (len(off) - 1) * -(-hidden // RB_DOWN_FEW) >= 4 * threads   # the path under test
+    threads = 2   # the block plan's thread count (the kernel runs on all of numba's): the same path on any CPU
+    assert down_expert_major(off, hidden, threads)                     # the path under test
+    assert not down_expert_major(np.array([0, 5], np.int64), hidden, threads)   # 5 pairs: the row-block form
     bank = ExpertBank.from_weights(*random_experts(num_e, inter, hidden, seed=2), fmt=fmt, group_size=group_size)
     activation = "silu"
     if biased:

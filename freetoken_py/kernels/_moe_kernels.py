@@ -23,9 +23,9 @@ expert is hit by at most 4 pairs (decode), stage 2 runs expert-major instead, as
 
 so each task streams one expert's contiguous rows (the row-block form reads every expert's rows
 in short pieces per task); the combine adds the same products in the same order as the
-row-block form (fast-math may contract a multiply-add differently: equal to ~1e-7, not bit for bit). On a Zen 4 VM (2 threads, Qwen3-30B-A3B
-widths, one decode token, interleaved) the whole call read 2-12 % faster for int4 / nvfp4 / fp8 / int8
-(docs/kernels.md, "Expert-major down stage").
+row-block form (fast-math may contract a multiply-add differently: equal to ~1e-7, not bit for
+bit). On a Zen 4 VM (2 threads, Qwen3-30B-A3B widths, one decode token, interleaved) the whole
+call read 2-12 % faster for int4 / nvfp4 / fp8 / int8 (docs/kernels.md, "Expert-major down stage").
 
 Row blocks (``row_blocks``): RB1 / RB2 rows per task where the experts are hit by several pairs
 (prefill: a block's activations are reused over its rows); RB_FEW where every expert is hit by
@@ -80,27 +80,31 @@ def group_pairs(ids, num_experts):
 
 
 @njit(cache=True)
-def row_blocks(off, inter, hidden, threads):
-    """(stage-1 rows, stage-2 rows) per task for pairs grouped as by group_pairs (see the module doc).
-    Decode at Qwen3-30B-A3B's widths, one thread, RB_FEW 16 -> 64: int4 0.74 -> 0.78 of the DRAM
-    read, fp8 unchanged (docs/kernels.md, "Row blocks A/B")."""
-    most = 0
-    for u in range(off.shape[0] - 1):
-        most = max(most, off[u + 1] - off[u])
-    num_u = off.shape[0] - 1
-    few = most <= 4
-    rb1 = RB_FEW if few and num_u * ((inter + RB_FEW - 1) // RB_FEW) >= 4 * threads else RB1
-    rb2 = RB_FEW if few and (hidden + RB_FEW - 1) // RB_FEW >= 4 * threads else RB2
-    return rb1, rb2
-
-
-@njit(cache=True)
 def few_pairs(off):
     """True where no expert is hit by more than 4 pairs (pairs grouped as by group_pairs)."""
     for u in range(off.shape[0] - 1):
         if off[u + 1] - off[u] > 4:
             return False
     return True
+
+
+@njit(cache=True)
+def row_blocks(off, inter, hidden, threads):
+    """(stage-1 rows, stage-2 rows) per task for pairs grouped as by group_pairs (see the module doc).
+    Decode at Qwen3-30B-A3B's widths, one thread, RB_FEW 16 -> 64: int4 0.74 -> 0.78 of the DRAM
+    read, fp8 unchanged (docs/kernels.md, "Row blocks A/B")."""
+    num_u = off.shape[0] - 1
+    few = few_pairs(off)
+    rb1 = RB_FEW if few and num_u * ((inter + RB_FEW - 1) // RB_FEW) >= 4 * threads else RB1
+    rb2 = RB_FEW if few and (hidden + RB_FEW - 1) // RB_FEW >= 4 * threads else RB2
+    return rb1, rb2
+
+
+@njit(cache=True)
+def down_expert_major(off, hidden, threads):
+    """True where stage 2 runs expert-major (decode: no expert hit by more than 4 pairs, and
+    >= 4 tasks per thread of RB_DOWN_FEW rows; see the module doc)."""
+    return few_pairs(off) and (off.shape[0] - 1) * ((hidden + RB_DOWN_FEW - 1) // RB_DOWN_FEW) >= 4 * threads
 
 
 @njit(fastmath=True, cache=True)
@@ -210,8 +214,8 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
         _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
                        min(inter, i0 + rb1), kind, gs // 2, h, b13[e] if b13.shape[0] else no_bias)
     hv, hg = prepare(w2, s2, h, gs)
-    nbd = (hidden + RB_DOWN_FEW - 1) // RB_DOWN_FEW
-    if few_pairs(off) and eids.shape[0] * nbd >= 4 * threads:    # decode: expert-major (module doc)
+    if down_expert_major(off, hidden, threads):    # decode (module doc)
+        nbd = (hidden + RB_DOWN_FEW - 1) // RB_DOWN_FEW
         hvg, hgg = hv[order], hg[order]               # the pairs' activations in grouped order
         y = np.empty((num_pairs, hidden), np.float32)    # y[q]: pair order[q]'s down projection
         for task in prange(eids.shape[0] * nbd):
