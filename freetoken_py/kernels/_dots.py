@@ -306,17 +306,26 @@ def fp8_dot4(w, s, x0, x1, x2, x3, bk):
 
 if _NVFP4_SIMD:
     @njit(fastmath=True, cache=True, inline="always")
+    def nvfp4_vec(w, s, x):
+        """The vector form alone (group 16, K % 32 == 0)."""
+        return nvfp4_row_dot_v(w, s, x) * nvfp4_multiplier(nvfp4_factor(s, x.shape[0] // 16))
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def nvfp4_vec4(w, s, x0, x1, x2, x3):
+        mul = nvfp4_multiplier(nvfp4_factor(s, x0.shape[0] // 16))
+        a0, a1, a2, a3 = nvfp4_row_dot4_v(w, s, x0, x1, x2, x3)
+        return a0 * mul, a1 * mul, a2 * mul, a3 * mul
+
+    @njit(fastmath=True, cache=True, inline="always")
     def nvfp4_dot(w, s, x, gs):
         if gs == 16 and x.shape[0] % 32 == 0:
-            return nvfp4_row_dot_v(w, s, x) * nvfp4_multiplier(nvfp4_factor(s, x.shape[0] // 16))
+            return nvfp4_vec(w, s, x)
         return nvfp4_row_dot(w, s, x, gs)
 
     @njit(fastmath=True, cache=True, inline="always")
     def nvfp4_dot4(w, s, x0, x1, x2, x3, gs):
         if gs == 16 and x0.shape[0] % 32 == 0:
-            mul = nvfp4_multiplier(nvfp4_factor(s, x0.shape[0] // 16))
-            a0, a1, a2, a3 = nvfp4_row_dot4_v(w, s, x0, x1, x2, x3)
-            return a0 * mul, a1 * mul, a2 * mul, a3 * mul
+            return nvfp4_vec4(w, s, x0, x1, x2, x3)
         return nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs)
 else:
     nvfp4_dot, nvfp4_dot4 = nvfp4_row_dot, nvfp4_row_dot4
@@ -424,19 +433,26 @@ if INT_ACT == "int8":
                   (_simd.nvfp4q8_row_dot, _simd.nvfp4q8_row_dot4))
 
     @njit(fastmath=True, cache=True, inline="always")
+    def nvfp4q8_vec(w, s, xq, xg):
+        """The vector form alone (group 16, K % 64 == 0)."""
+        return _nv1(w, s, xq, xg) * (nvfp4_multiplier(nvfp4_factor(s, xq.shape[0] // 16)) * np.float32(128.0))
+
+    @njit(fastmath=True, cache=True, inline="always")
+    def nvfp4q8_vec4(w, s, x0, x1, x2, x3, g0, g1, g2, g3):
+        m = nvfp4_multiplier(nvfp4_factor(s, x0.shape[0] // 16)) * np.float32(128.0)
+        a0, a1, a2, a3 = _nv4(w, s, x0, x1, x2, x3, g0, g1, g2, g3)
+        return a0 * m, a1 * m, a2 * m, a3 * m
+
+    @njit(fastmath=True, cache=True, inline="always")
     def nvfp4q8_dot(w, s, xq, xg, gs):
-        k = xq.shape[0]
-        if gs == 16 and k % 64 == 0:
-            return _nv1(w, s, xq, xg) * (nvfp4_multiplier(nvfp4_factor(s, k // 16)) * np.float32(128.0))
+        if gs == 16 and xq.shape[0] % 64 == 0:
+            return nvfp4q8_vec(w, s, xq, xg)
         return nvfp4q8_row_dot(w, s, xq, xg, gs)
 
     @njit(fastmath=True, cache=True, inline="always")
     def nvfp4q8_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, gs):
-        k = x0.shape[0]
-        if gs == 16 and k % 64 == 0:
-            m = nvfp4_multiplier(nvfp4_factor(s, k // 16)) * np.float32(128.0)
-            a0, a1, a2, a3 = _nv4(w, s, x0, x1, x2, x3, g0, g1, g2, g3)
-            return a0 * m, a1 * m, a2 * m, a3 * m
+        if gs == 16 and x0.shape[0] % 64 == 0:
+            return nvfp4q8_vec4(w, s, x0, x1, x2, x3, g0, g1, g2, g3)
         return nvfp4q8_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, gs)
 else:
     nvfp4q8_dot, nvfp4q8_dot4 = nvfp4q8_row_dot, nvfp4q8_row_dot4
@@ -542,6 +558,88 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     if dtype == types.uint8:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: q4_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
     return None
+
+
+# Path tags. The per-row dispatchers above test the row's shape on every call and fall back to a
+# plain loop; inside a kernel's row loop that untaken fallback still costs (measured on a Zen 4, one
+# core, in cache: an nvfp4 expert's gate / up rows 95-115 us with two dispatched dots per loop trip,
+# 73 us with the test made once before the loop; fp8 similar, docs/kernels.md "Path tags"). So the
+# kernels make the test once per block of rows (`vec_rows`) and run their row loop with a tag,
+# VEC or ANY, that `pdot` / `pdot4` resolve at compile time: VEC the vector dot alone, ANY row_dot's
+# own dispatch. Formats without a fallback (fp32, bf16, int8, int4: their dots take any shape) are
+# always VEC, where pdot is row_dot.
+VEC = np.zeros(0, np.int8)
+ANY = np.zeros(0, np.int16)
+
+
+def vec_rows(w, s, xv, hb):
+    """True where rows like w (scales s) with prepared activations xv [T, K] and hb (half the
+    group / block size) take the vector dot alone (jitted only)."""
+    raise NotImplementedError("vec_rows is only callable from numba-compiled code")
+
+
+@overload(vec_rows, jit_options={"fastmath": True}, inline="always")
+def _vec_rows_impl(w, s, xv, hb):
+    if w.dtype == types.uint8 and s.dtype == types.float32 and xv.dtype in (types.uint16, types.float32):   # fp8
+        return lambda w, s, xv, hb: (2 * hb) % 64 == 0 and xv.shape[-1] % 64 == 0
+    if w.dtype == types.uint8 and s.dtype == types.uint8 and xv.dtype == types.int8 and INT_ACT == "int8":   # nvfp4 x int8
+        return lambda w, s, xv, hb: 2 * hb == 16 and xv.shape[-1] % 64 == 0
+    if w.dtype == types.uint8 and s.dtype == types.uint8:                                    # nvfp4 x fp32
+        return lambda w, s, xv, hb: _NVFP4_SIMD and 2 * hb == 16 and xv.shape[-1] % 32 == 0
+    return lambda w, s, xv, hb: True
+
+
+def _vec_form(w, s, xv):
+    """The vector-only dots (one row, four rows) for rows like w with activations like xv, or None
+    where row_dot has no fallback to leave out (typing time)."""
+    if w.dtype == types.uint8 and s.dtype == types.float32 and xv.dtype == types.uint16:
+        return "fp8bf"
+    if w.dtype == types.uint8 and s.dtype == types.float32 and xv.dtype == types.float32:
+        return "fp8f"
+    if w.dtype == types.uint8 and s.dtype == types.uint8 and xv.dtype == types.int8 and INT_ACT == "int8":
+        return "nvq8"
+    if w.dtype == types.uint8 and s.dtype == types.uint8 and xv.dtype == types.float32 and _NVFP4_SIMD:
+        return "nvf"
+    return None
+
+
+def pdot(path, w, s, xv, xg, hb):
+    """row_dot on a path tag (VEC or ANY, see above; jitted only)."""
+    raise NotImplementedError("pdot is only callable from numba-compiled code")
+
+
+@overload(pdot, jit_options={"fastmath": True}, inline="always")
+def _pdot_impl(path, w, s, xv, xg, hb):
+    form = _vec_form(w, s, xv) if path.dtype == types.int8 else None
+    if form == "fp8bf":
+        return lambda path, w, s, xv, xg, hb: fp8bf_row_dot(w, s, xv, 2 * hb)
+    if form == "fp8f":
+        return lambda path, w, s, xv, xg, hb: fp8f_row_dot(w, s, xv, 2 * hb)
+    if form == "nvq8":
+        return lambda path, w, s, xv, xg, hb: nvfp4q8_vec(w, s, xv, xg)
+    if form == "nvf":
+        return lambda path, w, s, xv, xg, hb: nvfp4_vec(w, s, xv)
+    return lambda path, w, s, xv, xg, hb: row_dot(w, s, xv, xg, hb)
+
+
+def pdot4(path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
+    """row_dot4 on a path tag (jitted only)."""
+    raise NotImplementedError("pdot4 is only callable from numba-compiled code")
+
+
+@overload(pdot4, jit_options={"fastmath": True}, inline="always")
+def _pdot4_impl(path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
+    form = _vec_form(w, s, x0) if path.dtype == types.int8 else None
+    if form == "fp8bf":
+        return lambda path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8bf_row_dot4(w, s, x0, x1, x2, x3, 2 * hb)
+    if form == "fp8f":
+        return lambda path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8f_row_dot4(w, s, x0, x1, x2, x3, 2 * hb)
+    if form == "nvq8":
+        return lambda path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4q8_vec4(w, s, x0, x1, x2, x3,
+                                                                                   g0, g1, g2, g3)
+    if form == "nvf":
+        return lambda path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4_vec4(w, s, x0, x1, x2, x3)
+    return lambda path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
 
 
 @njit(fastmath=True, cache=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from freetoken_py.kernels._dots import act, prepare, row_dot, row_dot4
+from freetoken_py.kernels._dots import ANY, VEC, act, pdot, pdot4, prepare, vec_rows
 from freetoken_py.kernels.cpu_linear import gemv_block
 
 RB1 = 16   # gate/up rows per stage-1 task: 16 x (2 rows) x D bytes, small enough to balance 2 threads
@@ -117,9 +117,7 @@ def _chunk(pairs, q, k):
 
 
 @njit(fastmath=True, cache=True)
-def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13):
-    """h[p, i] for rows i0..i1 of one expert (w13 [2I, K]) and its pairs, 4 pairs per row pass.
-    b13 [2I]: the expert's gate / up biases, added before the activation (0 entries: none)."""
+def _gate_up_rows(path, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13):
     inter = w13.shape[0] // 2
     n = pairs.shape[0]
     if b13.shape[0]:  # biased experts (gpt-oss): one pair at a time, the bias in the epilogue
@@ -127,8 +125,8 @@ def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13):
             p = pairs[q]
             t = p // k
             for i in range(i0, i1):
-                g = row_dot(w13[i], s13[i], xv[t], xg[t], hb) + b13[i]
-                u = row_dot(w13[inter + i], s13[inter + i], xv[t], xg[t], hb) + b13[inter + i]
+                g = pdot(path, w13[i], s13[i], xv[t], xg[t], hb) + b13[i]
+                u = pdot(path, w13[inter + i], s13[inter + i], xv[t], xg[t], hb) + b13[inter + i]
                 h[p, i] = act(kind, g, u)
         return
     for q in range(0, n, 4):
@@ -136,16 +134,16 @@ def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13):
             p = pairs[q]
             t = p // k
             for i in range(i0, i1):
-                g = row_dot(w13[i], s13[i], xv[t], xg[t], hb)
-                u = row_dot(w13[inter + i], s13[inter + i], xv[t], xg[t], hb)
+                g = pdot(path, w13[i], s13[i], xv[t], xg[t], hb)
+                u = pdot(path, w13[inter + i], s13[inter + i], xv[t], xg[t], hb)
                 h[p, i] = act(kind, g, u)
             continue
         p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
         for i in range(i0, i1):
-            g0, g1, g2, g3 = row_dot4(w13[i], s13[i], xv[t0], xv[t1], xv[t2], xv[t3],
-                                      xg[t0], xg[t1], xg[t2], xg[t3], hb)
-            u0, u1, u2, u3 = row_dot4(w13[inter + i], s13[inter + i], xv[t0], xv[t1], xv[t2], xv[t3],
-                                      xg[t0], xg[t1], xg[t2], xg[t3], hb)
+            g0, g1, g2, g3 = pdot4(path, w13[i], s13[i], xv[t0], xv[t1], xv[t2], xv[t3],
+                                   xg[t0], xg[t1], xg[t2], xg[t3], hb)
+            u0, u1, u2, u3 = pdot4(path, w13[inter + i], s13[inter + i], xv[t0], xv[t1], xv[t2], xv[t3],
+                                   xg[t0], xg[t1], xg[t2], xg[t3], hb)
             h[p0, i] = act(kind, g0, u0)
             h[p1, i] = act(kind, g1, u1)
             h[p2, i] = act(kind, g2, u2)
@@ -153,8 +151,18 @@ def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13):
 
 
 @njit(fastmath=True, cache=True)
-def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
-    """out[t, d0:d1] += sum over pairs of w_p * down_e[d] . h_p, for every routed expert."""
+def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13):
+    """h[p, i] for rows i0..i1 of one expert (w13 [2I, K]) and its pairs, 4 pairs per row pass.
+    b13 [2I]: the expert's gate / up biases, added before the activation (0 entries: none). The
+    vector dot's shape test once per block (_dots "Path tags")."""
+    if vec_rows(w13, s13, xv, hb):
+        _gate_up_rows(VEC, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13)
+    else:
+        _gate_up_rows(ANY, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, b13)
+
+
+@njit(fastmath=True, cache=True)
+def _down_rows(path, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
     for u in range(eids.shape[0]):
         e = eids[u]
         pairs = order[off[u]:off[u + 1]]
@@ -163,19 +171,29 @@ def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
             if n - q == 1:
                 p = pairs[q]
                 for d in range(d0, d1):
-                    out[p // k, d] += wts[p] * row_dot(w2[e, d], s2[e, d], hv[p], hg[p], hb)
+                    out[p // k, d] += wts[p] * pdot(path, w2[e, d], s2[e, d], hv[p], hg[p], hb)
                 continue
             p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
             c = min(n - q, 4)
             for d in range(d0, d1):
-                y0, y1, y2, y3 = row_dot4(w2[e, d], s2[e, d], hv[p0], hv[p1], hv[p2], hv[p3],
-                                          hg[p0], hg[p1], hg[p2], hg[p3], hb)
+                y0, y1, y2, y3 = pdot4(path, w2[e, d], s2[e, d], hv[p0], hv[p1], hv[p2], hv[p3],
+                                       hg[p0], hg[p1], hg[p2], hg[p3], hb)
                 out[t0, d] += wts[p0] * y0
                 out[t1, d] += wts[p1] * y1
                 if c > 2:
                     out[t2, d] += wts[p2] * y2
                 if c > 3:
                     out[t3, d] += wts[p3] * y3
+
+
+@njit(fastmath=True, cache=True)
+def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
+    """out[t, d0:d1] += sum over pairs of w_p * down_e[d] . h_p, for every routed expert (the
+    vector dot's shape test once per block)."""
+    if vec_rows(w2, s2, hv, hb):
+        _down_rows(VEC, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
+    else:
+        _down_rows(ANY, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
 
 
 @njit(fastmath=True, cache=True)

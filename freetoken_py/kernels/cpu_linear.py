@@ -20,7 +20,7 @@ import torch
 from numba import njit, prange
 
 from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows, host_array
-from freetoken_py.kernels._dots import BF16_ACT, FORMATS, prepare, row_dot, row_dot4
+from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, VEC, pdot, pdot4, prepare, vec_rows
 
 ROWS_PER_TASK = 32         # output rows per prange task
 TORCH_MIN_TOKENS = 256     # from this many tokens, fp32 weights use torch's GEMM (docs/kernels.md)
@@ -89,21 +89,30 @@ class DenseWeight:
 
 
 @njit(fastmath=True, cache=True)
-def gemv_block(w, s, xv, xg, hb, n0, n1, out):
-    """out[:, n0:n1]: 4 tokens per pass over the rows (a 2-3 token tail padded with repeats)."""
+def _gemv_rows(path, w, s, xv, xg, hb, n0, n1, out):
     num_t = xv.shape[0]
     for t in range(0, num_t, 4):
         if num_t - t == 1:
             for n in range(n0, n1):
-                out[t, n] = row_dot(w[n], s[n], xv[t], xg[t], hb)
+                out[t, n] = pdot(path, w[n], s[n], xv[t], xg[t], hb)
             continue
         t1, t2, t3 = min(t + 1, num_t - 1), min(t + 2, num_t - 1), min(t + 3, num_t - 1)
         for n in range(n0, n1):
-            y0, y1, y2, y3 = row_dot4(w[n], s[n], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], hb)
+            y0, y1, y2, y3 = pdot4(path, w[n], s[n], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], hb)
             out[t, n] = y0
             out[t1, n] = y1
             out[t2, n] = y2
             out[t3, n] = y3
+
+
+@njit(fastmath=True, cache=True)
+def gemv_block(w, s, xv, xg, hb, n0, n1, out):
+    """out[:, n0:n1]: 4 tokens per pass over the rows (a 2-3 token tail padded with repeats); the
+    vector dot's shape test made once here, not per row (_dots "Path tags")."""
+    if vec_rows(w, s, xv, hb):
+        _gemv_rows(VEC, w, s, xv, xg, hb, n0, n1, out)
+    else:
+        _gemv_rows(ANY, w, s, xv, xg, hb, n0, n1, out)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
