@@ -964,6 +964,35 @@ def exp_shift_sum(typingctx, x, m):
     return types.float32(x, m), _exp_shift_sum_codegen
 
 
+def _swiglu_codegen(context, builder, signature, args):
+    gp, up, op = (context.make_array(t)(context, builder, v).data for t, v in zip(signature.args, args))
+    n = cgutils.unpack_tuple(builder, context.make_array(signature.args[2])(context, builder, args[2]).shape)[0]
+    for lanes in (8, 1):
+        vf = ir.VectorType(_F32, lanes)
+        start = ir.Constant(_I64, 0) if lanes == 8 else builder.and_(n, ir.Constant(_I64, ~7))
+        count = builder.lshr(n, ir.Constant(_I64, 3)) if lanes == 8 else builder.sub(n, start)
+        with cgutils.for_range(builder, count) as loop:
+            off = builder.add(start, builder.mul(loop.index, ir.Constant(_I64, lanes)))
+            g = _vload(builder, gp, off, vf, 4)
+            u = _vload(builder, up, off, vf, 4)
+            den = builder.fadd(_vexp(builder, builder.fneg(g), lanes), ir.Constant(vf, [1.0] * lanes), flags=_FAST)
+            h = builder.fmul(builder.fdiv(g, den, flags=_FAST), u, flags=_FAST)
+            builder.store(h, builder.bitcast(builder.gep(op, [off]), vf.as_pointer()), align=4)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def swiglu(typingctx, g, u, out):
+    """out[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] for i < len(out): contiguous 1-D
+    float32 arrays, g and u at least as long as out (out may be g). 8 lanes of the softmax's vector
+    exp (its clamps: e^-g is e^88 below g = -88, so silu there is ~g * 6e-39, not 0); numba's np.exp
+    is a scalar libm call per element (docs/kernels.md, "Vector SwiGLU")."""
+    for a in (g, u, out):
+        if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32 and a.layout == "C"):
+            raise TypeError("swiglu needs contiguous 1-D float32 arrays")
+    return types.none(g, u, out), _swiglu_codegen
+
+
 # --- fp8 (e4m3) and nvfp4 (e2m1) weights x fp32 activations ---------------------------------------
 #
 # Both keep the checkpoint's values exactly: an e4m3 byte becomes its fp32 value by bit placement
