@@ -36,6 +36,17 @@ def test_settles_on_the_faster_count_and_probes_less_while_it_loses():
     assert gov.best(1) == 2
 
 
+def test_a_moderately_slower_count_is_probed_less_often_too():
+    """One thread 1.35x slower (memory-bound decode on 2 cores): probes back off as for a collapse."""
+    gov = ThreadGovernor(2, probe_every=16, max_interval=512)
+    chosen = _drive(gov, lambda s, n: {2: 0.010, 1: 0.0135}[n], 1000)
+    probes = [s for s, n in enumerate(chosen[2:], 2) if n == 1]
+    assert len(probes) <= 8 and gov.best(1) == 2      # 16, 32, 64, ... 512 steps apart: not every 16
+    gov2 = ThreadGovernor(2, probe_every=16)
+    chosen2 = _drive(gov2, lambda s, n: {2: 0.010, 1: 0.0105}[n], 1000)
+    assert sum(n == 1 for n in chosen2[2:]) >= 50      # within noise of the running count: still every 16
+
+
 def test_follows_contention_both_ways():
     """2 threads collapse while another process holds a core (steps 40-139), then recover."""
     def cost(s, n):

@@ -10,8 +10,11 @@ whose load comes and goes, so the governor keeps measuring (docs/kernels.md, "Th
 - each candidate is timed on the first steps of a batch-size bucket, then the fastest (median of
   its last 3 step times) runs; every `probe_every` steps another candidate runs once, so a stale
   figure is refreshed and the choice follows the machine's load both ways — backing off (up to
-  every 512 steps) while a candidate keeps measuring > 1.5x slower, since a probe on a collapsed
-  count costs ~10x a step;
+  every 512 steps) while a candidate keeps measuring > SLOWER x slower: a probe on a collapsed
+  count costs ~10x a step, and on a quiet 2-core machine one thread decodes 1.3-1.4x slower
+  (memory-bound: one core streams 22-24 GB/s where two stream 30-33), so probing it every 16
+  steps cost ~2 % of decode (it backed off only past 1.5x until 2026-12); a collapse of the
+  running count needs no probe (its own median rises past the loser's last figure);
 - results do not depend on the count (every kernel reduces in a fixed order per output row).
 
 Decode steps only: prefill regions are long, so a late worker costs them little.
@@ -27,6 +30,9 @@ def _bucket(num_rows: int, context: int = 0) -> tuple[int, int]:
     (0-255, 256-511, 512-1023, ...) fall in the same power-of-two band: a step's cost grows with
     both, and a figure from another band would be compared unfairly."""
     return (num_rows - 1).bit_length(), (context // 256).bit_length()
+
+
+SLOWER = 1.15     # a probe this much slower than the running count backs off (module doc)
 
 
 class ThreadGovernor:
@@ -72,7 +78,7 @@ class ThreadGovernor:
         best = self.best(num_rows, context)
         self._times.setdefault((b, threads), deque(maxlen=self.window)).append(seconds)
         if threads != best and (m := self._median(b, best)) is not None:  # a probe
-            slow = seconds > 1.5 * m
+            slow = seconds > SLOWER * m
             cur = self._interval.get((b, threads), self.probe_every)
             self._interval[(b, threads)] = min(2 * cur, self.max_interval) if slow else self.probe_every
 

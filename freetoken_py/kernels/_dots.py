@@ -563,8 +563,8 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
 # Path tags. The per-row dispatchers above test the row's shape on every call and fall back to a
 # plain loop; inside a kernel's row loop that untaken fallback still costs (measured on a Zen 4, one
 # core, in cache: an nvfp4 expert's gate / up rows 95-115 us with two dispatched dots per loop trip,
-# 73 us with the test made once before the loop; fp8 similar, docs/kernels.md "Path tags"). So the
-# kernels make the test once per block of rows (`vec_rows`) and run their row loop with a tag,
+# 73 us with the test made once before the loop; fp8 similar; docs/kernels.md, "Path tags and
+# vector SwiGLU"). So the kernels make the test once per block of rows (`vec_rows`) and run their row loop with a tag,
 # VEC or ANY, that `pdot` / `pdot4` resolve at compile time: VEC the vector dot alone, ANY row_dot's
 # own dispatch. Formats without a fallback (fp32, bf16, int8, int4: their dots take any shape) are
 # always VEC, where pdot is row_dot.

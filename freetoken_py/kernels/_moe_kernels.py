@@ -27,6 +27,10 @@ row-block form (fast-math may contract a multiply-add differently: equal to ~1e-
 bit). On a Zen 4 VM (2 threads, Qwen3-30B-A3B widths, one decode token, interleaved) the whole
 call read 2-12 % faster for int4 / nvfp4 / fp8 / int8 (docs/kernels.md, "Expert-major down stage").
 
+Stage 1 puts a block's gates in h and its up projections in a buffer, then the activation runs
+once per pair over the block (``_act_rows``: the vector SwiGLU); every stage tests the vector dot's
+shape once per block and runs its row loop on a path tag (_dots "Path tags").
+
 Row blocks (``row_blocks``): RB1 / RB2 rows per task where the experts are hit by several pairs
 (prefill: a block's activations are reused over its rows); RB_FEW where every expert is hit by
 at most 4 pairs (decode: one row pass serves them all, so a task is a plain stream of weight rows,
@@ -121,7 +125,7 @@ def _chunk(pairs, q, k):
 def _act_rows(kind, g, u):
     """g[i] = act(g[i], u[i]) in place: SwiGLU by the vector exp (_simd.swiglu), GPT-OSS's clamped
     variant per element. Measured on a Zen 4 core, an expert's gate / up rows in cache: the
-    scalar act inside the row loop cost 4-12 % of stage 1 (docs/kernels.md, "Vector SwiGLU")."""
+    scalar act inside the row loop cost 4-12 % of stage 1 (docs/kernels.md, "Path tags and vector SwiGLU")."""
     if kind == ACT_SILU:
         swiglu(g, u, g)
     else:

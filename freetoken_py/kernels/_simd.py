@@ -986,7 +986,7 @@ def swiglu(typingctx, g, u, out):
     """out[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] for i < len(out): contiguous 1-D
     float32 arrays, g and u at least as long as out (out may be g). 8 lanes of the softmax's vector
     exp (its clamps: e^-g is e^88 below g = -88, so silu there is ~g * 6e-39, not 0); numba's np.exp
-    is a scalar libm call per element (docs/kernels.md, "Vector SwiGLU")."""
+    is a scalar libm call per element (docs/kernels.md, "Path tags and vector SwiGLU")."""
     for a in (g, u, out):
         if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32 and a.layout == "C"):
             raise TypeError("swiglu needs contiguous 1-D float32 arrays")
