@@ -42,13 +42,13 @@ def _moe(w13, s13, w2, s2, xv, xg, ids, wts, kind, round_h, out):
     inter, hidden = w13.shape[1] // 2, w2.shape[1]
     order, eids, off = group_pairs(fid, w13.shape[0])
     h = np.empty((fid.shape[0], inter), np.float32)
-    hu = np.empty((fid.shape[0], inter), np.float32)
     nb1 = (inter + RB1 - 1) // RB1
+    ub = np.empty((eids.shape[0] * nb1, 4, RB1), np.float32)
     for task in prange(eids.shape[0] * nb1):
         u = task // nb1
         i0 = (task - u * nb1) * RB1
         _gate_up_block(w13[eids[u]], s13[eids[u]], xv, xg, order[off[u]:off[u + 1]], k, i0, min(inter, i0 + RB1),
-                       kind, 16, h, hu, np.zeros(0, np.float32))
+                       kind, 16, h, ub[task], np.zeros(0, np.float32))
     nb2 = (hidden + RB2 - 1) // RB2
     hg = np.zeros((h.shape[0], 1), np.float32)
     if round_h:

@@ -287,14 +287,14 @@ def _row_block_form():
         order, eids, off = group_pairs(ids, w13.shape[0])
         rb1, rb2 = row_blocks(off, inter, hidden, threads)
         h = np.empty((ids.shape[0], inter), np.float32)
-        hu = np.empty((ids.shape[0], inter), np.float32)
         nb1 = (inter + rb1 - 1) // rb1
+        ub = np.empty((eids.shape[0] * nb1, 4, rb1), np.float32)
         for task in prange(eids.shape[0] * nb1):
             u = task // nb1
             i0 = (task - u * nb1) * rb1
             e = eids[u]
             _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0, min(inter, i0 + rb1), kind,
-                           gs // 2, h, hu, b13[e] if b13.shape[0] else np.zeros(0, np.float32))
+                           gs // 2, h, ub[task], b13[e] if b13.shape[0] else np.zeros(0, np.float32))
         hv, hg = prepare(w2, s2, h, gs)
         for task in prange((hidden + rb2 - 1) // rb2):
             _down_block(w2, s2, hv, hg, order, eids, off, wts, k, task * rb2, min(hidden, task * rb2 + rb2), gs // 2, out)

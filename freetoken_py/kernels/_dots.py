@@ -258,20 +258,38 @@ def prep_fp8bf_rows(x):
     return out
 
 
+# Where the vector forms below apply (one rule each, used by the per-row dispatchers and by the
+# kernels' once-per-block test, `vec_rows`): fp8 (bf16 or fp32 activations) K and the column block
+# multiples of 64; nvfp4 group 16 and K % 64 == 0 with int8 activations, K % 32 == 0 with fp32.
+@njit(cache=True, inline="always")
+def fp8_vec_ok(bk, k):
+    return bk % 64 == 0 and k % 64 == 0
+
+
+@njit(cache=True, inline="always")
+def nvq8_vec_ok(gs, k):
+    return gs == 16 and k % 64 == 0
+
+
+@njit(cache=True, inline="always")
+def nvf_vec_ok(gs, k):
+    return gs == 16 and k % 32 == 0
+
+
 # fp8 rows with prepared bf16 activations xb (FP8_ACT "bf16"; prepare also passes the fp32 rows xf as
 # the "xg" argument): the vdpbf16ps dot where K and the block are multiples of 64 (every real FP8
 # checkpoint: block 128), else the exact fp32-activation dots on xf (fp8_dot: vector forms for
 # multiples of 16, a loop otherwise), not a scalar bf16 loop (a 32-column block took it in the probe).
 @njit(fastmath=True, cache=True, inline="always")
 def fp8bf_dot(w, s, xb, xf, bk):
-    if bk % 64 == 0 and xb.shape[0] % 64 == 0:
+    if fp8_vec_ok(bk, xb.shape[0]):
         return fp8bf_row_dot(w, s, xb, bk)
     return fp8_dot(w, s, xf, bk)
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def fp8bf_dot4(w, s, x0, x1, x2, x3, f0, f1, f2, f3, bk):
-    if bk % 64 == 0 and x0.shape[0] % 64 == 0:
+    if fp8_vec_ok(bk, x0.shape[0]):
         return fp8bf_row_dot4(w, s, x0, x1, x2, x3, bk)
     return fp8_dot4(w, s, f0, f1, f2, f3, bk)
 
@@ -288,7 +306,7 @@ _NVFP4_SIMD = platform.machine().lower() in ("x86_64", "amd64")
 @njit(fastmath=True, cache=True, inline="always")
 def fp8_dot(w, s, x, bk):
     # (a fourth branch, the 64-lane unfolded dot, made every row 4x slower at K = 256 even untaken)
-    if bk % 64 == 0 and x.shape[0] % 64 == 0:
+    if fp8_vec_ok(bk, x.shape[0]):
         return fp8f_row_dot(w, s, x, bk)
     if bk % 16 == 0 and x.shape[0] % 16 == 0:
         return fp8_row_dot_v(w, s, x, bk)
@@ -297,7 +315,7 @@ def fp8_dot(w, s, x, bk):
 
 @njit(fastmath=True, cache=True, inline="always")
 def fp8_dot4(w, s, x0, x1, x2, x3, bk):
-    if bk % 64 == 0 and x0.shape[0] % 64 == 0:
+    if fp8_vec_ok(bk, x0.shape[0]):
         return fp8f_row_dot4(w, s, x0, x1, x2, x3, bk)
     if bk % 16 == 0 and x0.shape[0] % 16 == 0:
         return fp8_row_dot4_v(w, s, x0, x1, x2, x3, bk)
@@ -318,13 +336,13 @@ if _NVFP4_SIMD:
 
     @njit(fastmath=True, cache=True, inline="always")
     def nvfp4_dot(w, s, x, gs):
-        if gs == 16 and x.shape[0] % 32 == 0:
+        if nvf_vec_ok(gs, x.shape[0]):
             return nvfp4_vec(w, s, x)
         return nvfp4_row_dot(w, s, x, gs)
 
     @njit(fastmath=True, cache=True, inline="always")
     def nvfp4_dot4(w, s, x0, x1, x2, x3, gs):
-        if gs == 16 and x0.shape[0] % 32 == 0:
+        if nvf_vec_ok(gs, x0.shape[0]):
             return nvfp4_vec4(w, s, x0, x1, x2, x3)
         return nvfp4_row_dot4(w, s, x0, x1, x2, x3, gs)
 else:
@@ -445,13 +463,13 @@ if INT_ACT == "int8":
 
     @njit(fastmath=True, cache=True, inline="always")
     def nvfp4q8_dot(w, s, xq, xg, gs):
-        if gs == 16 and xq.shape[0] % 64 == 0:
+        if nvq8_vec_ok(gs, xq.shape[0]):
             return nvfp4q8_vec(w, s, xq, xg)
         return nvfp4q8_row_dot(w, s, xq, xg, gs)
 
     @njit(fastmath=True, cache=True, inline="always")
     def nvfp4q8_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, gs):
-        if gs == 16 and x0.shape[0] % 64 == 0:
+        if nvq8_vec_ok(gs, x0.shape[0]):
             return nvfp4q8_vec4(w, s, x0, x1, x2, x3, g0, g1, g2, g3)
         return nvfp4q8_row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, gs)
 else:
@@ -578,17 +596,6 @@ def vec_rows(w, s, xv, hb):
     raise NotImplementedError("vec_rows is only callable from numba-compiled code")
 
 
-@overload(vec_rows, jit_options={"fastmath": True}, inline="always")
-def _vec_rows_impl(w, s, xv, hb):
-    if w.dtype == types.uint8 and s.dtype == types.float32 and xv.dtype in (types.uint16, types.float32):   # fp8
-        return lambda w, s, xv, hb: (2 * hb) % 64 == 0 and xv.shape[-1] % 64 == 0
-    if w.dtype == types.uint8 and s.dtype == types.uint8 and xv.dtype == types.int8 and INT_ACT == "int8":   # nvfp4 x int8
-        return lambda w, s, xv, hb: 2 * hb == 16 and xv.shape[-1] % 64 == 0
-    if w.dtype == types.uint8 and s.dtype == types.uint8:                                    # nvfp4 x fp32
-        return lambda w, s, xv, hb: _NVFP4_SIMD and 2 * hb == 16 and xv.shape[-1] % 32 == 0
-    return lambda w, s, xv, hb: True
-
-
 def _vec_form(w, s, xv):
     """The vector-only dots (one row, four rows) for rows like w with activations like xv, or None
     where row_dot has no fallback to leave out (typing time)."""
@@ -601,6 +608,18 @@ def _vec_form(w, s, xv):
     if w.dtype == types.uint8 and s.dtype == types.uint8 and xv.dtype == types.float32 and _NVFP4_SIMD:
         return "nvf"
     return None
+
+
+@overload(vec_rows, jit_options={"fastmath": True}, inline="always")
+def _vec_rows_impl(w, s, xv, hb):
+    form = _vec_form(w, s, xv)
+    if form in ("fp8bf", "fp8f"):
+        return lambda w, s, xv, hb: fp8_vec_ok(2 * hb, xv.shape[-1])
+    if form == "nvq8":
+        return lambda w, s, xv, hb: nvq8_vec_ok(2 * hb, xv.shape[-1])
+    if form == "nvf":
+        return lambda w, s, xv, hb: nvf_vec_ok(2 * hb, xv.shape[-1])
+    return lambda w, s, xv, hb: True   # no fallback to leave out: pdot on VEC is row_dot
 
 
 def pdot(path, w, s, xv, xg, hb):

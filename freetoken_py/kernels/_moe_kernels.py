@@ -134,7 +134,7 @@ def _act_rows(kind, g, u):
 
 
 @njit(fastmath=True, cache=True)
-def _gate_up_rows(path, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, hu, b13):
+def _gate_up_rows(path, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
     inter = w13.shape[0] // 2
     n = pairs.shape[0]
     if b13.shape[0]:  # biased experts (gpt-oss): one pair at a time, the bias in the epilogue
@@ -152,34 +152,34 @@ def _gate_up_rows(path, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, hu, b13
             t = p // k
             for i in range(i0, i1):
                 h[p, i] = pdot(path, w13[i], s13[i], xv[t], xg[t], hb)
-                hu[p, i] = pdot(path, w13[inter + i], s13[inter + i], xv[t], xg[t], hb)
-            _act_rows(kind, h[p, i0:i1], hu[p, i0:i1])
+                ub[0, i - i0] = pdot(path, w13[inter + i], s13[inter + i], xv[t], xg[t], hb)
+            _act_rows(kind, h[p, i0:i1], ub[0])
             continue
         p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
         for i in range(i0, i1):
             h[p0, i], h[p1, i], h[p2, i], h[p3, i] = pdot4(path, w13[i], s13[i], xv[t0], xv[t1], xv[t2], xv[t3],
                                                            xg[t0], xg[t1], xg[t2], xg[t3], hb)
-            hu[p0, i], hu[p1, i], hu[p2, i], hu[p3, i] = pdot4(
+            ub[0, i - i0], ub[1, i - i0], ub[2, i - i0], ub[3, i - i0] = pdot4(
                 path, w13[inter + i], s13[inter + i], xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3], hb)
         c = min(n - q, 4)          # a padded tail's repeats hold the last pair's values: act once per pair
-        _act_rows(kind, h[p0, i0:i1], hu[p0, i0:i1])
-        _act_rows(kind, h[p1, i0:i1], hu[p1, i0:i1])
+        _act_rows(kind, h[p0, i0:i1], ub[0])
+        _act_rows(kind, h[p1, i0:i1], ub[1])
         if c > 2:
-            _act_rows(kind, h[p2, i0:i1], hu[p2, i0:i1])
+            _act_rows(kind, h[p2, i0:i1], ub[2])
         if c > 3:
-            _act_rows(kind, h[p3, i0:i1], hu[p3, i0:i1])
+            _act_rows(kind, h[p3, i0:i1], ub[3])
 
 
 @njit(fastmath=True, cache=True)
-def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, hu, b13):
+def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
     """h[p, i] for rows i0..i1 of one expert (w13 [2I, K]) and its pairs, 4 pairs per row pass;
-    hu [P, I]: scratch for the up projections (the gates go to h, then the activation per block).
+    ub [4, >= i1 - i0]: the task's scratch for up projections (gates go to h, then the activation).
     b13 [2I]: the expert's gate / up biases, added before the activation (0 entries: none). The
     vector dot's shape test once per block (_dots "Path tags")."""
     if vec_rows(w13, s13, xv, hb):
-        _gate_up_rows(VEC, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, hu, b13)
+        _gate_up_rows(VEC, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
     else:
-        _gate_up_rows(ANY, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, hu, b13)
+        _gate_up_rows(ANY, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
 
 
 @njit(fastmath=True, cache=True)
@@ -244,15 +244,15 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
     rb1, rb2 = row_blocks(off, inter, hidden, threads)
     num_pairs = ids.shape[0]
     h = np.empty((num_pairs, inter), np.float32)
-    hu = np.empty((num_pairs, inter), np.float32)    # stage 1's up projections (scratch)
     no_bias = np.zeros(0, np.float32)
     nb1 = (inter + rb1 - 1) // rb1
+    ub = np.empty((eids.shape[0] * nb1, 4, rb1), np.float32)   # each stage-1 task's up projections
     for task in prange(eids.shape[0] * nb1):
         u = task // nb1
         i0 = (task - u * nb1) * rb1
         e = eids[u]
         _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
-                       min(inter, i0 + rb1), kind, gs // 2, h, hu, b13[e] if b13.shape[0] else no_bias)
+                       min(inter, i0 + rb1), kind, gs // 2, h, ub[task], b13[e] if b13.shape[0] else no_bias)
     hv, hg = prepare(w2, s2, h, gs)
     if down_expert_major(off, hidden, threads):    # decode (module doc)
         nbd = (hidden + RB_DOWN_FEW - 1) // RB_DOWN_FEW
