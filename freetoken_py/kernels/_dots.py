@@ -32,8 +32,8 @@ from numba.extending import overload
 from freetoken_py.envs import bf16_act, int_act, simd
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
-from freetoken_py.kernels._simd import (HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, HAS_AVX512VBMI, bf16_row_dot, bf16_row_dot4,
-                                        fp8bf_row_dot, fp8bf_row_dot4, fp8f_row_dot,
+from freetoken_py.kernels._simd import (TILE_LANES, HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, HAS_AVX512VBMI, bf16_row_dot, bf16_row_dot4,
+                                        fp8_widen_row, fp8bf_row_dot, fp8bf_row_dot4, fp8f_row_dot,
                                         fp8f_row_dot4, fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot, i8q8_row_dot4, i8q8v_row_dot,
                                         i8q8v_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
                                         q4q8_row_dot4, q4q8v_row_dot, q4q8v_row_dot4)
@@ -659,6 +659,58 @@ def _pdot4_impl(path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     if form == "nvf":
         return lambda path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: nvfp4_vec4(w, s, x0, x1, x2, x3)
     return lambda path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: row_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb)
+
+
+# Prefill tiles (_simd "Prefill tiles"): rows the 4 x 4 fp32 register blocks take, widened once
+# to fp32 per block of 4 rows: fp8 and bf16 weights with fp32 activations (on CPUs with
+# AVX512-BF16 their default dots take bf16 activations, and those stay). int4 / int8 / nvfp4
+# multiply int8 activations with integer dots, already several x the FMA rate: no tiles.
+def tile_rows(w, s, xv, hb):
+    """True where rows like w (scales s) with prepared activations xv [T, K] take the prefill
+    tiles (jitted only; the kernels test it once per block of rows, as vec_rows)."""
+    raise NotImplementedError("tile_rows is only callable from numba-compiled code")
+
+
+def _tile_form(w, s, xv):
+    if xv.dtype != types.float32:
+        return None
+    if w.dtype == types.uint8 and s.dtype == types.float32:
+        return "fp8"
+    if w.dtype == types.uint16:
+        return "bf16"
+    return None
+
+
+@njit(cache=True, inline="always")
+def tile_ok(bk, k):
+    return k % TILE_LANES == 0 and bk % TILE_LANES == 0
+
+
+@overload(tile_rows, jit_options={"fastmath": True}, inline="always")
+def _tile_rows_impl(w, s, xv, hb):
+    form = _tile_form(w, s, xv)
+    if form == "fp8":
+        return lambda w, s, xv, hb: tile_ok(2 * hb, xv.shape[-1])
+    if form == "bf16":
+        return lambda w, s, xv, hb: tile_ok(TILE_LANES, xv.shape[-1])
+    return lambda w, s, xv, hb: False
+
+
+def widen_row(w, s, hb, out):
+    """out [K] = one row's weights as fp32, scaled (rows tile_rows takes; jitted only)."""
+    raise NotImplementedError("widen_row is only callable from numba-compiled code")
+
+
+@overload(widen_row, jit_options={"fastmath": True}, inline="always")
+def _widen_row_impl(w, s, hb, out):
+    if w.dtype == types.uint8 and s.dtype == types.float32:
+        return lambda w, s, hb, out: fp8_widen_row(w, s, out, 2 * hb)
+    if w.dtype == types.uint16:
+        def impl(w, s, hb, out):
+            for j in range(out.shape[0]):
+                out[j] = widen(w[j])
+        return impl
+    return None
 
 
 @njit(fastmath=True, cache=True)

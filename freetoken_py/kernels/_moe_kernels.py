@@ -41,8 +41,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from freetoken_py.kernels._dots import ACT_SILU, ANY, VEC, act, pdot, pdot4, prepare, vec_rows
-from freetoken_py.kernels._simd import swiglu
+from freetoken_py.kernels._dots import ACT_SILU, ANY, VEC, act, pdot, pdot4, prepare, tile_rows, vec_rows, widen_row
+from freetoken_py.kernels._simd import swiglu, tile_dot44
 from freetoken_py.kernels.cpu_linear import gemv_block
 
 RB1 = 16   # gate/up rows per stage-1 task: 16 x (2 rows) x D bytes, small enough to balance 2 threads
@@ -50,6 +50,7 @@ RB2 = 16   # down rows per stage-2 task
 RB_FEW = 64   # rows per task in both stages where no expert has more than 4 pairs (decode)
 RB_DOWN_FEW = 256   # down rows per expert-major stage-2 task (decode); 1024 measured the same
 RB_COMBINE = 256    # output columns per combine task
+TILE_MIN_PAIRS = 8  # an expert's pairs from which its fp8 / bf16 rows take the prefill tiles (module doc)
 
 
 @njit(fastmath=True, cache=True)
@@ -176,10 +177,44 @@ def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
     ub [4, >= i1 - i0]: the task's scratch for up projections (gates go to h, then the activation).
     b13 [2I]: the expert's gate / up biases, added before the activation (0 entries: none). The
     vector dot's shape test once per block (_dots "Path tags")."""
+    if not b13.shape[0] and pairs.shape[0] >= TILE_MIN_PAIRS and tile_rows(w13, s13, xv, hb):
+        i0 = _gate_up_tiled(w13, s13, xv, pairs, k, i0, i1, kind, hb, h)
+        if i0 == i1:
+            return
     if vec_rows(w13, s13, xv, hb):
         _gate_up_rows(VEC, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
     else:
         _gate_up_rows(ANY, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
+
+
+@njit(fastmath=True, cache=True)
+def _gate_up_tiled(w13, s13, xv, pairs, k, i0, i1, kind, hb, h):
+    """_gate_up_block's rows i0.. in whole 4s by the prefill tiles: the block's gate and up rows
+    widened once into an fp32 tile [2 m, K] (m rows), then per 4 pairs (their activations stay in
+    L1) 4 x 4 blocks of tile rows by tile_dot44; returns the first row not done (the rest: the
+    row dots)."""
+    inter = w13.shape[0] // 2
+    n = pairs.shape[0]
+    m = (i1 - i0) // 4 * 4
+    tile = np.empty((2 * m, xv.shape[1]), np.float32)
+    for r in range(m):
+        widen_row(w13[i0 + r], s13[i0 + r], hb, tile[r])
+        widen_row(w13[inter + i0 + r], s13[inter + i0 + r], hb, tile[m + r])
+    ub = np.empty((n, m), np.float32)
+    for q in range(0, n, 4):
+        p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
+        c = min(n - q, 4)
+        for a in range(0, m, 4):
+            g = tile_dot44(tile[a], tile[a + 1], tile[a + 2], tile[a + 3], xv[t0], xv[t1], xv[t2], xv[t3])
+            u = tile_dot44(tile[m + a], tile[m + a + 1], tile[m + a + 2], tile[m + a + 3], xv[t0], xv[t1], xv[t2], xv[t3])
+            for r in range(4):     # a padded tail's repeats rewrite the last pair's values
+                i = i0 + a + r
+                h[p0, i], h[p1, i], h[p2, i], h[p3, i] = g[4 * r], g[4 * r + 1], g[4 * r + 2], g[4 * r + 3]
+                for j in range(c):
+                    ub[q + j, a + r] = u[4 * r + j]
+    for q in range(n):
+        _act_rows(kind, h[pairs[q], i0:i0 + m], ub[q])
+    return i0 + m
 
 
 @njit(fastmath=True, cache=True)
@@ -211,10 +246,48 @@ def _down_rows(path, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
 def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
     """out[t, d0:d1] += sum over pairs of w_p * down_e[d] . h_p, for every routed expert (the
     vector dot's shape test once per block)."""
+    if tile_rows(w2, s2, hv, hb) and d1 - d0 >= 4:
+        tile = np.empty((d1 - d0, hv.shape[1]), np.float32)
+        vec = vec_rows(w2, s2, hv, hb)
+        for u in range(eids.shape[0]):     # experts ascending, as _down_rows adds them
+            dd = d0
+            if off[u + 1] - off[u] >= TILE_MIN_PAIRS:
+                dd = _down_tiled(w2[eids[u]], s2[eids[u]], hv, order[off[u]:off[u + 1]], wts, k, d0, d1, hb, tile, out)
+            if dd < d1 and vec:
+                _down_rows(VEC, w2, s2, hv, hg, order, eids[u:u + 1], off[u:u + 2], wts, k, dd, d1, hb, out)
+            elif dd < d1:
+                _down_rows(ANY, w2, s2, hv, hg, order, eids[u:u + 1], off[u:u + 2], wts, k, dd, d1, hb, out)
+        return
     if vec_rows(w2, s2, hv, hb):
         _down_rows(VEC, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
     else:
         _down_rows(ANY, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
+
+
+@njit(fastmath=True, cache=True)
+def _down_tiled(w2, s2, hv, pairs, wts, k, d0, d1, hb, tile, out):
+    """out[t, d] += w_p * down_d . h_p for one expert (w2 [D, I]) and its pairs, rows d0.. in whole
+    4s by the prefill tiles (tile [>= d1 - d0, I] scratch: the rows widened once, then per 4
+    pairs 4 x 4 blocks); returns the first row not done."""
+    n = pairs.shape[0]
+    m = (d1 - d0) // 4 * 4
+    for r in range(m):
+        widen_row(w2[d0 + r], s2[d0 + r], hb, tile[r])
+    for q in range(0, n, 4):
+        p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
+        c = min(n - q, 4)
+        for a in range(0, m, 4):
+            y = tile_dot44(tile[a], tile[a + 1], tile[a + 2], tile[a + 3], hv[p0], hv[p1], hv[p2], hv[p3])
+            for r in range(4):
+                d = d0 + a + r
+                out[t0, d] += wts[p0] * y[4 * r]
+                if c > 1:
+                    out[t1, d] += wts[p1] * y[4 * r + 1]
+                if c > 2:
+                    out[t2, d] += wts[p2] * y[4 * r + 2]
+                if c > 3:
+                    out[t3, d] += wts[p3] * y[4 * r + 3]
+    return d0 + m
 
 
 @njit(fastmath=True, cache=True)
