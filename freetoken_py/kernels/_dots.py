@@ -671,7 +671,9 @@ def tile_rows(w, s, xv, hb):
     raise NotImplementedError("tile_rows is only callable from numba-compiled code")
 
 
-def _tile_form(w, s, xv):
+def tile_form(w, s, xv):
+    """"fp8" / "bf16" where rows like w with activations like xv can take the tiles, else None
+    (typing time: a caller compiles the tile code only for these)."""
     if xv.dtype != types.float32:
         return None
     if w.dtype == types.uint8 and s.dtype == types.float32:
@@ -688,7 +690,7 @@ def tile_ok(bk, k):
 
 @overload(tile_rows, jit_options={"fastmath": True}, inline="always")
 def _tile_rows_impl(w, s, xv, hb):
-    form = _tile_form(w, s, xv)
+    form = tile_form(w, s, xv)
     if form == "fp8":
         return lambda w, s, xv, hb: tile_ok(2 * hb, xv.shape[-1])
     if form == "bf16":

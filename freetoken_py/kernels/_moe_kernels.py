@@ -31,6 +31,13 @@ Stage 1 puts a block's gates in h and its up projections in a buffer, then the a
 once per pair over the block (``_act_rows``: the vector SwiGLU); every stage tests the vector dot's
 shape once per block and runs its row loop on a path tag (_dots "Path tags").
 
+Prefill tiles: where an expert is hit by >= TILE_MIN_PAIRS pairs and its rows are fp8 or bf16
+with fp32 activations (CPUs without AVX512-BF16), a stage widens its block's rows once into an
+fp32 tile and multiplies 4 rows x 4 pairs per register block (``_gate_up_tiled`` /
+``_down_tiled``, _simd "Prefill tiles"); rows past the last whole 4 and experts with fewer pairs
+take the row dots. Same products (the weight times its scale rounded once to fp32, as fp8f_row_dot
+does), summed in another order.
+
 Row blocks (``row_blocks``): RB1 / RB2 rows per task where the experts are hit by several pairs
 (prefill: a block's activations are reused over its rows); RB_FEW where every expert is hit by
 at most 4 pairs (decode: one row pass serves them all, so a task is a plain stream of weight rows,
@@ -40,8 +47,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
-from freetoken_py.kernels._dots import ACT_SILU, ANY, VEC, act, pdot, pdot4, prepare, tile_rows, vec_rows, widen_row
+from freetoken_py.kernels._dots import ACT_SILU, ANY, VEC, act, pdot, pdot4, prepare, tile_form, tile_rows, vec_rows, widen_row
 from freetoken_py.kernels._simd import swiglu, tile_dot44
 from freetoken_py.kernels.cpu_linear import gemv_block
 
@@ -177,14 +185,33 @@ def _gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
     ub [4, >= i1 - i0]: the task's scratch for up projections (gates go to h, then the activation).
     b13 [2I]: the expert's gate / up biases, added before the activation (0 entries: none). The
     vector dot's shape test once per block (_dots "Path tags")."""
-    if not b13.shape[0] and pairs.shape[0] >= TILE_MIN_PAIRS and tile_rows(w13, s13, xv, hb):
-        i0 = _gate_up_tiled(w13, s13, xv, pairs, k, i0, i1, kind, hb, h)
+    if not b13.shape[0]:
+        i0 = gate_up_tiles(w13, s13, xv, pairs, k, i0, i1, kind, hb, h)
         if i0 == i1:
             return
     if vec_rows(w13, s13, xv, hb):
         _gate_up_rows(VEC, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
     else:
         _gate_up_rows(ANY, w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
+
+
+def gate_up_tiles(w13, s13, xv, pairs, k, i0, i1, kind, hb, h):
+    """_gate_up_tiled where the expert has >= TILE_MIN_PAIRS pairs and its rows take the tiles
+    (`_dots.tile_rows`); returns the first row not done (i0 where the tiles do not apply; for
+    other formats no tile code is compiled). Jitted only."""
+    raise NotImplementedError("gate_up_tiles is only callable from numba-compiled code")
+
+
+@overload(gate_up_tiles, jit_options={"fastmath": True}, inline="always")
+def _gate_up_tiles_impl(w13, s13, xv, pairs, k, i0, i1, kind, hb, h):
+    if tile_form(w13, s13, xv) is None:
+        return lambda w13, s13, xv, pairs, k, i0, i1, kind, hb, h: i0
+
+    def impl(w13, s13, xv, pairs, k, i0, i1, kind, hb, h):
+        if pairs.shape[0] >= TILE_MIN_PAIRS and tile_rows(w13, s13, xv, hb):
+            return _gate_up_tiled(w13, s13, xv, pairs, k, i0, i1, kind, hb, h)
+        return i0
+    return impl
 
 
 @njit(fastmath=True, cache=True)
@@ -250,9 +277,7 @@ def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
         tile = np.empty((d1 - d0, hv.shape[1]), np.float32)
         vec = vec_rows(w2, s2, hv, hb)
         for u in range(eids.shape[0]):     # experts ascending, as _down_rows adds them
-            dd = d0
-            if off[u + 1] - off[u] >= TILE_MIN_PAIRS:
-                dd = _down_tiled(w2[eids[u]], s2[eids[u]], hv, order[off[u]:off[u + 1]], wts, k, d0, d1, hb, tile, out)
+            dd = down_tiles(w2[eids[u]], s2[eids[u]], hv, order[off[u]:off[u + 1]], wts, k, d0, d1, hb, tile, out)
             if dd < d1 and vec:
                 _down_rows(VEC, w2, s2, hv, hg, order, eids[u:u + 1], off[u:u + 2], wts, k, dd, d1, hb, out)
             elif dd < d1:
@@ -262,6 +287,24 @@ def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
         _down_rows(VEC, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
     else:
         _down_rows(ANY, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
+
+
+def down_tiles(w2, s2, hv, pairs, wts, k, d0, d1, hb, tile, out):
+    """_down_tiled where the expert has >= TILE_MIN_PAIRS pairs (the caller tested tile_rows);
+    returns the first row not done (d0 otherwise; no tile code compiled for other formats)."""
+    raise NotImplementedError("down_tiles is only callable from numba-compiled code")
+
+
+@overload(down_tiles, jit_options={"fastmath": True}, inline="always")
+def _down_tiles_impl(w2, s2, hv, pairs, wts, k, d0, d1, hb, tile, out):
+    if tile_form(w2, s2, hv) is None:
+        return lambda w2, s2, hv, pairs, wts, k, d0, d1, hb, tile, out: d0
+
+    def impl(w2, s2, hv, pairs, wts, k, d0, d1, hb, tile, out):
+        if pairs.shape[0] >= TILE_MIN_PAIRS:
+            return _down_tiled(w2, s2, hv, pairs, wts, k, d0, d1, hb, tile, out)
+        return d0
+    return impl
 
 
 @njit(fastmath=True, cache=True)
