@@ -33,6 +33,7 @@ from freetoken_py.envs import bf16_act, int_act, simd
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
 from freetoken_py.kernels._simd import (TILE_LANES, HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, HAS_AVX512VBMI, bf16_row_dot, bf16_row_dot4,
+                                        bf16f_row_dot, bf16f_row_dot4,
                                         fp8_widen_row, fp8bf_row_dot, fp8bf_row_dot4, fp8f_row_dot,
                                         fp8f_row_dot4, fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot, i8q8_row_dot4, i8q8v_row_dot,
                                         i8q8v_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
@@ -520,6 +521,8 @@ def _row_dot_impl(w, s, xv, xg, hb):
     dtype = w.dtype
     if dtype == types.uint16 and xv.dtype == types.uint16:     # bf16 x bf16 (prep_bf16_rows)
         return lambda w, s, xv, xg, hb: bf16_row_dot(w, xv)
+    if dtype == types.uint16 and xv.dtype == types.float32:    # bf16 x fp32 (_simd bf16f_row_dot)
+        return lambda w, s, xv, xg, hb: bf16f_row_dot(w, xv)
     if dtype in (types.uint16, types.float32):
         return lambda w, s, xv, xg, hb: dot(w, xv)
     if dtype == types.uint8 and s.dtype == types.float32 and xv.dtype == types.uint16:   # fp8 x bf16 (prep_fp8bf_rows)
@@ -551,6 +554,8 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
     dtype = w.dtype
     if dtype == types.uint16 and x0.dtype == types.uint16:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: bf16_row_dot4(w, x0, x1, x2, x3)
+    if dtype == types.uint16 and x0.dtype == types.float32:
+        return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: bf16f_row_dot4(w, x0, x1, x2, x3)
     if dtype in (types.uint16, types.float32):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
     if dtype == types.uint8 and s.dtype == types.float32 and x0.dtype == types.uint16:
@@ -662,7 +667,7 @@ def _pdot4_impl(path, w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
 
 
 # Prefill tiles (_simd "Prefill tiles"): rows the 4 x 4 fp32 register blocks take, widened once
-# to fp32 per block of 4 rows: fp8 and bf16 weights with fp32 activations (on CPUs with
+# to fp32 per block of rows: fp8 and bf16 weights with fp32 activations (on CPUs with
 # AVX512-BF16 their default dots take bf16 activations, and those stay). int4 / int8 / nvfp4
 # multiply int8 activations with integer dots, already several x the FMA rate: no tiles.
 def tile_rows(w, s, xv, hb):

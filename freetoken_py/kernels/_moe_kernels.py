@@ -103,6 +103,15 @@ def few_pairs(off):
 
 
 @njit(cache=True)
+def most_pairs(off):
+    """The most pairs any expert is hit by (pairs grouped as by group_pairs)."""
+    most = 0
+    for u in range(off.shape[0] - 1):
+        most = max(most, off[u + 1] - off[u])
+    return most
+
+
+@njit(cache=True)
 def row_blocks(off, inter, hidden, threads):
     """(stage-1 rows, stage-2 rows) per task for pairs grouped as by group_pairs (see the module doc).
     Decode at Qwen3-30B-A3B's widths, one thread, RB_FEW 16 -> 64: int4 0.74 -> 0.78 of the DRAM
@@ -273,7 +282,7 @@ def _down_rows(path, w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
 def _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
     """out[t, d0:d1] += sum over pairs of w_p * down_e[d] . h_p, for every routed expert (the
     vector dot's shape test once per block)."""
-    if tile_rows(w2, s2, hv, hb) and d1 - d0 >= 4:
+    if tile_rows(w2, s2, hv, hb) and d1 - d0 >= 4 and most_pairs(off) >= TILE_MIN_PAIRS:
         tile = np.empty((d1 - d0, hv.shape[1]), np.float32)
         vec = vec_rows(w2, s2, hv, hb)
         for u in range(eids.shape[0]):     # experts ascending, as _down_rows adds them

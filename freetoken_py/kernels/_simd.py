@@ -1544,6 +1544,77 @@ def bf16_row_dot4(typingctx, w, x0, x1, x2, x3):
     return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3), _bf16_codegen(4)
 
 
+# bf16 weights x fp32 activations (CPUs without AVX512-BF16, or FREETOKEN_BF16_ACT=fp32): per
+# 16 weights (8 with AVX2) one zero-extend, one shift and one FMA per activation row, with 4
+# accumulators for one row (numba's loop over `_dots.dot` compiled to one 8-lane FMA chain,
+# latency-bound) and one each for four. Exact products, fp32 sums; a K % (lanes x unroll) tail
+# in scalar. One Ice Lake core, a 1024 x 2048 matrix in L3, the other core busy: one row 17.4-18.5
+# -> 24.5 GB/s, four rows 7.7-7.9 -> 14.0-14.3 (docs/kernels.md "Prefill tiles and a bf16 x fp32 dot").
+
+
+def _bf16f_codegen(num_x):
+    lanes = 16 if HAS_AVX512 else 8
+    unroll = 4 if num_x == 1 else 1
+
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        wp = arrays[0].data
+        xps = [a.data for a in arrays[1:]]
+        k = cgutils.unpack_tuple(builder, arrays[0].shape)[0]
+        vs, vi, vf = ir.VectorType(_I16, lanes), ir.VectorType(_I32, lanes), ir.VectorType(_F32, lanes)
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(num_x)] for _ in range(unroll)]
+        step = lanes * unroll
+        nmain = builder.udiv(k, ir.Constant(_I64, step))
+        with cgutils.for_range(builder, nmain) as loop:
+            base = builder.mul(loop.index, ir.Constant(_I64, step))
+            for u in range(unroll):
+                off = builder.add(base, ir.Constant(_I64, u * lanes))
+                w = builder.bitcast(builder.shl(builder.zext(_vload(builder, wp, off, vs, 2), vi),
+                                                ir.Constant(vi, [16] * lanes)), vf)
+                for acc, xp in zip(accs[u], xps):
+                    t = builder.fmul(w, _vload(builder, xp, off, vf, 4), flags=_CONTRACT)
+                    builder.store(builder.fadd(builder.load(acc), t, flags=_FAST), acc)
+        tails = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(num_x)]
+        start = builder.mul(nmain, ir.Constant(_I64, step))
+        with cgutils.for_range(builder, builder.sub(k, start)) as loop:
+            j = builder.add(start, loop.index)
+            wj = _bf16_widen(builder, builder.load(builder.gep(wp, [j])))
+            for tail, xp in zip(tails, xps):
+                xj = builder.load(builder.gep(xp, [j]))
+                builder.store(builder.fadd(builder.load(tail), builder.fmul(wj, xj, flags=_FAST), flags=_FAST), tail)
+        res = []
+        for j in range(num_x):
+            acc = builder.load(accs[0][j])
+            for u in range(1, unroll):
+                acc = builder.fadd(acc, builder.load(accs[u][j]), flags=_FAST)
+            res.append(builder.fadd(_hsum(builder, acc), builder.load(tails[j]), flags=_FAST))
+        if num_x == 1:
+            return res[0]
+        return context.make_tuple(builder, signature.return_type, res)
+
+    return codegen
+
+
+def _check_bf16f(w, *xs):
+    if not (isinstance(w, types.Array) and w.dtype == types.uint16 and w.ndim == 1):
+        raise TypeError(f"bf16 rows are 1-D uint16 arrays of bf16 bits, got {w}")
+    _check_f32_rows(*xs)
+
+
+@intrinsic
+def bf16f_row_dot(typingctx, w, x):
+    """sum_i bf16(w[i]) * x[i] in fp32: w uint16 [K] bf16 bits, x float32 [>= K], any K."""
+    _check_bf16f(w, x)
+    return types.float32(w, x), _bf16f_codegen(1)
+
+
+@intrinsic
+def bf16f_row_dot4(typingctx, w, x0, x1, x2, x3):
+    """bf16f_row_dot of one row with four activation rows -> UniTuple(float32, 4)."""
+    _check_bf16f(w, x0, x1, x2, x3)
+    return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3), _bf16f_codegen(4)
+
+
 # --- fp8 (e4m3) weights x bf16 activations (AVX512-BF16 + AVX512-VBMI) ---------------------------
 #
 # The fp32-activation fp8 dots above spend ~5 port-0/5 uops per 16 weights on the decode and the
@@ -1723,13 +1794,13 @@ def fp8bf_row_dot4(typingctx, w, s, x0, x1, x2, x3, bk):
 # Where an expert is hit by many tokens (prefill) and its rows carry fp8 or bf16 weights with fp32
 # activations (CPUs without AVX512-BF16: Zen 3, Ice Lake; or FREETOKEN_BF16_ACT=fp32), the dots
 # above decode every row once per 4 tokens and run one FMA per decoded vector and token: ~5 uops
-# per 16 weights of decode against 4 FMAs (fp8). Instead `_moe_kernels` widens 4 rows once into a
-# small fp32 tile (`fp8_widen_row`: the same folded value w * s as `fp8f_row_dot`, rounded once
+# per 16 weights of decode against 4 FMAs (fp8). Instead `_moe_kernels` widens a block's rows once
+# into an fp32 tile (`fp8_widen_row`: the same folded value w * s as `fp8f_row_dot`, rounded once
 # to fp32) and `tile_dot44` multiplies 4 tile rows with 4 activation rows: per 16 columns 8 loads
 # and 16 FMAs into 16 accumulators (4 rows x 4 tokens), one horizontal sum each at the end. With
 # AVX2's 16 registers the 4 tokens go in two passes of 2 (8 accumulators of 8 lanes). Measured on
 # one Ice Lake core (fp8, an expert's 2 x 768 gate/up rows x 2048, 32 tokens, in cache): 1.8x the
-# 4-token fp8 dot for the products alone (docs/kernels.md "Prefill tiles").
+# 4-token fp8 dot for the products alone, a whole MoE layer 1.3-1.5x (docs/kernels.md "Prefill tiles").
 
 TILE_LANES = 16       # K must be a multiple of this (the callers check: `_dots.tile_ok`)
 

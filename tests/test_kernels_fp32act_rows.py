@@ -1,13 +1,17 @@
-"""Prefill tiles (kernels/_simd "Prefill tiles", _moe_kernels._gate_up_tiled / _down_tiled):
-fp8 and bf16 expert rows with fp32 activations, widened 4 rows at a time into an fp32 tile and
-multiplied in 4 x 4 register blocks, against float64 references of the same weights.
+"""fp8 and bf16 rows with fp32 activations (the default on CPUs without AVX512-BF16) against
+float64 references of the same weights:
 
-The tile functions are called directly with fp32 activations (on every CPU), and end to end through
-moe_experts where the process's default activation path for the format is fp32 (CPUs without
-AVX512-BF16; elsewhere their default dots take bf16 activations and the tiles do not run).
-Shapes: rows in and not in whole 4s (the rest goes to the row dots), experts above and below
-TILE_MIN_PAIRS in one call, padded 4-pair tails, fp8 blocks of 128 and of 16.
+- the prefill tiles (kernels/_simd "Prefill tiles", _moe_kernels._gate_up_tiled / _down_tiled):
+  rows widened into an fp32 tile and multiplied in 4 x 4 register blocks. The tile functions are
+  called directly with fp32 activations (on every CPU), and end to end through moe_experts where
+  the process's default activation path for the format is fp32 (elsewhere the default dots take
+  bf16 activations and the tiles do not run). Shapes: rows in and not in whole 4s (the rest goes to
+  the row dots), experts above and below TILE_MIN_PAIRS in one call, padded 4-pair tails, fp8
+  blocks of 128 and of 16.
+- the bf16 x fp32 row dots (_simd.bf16f_row_dot / bf16f_row_dot4) at lengths with and without a
+  scalar tail.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +23,7 @@ from freetoken_py.kernels import ExpertBank, moe_experts
 from freetoken_py.kernels import _dots
 from freetoken_py.kernels._dots import ACT_GPTOSS, ACT_SILU, tile_rows
 from freetoken_py.kernels._moe_kernels import TILE_MIN_PAIRS, _down_tiled, _gate_up_tiled, group_pairs
-from freetoken_py.kernels._simd import tile_dot44
+from freetoken_py.kernels._simd import bf16f_row_dot, bf16f_row_dot4, tile_dot44
 from tests.test_kernels_moe import act_ref, close_to_ref, moe_ref_slack, random_experts
 
 FORMATS = [("fp8", 128), ("fp8", 16), ("bf16", 32)]
@@ -116,3 +120,24 @@ def test_moe_experts_with_tiles_matches_reference(fmt, gs, inter, hidden, activa
     assert close_to_ref(out, moe_ref_slack(bank, x, ids, w, activation), 1e-5)
     if default_act_is_fp32(fmt) and hidden % 16 == 0:
         assert _tiles_taken(bank.w13[0], bank.s13[0], x.numpy(), gs // 2)
+
+
+@njit(cache=False)
+def _bf16f_rows(w, x, out1, out4):
+    for i in range(w.shape[0]):
+        out1[i] = bf16f_row_dot(w[i], x[0])
+        out4[i, 0], out4[i, 1], out4[i, 2], out4[i, 3] = bf16f_row_dot4(w[i], x[0], x[1], x[2], x[3])
+
+
+@pytest.mark.parametrize("k", [1, 15, 16, 37, 64, 100, 2048, 2051])
+def test_bf16f_row_dots_match_float64(k):
+    g = torch.Generator().manual_seed(k)
+    wb = torch.randn(9, k, generator=g).bfloat16()
+    w = wb.view(torch.int16).numpy().view(np.uint16)
+    x = torch.randn(4, k, generator=g).numpy()
+    out1, out4 = np.zeros(9, np.float32), np.zeros((9, 4), np.float32)
+    _bf16f_rows(w, x, out1, out4)
+    ref = wb.double().numpy() @ x.astype(np.float64).T                  # [9, 4]
+    tol = 1e-6 * (np.abs(wb.float().numpy()) @ np.abs(x).T) + 1e-30       # fp32 sums of exact products
+    assert (np.abs(out1 - ref[:, 0]) <= tol[:, 0]).all()
+    assert (np.abs(out4 - ref) <= tol).all()
