@@ -1508,25 +1508,33 @@ def _bf16_codegen(num_x):
         done = builder.mul(nmain, ir.Constant(_I64, unroll))
         with cgutils.for_range(builder, builder.sub(nblk, done)) as loop:
             block(builder.add(done, loop.index), accs[0])
-        tails = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(num_x)]
-        start = builder.shl(nblk, ir.Constant(_I64, 5))
-        with cgutils.for_range(builder, builder.sub(k, start)) as loop:
-            j = builder.add(start, loop.index)
-            wj = _bf16_widen(builder, builder.load(builder.gep(wp, [j])))
-            for tail, xp in zip(tails, xps):
-                xj = _bf16_widen(builder, builder.load(builder.gep(xp, [j])))
-                builder.store(builder.fadd(builder.load(tail), builder.fmul(wj, xj, flags=_FAST), flags=_FAST), tail)
-        res = []
-        for j in range(num_x):
-            acc = builder.load(accs[0][j])
-            for u in range(1, unroll):
-                acc = builder.fadd(acc, builder.load(accs[u][j]), flags=_FAST)
-            res.append(builder.fadd(_hsum(builder, acc), builder.load(tails[j]), flags=_FAST))
-        if num_x == 1:
-            return res[0]
-        return context.make_tuple(builder, signature.return_type, res)
+        return _bf16_finish(context, builder, signature, wp, xps, accs, builder.shl(nblk, ir.Constant(_I64, 5)), k, True)
 
     return codegen
+
+
+def _bf16_finish(context, builder, signature, wp, xps, accs, start, k, x_bf16):
+    """The bf16 dots' end: columns start..k in scalar (activations bf16 bits where x_bf16, else
+    fp32), the accumulators accs [unroll][num_x] summed, one float per activation row returned."""
+    num_x = len(xps)
+    tails = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(num_x)]
+    with cgutils.for_range(builder, builder.sub(k, start)) as loop:
+        j = builder.add(start, loop.index)
+        wj = _bf16_widen(builder, builder.load(builder.gep(wp, [j])))
+        for tail, xp in zip(tails, xps):
+            xj = builder.load(builder.gep(xp, [j]))
+            if x_bf16:
+                xj = _bf16_widen(builder, xj)
+            builder.store(builder.fadd(builder.load(tail), builder.fmul(wj, xj, flags=_FAST), flags=_FAST), tail)
+    res = []
+    for j in range(num_x):
+        acc = builder.load(accs[0][j])
+        for more in accs[1:]:
+            acc = builder.fadd(acc, builder.load(more[j]), flags=_FAST)
+        res.append(builder.fadd(_hsum(builder, acc), builder.load(tails[j]), flags=_FAST))
+    if num_x == 1:
+        return res[0]
+    return context.make_tuple(builder, signature.return_type, res)
 
 
 @intrinsic
@@ -1574,23 +1582,7 @@ def _bf16f_codegen(num_x):
                 for acc, xp in zip(accs[u], xps):
                     t = builder.fmul(w, _vload(builder, xp, off, vf, 4), flags=_CONTRACT)
                     builder.store(builder.fadd(builder.load(acc), t, flags=_FAST), acc)
-        tails = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(num_x)]
-        start = builder.mul(nmain, ir.Constant(_I64, step))
-        with cgutils.for_range(builder, builder.sub(k, start)) as loop:
-            j = builder.add(start, loop.index)
-            wj = _bf16_widen(builder, builder.load(builder.gep(wp, [j])))
-            for tail, xp in zip(tails, xps):
-                xj = builder.load(builder.gep(xp, [j]))
-                builder.store(builder.fadd(builder.load(tail), builder.fmul(wj, xj, flags=_FAST), flags=_FAST), tail)
-        res = []
-        for j in range(num_x):
-            acc = builder.load(accs[0][j])
-            for u in range(1, unroll):
-                acc = builder.fadd(acc, builder.load(accs[u][j]), flags=_FAST)
-            res.append(builder.fadd(_hsum(builder, acc), builder.load(tails[j]), flags=_FAST))
-        if num_x == 1:
-            return res[0]
-        return context.make_tuple(builder, signature.return_type, res)
+        return _bf16_finish(context, builder, signature, wp, xps, accs, builder.mul(nmain, ir.Constant(_I64, step)), k, False)
 
     return codegen
 
