@@ -4,8 +4,8 @@ float64 references of the same weights:
 - the prefill tiles (kernels/_simd "Prefill tiles", _moe_kernels._gate_up_tiled / _down_tiled):
   rows widened into an fp32 tile and multiplied in 4 x 4 register blocks. The tile functions are
   called directly with fp32 activations (on every CPU), and end to end through moe_experts where
-  the process's default activation path for the format is fp32 (elsewhere the default dots take
-  bf16 activations and the tiles do not run). Shapes: rows in and not in whole 4s (the rest goes to
+  the process's activation path for the format is fp32 (tests/conftest.py sets FREETOKEN_BF16_ACT=fp32,
+  so on every CPU unless overridden; with bf16 activations the tiles do not run). Shapes: rows in and not in whole 4s (the rest goes to
   the row dots), experts above and below TILE_MIN_PAIRS in one call, padded 4-pair tails, fp8
   blocks of 128 and of 16.
 - the bf16 x fp32 row dots (_simd.bf16f_row_dot / bf16f_row_dot4) at lengths with and without a
