@@ -105,8 +105,7 @@ def default_act_is_fp32(fmt):
 def test_moe_experts_with_tiles_matches_reference(fmt, gs, inter, hidden, activation):
     """A prefill-sized call: 5 experts, 41 tokens, top-2, one expert hit by few pairs (row dots)
     and the others by many (tiles where the shape allows: D 37 and I 38 take the row dots, I 35
-    leaves a 3-row block to them; fp8 at
-    block 128 has partial blocks here)."""
+    leaves a 3-row block to them; fp8 at block 128 has partial blocks here)."""
     num_e, num_t, k = 5, 41, 2
     bank = bank_of(fmt, gs, num_e, inter, hidden, seed=5)
     g = torch.Generator().manual_seed(6)
