@@ -523,7 +523,7 @@ def _row_dot_impl(w, s, xv, xg, hb):
         return lambda w, s, xv, xg, hb: bf16_row_dot(w, xv)
     if dtype == types.uint16 and xv.dtype == types.float32:    # bf16 x fp32 (_simd bf16f_row_dot)
         return lambda w, s, xv, xg, hb: bf16f_row_dot(w, xv)
-    if dtype in (types.uint16, types.float32):
+    if dtype == types.float32:    # (bf16 rows: the two forms above, by activation dtype)
         return lambda w, s, xv, xg, hb: dot(w, xv)
     if dtype == types.uint8 and s.dtype == types.float32 and xv.dtype == types.uint16:   # fp8 x bf16 (prep_fp8bf_rows)
         return lambda w, s, xv, xg, hb: fp8bf_dot(w, s, xv, xg, 2 * hb)
@@ -556,7 +556,7 @@ def _row_dot4_impl(w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb):
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: bf16_row_dot4(w, x0, x1, x2, x3)
     if dtype == types.uint16 and x0.dtype == types.float32:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: bf16f_row_dot4(w, x0, x1, x2, x3)
-    if dtype in (types.uint16, types.float32):
+    if dtype == types.float32:    # (bf16 rows: the two forms above, by activation dtype)
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: dot4(w, x0, x1, x2, x3)
     if dtype == types.uint8 and s.dtype == types.float32 and x0.dtype == types.uint16:
         return lambda w, s, x0, x1, x2, x3, g0, g1, g2, g3, hb: fp8bf_dot4(w, s, x0, x1, x2, x3, g0, g1, g2, g3, 2 * hb)
