@@ -62,6 +62,10 @@ err = (out.double() - want).abs().max().item()
 assert err <= 1e-4 * want.abs().max().item(), err
 # retune: timed again
 assert probe_tuning(retune=True, device="cpu", cases=[case], reps=1)["timed"] == n
+# a tuning that fails (here: a format with no synthetic experts) is one line, not a crash
+bad = probe_tuning(device="cpu", cases=[("int3", 32, (64, 96), 1)], reps=1)
+assert bad["status"] == "failed" and "\n" not in bad["line"] and "ValueError" in bad["line"] \
+    and "default configurations" in bad["line"], bad
 print("ok")
 '''
 

@@ -70,6 +70,24 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     assert at.use_cache() == 0
 assert len(caught) == 1 and "unreadable" in str(caught[0].message)
+# a candidate that does not compile or launch on this GPU (Triton's own OutOfResources, as a GPU with
+# less shared memory raises it) is skipped with one warning line; a kernel none of whose candidates
+# ran keeps the default (no cache entry), and nothing crashes
+from triton.runtime.errors import OutOfResources
+cache.unlink()
+def picky(kernel, config):
+    if kernel == "down" or config["num_warps"] == 8:
+        raise OutOfResources(10 ** 6, 232448, "shared memory")
+    return time_config(kernel, config)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    best = at.tune([("int4", 32, (D, I), 1, True)], picky)
+msg = [str(w.message) for w in caught]
+n_fail = n_down + sum(c["num_warps"] == 8 for c in at.candidates("int4", 1, "gate_up", True))
+assert len(msg) == 1 and f"{n_fail} candidate configurations failed" in msg[0] and "OutOfResources" in msg[0] \
+    and "\n" not in msg[0], msg
+assert set(best) == {"int4/g32/64x64/nt1/gate_up"} and best["int4/g32/64x64/nt1/gate_up"]["num_warps"] == 4, best
+assert at.kernel_config("int4", 1, "down", True, 32, (D, I)) == at.finalize(at.default_config("int4", 1, "down", True), "int4", 32)
 # every candidate the static model keeps has 8-32 KB of weights in flight a program and stage
 for fmt in ("float", "int4", "fp8", "nvfp4"):
     for nt in (1, 8):

@@ -8,7 +8,9 @@ keyed by the GPU's name, its compute capability and Triton's version: `gpu_autot
 It runs before anything captures a CUDA graph (the probe captures none; `gpu_moe` loads the cache
 at its first launch, so a run started after the probe uses it). A later probe finds the cases in
 the cache and times nothing; `--reprofile` tunes again. Off a GPU, or without Triton, nothing is
-timed and the probe says why in one line (`gpu_moe.why_not`).
+timed and the probe says why in one line (`gpu_moe.why_not`); so does a
+tuning that fails (a candidate that does not compile or launch on this GPU is skipped inside
+`gpu_autotune.tune`; anything else ends the tuning with one line and the default configurations).
 
 The defaults a case starts from are the static ones (`gpu_autotune.default_config`): no GPU run
 of these kernels has been recorded yet to seed them from.
@@ -146,4 +148,10 @@ def probe_tuning(retune: bool = False, device=None, cases: Sequence[tuple] = CAS
             return {"status": "skipped", "line": f"GPU expert kernels not tuned: {why}",
                     "path": None, "tuned": [], "cached": [], "timed": 0}
         device = "cuda"
-    return tune_expert_kernels(device, cases, retune, path, reps)
+    try:
+        return tune_expert_kernels(device, cases, retune, path, reps)
+    except Exception as exc:  # noqa: BLE001  (the probe reports; the launches keep the defaults)
+        why = str(exc).strip().splitlines()
+        return {"status": "failed", "path": str(path) if path else None, "tuned": [], "cached": [], "timed": 0,
+                "line": f"GPU expert kernels not tuned ({type(exc).__name__}{': ' + why[0][:160] if why else ''}); "
+                        f"the default configurations are used"}

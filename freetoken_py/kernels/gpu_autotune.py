@@ -134,11 +134,19 @@ def tune(cases: list[tuple], time_config: Callable[[str, dict], float], path: Pa
     the fastest; merged into the cache at `path` for this machine and made active. Returns
     {key: config}."""
     path = path or cache_path()
-    best = {}
+    best, failed = {}, []
     for fmt, group, shape, nt, rounded in cases:
         for kernel in ("gate_up", "down"):
-            timed = [(time_config(kernel, c), i, c) for i, c in enumerate(candidates(fmt, nt, kernel, rounded))]
-            best[key(fmt, group, shape, nt, kernel)] = min(timed, key=lambda t: (t[0], t[1]))[2]
+            timed = []
+            for i, c in enumerate(candidates(fmt, nt, kernel, rounded)):
+                seconds = _time_or_none(time_config, kernel, c, failed)
+                if seconds is not None:
+                    timed.append((seconds, i, c))
+            if timed:       # (none timed: no entry, so the launches keep the default)
+                best[key(fmt, group, shape, nt, kernel)] = min(timed, key=lambda t: (t[0], t[1]))[2]
+    if failed:
+        warnings.warn(f"GPU kernel tuning: {len(failed)} candidate configurations failed on this GPU and were "
+                      f"skipped (first: {failed[0]})", RuntimeWarning, stacklevel=2)
     old = {}
     if path.exists():
         try:
@@ -150,6 +158,18 @@ def tune(cases: list[tuple], time_config: Callable[[str, dict], float], path: Pa
     path.write_text(json.dumps({"machine": machine(), "configs": {**old, **best}}, indent=1, sort_keys=True))
     use_cache(path)
     return best
+
+
+def _time_or_none(time_config: Callable[[str, dict], float], kernel: str, cfg: dict, failed: list):
+    """`time_config(kernel, cfg)`, or None where that configuration does not compile or launch on
+    this GPU (e.g. Triton's OutOfResources for shared memory on a smaller GPU): one line of why
+    goes into `failed`, and the sweep goes on."""
+    try:
+        return float(time_config(kernel, cfg))
+    except Exception as exc:  # noqa: BLE001  (any compile or launch error of one candidate)
+        why = str(exc).strip().splitlines()
+        failed.append(f"{kernel} {cfg}: {type(exc).__name__}{': ' + why[0][:160] if why else ''}")
+        return None
 
 
 def group_words(fmt: str, group_size: int) -> int:
