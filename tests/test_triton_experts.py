@@ -1,7 +1,7 @@
 """The Triton expert kernels (kernels/_triton_moe.py through gpu_moe.moe_slots / moe_pairs*) against a
 float64 torch reference, in Triton's CPU interpreter (TRITON_INTERPRET=1, set in a fresh process
 before Triton is imported): every format (float fp32 / bf16, int8, int4 g32 / g64, fp8 128-blocks,
-nvfp4), odd shapes, T = 1..9 tokens, experts routed by several tokens (one group reads them once;
+nvfp4), odd shapes, T = 1..9 tokens (every T of 1..8 for bf16, int4, fp8 and nvfp4), experts routed by several tokens (one group reads them once;
 nine pairs of one expert split into two groups), a slot table over two chunks in shuffled order,
 and the kernels' pieces bit for bit: the e4m3 / e2m1 decoders on every code, the activation
 rounding against `seen_by_cpu_kernels`. Small shapes: the interpreter runs numpy per op."""
@@ -137,6 +137,13 @@ errs["nvfp4 T8"] = check("nvfp4", 8, 64, 32, 3, 2)
 errs["int4 T9"] = check("int4", 9, 64, 32, 3, 2, route=[[0, 1 + t % 2] for t in range(9)])
 errs["fp32 T7 dup"] = check("fp32", 7, 48, 24, 2, 2)           # every token on both experts
 errs["nvfp4 T17"] = check("nvfp4", 17, 32, 32, 2, 1)           # past 16 tokens: the separate per-token sum
+# every issue-40 format at every T = 1..8 on sizes off the tiles, expert 0 routed by every token
+# (one group reads it once for all of them) and experts 1 / 2 alternating
+sweep = {"bf16": (72, 40, 32), "int4": (96, 32, 32), "fp8": (136, 72, 128), "nvfp4": (80, 48, 16)}
+for fmt, (hidden, inter, group) in sweep.items():
+    for tokens in range(1, 9):
+        errs[f"{fmt} T{tokens} sweep"] = check(fmt, tokens, hidden, inter, 3, 2, group=group,
+                                               route=[[0, 1 + t % 2] for t in range(tokens)])
 
 # the list API (experts passed per pair) still equals the slot API; a misshapen expert is a ValueError
 parts, ref = make("int4", 32, 64, 32)
