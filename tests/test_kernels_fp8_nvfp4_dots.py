@@ -69,3 +69,25 @@ def test_fp8_large_block_scales_stay_finite(big):
     ref = x.astype(np.float64) @ ref_w.T
     bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(ref_w).T)
     assert np.all(np.abs(out - ref[0]) <= bound[0]) and np.all(np.abs(out4 - ref) <= bound)
+
+
+def test_fp8_dot_decodes_every_code_exactly_and_in_place():
+    """One-hot activations read single weights back: every e4m3 code (NaN's left out), at every
+    column of the 64-byte units the vector dots decode at once, equals its float64 value times its
+    block scale bit for bit (the table decode on CPUs with AVX512-VBMI: a wrong table entry, sign or
+    column order fails here; elsewhere the bit-placement decode)."""
+    n, k, gs = 4, 256, 128
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    rng = np.random.default_rng(5)
+    w = np.stack([rng.permutation(np.resize(codes, k)) for _ in range(n)]).astype(np.uint8)
+    s = np.array([[0.5, 3.0], [1e-3, 200.0], [1.0, 1.0], [7.0, 0.25]], np.float32)
+    want = decode_rows(w, s, "fp8", gs).double().numpy()
+    out, out4 = np.empty(n, np.float32), np.empty((4, n), np.float32)
+    got = np.empty((n, k))
+    for j in range(0, k, 4):
+        x = np.zeros((4, k), np.float32)
+        x[np.arange(4), j + np.arange(4)] = 1.0
+        _rows(w, s, x, gs, out, out4)
+        assert out[0] == out4[0][0] or (np.isnan(out[0]) and np.isnan(out4[0][0]))
+        got[:, j:j + 4] = out4.T
+    assert np.array_equal(got, want.astype(np.float32).astype(np.float64))

@@ -1018,6 +1018,64 @@ def _e4m3_to_float(builder, b8, lanes, rebase):
     return builder.fmul(builder.bitcast(bits, vf), ir.Constant(vf, [rebase] * lanes))   # no fast flags: exact
 
 
+HAS_AVX512VBMI = _target_has("avx512vbmi")
+
+
+def _fp8_bf16_tables():
+    """(hi, lo): the high / low byte of the bf16 bits of each e4m3 magnitude 0..127, as the value
+    _dots.e4m3_value gives (0x7f, e4m3fn's NaN, reads as 480 there too)."""
+    import numpy as np
+
+    mags = np.arange(128, dtype=np.uint32)
+    normal = ((mags << 20) + (120 << 23)).view(np.float32)
+    value = np.where(mags >= 8, normal, mags.astype(np.float32) * np.float32(2.0 ** -9)).astype(np.float32)
+    bits = (value.view(np.uint32) >> 16).astype(np.uint16)
+    assert np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), value)   # exact in bf16
+    return [int(b >> 8) for b in bits], [int(b & 0xFF) for b in bits]
+
+
+_FP8_HI, _FP8_LO = _fp8_bf16_tables()
+# word j of the unpacklo (unpackhi) result = byte 16 (j // 8) + j % 8 (+ 8) of the 64 loaded
+_UNPACK_LO = [i for L in range(4) for p in range(8) for i in (64 + 16 * L + p, 16 * L + p)]
+_UNPACK_HI = [i for L in range(4) for p in range(8) for i in (64 + 16 * L + 8 + p, 16 * L + 8 + p)]
+
+
+def _c8(vals):
+    return ir.Constant(ir.VectorType(_I8, len(vals)), [v - 256 if v > 127 else v for v in vals])
+
+
+def _e4m3_bf16_bytes(builder, b):
+    """<64 x i8> e4m3 bytes -> (high, low) bytes of their exact bf16 bits: two vpermi2b on the
+    128-entry tables (AVX512-VBMI; the index's bit 7 ignored), the sign put back by one vpternlog."""
+    v64b = ir.VectorType(_I8, 64)
+    perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64b, [v64b, v64b, v64b]),
+                                          "llvm.x86.avx512.vpermi2var.qi.512")
+    hi = builder.or_(builder.call(perm, [_c8(_FP8_HI[:64]), b, _c8(_FP8_HI[64:])]), builder.and_(b, _c8([0x80] * 64)))
+    return hi, builder.call(perm, [_c8(_FP8_LO[:64]), b, _c8(_FP8_LO[64:])])
+
+
+# The 4 x 4 transpose of the 64 bytes' 4-byte chunks (chunk 4L + q <- chunk 4q + L: one vpermd),
+# after which the byte and word unpacks (within 128-bit lanes) leave the 64 weights in their order.
+_CHUNK_T = [16 * q + 4 * L + p for L in range(4) for q in range(4) for p in range(4)]
+_WORDS_TO_F32 = [[i for L in range(4) for p in range(4) for i in (0, 32 + 8 * L + 4 * h + p)] for h in range(2)]
+
+
+def _e4m3_f32x64(builder, b):
+    """<64 x i8> e4m3 bytes -> four <16 x float> of their exact values, in order (weights 16q ..
+    16q + 15 in vector q): the chunk transpose, the bf16 table lookup (`_e4m3_bf16_bytes`), the
+    bytes unpacked into bf16 words and the words (with zero below) into fp32: 9 shuffle-port uops
+    and one vpternlog per 64 weights, and no fp32 subnormal (e4m3's subnormals are normal fp32)."""
+    v32s, vf = ir.VectorType(_I16, 32), ir.VectorType(_F32, 16)
+    c32 = lambda v: ir.Constant(ir.VectorType(_I32, len(v)), v)       # noqa: E731
+    hi, lo = _e4m3_bf16_bytes(builder, builder.shuffle_vector(b, b, c32(_CHUNK_T)))
+    out = []
+    for sh in (_UNPACK_LO, _UNPACK_HI):
+        words = builder.bitcast(builder.shuffle_vector(hi, lo, c32(sh)), v32s)
+        out += [builder.bitcast(builder.shuffle_vector(ir.Constant(v32s, None), words, c32(wd)), vf)
+                for wd in _WORDS_TO_F32]
+    return out
+
+
 def _fp8_codegen(num_x, lanes=_LANES):
     """fp8 dot of one row with `num_x` activation rows. args: w u8 [K], s f32 [G], x_0.., bk
     (K and bk multiples of `lanes`; a partial last block of any multiple of it). With one
@@ -1099,6 +1157,13 @@ def fp8_row_dot_v64(typingctx, w, s, x, bk):
 # from DRAM on Zen 5 (one thread, 64 MB rotated: 27.7 vs 29.4 GB/s median) but 1.6x on the Xeon 6
 # VM of issue 45 (one thread, real expert widths: 0.45 -> 0.70-0.88 of the DRAM read, AVX-512 and
 # AVX2 forms; docs/kernels.md), so it is there.
+#
+# On CPUs with AVX512-VBMI (Ice Lake, Zen 4 / 5, Sapphire Rapids) the decode is instead the exact
+# table of the fp8 x bf16 dots below (`_e4m3_f32x64`: e4m3 -> bf16 bytes by two vpermi2b, then
+# unpacked to fp32 in column order), times the block scale, one FMA per 16: the same products as the
+# bit placement (the value times the scale, rounded once), but no e4m3 subnormal ever becomes an
+# fp32 subnormal. With bit placement it does (exponent field 0) and the rebase multiply then takes
+# a microcode assist on Intel cores (docs/kernels.md "fp8 by table on AVX512-VBMI").
 
 
 def _fp8f_codegen(num_x):
@@ -1108,6 +1173,7 @@ def _fp8f_codegen(num_x):
     spilled to the stack every step (measured on Zen 3, 2 threads: a [32768, 2048] matvec 12.4 ->
     16.0 GB/s at 32 lanes, the 64-token product 37 -> 44 GFLOP/s; docs/kernels.md)."""
     lanes = 64 if HAS_AVX512 else (32 if num_x == 1 else 16)
+    table = HAS_AVX512 and HAS_AVX512VBMI
 
     def codegen(context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
@@ -1117,6 +1183,8 @@ def _fp8f_codegen(num_x):
         bk = context.cast(builder, args[-1], signature.args[-1], types.int64)
         vf, vb, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I8, lanes), ir.VectorType(_I32, lanes)
         accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(num_x)]
+        acc16 = [[cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(_F32, 16), None)) for _ in range(4)]
+                 for _ in range(num_x)] if table else []
         k = cgutils.unpack_tuple(builder, arrays[2].shape)[0]
         fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32]), "llvm.fabs.f32")
         with cgutils.for_range(builder, ngroups) as group:
@@ -1125,6 +1193,19 @@ def _fp8f_codegen(num_x):
             nvec = builder.udiv(n, ir.Constant(_I64, lanes))
             s_b = builder.load(builder.gep(sp, [g]))
             fold = builder.fcmp_ordered("<", builder.call(fabs, [s_b]), ir.Constant(_F32, 128.0))
+
+            def table_loop():
+                """The exact values by table (VBMI), each times the block scale, one FMA per 16."""
+                sgv = _splat(builder, s_b, 16)
+                with cgutils.for_range(builder, nvec) as blk:
+                    off = builder.add(start, builder.mul(blk.index, ir.Constant(_I64, lanes)))
+                    _prefetch(builder, wp, off)
+                    for q, v in enumerate(_e4m3_f32x64(builder, _vload(builder, wp, off, ir.VectorType(_I8, 64), 1))):
+                        v = builder.fmul(v, sgv, flags=_CONTRACT)
+                        o = builder.add(off, ir.Constant(_I64, 16 * q))
+                        for acc, xp in zip(acc16, xps):
+                            t = builder.fmul(v, _vload(builder, xp, o, ir.VectorType(_F32, 16), 4), flags=_CONTRACT)
+                            builder.store(builder.fadd(builder.load(acc[q]), t, flags=_FAST), acc[q])
 
             def block_loop(folded):
                 sgv = _splat(builder, builder.fmul(s_b, ir.Constant(_F32, 2.0 ** 120)) if folded else s_b, lanes)
@@ -1142,12 +1223,23 @@ def _fp8f_codegen(num_x):
                         t = builder.fmul(v, _vload(builder, xp, off, vf, 4), flags=_CONTRACT)
                         builder.store(builder.fadd(builder.load(acc), t, flags=_FAST), acc)
 
-            with builder.if_else(fold) as (then, otherwise):
-                with then:
-                    block_loop(True)
-                with otherwise:
-                    block_loop(False)
-        res = [_hsum(builder, builder.load(acc)) for acc in accs]
+            if table:
+                table_loop()
+            else:
+                with builder.if_else(fold) as (then, otherwise):
+                    with then:
+                        block_loop(True)
+                    with otherwise:
+                        block_loop(False)
+        if table:       # each activation row's four 16-lane chains
+            res = []
+            for a16 in acc16:
+                tot = builder.load(a16[0])
+                for a in a16[1:]:
+                    tot = builder.fadd(tot, builder.load(a), flags=_FAST)
+                res.append(_hsum(builder, tot))
+        else:
+            res = [_hsum(builder, builder.load(acc)) for acc in accs]
         if num_x == 1:
             return res[0]
         return context.make_tuple(builder, signature.return_type, res)
@@ -1629,32 +1721,6 @@ def bf16f_row_dot4(typingctx, w, x0, x1, x2, x3):
 # multiples of 64 (other shapes: the exact fp32 dots above on the same call's fp32 rows, see
 # _dots.fp8bf_dot); FREETOKEN_BF16_ACT=fp32 keeps the exact fp32 dots above everywhere.
 
-HAS_AVX512VBMI = _target_has("avx512vbmi")
-
-
-def _fp8_bf16_tables():
-    """(hi, lo): the high / low byte of the bf16 bits of each e4m3 magnitude 0..127, as the value
-    _dots.e4m3_value gives (0x7f, e4m3fn's NaN, reads as 480 there too)."""
-    import numpy as np
-
-    mags = np.arange(128, dtype=np.uint32)
-    normal = ((mags << 20) + (120 << 23)).view(np.float32)
-    value = np.where(mags >= 8, normal, mags.astype(np.float32) * np.float32(2.0 ** -9)).astype(np.float32)
-    bits = (value.view(np.uint32) >> 16).astype(np.uint16)
-    assert np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), value)   # exact in bf16
-    return [int(b >> 8) for b in bits], [int(b & 0xFF) for b in bits]
-
-
-_FP8_HI, _FP8_LO = _fp8_bf16_tables()
-# word j of the unpacklo (unpackhi) result = byte 16 (j // 8) + j % 8 (+ 8) of the 64 loaded
-_UNPACK_LO = [i for L in range(4) for p in range(8) for i in (64 + 16 * L + p, 16 * L + p)]
-_UNPACK_HI = [i for L in range(4) for p in range(8) for i in (64 + 16 * L + 8 + p, 16 * L + 8 + p)]
-
-
-def _c8(vals):
-    return ir.Constant(ir.VectorType(_I8, len(vals)), [v - 256 if v > 127 else v for v in vals])
-
-
 def _fp8bf_codegen(num_x):
     """fp8 x bf16 dot of one row with `num_x` activation rows. args: w u8 [K], s f32 [G],
     x_0.. u16 [K] (prep_fp8bf_row's layout), bk; K and bk multiples of 64 (a partial last block
@@ -1671,10 +1737,6 @@ def _fp8bf_codegen(num_x):
         mod = builder.module
         dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
                                             "llvm.x86.avx512bf16.dpbf16ps.512")
-        perm = cgutils.get_or_insert_function(mod, ir.FunctionType(v64b, [v64b, v64b, v64b]),
-                                              "llvm.x86.avx512.vpermi2var.qi.512")
-        hi0, hi1, lo0, lo1 = _c8(_FP8_HI[:64]), _c8(_FP8_HI[64:]), _c8(_FP8_LO[:64]), _c8(_FP8_LO[64:])
-        m80 = _c8([0x80] * 64)
         sh_lo = ir.Constant(ir.VectorType(_I32, 64), _UNPACK_LO)
         sh_hi = ir.Constant(ir.VectorType(_I32, 64), _UNPACK_HI)
         nchain = 4 if num_x == 1 else 2
@@ -1685,9 +1747,7 @@ def _fp8bf_codegen(num_x):
             ws = []
             for off in offs:
                 _prefetch(builder, wp, off)               # one 64-byte line per unit, PF_DIST ahead
-                b = _vload(builder, wp, off, v64b, 1)
-                hi = builder.or_(builder.call(perm, [hi0, b, hi1]), builder.and_(b, m80))
-                lo = builder.call(perm, [lo0, b, lo1])
+                hi, lo = _e4m3_bf16_bytes(builder, _vload(builder, wp, off, v64b, 1))
                 ws += [builder.bitcast(builder.bitcast(builder.shuffle_vector(hi, lo, sh), v32s), v32bf)
                        for sh in (sh_lo, sh_hi)]
             return ws
