@@ -91,3 +91,22 @@ def test_fp8_dot_decodes_every_code_exactly_and_in_place():
         assert out[0] == out4[0][0] or (np.isnan(out[0]) and np.isnan(out4[0][0]))
         got[:, j:j + 4] = out4.T
     assert np.array_equal(got, want.astype(np.float32).astype(np.float64))
+
+
+def test_numbas_inliner_phi_warnings_are_silenced_and_nothing_else():
+    """The nvfp4 kernels' first compile printed numba's pedantic "variable ... is not in scope"
+    warning (with its "please report" text) five times; importing _dots silences exactly that form
+    (a fresh process: pytest resets warning filters per test)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings\n"
+        "from numba.core.errors import NumbaIRAssumptionWarning as W\n"
+        "import freetoken_py.kernels._dots\n"
+        "warnings.warn(W(\"\\x1b[1m\\x1b[1mvariable '_pdot4_impl__locals___lambda__v849_nvfp4q8_vec4_v850_nvfp4_multiplier\"\n"
+        "                \"_v852__vphi102_0_2.1' is not in scope.\\n\\nThis warning came from an internal pedantic check.\"))\n"
+        "warnings.warn(W(\"variable 'other.1' is not in scope.\"))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "other.1" in proc.stderr and "__vphi" not in proc.stderr, proc.stderr

@@ -27,6 +27,7 @@ import warnings
 
 import numpy as np
 from numba import njit, types
+from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import overload
 
 from freetoken_py.envs import bf16_act, int_act, simd
@@ -39,6 +40,13 @@ from freetoken_py.kernels._simd import (TILE_LANES, HAS_AVX2, HAS_AVX512, HAS_AV
                                         i8q8v_row_dot4, nvfp4_row_dot4_v, nvfp4_row_dot_v, q4_row_dot, q4_row_dot4, q4q8_row_dot,
                                         q4q8_row_dot4, q4q8v_row_dot, q4q8v_row_dot4)
 from freetoken_py.kernels import _simd
+
+# numba's IR inliner leaves pedantic "variable '..__vphi..' is not in scope" NumbaIRAssumptionWarnings
+# on the phis of conditionals it inlines (inline="always": nvfp4_multiplier, nvq8_vec_ok into the
+# nvfp4 kernels; the compiled code is right: tests/test_kernels_fp8_nvfp4_dots.py,
+# test_formats_nvfp4.py); they printed numba's "please report" text five times on a user's first
+# nvfp4 run, so these (and only these) are silenced.
+warnings.filterwarnings("ignore", category=NumbaIRAssumptionWarning, message=r"(?s).*variable '[^']*__vphi[^']*' is not in scope")
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "fp8", "nvfp4")
 ACT_SILU, ACT_GPTOSS = 0, 1
