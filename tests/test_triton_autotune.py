@@ -118,3 +118,19 @@ def test_no_gpu_is_a_one_line_reason_and_the_torch_path():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_a_triton_that_does_not_import_is_a_one_line_reason_and_the_probe_says_it():
+    """Triton missing (or broken) where the kernels would run: available() is False with one line
+    naming Triton, and the probe's tuning skips with that line (no crash, no traceback)."""
+    code = ("import os, sys; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "sys.modules['triton'] = None            # as if it were not installed: import raises\n"
+            "from freetoken_py.kernels import gpu_moe\n"
+            "assert gpu_moe.available('cpu') is False\n"
+            "why = gpu_moe.why_not(); assert why and '\\n' not in why and 'Triton is not usable' in why, why\n"
+            "from freetoken_py.hw.kernel_tune import tune_expert_kernels\n"
+            "r = tune_expert_kernels('cpu', reps=1)\n"
+            "assert r['status'] == 'skipped' and r['timed'] == 0 and 'Triton is not usable' in r['line'], r\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -67,7 +67,8 @@ def available(device: torch.device | str) -> bool:
     try:
         _load()
     except Exception as exc:           # not installed, or a build that does not match this torch
-        _why_not = f"Triton is not usable here ({type(exc).__name__}: {str(exc)[:120]})"
+        first = (str(exc).strip().splitlines() or [""])[0][:120]
+        _why_not = f"Triton is not usable here ({type(exc).__name__}: {first})"
         return False
     _why_not = None
     return True
