@@ -110,3 +110,24 @@ def test_numbas_inliner_phi_warnings_are_silenced_and_nothing_else():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "other.1" in proc.stderr and "__vphi" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("k,bk", [(256, 128), (208, 64), (96, 32)])
+def test_fp8_widen_row_is_every_code_times_its_scale_exactly(k, bk):
+    """The prefill tiles' widen (`_dots.widen_row` -> `_simd.fp8_widen_row`): every e4m3 code times
+    its block scale, bit for bit, through the 64-column table units (AVX512-VBMI) and the 16-column
+    remainder (blocks of 32, a last block of 16) alike."""
+    from freetoken_py.kernels._dots import widen_row
+
+    @njit
+    def widen(w, s, hb, out):
+        for r in range(w.shape[0]):
+            widen_row(w[r], s[r], hb, out[r])
+
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    rng = np.random.default_rng(k)
+    w = np.stack([rng.permutation(np.resize(codes, k)) for _ in range(3)]).astype(np.uint8)
+    s = rng.choice(np.array([1e-3, 0.5, 3.0, 200.0], np.float32), size=(3, -(-k // bk))).astype(np.float32)
+    out = np.empty((3, k), np.float32)
+    widen(w, s, bk // 2, out)
+    assert np.array_equal(out, decode_rows(w, s, "fp8", bk).numpy())

@@ -1182,7 +1182,7 @@ def _fp8f_codegen(num_x):
         ngroups = cgutils.unpack_tuple(builder, arrays[1].shape)[0]
         bk = context.cast(builder, args[-1], signature.args[-1], types.int64)
         vf, vb, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I8, lanes), ir.VectorType(_I32, lanes)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(num_x)]
+        accs = [] if table else [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(num_x)]
         acc16 = [[cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(_F32, 16), None)) for _ in range(4)]
                  for _ in range(num_x)] if table else []
         k = cgutils.unpack_tuple(builder, arrays[2].shape)[0]
@@ -1192,7 +1192,6 @@ def _fp8f_codegen(num_x):
             start, n = _block_span(builder, g, bk, k)
             nvec = builder.udiv(n, ir.Constant(_I64, lanes))
             s_b = builder.load(builder.gep(sp, [g]))
-            fold = builder.fcmp_ordered("<", builder.call(fabs, [s_b]), ir.Constant(_F32, 128.0))
 
             def table_loop():
                 """The exact values by table (VBMI), each times the block scale, one FMA per 16."""
@@ -1226,6 +1225,7 @@ def _fp8f_codegen(num_x):
             if table:
                 table_loop()
             else:
+                fold = builder.fcmp_ordered("<", builder.call(fabs, [s_b]), ir.Constant(_F32, 128.0))
                 with builder.if_else(fold) as (then, otherwise):
                     with then:
                         block_loop(True)
@@ -1919,8 +1919,18 @@ def _fp8_widen_codegen(context, builder, signature, args):
         pre = builder.select(fold, ir.Constant(_F32, 1.0), ir.Constant(_F32, 2.0 ** 120))
         post = builder.select(fold, builder.fmul(s_b, ir.Constant(_F32, 2.0 ** 120)), s_b)
         prev, postv = _splat(builder, pre, lanes), _splat(builder, post, lanes)
+        first = start
+        if HAS_AVX512 and HAS_AVX512VBMI:    # whole 64s by the exact table (as fp8f_row_dot: no assists)
+            sv = _splat(builder, s_b, lanes)
+            with cgutils.for_range(builder, builder.udiv(n, ir.Constant(_I64, 64))) as unit:
+                off = builder.add(start, builder.mul(unit.index, ir.Constant(_I64, 64)))
+                for q, v in enumerate(_e4m3_f32x64(builder, _vload(builder, wp, off, ir.VectorType(_I8, 64), 1))):
+                    ptr = builder.bitcast(builder.gep(op, [builder.add(off, ir.Constant(_I64, 16 * q))]), vf.as_pointer())
+                    builder.store(builder.fmul(v, sv), ptr, align=4)       # no fast flags: rounded once
+            done = builder.mul(builder.udiv(n, ir.Constant(_I64, 64)), ir.Constant(_I64, 64))
+            first, n = builder.add(start, done), builder.sub(n, done)
         with cgutils.for_range(builder, builder.udiv(n, ir.Constant(_I64, lanes))) as blk:
-            off = builder.add(start, builder.mul(blk.index, ir.Constant(_I64, lanes)))
+            off = builder.add(first, builder.mul(blk.index, ir.Constant(_I64, lanes)))
             bits = builder.and_(builder.shl(builder.sext(_vload(builder, wp, off, vb, 1), vi),
                                             ir.Constant(vi, [20] * lanes)),
                                 ir.Constant(vi, [0x87FFFFFF - (1 << 32)] * lanes))
