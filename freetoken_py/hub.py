@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from freetoken_py.errors import FreetokenError, ModelLoadError
+from freetoken_py.errors import FreetokenError, ModelLoadError, first_line
 
 # the files a checkpoint loads from, besides its weights (top level of the repo only)
 CONFIG_FILES = ("config.json", "generation_config.json", "hf_quant_config.json", "tokenizer.json",
@@ -226,23 +226,18 @@ def hub_errors(ref: HubRef) -> Iterator[None]:
         raise FreetokenError(f"{ref.flag} {ref}: no such model at {constants.ENDPOINT} (check the spelling; "
                              "no such directory here either; a private repo needs HF_TOKEN)") from None
     except e.RemoteEntryNotFoundError as exc:
-        raise FreetokenError(f"{ref.flag} {ref}: a file the repo listed is missing ({_first_line(exc)})") from None
+        raise FreetokenError(f"{ref.flag} {ref}: a file the repo listed is missing ({first_line(exc)})") from None
     except e.HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else "?"
         hint = " (a gated or private repo: set HF_TOKEN)" if status in (401, 403) else ""
         raise FreetokenError(f"{ref.flag} {ref}: the hub answered HTTP {status}{hint}") from None
     except e.LocalEntryNotFoundError as exc:
-        raise FreetokenError(f"{ref.flag} {ref}: cannot download and not in the cache ({_first_line(exc)})") from None
+        raise FreetokenError(f"{ref.flag} {ref}: cannot download and not in the cache ({first_line(exc)})") from None
     except (httpx2.ConnectError, httpx2.TimeoutException, httpx2.RemoteProtocolError) as exc:
         raise FreetokenError(f"{ref.flag} {ref}: the hub at {constants.ENDPOINT} cannot be reached "
                              f"({type(exc).__name__})") from None
     except OSError as exc:     # a full disk mid-download, a consistency check, a read-only cache
-        raise FreetokenError(f"{ref.flag} {ref}: download failed: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+        raise FreetokenError(f"{ref.flag} {ref}: download failed: {first_line(exc)}") from None
 
 
 # --- headers only: `freetoken probe --model ORG/NAME` ---------------------------------------

@@ -151,7 +151,8 @@ def probe_tuning(retune: bool = False, device=None, cases: Sequence[tuple] = CAS
     try:
         return tune_expert_kernels(device, cases, retune, path, reps)
     except Exception as exc:  # noqa: BLE001  (the probe reports; the launches keep the defaults)
-        why = str(exc).strip().splitlines()
+        from freetoken_py.errors import first_line
+
         return {"status": "failed", "path": str(path) if path else None, "tuned": [], "cached": [], "timed": 0,
-                "line": f"GPU expert kernels not tuned ({type(exc).__name__}{': ' + why[0][:160] if why else ''}); "
+                "line": f"GPU expert kernels not tuned ({type(exc).__name__}: {first_line(exc, 160)}); "
                         f"the default configurations are used"}

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from freetoken_py.errors import first_line
 from freetoken_py.kernels.gpu_slots import FORMATS, UNIT
 
 ELEM_BYTES = {"float": 2, "int8": 4, "int4": 4, "fp8": 4, "nvfp4": 4}   # a loaded element (bf16, or a word)
@@ -167,8 +168,7 @@ def _time_or_none(time_config: Callable[[str, dict], float], kernel: str, cfg: d
     try:
         return float(time_config(kernel, cfg))
     except Exception as exc:  # noqa: BLE001  (any compile or launch error of one candidate)
-        why = str(exc).strip().splitlines()
-        failed.append(f"{kernel} {cfg}: {type(exc).__name__}{': ' + why[0][:160] if why else ''}")
+        failed.append(f"{kernel} {cfg}: {type(exc).__name__}: {first_line(exc, 160)}")
         return None
 
 

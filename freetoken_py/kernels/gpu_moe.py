@@ -38,6 +38,7 @@ from typing import Sequence
 
 import torch
 
+from freetoken_py.errors import first_line
 from freetoken_py.kernels.gpu_autotune import finalize, kernel_config
 from freetoken_py.kernels.gpu_slots import UNIT, SlotTable, build_table, packed_plan
 
@@ -67,8 +68,7 @@ def available(device: torch.device | str) -> bool:
     try:
         _load()
     except Exception as exc:           # not installed, or a build that does not match this torch
-        first = (str(exc).strip().splitlines() or [""])[0][:120]
-        _why_not = f"Triton is not usable here ({type(exc).__name__}: {first})"
+        _why_not = f"Triton is not usable here ({type(exc).__name__}: {first_line(exc, 120)})"
         return False
     _why_not = None
     return True
