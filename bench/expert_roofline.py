@@ -8,13 +8,16 @@ format x shape), the figures are medians over rounds, and each kernel's share is
 wall: the larger of the DRAM median and the fastest kernel median of the run (issue 45).
 
     python bench/expert_roofline.py [--formats bf16,int8,int4,fp8,nvfp4] [--shapes qwen3,dsv3]
-                                    [--rounds 7] [--bank-mib 768] [--threads N]
+                                    [--rounds 7] [--bank-mib 768] [--threads N] [--weights uniform|student-t3]
 
 Formats at the group each ships with: int4 g32, fp8 e4m3 with a scale per 128 columns, nvfp4 e2m1
 with an e4m3 scale per 16 and a row factor. MXFP4 (e2m1, e8m0 per 32) loads into the nvfp4 bank
 losslessly (its bytes and kernel are nvfp4's), so the nvfp4 line is MXFP4's as well. The
 activation path is this process's default (kernels._dots.INT_ACT / BF16_ACT: "act" in each line);
 FREETOKEN_INT_ACT=fp32 or FREETOKEN_SIMD=avx2 select the other paths (each its own kernel cache).
+Weights: uniform in +-0.05 (default; an fp8 bank of them holds almost no subnormal e4m3 codes), or
+Student-t with 3 degrees of freedom (heavy tails, as layers with outliers: ~1e-3 of the fp8 codes
+subnormal, where a decode that makes fp32 subnormals pays microcode assists on Intel cores).
 """
 from __future__ import annotations
 
@@ -57,9 +60,20 @@ def isa() -> str:
     return "avx512" if _simd.HAS_AVX512 else ("avx2" if _simd.HAS_AVX2 else "portable")
 
 
-def make_bank(fmt: str, hidden: int, inter: int, bank_bytes: int, g: torch.Generator) -> ExpertBank:
-    gate, up = ((torch.rand(BASE, inter, hidden, generator=g) - 0.5) * 0.1 for _ in range(2))
-    down = (torch.rand(BASE, hidden, inter, generator=g) - 0.5) * 0.1
+WEIGHTS = ("uniform", "student-t3")
+
+
+def _weights(shape, g: torch.Generator, kind: str) -> torch.Tensor:
+    if kind == "student-t3":    # t(3) = normal / sqrt(chi2(3) / 3), drawn from `g`
+        chi2 = sum(torch.randn(shape, generator=g) ** 2 for _ in range(3))
+        return torch.randn(shape, generator=g) / (chi2 / 3).sqrt() * 0.02
+    return (torch.rand(shape, generator=g) - 0.5) * 0.1
+
+
+def make_bank(fmt: str, hidden: int, inter: int, bank_bytes: int, g: torch.Generator,
+              weights: str = "uniform") -> ExpertBank:
+    gate, up = (_weights((BASE, inter, hidden), g, weights) for _ in range(2))
+    down = _weights((BASE, hidden, inter), g, weights)
     base = ExpertBank.from_weights(gate, up, down, fmt=fmt, group_size=GROUP[fmt])
     num = max(math.ceil(bank_bytes / base.bytes_per_expert / TOP_K), 2) * TOP_K
     return tiled_bank(base, num)
@@ -87,14 +101,14 @@ class Workload:
 
 
 def measure(fmts, shapes, rounds: int = 7, bank_mib: int = 768, sample_s: float = 0.25,
-            threads: int | None = None) -> list[dict]:
+            threads: int | None = None, weights: str = "uniform") -> list[dict]:
     """One dict per format (the JSON lines below); the rounds interleaved as the module doc says.
     "best_share_of_dram": the fastest sample over the fastest DRAM sample (noise only slows a
     sample: what bench/gates.py's expert gate holds)."""
     threads = configure_threads(threads)
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
-    work = {(f, s): Workload(make_bank(f, *SHAPES[s], bank_mib << 20, g), g) for f in fmts for s in shapes}
+    work = {(f, s): Workload(make_bank(f, *SHAPES[s], bank_mib << 20, g, weights), g) for f in fmts for s in shapes}
     build_s = time.perf_counter() - t0
     dram_buf = make_buffer(1 << 30)
     for w in work.values():                          # compile / cache-load, page in
@@ -113,7 +127,7 @@ def measure(fmts, shapes, rounds: int = 7, bank_mib: int = 768, sample_s: float 
     common = {"bench": "expert_roofline", "cpu": cpu_name(), "isa": isa(), "threads": threads,
               "dram_gbps": round(dram_med, 1), "dram_samples": [round(v, 1) for v in dram],
               "wall_gbps": round(wall, 1), "rounds": rounds, "load_avg_1m": round(os.getloadavg()[0], 2),
-              "build_s": round(build_s, 1)}
+              "build_s": round(build_s, 1), "weights": weights}
     lines = []
     for f in fmts:
         act = {"int8": _dots.INT_ACT, "int4": _dots.INT_ACT, "nvfp4": _dots.INT_ACT,
@@ -139,9 +153,10 @@ def main() -> None:
     ap.add_argument("--bank-mib", type=int, default=768, help="bytes rotated per format and shape")
     ap.add_argument("--sample-s", type=float, default=0.25)
     ap.add_argument("--threads", type=int, default=None, help="default: all usable cores")
+    ap.add_argument("--weights", choices=WEIGHTS, default="uniform", help="the experts' weight distribution")
     args = ap.parse_args()
     for line in measure(args.formats.split(","), args.shapes.split(","), args.rounds, args.bank_mib,
-                        args.sample_s, args.threads):
+                        args.sample_s, args.threads, args.weights):
         print(json.dumps(line), flush=True)
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -112,3 +113,22 @@ def test_expert_gate_has_a_floor_per_format_and_fails_on_a_planted_slowdown(reco
     monkeypatch.setattr(expert_roofline, "moe_experts", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])
     slow = gates.experts_gate(dict(small, floors=floors))
     assert not slow["passed"], (clean, slow)
+
+
+def test_expert_roofline_heavy_tailed_weights_hold_subnormal_fp8_codes():
+    """bench/expert_roofline.py --weights student-t3: heavier tails than the default uniform weights
+    (kurtosis), and an fp8 bank quantised from them (the real block rule, quantize_fp8_blocks) holds
+    the subnormal e4m3 codes the uniform one lacks: what the option is there to measure."""
+    import expert_roofline
+    from freetoken_py.quant.fp8 import quantize_fp8_blocks
+
+    def stats(kind):
+        w = expert_roofline._weights((512, 1024), torch.Generator().manual_seed(0), kind)
+        z = (w - w.mean()) / w.std()
+        b = quantize_fp8_blocks(w)[0].view(torch.uint8)
+        sub = (((b & 0x78) == 0) & ((b & 0x7F) != 0)).float().mean().item()
+        return float((z ** 4).mean()), sub
+
+    (k_u, sub_u), (k_t, sub_t) = stats("uniform"), stats("student-t3")
+    assert k_u < 2.0 and k_t > 6.0, (k_u, k_t)            # uniform: 1.8; t(3): heavy (unbounded in theory)
+    assert sub_u < 1e-4 < 3e-4 < sub_t, (sub_u, sub_t)
