@@ -17,10 +17,13 @@ It decodes --decode-tokens greedy tokens and records the routing, then reports:
 - the experts' wall time per decoded token (the executor's calls, the accelerator's part waited
   for), next to the planner's prediction for the same layer-steps and the simulator's replay,
   with `within_25pct` (the expert part alone);
-- counted over the decode layer-steps at the executor's choke points (residency/transfers.py):
-  `host_reads_per_token`, `launches_per_token`, `pageable_copies_per_token`, and the executor's
-  host time per MoE layer-step less its wait in the routing read (`host_us_per_layer`,
-  `read_wait_us_per_layer`); the fixed costs the simulator used (`simulator_fixed_us`).
+- counted by wrapping torch's dispatcher and the Triton launches (residency/transfers.counting)
+  over the decode layer-steps of a pass of their own (`counted_tokens` tokens after the measured
+  run: counting costs host time): `host_reads_per_token`, `launches_per_token` (of them
+  `triton_launches_per_token`), `pageable_copies_per_token`, `pinned_copies_per_token`; from the
+  measured run the executor's host time per MoE layer-step less its wait in the routing read
+  (`host_us_per_layer`, `read_wait_us_per_layer`); the fixed costs the simulator used
+  (`simulator_fixed_us`).
 
 `--policy ours|lru|static` picks the cache policy (issue 40's comparison where the model does
 not fit).
@@ -166,11 +169,15 @@ def main(argv: list[str] | None = None) -> int:
             ex.telemetry.label = "emulated:cpu-only (the CPU tier is this machine's)"
         common.residency_decode(llm, ex, prompt, 4)          # warm: kernels, slots, allocator
         copies_before = list(ex.streamer.slot_copies)
-        with _counted(llm) as counted:       # the executor's reads, copies, launches and host time
+        with _counted(llm) as timed:         # the executor's host time (and its wait in the routing read)
             run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
         slot_copies = [n - b for n, b in zip(ex.streamer.slot_copies, copies_before)]   # the measured run's
         llm.save_routing()
         sim_s, sim_tokens, sim_prefetch = simulated_expert_s(trace_path, ex, run["first_decode_step"])
+        # the reads, copies and launches, counted in a pass of their own (counting wraps every torch
+        # operation in Python: it would inflate the measured run's host time)
+        with _counted(llm, count=True) as counted:
+            common.residency_decode(llm, ex, prompt, COUNTED_TOKENS)
         corrected = None
         if args.cpu_only and run["cpu_tier_s"]:   # the simulator with the CPU tier's measured rate
             # (net of the fixed cost per call the cost model already charges: every MoE layer-step
@@ -234,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         "slot_copies": {"at_once": slot_copies[0], "after_compute": slot_copies[1]},
         "cpu_tier_gbps": round(run["cpu_tier_bytes"] / run["cpu_tier_s"] / 1e9, 2) if run["cpu_tier_s"] else None,
         "policy": args.policy,
-        # counted at the executor's choke points (residency/transfers.py) over the measured run
-        **_per_token(counted, n),
+        # counted in a pass of their own (transfers.counting); host time from the measured run
+        **_per_token(timed, counted),
         # the fixed costs the simulator's prediction used (planner.CostModel; profiles.H200_SEEDS
         # until the probe measures them)
         "simulator_fixed_us": {"gpu_step": round(ex.cost.gpu_step_s * 1e6, 1),
@@ -245,17 +252,22 @@ def main(argv: list[str] | None = None) -> int:
     return common.emit(row, args.out)
 
 
-class _counted:
-    """Around the measured run: per decode layer-step (one token), `transfers.COUNTS`' change and
-    the executor call's wall time (observed through a wrapper of the model's expert executor, which
-    runs unchanged; the prompt's layer-steps are left out)."""
+COUNTED_TOKENS = 4      # decode tokens of the counted pass
 
-    def __init__(self, llm):
+
+class _counted:
+    """Around a decode run: per decode layer-step (one token), the executor call's wall time and
+    wait in the routing read and, with `count`, the reads, copies and launches
+    (`transfers.counting`), observed through a wrapper of the model's expert executor, which runs
+    unchanged; the prompt's layer-steps are left out."""
+
+    def __init__(self, llm, count: bool = False):
         from freetoken_py.residency.transfers import Counts
 
-        self.llm, self.calls, self.wall_s, self.counts = llm, 0, 0.0, Counts()
+        self.llm, self.count, self.calls, self.tokens, self.wall_s, self.counts = llm, count, 0, 0, 0.0, Counts()
 
     def __enter__(self):
+        import contextlib
         import time
 
         from freetoken_py.residency import transfers
@@ -263,16 +275,19 @@ class _counted:
         inner = self.llm.model.experts
 
         def observed(layer, x, ids, weights):
-            before, t0 = transfers.COUNTS.snapshot(), time.perf_counter()
-            out = inner(layer, x, ids, weights)
+            with transfers.counting() if self.count else contextlib.nullcontext():
+                before, t0 = transfers.COUNTS.snapshot(), time.perf_counter()
+                out = inner(layer, x, ids, weights)
+                wall, d = time.perf_counter() - t0, transfers.COUNTS.snapshot() - before
             if x.shape[0] == 1:
-                self.wall_s += time.perf_counter() - t0
+                self.wall_s += wall
                 self.calls += 1
-                d = transfers.COUNTS - before
+                self.tokens += layer == self.first
                 for f in d.__dataclass_fields__:
                     setattr(self.counts, f, getattr(self.counts, f) + getattr(d, f))
             return out
 
+        self.first = next(i for i, h in enumerate(self.llm.residency.host) if h is not None)
         self.inner, self.llm.model.experts = inner, observed
         return self
 
@@ -280,15 +295,19 @@ class _counted:
         self.llm.model.experts = self.inner
 
 
-def _per_token(c: _counted, tokens: int) -> dict:
-    d, layers = c.counts, max(1, c.calls)
+def _per_token(timed: _counted, counted: _counted) -> dict:
+    d, tokens = counted.counts, max(1, counted.tokens)
+    t, layers = timed.counts, max(1, timed.calls)
     return {"host_reads_per_token": round(d.d2h_reads / tokens, 2), "launches_per_token": round(d.launches / tokens, 2),
+            "triton_launches_per_token": round(d.triton_launches / tokens, 2),
             "pageable_copies_per_token": round(d.h2d_pageable / tokens, 2),
-            "moe_layer_steps_per_token": round(c.calls / tokens, 2),
-            # the executor's time per MoE layer-step on the host, less its wait in the routing read
-            # (the GPU finishing the layer's dense part), and that wait
-            "host_us_per_layer": round((c.wall_s - d.d2h_wait_s) / layers * 1e6, 1),
-            "read_wait_us_per_layer": round(d.d2h_wait_s / layers * 1e6, 1)}
+            "pinned_copies_per_token": round(d.h2d_pinned / tokens, 2),
+            "moe_layer_steps_per_token": round(counted.calls / tokens, 2),
+            "counted_tokens": counted.tokens,
+            # the executor's time per MoE layer-step on the host in the measured run, less its wait
+            # in the routing read (the GPU finishing the layer's dense part), and that wait
+            "host_us_per_layer": round((timed.wall_s - t.d2h_wait_s) / layers * 1e6, 1),
+            "read_wait_us_per_layer": round(t.d2h_wait_s / layers * 1e6, 1)}
 
 
 def _probe_cpu_gbps(dtype: str) -> float:

@@ -163,20 +163,27 @@ from freetoken_py.residency.stats import RoutingRecorder
 
 calls = collections.Counter()
 
-def counting(real, name):
-    def counted(out, x, rows, *rest):
-        calls[name] += 1
-        calls["pairs"] += rows.numel()
-        return real(out, x, rows, *rest)
-    return counted
+real_run = gpu_moe.run
 
-gpu_moe.moe_pairs = counting(gpu_moe.moe_pairs, "launches")
-gpu_moe.moe_pairs_quant = counting(gpu_moe.moe_pairs_quant, "quant_launches")
+def counted(out, x, rows, weights, plan, *rest):     # (the executor's planned steps, by format)
+    calls["launches" if plan.table.fmt == "float" else "quant_launches"] += 1
+    calls["pairs"] += rows.numel()
+    return real_run(out, x, rows, weights, plan, *rest)
+
+gpu_moe.run = counted
+import freetoken_py.residency.executor as executor_module
+real_build = executor_module.build_table
+
+def built(*args, **kw):                             # (the executor's slot tables: built when the slots change)
+    calls["tables"] += 1
+    return real_build(*args, **kw)
+
+executor_module.build_table = built
 
 path = build_checkpoint("qwen3_moe", Path(tempfile.mkdtemp()), torch.float32)
 prompt = random_prompt(19, seed=4)
 
-def run(fused, path=path, **kw):
+def run(fused, path=path, shrink_at=None, grow_at=None, **kw):
     llm = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_profile="rtx4060-laptop-8g",
               **kw)
     ex = llm.residency
@@ -187,6 +194,11 @@ def run(fused, path=path, **kw):
     req = llm.add_request(prompt, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
     steps = []
     while len(req.output_token_ids) <= 8:
+        if len(req.output_token_ids) == shrink_at:    # (slots move between chunks: the slot table is rebuilt)
+            version = ex.slots.layout_version
+            assert ex.resize(ex.slots.num_slots // 2) < ex.slots.num_slots * 2 and ex.slots.layout_version != version
+        if len(req.output_token_ids) == grow_at:      # (new chunks elsewhere in memory)
+            ex.resize(ex.slots.num_slots * 2)
         logits = llm.runner.forward_batch(llm.scheduler.schedule())
         steps.append(logits[0])
         req.output_token_ids.append(int(logits[0].argmax()))
@@ -201,11 +213,17 @@ toks0, base, _ = run(False)
 assert calls["launches"] == 0
 toks1, fused, tiers = run(True)
 assert toks1 == toks0 and calls["launches"] > 0 and tiers["hit"] > 0 and tiers["stream"] > 0, (calls, tiers)
+assert calls["tables"] == 1, calls                  # one table for the whole run, not one a step
 assert (fused - base).abs().max().item() <= 1e-5
 ref = reference_model(path)
 with torch.no_grad():
     theirs = ref(torch.tensor([prompt + toks1[:-1]])).logits[0, len(prompt) - 1:]
 assert (fused - theirs).abs().max().item() <= 1e-4
+# the slot cache halved mid-decode (experts move to other slots and chunks), then grown back
+# (new chunks): the same tokens
+toks2, shrunk, _ = run(True, shrink_at=3, grow_at=6)
+assert toks2 == toks0 and (shrunk - base).abs().max().item() <= 1e-5
+assert calls["tables"] == 1 + 3, calls             # this run: at its start, after the shrink, after the grow
 # int4 experts (mixtral: I = 64): the quantised kernels, the same tokens and logits as the torch path
 mixtral = build_checkpoint("mixtral", Path(tempfile.mkdtemp()), torch.float32)
 before = calls["launches"]

@@ -19,6 +19,9 @@ row and block of columns) and nvfp4 experts in the expert store's layouts, read 
 expert is found through a slot table (`gpu_slots.SlotTable`, int64 offsets on the device, built
 and checked once when its slots are admitted), the pairs carry slot ids. `moe_slots` is that
 API; `moe_pairs` / `moe_pairs_quant` take the experts per pair and build the table per call.
+The residency executor keeps one table over its slot cache (rebuilt when the cache's chunks
+change) and sends each step's plan with its pairs from its own pinned staging (`step_plan`:
+the scratch rows come from a per-device pool, so a step allocates nothing).
 The kernels' design (pipelined K loop, the reduction deferred to the epilogue, word reads and
 arithmetic decoding) is in `_triton_moe`, their launch configurations in `gpu_autotune`.
 
@@ -33,7 +36,7 @@ measured on a GPU (bench/gpu_moe_kernels.py).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -50,6 +53,26 @@ MAX_FUSED_TOKENS = 16              # up to this many tokens the down kernel sums
 
 _kernels = None
 _why_not: str | None = None
+
+
+class _Launches:
+    """Every Triton launch of this module passes through `_launch`, which counts it (`count`) and
+    says it is at work (`inside`: a counter of torch's operations, residency.transfers.counting,
+    ignores what Triton's interpreter does with the tensors then)."""
+    count = 0
+    inside = False
+
+
+LAUNCHES = _Launches()
+
+
+def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    LAUNCHES.count += 1
+    LAUNCHES.inside = True
+    try:
+        kernel[grid](*args, **kwargs)
+    finally:
+        LAUNCHES.inside = False
 
 
 def available(device: torch.device | str) -> bool:
@@ -162,18 +185,43 @@ class StepPlan:
 
 def prepare(table: SlotTable, pair_slots: Sequence[int], device: torch.device | str) -> StepPlan:
     """The plan of one step whose pair p reads slot pair_slots[p] of `table`: one host->device copy
-    (from pinned memory on a GPU) of the groups and, when the table has no device copy, its offsets."""
+    of the groups and, when the table has no device copy, its offsets (a caller with pooled
+    pinned staging sends `gpu_slots.packed_plan` itself and calls `step_plan`)."""
     dev = torch.device(device)
     host, groups, nt = packed_plan(pair_slots, table)
     buf = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
     if table.device_offsets is None:
         tab, buf = buf[:table.offsets.numel()], buf[table.offsets.numel():]
-    else:
-        tab = table.device_offsets
-    pairs = len(pair_slots)
-    return StepPlan(table, tab, buf[:groups], buf[groups:], groups, nt, pairs,
-                    torch.empty((pairs, table.inter), dtype=torch.float32, device=dev),
-                    torch.empty((pairs, table.hidden), dtype=torch.float32, device=dev), _counters(dev, table.hidden))
+        table = replace(table, device_offsets=tab)
+    return step_plan(table, buf, groups, nt, len(pair_slots))
+
+
+def step_plan(table: SlotTable, plan: torch.Tensor, groups: int, nt: int, pairs: int) -> StepPlan:
+    """The StepPlan of a packed plan already on the device (`gpu_slots.packed_plan(pair_slots,
+    table)` of a table with its offsets there: int64 [groups + groups * nt]), with the scratch
+    rows from a per-device pool (grown, never shrunk: no allocation per step)."""
+    dev = plan.device
+    h, y = _scratch(dev, pairs * table.inter, pairs * table.hidden)
+    return StepPlan(table, table.device_offsets, plan[:groups], plan[groups:], groups, nt, pairs,
+                    h.view(pairs, table.inter), y.view(pairs, table.hidden), _counters(dev, table.hidden))
+
+
+_scratch_bufs: dict = {}
+
+
+def _scratch(dev: torch.device, h: int, y: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scratch of at least h and y elements on `dev` (the gate_up kernel's h, the down
+    kernel's y): rewritten by each step in stream order, so one pair serves every step; a grown
+    one keeps the old alive while a plan or a captured graph still points at it."""
+    bufs = _scratch_bufs.get(dev)
+    if bufs is None or bufs[0].numel() < h or bufs[1].numel() < y:
+        old = bufs or (torch.empty(0), torch.empty(0))
+        bufs = tuple(b if b.numel() >= n else torch.empty(max(n, 2 * b.numel(), 1 << 14), dtype=torch.float32,
+                                                           device=dev) for b, n in zip(old, (h, y)))
+        _scratch_bufs[dev] = bufs
+        if old[0].numel():
+            _split_kept.extend(old)
+    return bufs[0][:h], bufs[1][:y]
 
 
 _counter_bufs: dict = {}
@@ -252,7 +300,7 @@ def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.T
         cu["SPLIT"] = split_k(plan.groups * blocks, -(-hidden // cu["BLOCK_K"]), dev, cu.get("num_warps", 4))
     part, cnt = _split_buffers(dev, plan.groups * cu["SPLIT"] * 2 * plan.nt * inter, plan.groups * blocks) \
         if cu["SPLIT"] > 1 else (plan.h, plan.counters)
-    k.gate_up_kernel[(plan.groups, blocks, cu["SPLIT"])](
+    _launch(k.gate_up_kernel, (plan.groups, blocks, cu["SPLIT"]),
         x, x.stride(0), rows, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[0], table.bases[1],
         plan.h, table.row_words(hidden), table.scale_row(hidden), inter, hidden // 16, part, cnt,
         ROUND=_rounds(table.fmt), **common, **cu)
@@ -260,14 +308,14 @@ def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.T
         kernel_config(table.fmt, plan.nt, "down", False, table.group_size, shape)
     tokens = out.shape[0]
     tb = 1 << (tokens - 1).bit_length() if tokens <= MAX_FUSED_TOKENS else 0     # the sum in the down kernel
-    k.down_kernel[(plan.groups, -(-hidden // cd["BLOCK_N"]))](
+    _launch(k.down_kernel, (plan.groups, -(-hidden // cd["BLOCK_N"])),
         plan.h, weights, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[2], table.bases[3], plan.y,
         table.row_words(inter), table.scale_row(inter), hidden, inter // 16, out, out.stride(0), rows, tokens,
         plan.n_pairs, plan.counters, TB=tb, **common, **cd)
     if tb == 0:
         blk = min(COMBINE_BLOCK, 1 << (hidden - 1).bit_length())
-        k.combine_kernel[(tokens, -(-hidden // blk))](out, out.stride(0), plan.y, rows, plan.n_pairs, hidden,
-                                                      BLOCK=blk)
+        _launch(k.combine_kernel, (tokens, -(-hidden // blk)), out, out.stride(0), plan.y, rows, plan.n_pairs, hidden,
+                BLOCK=blk)
 
 
 def moe_slots(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from freetoken_py.kernels import gpu_moe
+from freetoken_py.kernels.gpu_slots import SlotTable, build_table, packed_plan
 from freetoken_py.kernels.cpu_moe import ExpertBank, add_moe_experts, moe_experts
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.formats import ExpertFormat
@@ -43,13 +44,11 @@ from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
 from freetoken_py.residency.stats import SigmoidRule, predict_experts
 from freetoken_py.residency.streamer import Streamer
 from freetoken_py.residency.telemetry import Telemetry
-from freetoken_py.residency.transfers import COUNTS, Transfers, launched
+from freetoken_py.residency.transfers import Transfers, on_device, pinned_like
 
 # x joins the packed routing read when a step has at most this many tokens (decode batches; a
 # prefill chunk's x is read on its own, and only when the CPU tier has work)
 PACK_X_TOKENS = 8
-# kernels one expert's torch path queues (gather, two GEMVs, SiLU, multiply, scale, scatter)
-TORCH_EXPERT_LAUNCHES = 8
 
 
 def _fused_ok(device: torch.device, fmt: ExpertFormat) -> bool:
@@ -88,7 +87,6 @@ class ResidencyExecutor:
         self._num_experts = [0 if h is None else h[0].shape[0] for h in host]   # per layer
         self.transfers = Transfers(slots.device)     # pooled pinned staging, the packed routing read
         self._host_rules: dict = {}                  # next layer -> its SigmoidRule with the bias on the host
-        self._pairs_dev = None       # this call's accelerator pairs on its device: (rows, weights, start per expert)
         self.routers, self.top_k = routers, top_k
         self.elastic, self.memory_probe = elastic, memory_probe
         self._slots_lent = 0     # what the KV cache took off the elastic sizing's ceiling (lend_slots)
@@ -120,6 +118,10 @@ class ResidencyExecutor:
         # on a CUDA GPU when Triton is there and its self-check passes; never under emulation
         # (tests turn it on with Triton's CPU interpreter)
         self.fused_accel = self.slots.device.type == "cuda" and _fused_ok(self.slots.device, fmt)
+        self._table: Optional[tuple[int, SlotTable]] = None     # (the slots' layout version, its table)
+        if slots.device.type == "cpu":    # (emulated: the banks the engine pins on CUDA; the routers in VRAM)
+            pinned_like(*(part for parts in host if parts is not None for part in parts))
+            on_device(*(t for r in routers or () if r is not None for t in r.tensors()), always=True)
         self.sync_slots()
 
     def sync_slots(self) -> None:
@@ -184,7 +186,9 @@ class ResidencyExecutor:
         next MoE layer `nxt`) and, when the CPU tier may have work, x come to the host in one
         packed read, which also zeroes the layer's output buffer (transfers.read_packed)."""
         with_accel = x.device == self.slots.device
-        logits = self._router_logits(nxt, x, with_accel)
+        if with_accel:
+            on_device(x, ids, weights)        # (emulated: the accelerator's, for transfers.counting)
+        logits = self._router_logits(nxt, x)
         if not with_accel:
             return ids, weights, logits, x, None, None
         # (the CPU tier may get work unless every expert of the layer is resident)
@@ -237,19 +241,14 @@ class ResidencyExecutor:
             return out_dev if out_dev is not None else torch.zeros_like(x)
         if cpu_part is not None:
             out.add_(cpu_part)
-            if send:
-                launched(1)
         return out
 
-    def _router_logits(self, nxt: Optional[int], x: torch.Tensor, with_accel: bool):
+    def _router_logits(self, nxt: Optional[int], x: torch.Tensor):
         """The next MoE layer's router applied to this layer's input (its logits [T, E], on x's
         device), or None without a next layer or slots."""
         if nxt is None:
             return None
-        r = self.routers[nxt]
-        if with_accel:
-            launched(1 + bool(getattr(r, "sigmoid", False)))    # the router's GEMV (and x in fp32 for a sigmoid one)
-        return r(x)
+        return self.routers[nxt](x)
 
     def _host_rule(self, nxt: int):
         """The next layer's choice rule (a sigmoid router's: SigmoidRule) with its bias on the
@@ -271,28 +270,33 @@ class ResidencyExecutor:
         if out_dev is None:           # x on the host, slots on a GPU: x goes there from staging
             xd = self.transfers.to_device([x], "x")[0]
             out_dev = torch.zeros_like(xd)  # [T, D] accelerator part
-            launched(1)
         else:
             xd = x
-        on_dev = self._to_device(groups, accel, out_dev.dtype)
         # decode-sized: the experts read in their slots go to the Triton kernels in one batch each
-        # for the hits and for the streamed ones (weights read once per pair: few tokens only)
+        # for the hits and for the streamed ones (weights read once per pair: few tokens only),
+        # which send their pairs with their plan; the others' pairs go in one copy (fused: the cut
+        # experts' and the streamed ones that land in staging, once the admissions are known)
         fused = self.fused_accel and all(len(groups[e][0]) <= gpu_moe.MAX_TOKENS_PER_EXPERT for e in accel)
+        on_dev = {} if fused else self._to_device(groups, accel, out_dev.dtype)
         batch: list = []
         for e in plan.hits:
             self.streamer.wait_for((layer, e))     # a look-ahead copy into this slot, if still pending
             self.streamer.mark_read((layer, e))    # a copy into its slot (an eviction) waits for this compute
             if fused:
-                batch.append((e, self.slots.get((layer, e)), "hit"))
+                batch.append((e, "hit"))
             else:
                 self._run_accel(out_dev, xd, on_dev[e], self.slots.get((layer, e)), layer, e, "hit", groups[e][0])
         evictions = self.policy.admit_many(layer, plan.stream, self.step)   # one call for the layer-step
+        if fused and (cuts or plan.stream):   # (a streamed expert the policy no longer holds goes to staging)
+            on_dev = self._to_device(groups, [*(e for e, c in cuts if c),
+                                              *(e for e in plan.stream if not self.policy.is_resident(layer, e))],
+                                     out_dev.dtype)
         # the hits and the streamed experts in one batch (two launches, not four), after the
         # copies, unless an admission evicts a hit: its slot is then overwritten, so the hits run
         # first (a copy into a slot a queued batch reads waits for it: `mark_read`)
         hit_keys = {(layer, e) for e in plan.hits}
         if not plan.stream or any(key in hit_keys for evicted in evictions for key in evicted):
-            self._run_fused(out_dev, xd, on_dev, groups, batch, layer)
+            self._run_fused(out_dev, xd, groups, batch, layer, "fused_hits")
         # a streamed expert the policy no longer holds (evicted again by a later one of this
         # layer-step) is copied to staging, not into a slot: it runs right after its copy
         placed = 0
@@ -304,13 +308,13 @@ class ResidencyExecutor:
                 if in_slot:
                     self.streamer.mark_read((layer, e))
                 if fused and in_slot:
-                    batch.append((e, parts, "stream"))
+                    batch.append((e, "stream"))
                 else:
                     self._run_accel(out_dev, xd, on_dev[e], parts, layer, e, "stream", groups[e][0])
         except BaseException:     # (an out-of-memory error: the pass runs again) slots and policy agree
             self._unadmit(layer, plan.stream[placed:], evictions[placed:])
             raise
-        self._run_fused(out_dev, xd, on_dev, groups, batch, layer)
+        self._run_fused(out_dev, xd, groups, batch, layer, "fused")
         for e, cols in cuts:
             if cols:
                 self._run_accel(out_dev, xd, on_dev[e], self.streamer.to_staging_columns(layer, e, cols), layer, e,
@@ -370,7 +374,6 @@ class ResidencyExecutor:
         host.copy_(out_dev, non_blocking=True)
         ready = self.transfers.event()
         ready.record()
-        COUNTS.d2h_reads += 1
         return host, ready
 
     # ---- pieces ---------------------------------------------------------------------------
@@ -391,24 +394,23 @@ class ResidencyExecutor:
         return {int(e): (r, w) for e, r, w in zip(experts.tolist(), rows, wts)}
 
     def _to_device(self, groups, experts: list[int], dtype: torch.dtype) -> dict:
-        """The accelerator's experts' (token rows, routing weights) on its device: one copy from
-        pinned staging per layer for all of them, the experts side by side in `experts`' order
-        (a batch of consecutive ones is a slice: `_run_fused`). The weights are rounded to
-        `dtype` (the output's) and sent as fp32 (exact)."""
+        """The experts' (token rows, routing weights) on the accelerator's device, in one copy
+        from pinned staging for all of them. The weights are rounded to `dtype` (the output's)
+        and sent as fp32 (exact)."""
         if not experts:
-            self._pairs_dev = None
             return {}
         sizes = [len(groups[e][0]) for e in experts]
-        rows = torch.cat([groups[e][0] for e in experts])                       # [P] host
-        wts = torch.cat([groups[e][1] for e in experts]).to(dtype).float()      # [P] host
-        rows, wts = self.transfers.to_device([rows, wts], "pairs")
-        starts = dict(zip(experts, np.cumsum([0, *sizes[:-1]]).tolist()))
-        self._pairs_dev = (rows, wts, starts)
+        rows, wts = self.transfers.to_device(self._pairs_host(groups, experts, dtype), "pairs")
         return dict(zip(experts, zip(rows.split(sizes), wts.split(sizes))))
 
+    @staticmethod
+    def _pairs_host(groups, experts: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """[token rows [P] int64, routing weights [P] fp32 rounded to `dtype`] of the experts'
+        pairs, expert after expert, on the host."""
+        return [torch.cat([groups[e][0] for e in experts]), torch.cat([groups[e][1] for e in experts]).to(dtype).float()]
+
     def _run_accel(self, out, x, group, parts, layer: int, expert: int, tier: str, host_rows) -> None:
-        """`_run` on the accelerator (torch's ops, one expert: counted as its launches)."""
-        launched(TORCH_EXPERT_LAUNCHES)
+        """`_run` on the accelerator (torch's ops, one expert)."""
         self._run(out, x, group, parts, layer, expert, tier, host_rows)
 
     def _run(self, out, x, group, parts, layer: int, expert: int, tier: Optional[str],
@@ -422,30 +424,36 @@ class ResidencyExecutor:
             rows = rows if host_rows is None else host_rows
             self.audit.extend((self.step, layer, int(t), expert, tier) for t in rows.tolist())
 
-    def _run_fused(self, out, x, on_dev, groups, batch: list, layer: int) -> None:
-        """`batch` [(expert, parts, tier)]: every pair of those experts in one `gpu_moe.moe_pairs`
-        (or, quantised, `moe_pairs_quant`) call (two Triton launches); empties the batch."""
+    def _run_fused(self, out, x, groups, batch: list, layer: int, role: str) -> None:
+        """`batch` [(expert, tier)] of experts in their slots: every pair of those experts in one
+        planned step of the Triton kernels (`gpu_moe.run`: two launches), reading the experts
+        in place through the slot cache's table (`_slot_table`: built when the slots change, not
+        per call). The pairs and the step's plan go to the device in one copy from pinned
+        staging (its `role`'s: a layer-step's two batches must not share one). Empties the batch."""
         if not batch:
             return
-        counts = [len(on_dev[e][0]) for e, *_ in batch]
-        rows_all, wts_all, starts = self._pairs_dev
-        first = starts[batch[0][0]]
-        if all(starts[e] == first + sum(counts[:i]) for i, (e, *_) in enumerate(batch)):
-            rows, wts = rows_all[first:first + sum(counts)], wts_all[first:first + sum(counts)]   # (views)
-        else:
-            rows = torch.cat([on_dev[e][0] for e, *_ in batch])
-            wts = torch.cat([on_dev[e][1] for e, *_ in batch])
-            launched(2)
-        experts = [parts for (_, parts, _), n in zip(batch, counts) for _ in range(n)]
-        launched(2)    # its two Triton kernels (kernels/gpu_moe.py)
-        if self.fmt.name == "float":
-            gpu_moe.moe_pairs(out, x, rows, wts, [p[0] for p in experts], [p[1] for p in experts])
-        else:
-            gpu_moe.moe_pairs_quant(out, x, rows, wts, experts, self.fmt.name, self.fmt.group_size)
+        experts = [e for e, _ in batch]
+        table, slot_of = self._slot_table(), self.slots.slot_of
+        pair_slots = [slot_of[(layer, e)] for e in experts for _ in range(len(groups[e][0]))]
+        host_plan, n_groups, nt = packed_plan(pair_slots, table)
+        rows, wts, plan = self.transfers.to_device([*self._pairs_host(groups, experts, out.dtype), host_plan], role)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        gpu_moe.run(out, x, rows, wts, gpu_moe.step_plan(table, plan, n_groups, nt, len(pair_slots)))
         if self.audit is not None:
-            self.audit.extend((self.step, layer, int(t), e, tier) for e, _, tier in batch
+            self.audit.extend((self.step, layer, int(t), e, tier) for e, tier in batch
                               for t in groups[e][0].tolist())
         batch.clear()
+
+    def _slot_table(self) -> SlotTable:
+        """The slot cache's `gpu_slots.SlotTable` with its offsets on the device: every slot's parts
+        checked once and located from one base per part (across chunks), rebuilt when the chunks
+        change (a resize); the Triton steps then carry slot ids only."""
+        key = self.slots.layout_version
+        if self._table is None or self._table[0] != key:
+            views = [self.slots.views(s) for s in range(self.slots.num_slots)]
+            self._table = (key, build_table(views, self.fmt.name, self.fmt.group_size).to_device(self.slots.device))
+        return self._table[1]
 
     def _run_bank(self, out, x, groups, experts, bank, layer: int, tier: Optional[str] = "cpu",
                   expert: Optional[int] = None) -> None:

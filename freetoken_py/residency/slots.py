@@ -22,6 +22,8 @@ from bisect import bisect_right
 
 import torch
 
+from freetoken_py.residency.transfers import on_device
+
 Key = tuple[int, int]
 CHUNK_BYTES = 64 * 2**20
 
@@ -52,6 +54,7 @@ class SlotCache:
         self._starts: list[int] = []         # first slot id of each chunk
         self.slot_of: dict[Key, int] = {}
         self.free: list[int] = []            # free slot ids (pop() takes the last)
+        self.layout_version = 0              # changes whenever the chunks do (a table of the slots is then stale)
         for size in self._chunk_sizes(0, num_slots):   # at start-up an allocation failure is an error
             self._append_chunk(size)
         self.free = list(range(self.num_slots - 1, -1, -1))
@@ -126,6 +129,8 @@ class SlotCache:
 
     def _append_chunk(self, size: int) -> None:
         chunk = tuple(self._alloc((size, *shape), dtype=dtype, device=self.device) for shape, dtype in self.specs)
+        on_device(*chunk, always=True)       # (the emulated accelerator's memory, for transfers.counting)
+        self.layout_version += 1
         self._starts.append(self.num_slots)
         self._chunks.append(chunk)
 
@@ -140,5 +145,6 @@ class SlotCache:
                     d.copy_(src)
                 self.slot_of[key] = dst
         del self._chunks[keep:], self._starts[keep:]   # their memory goes back
+        self.layout_version += 1
         used = set(self.slot_of.values())
         self.free = [s for s in range(total - 1, -1, -1) if s not in used]

@@ -172,6 +172,11 @@ class RoutePredictor:
     def __call__(self, x):
         return self.lw.router(x.float() if self.sigmoid else x)
 
+    def tensors(self) -> list:
+        """The tensors a call reads besides x (the router's weight and bias)."""
+        r = self.lw.router
+        return [t for t in (getattr(r, "weight", None), getattr(r, "bias", None)) if t is not None]
+
     @property
     def rule(self) -> SigmoidRule | None:
         if not self.sigmoid:

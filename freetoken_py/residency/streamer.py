@@ -22,7 +22,7 @@ import torch
 
 from freetoken_py.residency.formats import ExpertFormat
 from freetoken_py.residency.slots import SlotCache
-from freetoken_py.residency.transfers import host_to_device_copied
+from freetoken_py.residency.transfers import on_device, pinned_like
 
 
 class Streamer:
@@ -41,7 +41,9 @@ class Streamer:
 
     def _staging_pair(self) -> tuple[torch.Tensor, ...]:
         s = self.slots
-        return tuple(torch.empty(shape, dtype=dtype, device=s.device) for shape, dtype in s.specs)
+        pair = tuple(torch.empty(shape, dtype=dtype, device=s.device) for shape, dtype in s.specs)
+        on_device(*pair, always=True)
+        return pair
 
     def new_call(self, synced: bool) -> None:
         """The executor has read this call's routing: with `synced` (the read waited for the
@@ -64,8 +66,6 @@ class Streamer:
         waits for it where the data is first used (a look-ahead copy must not hold up the
         current layer's work). With `after_compute` they start after the compute queued so far
         (which may read the destination)."""
-        for dst, src in pairs:     # (counted: from a pinned bank on CUDA, transfers.COUNTS)
-            host_to_device_copied(src, dst.device)
         if self._stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
@@ -141,6 +141,8 @@ class Streamer:
                     src = src.contiguous()     # pinned, so its copy stays an asynchronous DMA
                     if self.cuda:
                         src = src.pin_memory()
+                    else:
+                        pinned_like(src)   # (emulated: as it would be on CUDA)
                 pairs.append((view[row:row + src.shape[0]], src))
                 row += src.shape[0]
             out.append(view)

@@ -13,11 +13,22 @@ makes goes through `Transfers`, which
 - sends host data to the accelerator only from pooled pinned staging buffers (`to_device`);
 - hands out pooled CUDA events.
 
-`COUNTS` counts the reads, the host->device copies (pinned or pageable) and the kernels the
-executor queues, at these choke points (the executor declares its launches through `launched`).
-Tests hold a decode step to at most one read, no pageable copy and few launches per MoE layer on
-the emulated accelerator, where the device is the CPU: the same code path, with plain host
-buffers (nothing to pin) and copies that are memcpys.
+`COUNTS` holds what `counting()` observed: it wraps torch's dispatcher (a dispatch mode and a
+function mode) and counts, for every operation while it is on, the kernels queued on the
+accelerator (any operation but a view or an allocation on an accelerator tensor), the device ->
+host reads (a copy from the accelerator into host memory, `.item()`, `.tolist()`, `.numpy()`) and
+the host -> device copies (from pinned memory or pageable memory; a host tensor other than a
+0-dim one handed to an accelerator operation is an implicit pageable copy on CUDA, and counted as
+one), and `kernels.gpu_moe` counts its Triton launches at the one place it makes them. Nothing is
+declared by hand: a stray `.tolist()` of a device tensor added anywhere in the executor is a
+counted read. On CUDA an accelerator tensor is one on the GPU; on the emulated accelerator, where
+the device is the host, it is one whose storage was marked as the accelerator's (`on_device`: the
+slots, the staging buffers, the executor's inputs, the transfers' device buffers) or was computed
+from one; memory that would be page-locked on CUDA (the transfers' staging, the expert banks the
+engine pins) is marked `pinned_like`. Tests hold a decode step to at most one read, no pageable
+copy and few launches per MoE layer on the emulated accelerator: the same code path, with plain
+host buffers (nothing to pin) and copies that are memcpys. Counting costs host time (every
+operation passes through Python): benches count in a pass of their own.
 """
 from __future__ import annotations
 
@@ -26,6 +37,10 @@ import time
 from typing import Optional, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass
@@ -33,31 +48,153 @@ class Counts:
     d2h_reads: int = 0        # device -> host copies the host waits for
     h2d_pinned: int = 0       # host -> device copies from pinned (or registered) memory
     h2d_pageable: int = 0     # host -> device copies from pageable memory (each waits for the queue)
-    launches: int = 0         # kernels queued on the accelerator (declared by the executor)
-    d2h_wait_s: float = 0.0   # seconds the host spent in those reads (waiting for the queue, then the copy)
+    torch_launches: int = 0   # torch's kernels queued on the accelerator
+    triton_launches: int = 0  # kernels.gpu_moe's Triton kernels
+    d2h_wait_s: float = 0.0   # seconds the host spent in the routing reads (waiting for the queue, then the copy)
+
+    @property
+    def launches(self) -> int:
+        return self.torch_launches + self.triton_launches
 
     def __sub__(self, other: "Counts") -> "Counts":
         return Counts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
     def snapshot(self) -> "Counts":
+        from freetoken_py.kernels import gpu_moe
+
+        self.triton_launches = gpu_moe.LAUNCHES.count if _ACTIVE else self.triton_launches
         return replace(self)
 
 
 COUNTS = Counts()    # process-wide: tests take a snapshot before and after a decode step
 
+# ---- what lies on the (emulated) accelerator ------------------------------------------------------
+_DEVICE: dict[int, StorageWeakRef] = {}    # storages marked as the accelerator's (emulation)
+_PINNED: dict[int, StorageWeakRef] = {}    # host storages that would be page-locked on CUDA
+_ACTIVE = False                            # `counting()` is on
 
-def launched(n: int = 1) -> None:
-    """The executor queued `n` kernels on the accelerator."""
-    COUNTS.launches += n
+
+def _mark(table: dict, tensors) -> None:
+    if len(table) > 8192:          # (forget the storages that have gone)
+        for key in [k for k, ref in table.items() if ref.expired()]:
+            del table[key]
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            s = t.untyped_storage()
+            ref = table.get(s._cdata)
+            if ref is None or ref.expired():
+                table[s._cdata] = StorageWeakRef(s)
 
 
-def host_to_device_copied(src: torch.Tensor, device: torch.device) -> None:
-    """Count one host -> device copy from `src` (a slot copy from a host bank: pinned on CUDA when
-    the banks are page-locked, `engine.expert_store.pin_banks`)."""
-    if device.type == "cuda" and not src.is_pinned():
-        COUNTS.h2d_pageable += 1
-    else:
-        COUNTS.h2d_pinned += 1
+def _marked(table: dict, t: torch.Tensor) -> bool:
+    ref = table.get(t.untyped_storage()._cdata)
+    return ref is not None and not ref.expired()
+
+
+def on_device(*tensors, always: bool = False) -> None:
+    """Mark host tensors as the emulated accelerator's (for `counting`): memory that lasts (slots,
+    staging: `always`) whether or not counting is on, a call's inputs and buffers while it is."""
+    if _ACTIVE or always:
+        _mark(_DEVICE, tensors)
+
+
+def pinned_like(*tensors) -> None:
+    """Mark host tensors that would be page-locked on CUDA (staging, the pinned expert banks)."""
+    _mark(_PINNED, tensors)
+
+
+def _dev(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" or (t.device.type == "cpu" and _marked(_DEVICE, t))
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    return (t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()) or _marked(_PINNED, t)
+
+
+_aten = torch.ops.aten
+_NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+              _aten.lift_fresh.default, _aten._unsafe_view.default, _aten.resize_.default,
+              _aten.set_.source_Storage_storage_offset, _aten.set_.source_Tensor, _aten.sym_size.int,
+              _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default}
+
+
+class _Dispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from freetoken_py.kernels import gpu_moe
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if gpu_moe.LAUNCHES.inside:        # (Triton's interpreter at work inside a counted launch)
+            return out
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on = [_dev(t) for t in ins]
+        if func is _aten.copy_.default or func is _aten._to_copy.default:
+            # copy_(dst, src), or src.to(...): across the link, or a kernel on one side
+            if func is _aten.copy_.default:
+                dst, src, d, s = ins[0], ins[1], on[0], on[1]
+            else:                  # (a cast of an emulated accelerator tensor stays there)
+                dst, src, s = out, ins[0], on[0]
+                d = out.device.type == "cuda" or (out.device.type == "cpu" and s and src.device.type == "cpu")
+            if d and not s:
+                if _is_pinned(src):
+                    COUNTS.h2d_pinned += 1
+                else:
+                    COUNTS.h2d_pageable += 1
+            elif s and not d:
+                COUNTS.d2h_reads += 1
+            elif d and s:
+                COUNTS.torch_launches += 1
+            if d:
+                on_device(dst)
+            return out
+        if func is _aten._local_scalar_dense.default:
+            COUNTS.d2h_reads += any(on)
+            return out
+        if not any(on):
+            return out
+        if not (func.is_view or func in _NO_KERNEL):
+            COUNTS.torch_launches += 1
+        # a host tensor (not a 0-dim scalar) in an accelerator operation: an implicit copy on CUDA
+        COUNTS.h2d_pageable += sum(1 for t, o in zip(ins, on) if not o and t.dim() > 0 and t.device.type == "cpu")
+        on_device(*(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+        return out
+
+
+class _Function(TorchFunctionMode):
+    """`.tolist()` / `.numpy()` of an emulated accelerator tensor read it on the host without
+    passing torch's dispatcher (on CUDA they copy to the host through it: counted there)."""
+    READS = (torch.Tensor.tolist, torch.Tensor.numpy)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+            from freetoken_py.kernels import gpu_moe
+
+            if not gpu_moe.LAUNCHES.inside and _marked(_DEVICE, args[0]):
+                COUNTS.d2h_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+class counting:
+    """Count what passes between the host and the accelerator, and the accelerator's kernels,
+    while on (`COUNTS`; the module's docstring says what counts as what)."""
+
+    def __enter__(self):
+        global _ACTIVE
+        from freetoken_py.kernels import gpu_moe
+
+        self._was, _ACTIVE = _ACTIVE, True
+        COUNTS.triton_launches = gpu_moe.LAUNCHES.count
+        self._modes = (_Function(), _Dispatch())
+        for m in self._modes:
+            m.__enter__()
+        return COUNTS
+
+    def __exit__(self, *exc):
+        global _ACTIVE
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        COUNTS.snapshot()
+        _ACTIVE = self._was
 
 
 def _align(n: int, to: int = 64) -> int:
@@ -85,6 +222,7 @@ class Transfers:
             with torch.inference_mode(False):   # (written in place in and out of inference mode)
                 buf = torch.empty(max(4096, 1 << max(0, nbytes - 1).bit_length()), dtype=torch.uint8,
                                   pin_memory=self.pinned)
+            pinned_like(buf)
             self._host[role] = buf
         return buf[:nbytes]
 
@@ -93,6 +231,7 @@ class Transfers:
             with torch.inference_mode(False):
                 self._zeros = torch.zeros(max(4096, 1 << max(0, nbytes - 1).bit_length()), dtype=torch.uint8,
                                           device=self.device)
+                on_device(self._zeros, always=True)
         return self._zeros[:nbytes]
 
     def event(self, timing: bool = False):
@@ -120,13 +259,12 @@ class Transfers:
                 self._layouts.clear()
             layout = self._layouts[key] = self._layout(parts, out_like, role)
         order, zero, dst, got, rows = layout
-        launches = 1
         flat = [] if zero is None else [zero]
         if rows:                    # one row each: [1, n] byte views side by side (no reshapes)
             for i in order:
                 p = parts[i]
                 if not p.is_contiguous():
-                    p, launches = p.contiguous(), launches + 1
+                    p = p.contiguous()
                 flat.append(p.view(torch.uint8))
             packed = torch.cat(flat, 1) if len(flat) > 1 else flat[0].clone()
             tail = packed[:, zero.shape[1]:] if zero is not None else packed
@@ -134,16 +272,14 @@ class Transfers:
             for i in order:
                 p = parts[i]
                 if not p.is_contiguous():
-                    p, launches = p.contiguous(), launches + 1
+                    p = p.contiguous()
                 flat.append(p.reshape(-1).view(torch.uint8))
             packed = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
             tail = packed[zero.numel():] if zero is not None else packed
-        launched(launches)
         if dst.numel():
             t0 = time.perf_counter()
             dst.copy_(tail)                     # pinned on CUDA: waits for the queue, once
             COUNTS.d2h_wait_s += time.perf_counter() - t0
-            COUNTS.d2h_reads += 1
         out = None
         if out_like is not None:
             n = out_like.numel() * out_like.element_size()
@@ -201,14 +337,14 @@ class Transfers:
                 v.copy_(p)
         if len(parts) == 1:
             dev = torch.empty(views[0].shape, dtype=views[0].dtype, device=self.device)
+            on_device(dev)
             if total:
                 dev.copy_(views[0], non_blocking=self.pinned)
-                COUNTS.h2d_pinned += 1
             return [dev]
         dev = torch.empty(total, dtype=torch.uint8, device=self.device)
+        on_device(dev)
         if total:
             dev.copy_(stage, non_blocking=self.pinned)
-            COUNTS.h2d_pinned += 1
         return [dev[a:b].view(v.dtype).view(v.shape) for (a, b), v in zip(spans, views)]
 
     def _send_layout(self, role: str, meta: tuple) -> tuple:
