@@ -83,7 +83,8 @@ step() {   # step NAME SECONDS OUTPUT COMMAND...: run it under its limit, log it
 }
 # the limits (560 s in all) stay under the 590 s the device call is given, with 30 s left for the
 # environment check (measured on the H200, 2026-12-04: probe 87 s, placement 79 s, Triton test
-# 24 s, kernel bench 8 s, residency_gpu 27 s with its checkpoint built, torch 12 s; the probe now
+# 24 s, kernel bench 8 s, residency_gpu 27 s with its checkpoint built, torch 12 s; the register
+# report, 24 s on a 2-vCPU Xeon, took 30 s from the Triton test's 75; the probe now
 # also tunes the expert kernels once, two shapes of ~27 configurations each, and the kernel bench
 # runs 16 cases instead of 2: both limits are guesses until a GPU run times them)
 LIMIT_SCALE=1
@@ -111,9 +112,12 @@ if [ "$EMU" != 1 ] && ! grep -q "6 passed" "$SCRATCH/placement.txt"; then    # e
 fi
 # the accelerator's Triton experts against torch on the GPU (skipped, and said so, without Triton),
 # and their compiled code for each architecture (no spills, 16-byte loads)
-step "triton experts test" 75 "$SCRATCH/gpu_moe.txt" \
+step "triton experts test" 45 "$SCRATCH/gpu_moe.txt" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_moe.py tests/test_triton_compile.py \
     -k "match_the_torch_reference or compile or spills or ptxas or fp8"
+# the compiled kernels' registers, spills and 16-byte loads per format, NT {1, 8} and architecture
+# (Triton's compiler and ptxas only: the same figures with or without a GPU; 24 s on a 2-vCPU Xeon)
+step "triton registers" 30 "$SCRATCH/registers.txt" "$PY" bench/gpu_moe_kernels.py --registers 80,86,89,90,120
 # one decode layer-step per case (KCASES): Triton against torch, GB/s against the roofline
 step "triton experts bench" 75 "$OUT/gpu_moe_kernels.json" "$PY" bench/gpu_moe_kernels.py $KBENCH
 # end-to-end decode where the experts do not fit (slots for a quarter): ours, lru, static

@@ -283,3 +283,68 @@ def test_kernel_bench_runs_in_the_interpreter(tmp_path):
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and json.loads(proc.stdout)["skipped"] is True
+
+
+def test_a_gpu_too_old_for_the_kernels_is_one_line_and_the_torch_path(monkeypatch):
+    """Compute capability below 8.0 (a Turing or Volta card): `available` says no, `why_not` says
+    why in one line, and the executor keeps torch's experts with that line as its warning
+    (torch's capability query stands in for the card: no GPU here)."""
+    import warnings
+
+    import torch
+
+    from freetoken_py.kernels import gpu_moe
+    from freetoken_py.residency.executor import _fused_ok
+    from freetoken_py.residency.formats import ExpertFormat
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert gpu_moe.available(torch.device("cuda")) is False
+    why = gpu_moe.why_not()
+    assert "7.5" in why and "8.0" in why and "\n" not in why
+    fmt = ExpertFormat("float", 32, 64, (((64, 64), torch.bfloat16), ((64, 32), torch.bfloat16)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _fused_ok(torch.device("cuda"), fmt) is False
+    assert [str(w.message) for w in caught] == [f"{why}; the accelerator tier runs torch's experts"]
+    with warnings.catch_warnings(record=True) as caught:     # (the emulated accelerator: nothing to say)
+        warnings.simplefilter("always")
+        assert _fused_ok(torch.device("cpu"), fmt) is False
+    assert not caught
+
+
+def test_a_step_through_the_persistent_slot_table_reads_the_same_memory_as_a_per_call_table():
+    """The executor's way of planning a step (the slot cache's one table, the plan packed against
+    it, sent with the pairs from kept device buffers: `bench/gpu_step_host.py`'s
+    `persistent_table`) and `moe_pairs`' way (a table of the step's experts built per call)
+    point each group's kernels at the same bytes: for every group and weight part, base address +
+    offset x element size agree, and the groups' pairs are the same; a second step of the same
+    shape reuses the kept buffers and still plans its own slots."""
+    import torch
+
+    from freetoken_py.kernels import gpu_moe
+    from freetoken_py.kernels.gpu_slots import build_table, packed_plan
+    from freetoken_py.residency.slots import SlotCache
+    from freetoken_py.residency.transfers import Transfers
+
+    hidden, inter, slots = 64, 32, 12
+    cache = SlotCache(slots, [((2 * inter, hidden), torch.bfloat16), ((hidden, inter), torch.bfloat16)], chunk_slots=5)
+    table = build_table([cache.views(s) for s in range(slots)], "float").to_device("cpu")
+    transfers = Transfers("cpu")
+    rows, wts = torch.zeros(4, dtype=torch.long), torch.rand(4)
+
+    def addresses(t, plan, k):
+        base = t.bases[k]
+        return [base.data_ptr() + int(t.offsets[k, s]) * base.element_size() for s in plan.slots.tolist()]
+
+    kept = None
+    for step in ([7, 2, 11, 2], [3, 10, 0, 3]):          # (a repeated slot: one group of two pairs)
+        unique, pair_slots = gpu_moe._pair_slots([cache.views(s) for s in step])
+        per_call = gpu_moe.prepare(build_table(unique, "float"), pair_slots, "cpu")
+        host_plan, groups, nt = packed_plan(step, table)
+        _, _, plan = transfers.to_device([rows, wts, host_plan], "fused", keep=True)
+        kept = kept or plan.data_ptr()
+        assert plan.data_ptr() == kept                    # (the same device buffer, rewritten)
+        ours = gpu_moe.step_plan(table, plan, groups, nt, len(step))
+        assert (ours.groups, ours.nt, ours.pairs.tolist()) == (per_call.groups, per_call.nt, per_call.pairs.tolist())
+        for k in (0, 2):                                  # (w13, w2: a float expert has no scale parts)
+            assert addresses(ours.table, ours, k) == addresses(per_call.table, per_call, k), (step, k)

@@ -53,7 +53,37 @@ def kernel_config(fmt: str, nt: int, kernel: str, rounded: bool, group_size: int
 
 
 # ---- autotuning: a small sweep, pruned by a static bytes-in-flight model, cached per GPU ---------
-_active: dict = {}
+class _Configs(dict):
+    """The active tuned configurations; `version` changes with every change (launches cache what
+    they derive from them: `gpu_moe._launch_plan`)."""
+    version = 0
+
+    def _changed(self):
+        type(self).version += 1
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self._changed()
+
+    def __delitem__(self, k):
+        super().__delitem__(k)
+        self._changed()
+
+    def clear(self):
+        super().clear()
+        self._changed()
+
+    def update(self, *args, **kw):
+        super().update(*args, **kw)
+        self._changed()
+
+    def pop(self, *args):
+        out = super().pop(*args)
+        self._changed()
+        return out
+
+
+_active: dict = _Configs()
 
 
 def key(fmt: str, group_size: int, shape, nt: int, kernel: str) -> str:

@@ -289,33 +289,67 @@ def run(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.T
     """The launches of one planned step: out[rows[p]] += weights[p] * expert(x[rows[p]]). `configs`
     {"gate_up" | "down": launch configuration} overrides the tuned / default ones (tuning)."""
     k, table, dev = _load(), plan.table, x.device
-    fid, hidden, inter = table.fmt_id, table.hidden, table.inter
+    hidden, inter, tokens = table.hidden, table.inter, out.shape[0]
+    lp = _launch_plan(table, plan.nt, plan.groups, tokens, dev, configs)
+    split = lp.gate_up["SPLIT"]
+    part, cnt = _split_buffers(dev, plan.groups * split * 2 * plan.nt * inter, plan.groups * lp.grids[0][1]) \
+        if split > 1 else (plan.h, plan.counters)
+    _launch(k.gate_up_kernel, lp.grids[0],
+        x, x.stride(0), rows, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[0], table.bases[1],
+        plan.h, lp.rows[0], lp.rows[1], inter, hidden // 16, part, cnt, **lp.gate_up)
+    _launch(k.down_kernel, lp.grids[1],
+        plan.h, weights, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[2], table.bases[3], plan.y,
+        lp.rows[2], lp.rows[3], hidden, inter // 16, out, out.stride(0), rows, tokens,
+        plan.n_pairs, plan.counters, **lp.down)
+    if lp.down["TB"] == 0:
+        _launch(k.combine_kernel, lp.grids[2], out, out.stride(0), plan.y, rows, plan.n_pairs, hidden,
+                BLOCK=min(COMBINE_BLOCK, 1 << (hidden - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    gate_up: dict        # the gate_up kernel's keyword arguments (constants and configuration)
+    down: dict           # the down kernel's
+    grids: tuple         # gate_up's, down's and combine's grids
+    rows: tuple          # the row lengths in loaded elements: gate_up's weights and scales, down's
+
+
+_launch_plans: dict = {}
+
+
+def _launch_plan(table: SlotTable, nt: int, groups: int, tokens: int, dev: torch.device,
+                 configs: dict | None = None) -> LaunchPlan:
+    """The kernels' arguments that depend on the step's shape only (`LaunchPlan`): derived once per
+    (format, geometry, NT, groups, tokens, device, tuned configurations) and kept, so a decode
+    step's launches do no lookups (`configs`: a tuning's override, not kept)."""
+    from freetoken_py.kernels import gpu_autotune
+
+    key = (table.fmt, table.group_size, table.hidden, table.inter, table.align, nt, groups, tokens, dev,
+           gpu_autotune._Configs.version, split_k_override)
+    got = None if configs else _launch_plans.get(key)
+    if got is not None:
+        return got
+    fid, hidden, inter, configs = table.fmt_id, table.hidden, table.inter, configs or {}
     native = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
-    common = dict(FMT=fid, G=table.group_size, NT=plan.nt, UNIT=UNIT[fid], NATIVE=native, ALIGN=table.align)
-    shape, configs = (hidden, inter), configs or {}
+    common = dict(FMT=fid, G=table.group_size, NT=nt, UNIT=UNIT[fid], NATIVE=native, ALIGN=table.align)
+    shape = (hidden, inter)
     cu = finalize(configs["gate_up"], table.fmt, table.group_size) if "gate_up" in configs else \
-        kernel_config(table.fmt, plan.nt, "gate_up", _rounds(table.fmt), table.group_size, shape)
+        kernel_config(table.fmt, nt, "gate_up", _rounds(table.fmt), table.group_size, shape)
     blocks = -(-inter // cu["BLOCK_N"])
     if cu.get("SPLIT") is None:      # split-K only where the grid is short of a wave
-        cu["SPLIT"] = split_k(plan.groups * blocks, -(-hidden // cu["BLOCK_K"]), dev, cu.get("num_warps", 4))
-    part, cnt = _split_buffers(dev, plan.groups * cu["SPLIT"] * 2 * plan.nt * inter, plan.groups * blocks) \
-        if cu["SPLIT"] > 1 else (plan.h, plan.counters)
-    _launch(k.gate_up_kernel, (plan.groups, blocks, cu["SPLIT"]),
-        x, x.stride(0), rows, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[0], table.bases[1],
-        plan.h, table.row_words(hidden), table.scale_row(hidden), inter, hidden // 16, part, cnt,
-        ROUND=_rounds(table.fmt), **common, **cu)
+        cu["SPLIT"] = split_k(groups * blocks, -(-hidden // cu["BLOCK_K"]), dev, cu.get("num_warps", 4))
     cd = finalize(configs["down"], table.fmt, table.group_size) if "down" in configs else \
-        kernel_config(table.fmt, plan.nt, "down", False, table.group_size, shape)
-    tokens = out.shape[0]
+        kernel_config(table.fmt, nt, "down", False, table.group_size, shape)
     tb = 1 << (tokens - 1).bit_length() if tokens <= MAX_FUSED_TOKENS else 0     # the sum in the down kernel
-    _launch(k.down_kernel, (plan.groups, -(-hidden // cd["BLOCK_N"])),
-        plan.h, weights, plan.pairs, plan.slots, plan.offsets, table.slots, table.bases[2], table.bases[3], plan.y,
-        table.row_words(inter), table.scale_row(inter), hidden, inter // 16, out, out.stride(0), rows, tokens,
-        plan.n_pairs, plan.counters, TB=tb, **common, **cd)
-    if tb == 0:
-        blk = min(COMBINE_BLOCK, 1 << (hidden - 1).bit_length())
-        _launch(k.combine_kernel, (tokens, -(-hidden // blk)), out, out.stride(0), plan.y, rows, plan.n_pairs, hidden,
-                BLOCK=blk)
+    blk = min(COMBINE_BLOCK, 1 << (hidden - 1).bit_length())
+    got = LaunchPlan(dict(ROUND=_rounds(table.fmt), **common, **cu), dict(TB=tb, **common, **cd),
+                     ((groups, blocks, cu["SPLIT"]), (groups, -(-hidden // cd["BLOCK_N"])), (tokens, -(-hidden // blk))),
+                     (table.row_words(hidden), table.scale_row(hidden), table.row_words(inter), table.scale_row(inter)))
+    if not configs:
+        if len(_launch_plans) >= 256:
+            _launch_plans.clear()
+        _launch_plans[key] = got
+    return got
 
 
 def moe_slots(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,

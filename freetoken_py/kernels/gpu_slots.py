@@ -135,6 +135,8 @@ def _row_elems(shape: tuple, fmt: str) -> int:
 def plan(pair_slots: Sequence[int]) -> tuple[list[int], list[list[int]], int]:
     """(slot of each group, each group's pair indices, NT): pairs grouped by slot in first-appearance
     order, at most MAX_GROUP a group; NT the next power of two of the largest group."""
+    if len(set(pair_slots)) == len(pair_slots):     # (decode: one token, distinct experts: a group a pair)
+        return [int(s) for s in pair_slots], [[p] for p in range(len(pair_slots))], 1
     groups: dict[int, list[list[int]]] = {}
     for p, s in enumerate(pair_slots):
         chunks = groups.setdefault(int(s), [[]])

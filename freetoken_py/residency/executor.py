@@ -56,7 +56,12 @@ def _fused_ok(device: torch.device, fmt: ExpertFormat) -> bool:
     there (a one-time self-check; on a failure the torch path stays, with a warning saying why)."""
     import warnings
 
-    if not gpu_moe.available(device) or fmt.name not in ("float", *gpu_moe.QUANT_FORMATS):   # (no Triton kernel: torch)
+    if fmt.name not in ("float", *gpu_moe.QUANT_FORMATS):   # (no Triton kernel for it: torch)
+        return False
+    if not gpu_moe.available(device):      # (a GPU too old, no usable Triton: said in one line, on CUDA)
+        if torch.device(device).type == "cuda":
+            warnings.warn(f"{gpu_moe.why_not()}; the accelerator tier runs torch's experts", RuntimeWarning,
+                          stacklevel=3)
         return False
     if fmt.name == "float":
         problem = gpu_moe.self_check(device, fmt.dtype)
@@ -65,6 +70,24 @@ def _fused_ok(device: torch.device, fmt: ExpertFormat) -> bool:
     if problem is not None:
         warnings.warn(f"{problem}; the accelerator tier keeps the torch path", RuntimeWarning, stacklevel=3)
     return problem is None
+
+
+class _LoneGroups(dict):
+    """A lone token's `_group`: {expert: (rows [1] (token 0), routing weight [1])} for its k distinct
+    experts, each entry made on first use (the Triton path reads the weights row at once:
+    `_pairs_host`)."""
+
+    def __init__(self, one: list[int], weights: torch.Tensor):
+        super().__init__()
+        self.weights, self.pos = weights, {e: j for j, e in enumerate(one)}
+        self._row: Optional[torch.Tensor] = None
+
+    def __missing__(self, e: int):
+        j = self.pos[e]                      # (KeyError for an expert the token did not route to)
+        if self._row is None:
+            self._row = torch.zeros(1, dtype=torch.long, device=self.weights.device)
+        got = self[e] = (self._row, self.weights[0, j:j + 1])
+        return got
 
 
 class ResidencyExecutor:
@@ -119,6 +142,7 @@ class ResidencyExecutor:
         # (tests turn it on with Triton's CPU interpreter)
         self.fused_accel = self.slots.device.type == "cuda" and _fused_ok(self.slots.device, fmt)
         self._table: Optional[tuple[int, SlotTable]] = None     # (the slots' layout version, its table)
+        self._step_plans: dict = {}      # the Triton steps' plans over the kept device buffers (`_run_fused`)
         if slots.device.type == "cpu":    # (emulated: the banks the engine pins on CUDA; the routers in VRAM)
             pinned_like(*(part for parts in host if parts is not None for part in parts))
             on_device(*(t for r in routers or () if r is not None for t in r.tensors()), always=True)
@@ -276,7 +300,7 @@ class ResidencyExecutor:
         # for the hits and for the streamed ones (weights read once per pair: few tokens only),
         # which send their pairs with their plan; the others' pairs go in one copy (fused: the cut
         # experts' and the streamed ones that land in staging, once the admissions are known)
-        fused = self.fused_accel and all(len(groups[e][0]) <= gpu_moe.MAX_TOKENS_PER_EXPERT for e in accel)
+        fused = self.fused_accel and all(self._pairs_of(groups, e) <= gpu_moe.MAX_TOKENS_PER_EXPERT for e in accel)
         on_dev = {} if fused else self._to_device(groups, accel, out_dev.dtype)
         batch: list = []
         for e in plan.hits:
@@ -381,17 +405,21 @@ class ResidencyExecutor:
     def _group(ids: torch.Tensor, weights: torch.Tensor, one: Optional[list[int]] = None
                ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """expert -> (token rows [n], routing weights [n]) for every routed pair, by expert id.
-        `one`: the single token's k distinct experts (`ids[0]` as a list), when that is the case."""
+        `one`: the single token's k distinct experts (`ids[0]` as a list), when that is the case:
+        then a `_LoneGroups`, whose entries are made on first use."""
         k = ids.shape[1]
-        if one is not None:          # decode: k distinct experts (a few views, no sort)
-            row, wts = torch.zeros(1, dtype=torch.long, device=ids.device), weights.reshape(-1).split(1)
-            return {e: (row, wts[j]) for e, j in sorted(zip(one, range(k)))}
+        if one is not None:          # decode: k distinct experts (no sort, no per-expert tensors up front)
+            return _LoneGroups(one, weights)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
         rows = (order // k).split(counts.tolist())
         wts = weights.flatten()[order].split(counts.tolist())
         return {int(e): (r, w) for e, r, w in zip(experts.tolist(), rows, wts)}
+
+    @staticmethod
+    def _pairs_of(groups, e: int) -> int:
+        return 1 if isinstance(groups, _LoneGroups) else len(groups[e][0])
 
     def _to_device(self, groups, experts: list[int], dtype: torch.dtype) -> dict:
         """The experts' (token rows, routing weights) on the accelerator's device, in one copy
@@ -407,6 +435,9 @@ class ResidencyExecutor:
     def _pairs_host(groups, experts: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
         """[token rows [P] int64, routing weights [P] fp32 rounded to `dtype`] of the experts'
         pairs, expert after expert, on the host."""
+        if isinstance(groups, _LoneGroups):     # (a lone token: row 0, its weights picked in one op)
+            return [torch.zeros(len(experts), dtype=torch.long),
+                    groups.weights[0].index_select(0, torch.tensor([groups.pos[e] for e in experts])).to(dtype).float()]
         return [torch.cat([groups[e][0] for e in experts]), torch.cat([groups[e][1] for e in experts]).to(dtype).float()]
 
     def _run_accel(self, out, x, group, parts, layer: int, expert: int, tier: str, host_rows) -> None:
@@ -434,12 +465,20 @@ class ResidencyExecutor:
             return
         experts = [e for e, _ in batch]
         table, slot_of = self._slot_table(), self.slots.slot_of
-        pair_slots = [slot_of[(layer, e)] for e in experts for _ in range(len(groups[e][0]))]
+        pair_slots = [slot_of[(layer, e)] for e in experts for _ in range(self._pairs_of(groups, e))]
         host_plan, n_groups, nt = packed_plan(pair_slots, table)
-        rows, wts, plan = self.transfers.to_device([*self._pairs_host(groups, experts, out.dtype), host_plan], role)
+        rows, wts, plan = self.transfers.to_device([*self._pairs_host(groups, experts, out.dtype), host_plan], role,
+                                                   keep=True)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        gpu_moe.run(out, x, rows, wts, gpu_moe.step_plan(table, plan, n_groups, nt, len(pair_slots)))
+        # (the kept device buffers are the same call after call: so is the step's plan over them)
+        key = (self._table[0], plan.data_ptr(), n_groups, nt, len(pair_slots))
+        step = self._step_plans.get(key)
+        if step is None:
+            if len(self._step_plans) >= 256:
+                self._step_plans.clear()
+            step = self._step_plans[key] = gpu_moe.step_plan(table, plan, n_groups, nt, len(pair_slots))
+        gpu_moe.run(out, x, rows, wts, step)
         if self.audit is not None:
             self.audit.extend((self.step, layer, int(t), e, tier) for e, tier in batch
                               for t in groups[e][0].tolist())

@@ -212,6 +212,7 @@ class Transfers:
         self._host: dict[str, torch.Tensor] = {}
         self._zeros: Optional[torch.Tensor] = None      # [n] uint8 zeros on the device
         self._layouts: dict = {}                         # read_packed's layouts, by the parts' shapes
+        self._kept: dict = {}                            # to_device(keep=True)'s device buffers, by role and shapes
         self._events: list = []
 
     # ---- pooled buffers and events -------------------------------------------------------------
@@ -255,8 +256,9 @@ class Transfers:
                None if out_like is None else (out_like.shape, out_like.dtype))
         layout = self._layouts.get(key)
         if layout is None:          # (decode repeats one layout: its views are made once)
-            if len(self._layouts) >= 32:
+            if len(self._layouts) >= 128:
                 self._layouts.clear()
+                self._kept.clear()
             layout = self._layouts[key] = self._layout(parts, out_like, role)
         order, zero, dst, got, rows = layout
         flat = [] if zero is None else [zero]
@@ -326,26 +328,35 @@ class Transfers:
         then). Valid until the next routing read (see the class)."""
         return self._send_layout(role, ((torch.Size(shape), dtype),))[2][0]
 
-    def to_device(self, parts: Sequence[torch.Tensor], role: str = "send") -> list[torch.Tensor]:
+    def to_device(self, parts: Sequence[torch.Tensor], role: str = "send", keep: bool = False) -> list[torch.Tensor]:
         """Host tensors on the device in one copy from a pooled pinned buffer (each part's bytes
         laid side by side there first: a host memcpy, skipped for a part already in its staging
-        view, `staged`). Returns fresh device tensors of the parts' shapes and dtypes (views of
-        one device buffer)."""
-        total, stage, views, spans = self._send_layout(role, tuple((p.shape, p.dtype) for p in parts))
+        view, `staged`). Returns device tensors of the parts' shapes and dtypes (views of one
+        device buffer): fresh ones, or with `keep` the same ones call after call for this role
+        and these shapes (rewritten, like the staging, only after the next routing read: for data
+        the call's own kernels consume, so a plan made from them can be kept too)."""
+        meta = tuple((p.shape, p.dtype) for p in parts)
+        total, stage, views, spans = self._send_layout(role, meta)
         for v, p in zip(views, parts):
             if p.data_ptr() != v.data_ptr():
                 v.copy_(p)
-        if len(parts) == 1:
+        kept = self._kept.get((role, meta)) if keep else None
+        if kept is not None:
+            dev, out = kept
+        elif len(parts) == 1:
             dev = torch.empty(views[0].shape, dtype=views[0].dtype, device=self.device)
+            out = [dev]
+        else:
+            dev = torch.empty(total, dtype=torch.uint8, device=self.device)
+            out = [dev[a:b].view(v.dtype).view(v.shape) for (a, b), v in zip(spans, views)]
+        if keep and kept is None:
+            on_device(dev, always=True)
+            self._kept[(role, meta)] = (dev, out)
+        else:
             on_device(dev)
-            if total:
-                dev.copy_(views[0], non_blocking=self.pinned)
-            return [dev]
-        dev = torch.empty(total, dtype=torch.uint8, device=self.device)
-        on_device(dev)
         if total:
-            dev.copy_(stage, non_blocking=self.pinned)
-        return [dev[a:b].view(v.dtype).view(v.shape) for (a, b), v in zip(spans, views)]
+            dev.copy_(views[0] if len(parts) == 1 else stage, non_blocking=self.pinned)
+        return out
 
     def _send_layout(self, role: str, meta: tuple) -> tuple:
         """`to_device`'s staging for parts of these (shape, dtype)s: (total bytes, the staging
@@ -353,8 +364,9 @@ class Transfers:
         key = ("send", role, meta)
         layout = self._layouts.get(key)
         if layout is None:
-            if len(self._layouts) >= 32:
+            if len(self._layouts) >= 128:
                 self._layouts.clear()
+                self._kept.clear()
             with torch.inference_mode(False):
                 elem = [torch.empty(0, dtype=d).element_size() for _, d in meta]
                 order = sorted(range(len(meta)), key=lambda i: -elem[i])
