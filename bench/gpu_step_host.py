@@ -10,7 +10,14 @@ plan sent, the scratch taken). `persistent_table`: what the executor does now: t
 against the slot cache's table (built once, rebuilt only when the cache's chunks change), the
 rows, weights and plan in one copy from pinned staging, `gpu_moe.step_plan` (pooled scratch).
 Both on this machine's CPU (no GPU needed: the launches are not timed; on a GPU the old path's
-`pin_memory` per call adds more), interleaved in rounds, medians of `--calls` each. One JSON line.
+`pin_memory` per call adds more), interleaved in rounds, medians of `--calls` each.
+
+`--executor` adds the whole decode layer-step on the host (`executor_us`: the residency
+executor's call, median over the decode steps, the Triton launches replaced by no-ops; the
+emulated accelerator, so the device's ops are the CPU's) on the bench's Qwen3-MoE 0.5B checkpoint
+(bench/_work, built once), all experts resident (policy static) and mixed (lru, the RTX 5090
+profile's slots): the proxy for issue 40's host microseconds per MoE layer (Triton's own launch
+overhead, ~20 us a launch on a GPU host, comes on top). One JSON line.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--executor", action="store_true", help="also time the executor's decode layer-steps")
+    ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -81,11 +90,58 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
                 times.append(time.perf_counter() - t0)
             got[name].append(statistics.median(times) * 1e6)
+    executor = _executor_us(args.decode_tokens) if args.executor else None
     row = {"bench": "gpu_step_host", **common.cpu_fields(), "model": args.model, "hidden": hidden, "inter": inter,
            "pairs": args.pairs, "threads": 1,
            **{f"{name}_us": [round(v, 1) for v in vals] for name, vals in got.items()},
-           "ratio": round(statistics.median(got["per_call_table"]) / statistics.median(got["persistent_table"]), 2)}
+           "ratio": round(statistics.median(got["per_call_table"]) / statistics.median(got["persistent_table"]), 2),
+           "executor_us": executor}
     return common.emit(row, args.out)
+
+
+def _executor_us(tokens: int) -> dict:
+    """Median host microseconds of the executor's decode layer-steps with the Triton experts,
+    their launches no-ops, per placement (see the module docstring)."""
+    import torch
+
+    from freetoken_py.core import SamplingParams
+    from freetoken_py.kernels import gpu_moe
+    from freetoken_py.llm import LLM
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    class _Kernels:
+        gate_up_kernel = down_kernel = combine_kernel = _NoLaunch()
+
+    gpu_moe._load = lambda: _Kernels
+    path = common.build_qwen3_moe(Path(__file__).resolve().parent / "_work" / "qwen3moe-0.5b-bf16")
+    got = {}
+    for name, kw in (("all_resident", dict(residency_policy="static", vram_budget_bytes=10 ** 12)),
+                     ("mixed_lru", dict(residency_policy="lru", residency_profile="rtx5090"))):
+        llm = LLM(str(path), show_progress=False, residency="emulate", **kw)
+        ex, times = llm.residency, []
+        ex.fused_accel = True
+
+        def observed(layer, x, ids, weights, ex=ex, times=times):
+            t0 = time.perf_counter()
+            out = ex(layer, x, ids, weights)
+            if x.shape[0] == 1:
+                times.append(time.perf_counter() - t0)
+            return out
+
+        llm.model.experts = observed
+        prompt = common.random_prompt(llm.args.vocab_size, 16)
+        for n in (8, tokens):                  # (a warm-up, then the measured decode)
+            times.clear()
+            req = llm.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            while not req.finished:
+                llm.step()
+        got[name] = round(statistics.median(times) * 1e6, 1)
+        del llm
+        torch.set_num_threads(1)
+    return got
 
 
 if __name__ == "__main__":

@@ -102,6 +102,10 @@ def test_the_counts_see_a_second_read_and_a_pageable_copy():
         r.add_(torch.tensor([1, 1]))                            # a host tensor into a device op
         d = transfers.COUNTS.snapshot() - before
         assert (d.d2h_reads, d.h2d_pinned, d.h2d_pageable, d.launches) == (3, 1, 1, 2)
+        before = transfers.COUNTS.snapshot()
+        with transfers.counting():                              # (nested: counted once)
+            dev.add_(1)
+        assert (transfers.COUNTS.snapshot() - before).launches == 1
         host = torch.ones(3)                                    # (host work is not counted)
         before = transfers.COUNTS.snapshot()
         assert (host * 2).sum().item() == 6.0

@@ -89,6 +89,25 @@ class _LoneGroups(dict):
         got = self[e] = (self._row, self.weights[0, j:j + 1])
         return got
 
+    # (a mapping of every routed expert, in expert order, like `_group`'s other result)
+    def __iter__(self):
+        return iter(sorted(self.pos))
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+    def __contains__(self, e) -> bool:
+        return e in self.pos
+
+    def keys(self):
+        return list(self)
+
+    def items(self):
+        return [(e, self[e]) for e in self]
+
+    def values(self):
+        return [self[e] for e in self]
+
 
 class ResidencyExecutor:
     oom_errors = OOM_ERRORS      # what an allocation failure raises (the engine shrinks the slots on it)

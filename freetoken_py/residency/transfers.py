@@ -183,6 +183,9 @@ class counting:
         from freetoken_py.kernels import gpu_moe
 
         self._was, _ACTIVE = _ACTIVE, True
+        if self._was:              # (nested: the outer one counts)
+            self._modes = ()
+            return COUNTS
         COUNTS.triton_launches = gpu_moe.LAUNCHES.count
         self._modes = (_Function(), _Dispatch())
         for m in self._modes:
@@ -193,7 +196,8 @@ class counting:
         global _ACTIVE
         for m in reversed(self._modes):
             m.__exit__(*exc)
-        COUNTS.snapshot()
+        if self._modes:
+            COUNTS.snapshot()
         _ACTIVE = self._was
 
 
