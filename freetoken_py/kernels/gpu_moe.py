@@ -200,9 +200,16 @@ def step_plan(table: SlotTable, plan: torch.Tensor, groups: int, nt: int, pairs:
     """The StepPlan of a packed plan already on the device (`gpu_slots.packed_plan(pair_slots,
     table)` of a table with its offsets there: int64 [groups + groups * nt]), with the scratch
     rows from a per-device pool (grown, never shrunk: no allocation per step)."""
-    dev = plan.device
+    return plan_of(table, plan[:groups], plan[groups:], nt, pairs)
+
+
+def plan_of(table: SlotTable, slots: torch.Tensor, members: torch.Tensor, nt: int, pairs: int) -> StepPlan:
+    """The StepPlan of a step's group slots (int64 [groups]) and their pair indices (int64
+    [groups * nt], -1 padded), both already on the device (made there, e.g. from the routing's
+    ids through a slot map, with no host round trip; or `step_plan`'s halves of a packed plan)."""
+    dev = slots.device
     h, y = _scratch(dev, pairs * table.inter, pairs * table.hidden)
-    return StepPlan(table, table.device_offsets, plan[:groups], plan[groups:], groups, nt, pairs,
+    return StepPlan(table, table.device_offsets, slots, members, slots.shape[0], nt, pairs,
                     h.view(pairs, table.inter), y.view(pairs, table.hidden), _counters(dev, table.hidden))
 
 

@@ -37,7 +37,7 @@ from freetoken_py.kernels.gpu_slots import SlotTable, build_table, packed_plan
 from freetoken_py.kernels.cpu_moe import ExpertBank, add_moe_experts, moe_experts
 from freetoken_py.residency.elastic import ElasticVram
 from freetoken_py.residency.formats import ExpertFormat
-from freetoken_py.residency.planner import CostModel, LayerStats, prefetch_allowance
+from freetoken_py.residency.planner import CostModel, LayerStats, Plan, prefetch_allowance
 from freetoken_py.residency.policy import look_ahead
 from freetoken_py.residency.profiles import GB
 from freetoken_py.residency.slots import OOM_ERRORS, SlotCache
@@ -162,6 +162,8 @@ class ResidencyExecutor:
         self.fused_accel = self.slots.device.type == "cuda" and _fused_ok(self.slots.device, fmt)
         self._table: Optional[tuple[int, SlotTable]] = None     # (the slots' layout version, its table)
         self._step_plans: dict = {}      # the Triton steps' plans over the kept device buffers (`_run_fused`)
+        self._slot_maps: dict = {}       # layer -> (the slots' assignment version, its expert -> slot map)
+        self._lone: dict = {}            # k -> a lone token's pairs on the device (`_device_step`)
         if slots.device.type == "cpu":    # (emulated: the banks the engine pins on CUDA; the routers in VRAM)
             pinned_like(*(part for parts in host if parts is not None for part in parts))
             on_device(*(t for r in routers or () if r is not None for t in r.tensors()), always=True)
@@ -184,8 +186,16 @@ class ResidencyExecutor:
         # look-ahead's logits and, when the CPU tier may have work, x come to the host in one
         # packed read, which also zeroes the layer's output buffer (transfers.read_packed)
         with_accel = x.device == self.slots.device
+        if with_accel:
+            on_device(x, ids, weights)        # (emulated: the accelerator's, for transfers.counting)
         nxt = self._next_moe_layer(layer) if self.top_k > 0 and self.slots.num_slots else None
         resident = self.policy.resident(layer)
+        if with_accel and self.fused_accel and ids.shape[0] == 1 and self.audit is None \
+                and len(resident) == self._num_experts[layer] \
+                and (nxt is None or len(self.policy.resident(nxt)) == self._num_experts[nxt]):
+            out = self._device_step(layer, x, ids, weights, t0)
+            if out is not None:
+                return out
         ids, weights, logits, x_host, out_dev, timing = self._read_routing(layer, nxt, x, ids, weights, resident)
         decode = ids.shape[0] == 1 if self.decode_step is None else self.decode_step
         self._measure_lead(decode, timing[0] if timing is not None else None)
@@ -223,14 +233,73 @@ class ResidencyExecutor:
         self._end_timing(layer, plan, timing, t0)
         return out
 
+    def _device_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     t0: float) -> Optional[torch.Tensor]:
+        """A lone token's layer-step whose experts are all in slots, with no look-ahead to make (the
+        next MoE layer's are all resident too, or there is none): routed on the device, through
+        the layer's slot map (`_slot_map`), into the Triton experts: no read, no copy, no host
+        work per expert (the index, the weights in fp32 where they are not, the zeroed output and
+        the experts' two kernels). The routing stays on the device, so the policy's statistics
+        and the prefetch score skip such a step; its k pairs count as hits. None (the host path
+        runs) when a slot of the layer is not where the map needs it."""
+        smap = self._slot_map(layer)
+        if smap is None:
+            return None
+        self.streamer.wait_layer(layer)           # (a look-ahead copy into one of its slots, still pending)
+        self.streamer.reading = None              # no routing read: a later copy into a slot waits for compute
+        timing = None
+        if self._cuda:
+            self.flush_timing(wait=False)
+            timing = (self.transfers.event(True), self.transfers.event(True))
+            timing[0].record()
+        self._prev_end = None
+        k = ids.shape[1]
+        rows, members = self._lone_pairs(k)
+        wts = weights.reshape(-1).to(x.dtype).float()       # (rounded as the host path rounds them)
+        slots = smap[ids.reshape(-1)]
+        out = torch.zeros_like(x)
+        gpu_moe.run(out, x if x.stride(-1) == 1 else x.contiguous(), rows, wts,
+                    gpu_moe.plan_of(self._slot_table(), slots, members, 1, k))
+        self._predicted.pop(layer, None)
+        self.prediction_made = None
+        c = self.telemetry.layers[layer]
+        c.routed_pairs += k
+        c.hit_pairs += k
+        c.device_steps += 1
+        one_s = self.cost.gpu_compute_s(1)
+        self._end_timing(layer, Plan(tuple(range(k)), (), (), k * one_s, 0.0), timing, t0)
+        return out
+
+    def _slot_map(self, layer: int) -> Optional[torch.Tensor]:
+        """The layer's expert -> slot map on the device (int64 [E]), made when the slots'
+        assignment changes (one copy from pinned staging), or None when an expert has no slot."""
+        version = self.slots.assign_version.get(layer, 0)
+        got = self._slot_maps.get(layer)
+        if got is not None and got[0] == version:
+            return got[1]
+        slot_of = self.slots.slot_of
+        keys = [(layer, e) for e in range(self._num_experts[layer])]
+        if not all(key in slot_of for key in keys):
+            return None
+        smap = self.transfers.to_device([torch.tensor([slot_of[key] for key in keys])], f"slot_map{layer}")[0]
+        self._slot_maps[layer] = (version, smap)
+        return smap
+
+    def _lone_pairs(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A lone token's k pairs on the device: their rows (all 0) and, a group a pair, the
+        groups' members (0 .. k-1); made once per k."""
+        got = self._lone.get(k)
+        if got is None:
+            got = self._lone[k] = tuple(self.transfers.to_device(
+                [torch.zeros(k, dtype=torch.long), torch.arange(k)], f"lone_pairs{k}"))
+        return got
+
     def _read_routing(self, layer: int, nxt, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, resident):
         """(ids, weights, logits, x_host, out_dev, timing) on the host. x with the accelerator (on
         its device; emulated, both on the host): the routing, the look-ahead's logits (for the
         next MoE layer `nxt`) and, when the CPU tier may have work, x come to the host in one
         packed read, which also zeroes the layer's output buffer (transfers.read_packed)."""
         with_accel = x.device == self.slots.device
-        if with_accel:
-            on_device(x, ids, weights)        # (emulated: the accelerator's, for transfers.counting)
         logits = self._router_logits(nxt, x)
         if not with_accel:
             return ids, weights, logits, x, None, None

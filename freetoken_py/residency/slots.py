@@ -55,6 +55,8 @@ class SlotCache:
         self.slot_of: dict[Key, int] = {}
         self.free: list[int] = []            # free slot ids (pop() takes the last)
         self.layout_version = 0              # changes whenever the chunks do (a table of the slots is then stale)
+        self.assign_version: dict[int, int] = {}   # per layer: changes whenever one of its experts gets,
+                                                    # leaves or changes its slot
         for size in self._chunk_sizes(0, num_slots):   # at start-up an allocation failure is an error
             self._append_chunk(size)
         self.free = list(range(self.num_slots - 1, -1, -1))
@@ -86,10 +88,12 @@ class SlotCache:
         if not self.free:
             raise RuntimeError("slot cache full: the policy must evict before admitting")
         self.slot_of[key] = s = self.free.pop()
+        self._assigned(key)
         return s
 
     def evict(self, key: Key) -> None:
         self.free.append(self.slot_of.pop(key))
+        self._assigned(key)
 
     def boundaries(self) -> list[int]:
         """The slot counts a shrink can land on exactly (chunk edges), 0 and the current one included."""
@@ -124,6 +128,9 @@ class SlotCache:
         return self.num_slots
 
     # ---- internals ------------------------------------------------------------------------
+    def _assigned(self, key: Key) -> None:
+        self.assign_version[key[0]] = self.assign_version.get(key[0], 0) + 1
+
     def _chunk_sizes(self, start: int, end: int) -> list[int]:
         return [min(self.chunk_slots, end - s) for s in range(start, end, self.chunk_slots)]
 
@@ -144,6 +151,7 @@ class SlotCache:
                 for d, src in zip(self.views(dst), self.views(s)):
                     d.copy_(src)
                 self.slot_of[key] = dst
+                self._assigned(key)
         del self._chunks[keep:], self._starts[keep:]   # their memory goes back
         self.layout_version += 1
         used = set(self.slot_of.values())

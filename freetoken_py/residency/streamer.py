@@ -111,6 +111,11 @@ class Streamer:
         if end is not None:
             torch.cuda.current_stream().wait_event(end)
 
+    def wait_layer(self, layer: int) -> None:
+        """Before compute reads any of `layer`'s slots: wait for their pending look-ahead copies."""
+        for key in [k for k in self._pending if k[0] == layer]:
+            self.wait_for(key)
+
     def wait_all(self) -> None:
         """Before slots move (elastic resize): compute waits for every pending look-ahead copy."""
         for end in self._pending.values():

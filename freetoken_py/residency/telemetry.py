@@ -29,6 +29,7 @@ class LayerCounters:
     prefetch_predicted: int = 0   # experts the look-ahead predicted for this layer at decode steps
     prefetch_correct: int = 0     # of those, experts the layer then routed
     prefetch_copies: int = 0      # look-ahead copies into this layer's slots (planner.prefetch_allowance)
+    device_steps: int = 0         # layer-steps routed on the device, no host round trip (executor._device_step)
 
 
 @dataclass

@@ -105,6 +105,8 @@ _LAYER = (
     ("prefetch_correct", "freetoken_expert_prefetch_correct_total", "Of those, experts the layer then routed."),
     ("prefetch_copies", "freetoken_expert_prefetch_copies_total",
      "Look-ahead copies issued (as many as fit where the copy engine would idle)."),
+    ("device_steps", "freetoken_expert_device_steps_total",
+     "Layer-steps routed on the accelerator with no host round trip (every expert of the layer resident)."),
 )
 _RESIDENCY = (
     ("expert_slots", "freetoken_expert_slots", "gauge", "Expert slots in accelerator memory now."),
@@ -176,6 +178,8 @@ def render(snapshot: dict) -> str:
             if res.get(key) is not None:
                 family(name, kind, text, [("", tier, res[key])])
         layers = sorted(res.get("layers", {}).items(), key=lambda kv: int(kv[0]))
-        for key, name, text in _LAYER:
-            family(name, "counter", text, [("", {**tier, "layer": layer}, c[key]) for layer, c in layers])
+        for key, name, text in _LAYER:       # (a counter a snapshot lacks is left out)
+            samples = [("", {**tier, "layer": layer}, c[key]) for layer, c in layers if key in c]
+            if samples:
+                family(name, "counter", text, samples)
     return "\n".join(lines) + "\n"
