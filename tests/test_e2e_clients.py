@@ -14,6 +14,7 @@ one-line agent prompt for OpenCode (~9.7K tokens by default). docs/clients.md ha
 """
 from __future__ import annotations
 
+import fcntl
 import http.client
 import json
 import os
@@ -45,14 +46,19 @@ def _install_clients() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     root = cache / "freetoken-tests" / ("npm-" + "-".join(v for v in PINNED.values()))
     bins = {name: root / "node_modules" / ".bin" / name for name in ("claude", "opencode", "codex")}
-    if not all(b.exists() for b in bins.values()):
-        root.mkdir(parents=True, exist_ok=True)
-        # the packages' postinstall scripts (skipped by npm's allowScripts default) only copy the
-        # platform binary into place; npm links the same binary from the optional dependency itself
-        cmd = [npm, "install", "--prefix", str(root), "--no-audit", "--no-fund", "--no-save",
-               *(f"{p}@{v}" for p, v in PINNED.items())]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"npm install failed: {proc.stderr[-2000:]}"
+    root.mkdir(parents=True, exist_ok=True)
+    # one installer at a time: the test files that use the clients run on different xdist workers,
+    # and a second `npm install` into the same prefix re-lays node_modules under the first one's
+    # running tests (on a fresh machine their binaries were missing mid-test)
+    with open(root.parent / (root.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all(b.exists() for b in bins.values()):
+            # the packages' postinstall scripts (skipped by npm's allowScripts default) only copy the
+            # platform binary into place; npm links the same binary from the optional dependency itself
+            cmd = [npm, "install", "--prefix", str(root), "--no-audit", "--no-fund", "--no-save",
+                   *(f"{p}@{v}" for p, v in PINNED.items())]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, f"npm install failed: {proc.stderr[-2000:]}"
     for name, path in bins.items():
         version = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60).stdout
         assert set(version.split()) & set(PINNED.values()), f"{name} --version says {version!r}"
