@@ -410,6 +410,24 @@ for i, step in enumerate(steps[1:], 1):  # (after the first decode step, which m
         assert (c.d2h_reads, c.h2d_pageable) == (0, 0) and c.launches <= 4, (i, c)
     # the swap (before decode step 3) changed two slots: layer 0's map is made again, one copy
     assert [c.h2d_pinned for c in step] == [int(i == 3 and j == 0) for j in range(moe_layers)], (i, step)
+# slots one expert short of the whole model: the static policy (llama.cpp's --n-cpu-moe: whole
+# layers from the last down) never evicts, so its resident layers still take the device path; a
+# policy that evicts would need the statistics that path skips, so there it is the host path
+E_all = sum(h[0].shape[0] for h in ex_d.host if h is not None)
+short = LLM(path, dtype="float32", show_progress=False, residency="emulate", residency_policy="static",
+            vram_budget_bytes=(E_all - 1) * ex_d.fmt.expert_bytes)
+ex_s = short.residency
+ex_s.fused_accel = True
+got = short.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0].token_ids
+assert got == toks_h[:5] and ex_s.slots.num_slots == E_all - 1, (got, ex_s.slots.num_slots)
+fixed = ex_s.telemetry.totals().device_steps
+assert fixed > 0, fixed
+ex_s.policy.evicts = True
+short.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+assert ex_s.telemetry.totals().device_steps == fixed
+# a shrink drops the kept slot table and what holds views of the freed chunks
+ex_d.resize(0)
+assert ex_d._table is None and not ex_d._step_plans and not ex_d._slot_maps
 print("ok", len(decode), max(c.launches for c in decode[moe_layers:]))
 '''
 

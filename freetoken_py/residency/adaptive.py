@@ -62,6 +62,7 @@ SHADOW_EVERY = 4          # the shadows replay every 4th MoE layer (set sampling
 
 class AdaptivePolicy:
     name = "ours"
+    evicts = True
 
     def __init__(self, layers: list[int], num_experts: int, capacity: int, half_life_steps: float = 64.0,
                  learning_rate: float = 0.45, floor_share: float = 0.5, seed: int = 0,

@@ -127,6 +127,7 @@ class ResidencyExecutor:
         self.streamer = Streamer(slots, host, fmt)
         self._cuda = slots.device.type == "cuda"
         self._num_experts = [0 if h is None else h[0].shape[0] for h in host]   # per layer
+        self._all_experts = sum(self._num_experts)   # slots for the whole model: the device path's condition
         self.transfers = Transfers(slots.device)     # pooled pinned staging, the packed routing read
         self._host_rules: dict = {}                  # next layer -> its SigmoidRule with the bias on the host
         self.routers, self.top_k = routers, top_k
@@ -190,7 +191,10 @@ class ResidencyExecutor:
             on_device(x, ids, weights)        # (emulated: the accelerator's, for transfers.counting)
         nxt = self._next_moe_layer(layer) if self.top_k > 0 and self.slots.num_slots else None
         resident = self.policy.resident(layer)
+        # (only where no eviction can follow: a policy that never evicts, or slots for every expert
+        # of the model; the policy's statistics, which that path does not update, then decide nothing)
         if with_accel and self.fused_accel and ids.shape[0] == 1 and self.audit is None \
+                and (not getattr(self.policy, "evicts", True) or self.slots.num_slots >= self._all_experts) \
                 and len(resident) == self._num_experts[layer] \
                 and (nxt is None or len(self.policy.resident(nxt)) == self._num_experts[nxt]):
             out = self._device_step(layer, x, ids, weights, t0)
@@ -236,7 +240,8 @@ class ResidencyExecutor:
     def _device_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                      t0: float) -> Optional[torch.Tensor]:
         """A lone token's layer-step whose experts are all in slots, with no look-ahead to make (the
-        next MoE layer's are all resident too, or there is none): routed on the device, through
+        next MoE layer's are all resident too, or there is none) and no eviction to follow (a policy
+        that never evicts, or slots for every expert of the model): routed on the device, through
         the layer's slot map (`_slot_map`), into the Triton experts: no read, no copy, no host
         work per expert (the index, the weights in fp32 where they are not, the zeroed output and
         the experts' two kernels). The routing stays on the device, so the policy's statistics
@@ -869,6 +874,11 @@ class ResidencyExecutor:
             for key in self.policy.resize(num_slots):
                 self.slots.evict(key)
         shrink = num_slots < self.slots.num_slots
+        # the kept slot table, the step plans over it and the slot maps hold views of the slots'
+        # chunks: dropped, so that a shrink frees its chunks (each is remade on its next use)
+        self._table = None
+        self._step_plans.clear()
+        self._slot_maps.clear()
         reached = self.slots.resize(num_slots)
         if shrink and self.slots.device.type == "cuda":
             torch.cuda.empty_cache()    # the freed chunks go back to the driver: the process that took memory gets them

@@ -61,6 +61,7 @@ def look_ahead(policy, layer: int, predicted, allowed: int, step: int, on_admit=
 class _SetPolicy:
     """A fixed resident set; every miss runs on the CPU."""
     name = "set"
+    evicts = False    # nothing it holds ever leaves for another expert (its statistics decide nothing)
 
     def __init__(self, resident: set[Key]):
         self._resident = set(resident)
@@ -130,6 +131,7 @@ class PinPolicy(_SetPolicy):
 class LruPolicy:
     """One global LRU over (layer, expert); a fixed share of misses streams (and is admitted)."""
     name = "lru"
+    evicts = True
 
     def __init__(self, capacity: int, stream_share: float):
         self.capacity = capacity

@@ -205,6 +205,12 @@ def _align(n: int, to: int = 64) -> int:
     return -(-n // to) * to
 
 
+# layouts (and kept device buffers) held before all are dropped: a decode step's few shapes, the
+# prefill chunks' and one slot map per MoE layer (up to ~94 layers in the published models), with
+# room to spare: 128 made a 90-layer model drop and remake them over and over
+MAX_LAYOUTS = 1024
+
+
 class Transfers:
     """Pooled staging for one executor's transfers to and from `device` (pinned host buffers on
     CUDA, plain host buffers otherwise), reused call after call: a buffer is rewritten only after
@@ -260,7 +266,7 @@ class Transfers:
                None if out_like is None else (out_like.shape, out_like.dtype))
         layout = self._layouts.get(key)
         if layout is None:          # (decode repeats one layout: its views are made once)
-            if len(self._layouts) >= 128:
+            if len(self._layouts) >= MAX_LAYOUTS:
                 self._layouts.clear()
                 self._kept.clear()
             layout = self._layouts[key] = self._layout(parts, out_like, role)
@@ -368,7 +374,7 @@ class Transfers:
         key = ("send", role, meta)
         layout = self._layouts.get(key)
         if layout is None:
-            if len(self._layouts) >= 128:
+            if len(self._layouts) >= MAX_LAYOUTS:
                 self._layouts.clear()
                 self._kept.clear()
             with torch.inference_mode(False):
