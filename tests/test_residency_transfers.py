@@ -106,6 +106,13 @@ def test_the_counts_see_a_second_read_and_a_pageable_copy():
         with transfers.counting():                              # (nested: counted once)
             dev.add_(1)
         assert (transfers.COUNTS.snapshot() - before).launches == 1
+        before = transfers.COUNTS.snapshot()                    # sizes that depend on the data: a read each
+        assert dev[dev > 3].tolist() == [4, 5, 6] and torch.nonzero(dev > 5).tolist() == [[1, 2]]
+        d = transfers.COUNTS.snapshot() - before
+        assert (d.d2h_reads, d.launches) == (4, 4), d                # (and the two .tolist())
+        before = transfers.COUNTS.snapshot()
+        assert dev.repeat_interleave(2, dim=1, output_size=6).shape == (2, 6)   # its size given: none
+        assert (transfers.COUNTS.snapshot() - before).d2h_reads == 0
         host = torch.ones(3)                                    # (host work is not counted)
         before = transfers.COUNTS.snapshot()
         assert (host * 2).sum().item() == 6.0

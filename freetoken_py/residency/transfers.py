@@ -16,7 +16,10 @@ makes goes through `Transfers`, which
 `COUNTS` holds what `counting()` observed: it wraps torch's dispatcher (a dispatch mode and a
 function mode) and counts, for every operation while it is on, the kernels queued on the
 accelerator (any operation but a view or an allocation on an accelerator tensor), the device ->
-host reads (a copy from the accelerator into host memory, `.item()`, `.tolist()`, `.numpy()`) and
+host reads (a copy from the accelerator into host memory, `.item()`, `.tolist()`, `.numpy()`, and
+an operation whose output size depends on the data: `nonzero`, boolean-mask indexing,
+`masked_select`, `unique`, `repeat_interleave` without `output_size`, which on CUDA read a count
+back inside the operation) and
 the host -> device copies (from pinned memory or pageable memory; a host tensor other than a
 0-dim one handed to an accelerator operation is an implicit pageable copy on CUDA, and counted as
 one), and `kernels.gpu_moe` counts its Triton launches at the one place it makes them. Nothing is
@@ -117,6 +120,22 @@ _NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empt
               _aten.set_.source_Storage_storage_offset, _aten.set_.source_Tensor, _aten.sym_size.int,
               _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default}
 
+# operations whose output size depends on the data: on CUDA each waits for the device and reads a
+# count back inside the operation (not through the dispatcher), so each is a read as well
+_SIZE_READS = {_aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default,
+               _aten.unique_dim.default, _aten.unique_consecutive.default}
+_INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default}
+
+
+def _reads_a_size(func, args, kwargs) -> bool:
+    if func in _SIZE_READS:
+        return True
+    if func is _aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None and (len(args) < 3 or args[2] is None)
+    if func in _INDEXING and len(args) > 1:       # a boolean mask among the indices: a nonzero first
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    return False
+
 
 class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -154,6 +173,8 @@ class _Dispatch(TorchDispatchMode):
             return out
         if not (func.is_view or func in _NO_KERNEL):
             COUNTS.torch_launches += 1
+        if _reads_a_size(func, args, kwargs):
+            COUNTS.d2h_reads += 1
         # a host tensor (not a 0-dim scalar) in an accelerator operation: an implicit copy on CUDA
         COUNTS.h2d_pageable += sum(1 for t, o in zip(ins, on) if not o and t.dim() > 0 and t.device.type == "cpu")
         on_device(*(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
