@@ -172,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         with _counted(llm) as timed:         # the executor's host time (and its wait in the routing read)
             run = common.residency_decode(llm, ex, prompt, args.decode_tokens)
         slot_copies = [n - b for n, b in zip(ex.streamer.slot_copies, copies_before)]   # the measured run's
+        # the executor's figures as the measured run left them (the counted pass below goes on
+        # updating the lead and, with live measuring, the cost model)
+        cost_run, slots_run = ex.cost, ex.slots.num_slots
+        lead_run = {"decode": round(ex.lead(True) * 1e3, 4), "prefill": round(ex.lead(False) * 1e3, 4)}
         llm.save_routing()
         sim_s, sim_tokens, sim_prefetch = simulated_expert_s(trace_path, ex, run["first_decode_step"])
-        # the reads, copies and launches, counted in a pass of their own (counting wraps every torch
-        # operation in Python: it would inflate the measured run's host time)
-        with _counted(llm, count=True) as counted:
-            common.residency_decode(llm, ex, prompt, COUNTED_TOKENS)
         corrected = None
         if args.cpu_only and run["cpu_tier_s"]:   # the simulator with the CPU tier's measured rate
             # (net of the fixed cost per call the cost model already charges: every MoE layer-step
@@ -196,10 +196,14 @@ def main(argv: list[str] | None = None) -> int:
                          # grouping, bookkeeping), measured in the run (the prior: host_layer_ms)
                          "host_outside_tier_ms_per_token": round((run["measured_s"] - run["cpu_tier_s"])
                                                                  / run["tokens"] * 1e3, 3)}
+        # the reads, copies and launches, counted in a pass of their own, last (counting wraps
+        # every torch operation in Python: it would inflate the measured run's host time)
+        with _counted(llm, count=True) as counted:
+            common.residency_decode(llm, ex, prompt, COUNTED_TOKENS)
     n = run["tokens"]
     measured, predicted = run["measured_s"] / n, run["predicted_s"] / n
     simulated = sim_s / max(1, sim_tokens)
-    dense_s = dense_weight_bytes(llm.model) / (ex.cost.profile.vram_gbps * 1e9)   # the simulator's dense term
+    dense_s = dense_weight_bytes(llm.model) / (cost_run.profile.vram_gbps * 1e9)   # the simulator's dense term
     sim_tok_s = 1.0 / (simulated + dense_s) if simulated + dense_s > 0 else None
     tok_s = n / run["seconds"]
     routed = max(1, run["routed_pairs"])
@@ -212,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         "label": ex.telemetry.label,
         "comparable": "cpu tier" if args.cpu_only else mode == "cuda",
         "device": torch.cuda.get_device_name(0) if mode == "cuda" else f"EMULATED {args.emulate} (CPU tensors)",
-        "model": str(model_dir), "expert_slots": ex.slots.num_slots, "budget_share": args.budget_share,
-        "profile": {k: getattr(ex.cost.profile, k) for k in ("pcie_gbps", "vram_gbps", "cpu_expert_gbps")},
+        "model": str(model_dir), "expert_slots": slots_run, "budget_share": args.budget_share,
+        "profile": {k: getattr(cost_run.profile, k) for k in ("pcie_gbps", "vram_gbps", "cpu_expert_gbps")},
         "dense_on": str(llm.model.device), "kv_on": str(llm.runner.cache.k.device),
         "accel_experts": "triton" if ex.fused_accel else "torch",
         "expert_format": ex.fmt.name if ex.fmt.name != "float" else str(ex.fmt.dtype).removeprefix("torch."),
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "simulator": round(sim_prefetch / max(1, sim_tokens), 3)},
         "prefetch_accuracy": (round(run["prefetch_correct"] / run["prefetch_predicted"], 3)
                               if run["prefetch_predicted"] else None),
-        "lead_ms": {"decode": round(ex.lead(True) * 1e3, 4), "prefill": round(ex.lead(False) * 1e3, 4)},
+        "lead_ms": lead_run,
         # copies into slots in the measured run: started at once (no queued compute reads the slot)
         # or after the compute queued before them (on a GPU; emulated, no sync: every one after)
         "slot_copies": {"at_once": slot_copies[0], "after_compute": slot_copies[1]},
@@ -245,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         **_per_token(timed, counted),
         # the fixed costs the simulator's prediction used (planner.CostModel; profiles.H200_SEEDS
         # until the probe measures them)
-        "simulator_fixed_us": {"gpu_step": round(ex.cost.gpu_step_s * 1e6, 1),
-                               "host_step": round(ex.cost.host_step_s * 1e6, 1),
-                               "host_layer": round(ex.cost.profile.host_layer_s * 1e6, 1)},
+        "simulator_fixed_us": {"gpu_step": round(cost_run.gpu_step_s * 1e6, 1),
+                               "host_step": round(cost_run.host_step_s * 1e6, 1),
+                               "host_layer": round(cost_run.profile.host_layer_s * 1e6, 1)},
     }
     return common.emit(row, args.out)
 
