@@ -34,11 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from expert_roofline import GROUP, SHAPES, TOP_K, cpu_name, isa, make_bank  # noqa: E402
 from freetoken_py.hw.measure_dram import make_buffer, read_samples  # noqa: E402
 from freetoken_py.kernels import configure_threads, moe_experts  # noqa: E402
-from freetoken_py.kernels._dots import prepare  # noqa: E402
+from freetoken_py.kernels._dots import ACT_SILU, prepare  # noqa: E402
 from freetoken_py.kernels._moe_kernels import RB_DOWN_FEW, RB_FEW, _gate_up_block, group_pairs  # noqa: E402
 from freetoken_py.kernels.cpu_linear import dense_rows_prepared, gemv_block  # noqa: E402
-
-SILU = 0
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -51,7 +49,7 @@ def _stage1(w13, s13, x, ids, gs, h, ub):
     for task in prange(eids.shape[0] * nb):
         u, i0 = task // nb, task % nb * RB_FEW
         _gate_up_block(w13[eids[u]], s13[eids[u]], xv, xg, order[off[u]:off[u + 1]], ids.shape[1], i0,
-                       min(inter, i0 + RB_FEW), SILU, gs // 2, h, ub[task], np.zeros(0, np.float32))
+                       min(inter, i0 + RB_FEW), ACT_SILU, gs // 2, h, ub[task], np.zeros(0, np.float32))
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -94,7 +92,8 @@ def measure(fmt: str, rounds: int, bank_mib: int, threads: int) -> dict:
     h = (torch.randn(TOP_K, inter, generator=g) * 0.1).numpy()
     one = [np.arange(e, e + TOP_K).reshape(1, TOP_K) for e in range(0, n - TOP_K + 1, TOP_K)]
     wide = [np.arange(e, e + 8 * TOP_K).reshape(8, TOP_K) for e in range(0, n - 8 * TOP_K + 1, 8 * TOP_K)]
-    hbuf, ubuf = np.empty((8 * TOP_K, inter), np.float32), np.empty((8 * TOP_K * inter // RB_FEW + 8, 4, RB_FEW), np.float32)
+    tasks = 8 * TOP_K * -(-inter // RB_FEW)                  # stage 1's tasks for 64 experts
+    hbuf, ubuf = np.empty((8 * TOP_K, inter), np.float32), np.empty((tasks, 4, RB_FEW), np.float32)
     y = np.empty((TOP_K, hidden), np.float32)
     rows13 = bank.w13.reshape(-1, hidden)                    # every expert's gate/up rows as one matrix
     srows13 = bank.s13.reshape(rows13.shape[0], -1)

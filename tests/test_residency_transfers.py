@@ -110,8 +110,13 @@ def test_the_counts_see_a_second_read_and_a_pageable_copy():
         assert dev[dev > 3].tolist() == [4, 5, 6] and torch.nonzero(dev > 5).tolist() == [[1, 2]]
         d = transfers.COUNTS.snapshot() - before
         assert (d.d2h_reads, d.launches) == (4, 4), d                # (and the two .tolist())
+        reps = torch.tensor([1, 2])                             # repeats on the device: a read to size
+        transfers.on_device(reps)                               # the output, unless it is given
         before = transfers.COUNTS.snapshot()
-        assert dev.repeat_interleave(2, dim=1, output_size=6).shape == (2, 6)   # its size given: none
+        assert dev.repeat_interleave(reps, dim=0).shape == (3, 3)
+        assert (transfers.COUNTS.snapshot() - before).d2h_reads == 1
+        before = transfers.COUNTS.snapshot()
+        assert dev.repeat_interleave(reps, dim=0, output_size=3).shape == (3, 3)
         assert (transfers.COUNTS.snapshot() - before).d2h_reads == 0
         host = torch.ones(3)                                    # (host work is not counted)
         before = transfers.COUNTS.snapshot()

@@ -194,7 +194,7 @@ class ResidencyExecutor:
         # (only where no eviction can follow: a policy that never evicts, or slots for every expert
         # of the model; the policy's statistics, which that path does not update, then decide nothing)
         if with_accel and self.fused_accel and ids.shape[0] == 1 and self.audit is None \
-                and (not getattr(self.policy, "evicts", True) or self.slots.num_slots >= self._all_experts) \
+                and (not self.policy.evicts or self.slots.num_slots >= self._all_experts) \
                 and len(resident) == self._num_experts[layer] \
                 and (nxt is None or len(self.policy.resident(nxt)) == self._num_experts[nxt]):
             out = self._device_step(layer, x, ids, weights, t0)

@@ -130,8 +130,8 @@ _INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.defau
 def _reads_a_size(func, args, kwargs) -> bool:
     if func in _SIZE_READS:
         return True
-    if func is _aten.repeat_interleave.Tensor:
-        return kwargs.get("output_size") is None and (len(args) < 3 or args[2] is None)
+    if func is _aten.repeat_interleave.Tensor:   # (its only positional argument is the repeats)
+        return kwargs.get("output_size") is None
     if func in _INDEXING and len(args) > 1:       # a boolean mask among the indices: a nonzero first
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
     return False
