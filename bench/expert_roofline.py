@@ -15,6 +15,9 @@ with an e4m3 scale per 16 and a row factor. MXFP4 (e2m1, e8m0 per 32) loads into
 losslessly (its bytes and kernel are nvfp4's), so the nvfp4 line is MXFP4's as well. The
 activation path is this process's default (kernels._dots.INT_ACT / BF16_ACT: "act" in each line);
 FREETOKEN_INT_ACT=fp32 or FREETOKEN_SIMD=avx2 select the other paths (each its own kernel cache).
+Banks take the layout the CPU backend gives them (`cpu_moe.preferred_layout`: int4 in 16-row slabs,
+"r16", on AVX-512 VNNI CPUs); a format written `int4:rows` forces the row layout, so
+`--formats int4,int4:rows` compares the two in one interleaved run ("layout" in each shape).
 Weights: uniform in +-0.05 (default; an fp8 bank of them holds almost no subnormal e4m3 codes), or
 Student-t with 3 degrees of freedom (heavy tails, as layers with outliers: ~1e-3 of the fp8 codes
 subnormal, where a decode that makes fp32 subnormals pays microcode assists on Intel cores).
@@ -37,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from freetoken_py.hw.measure_dram import make_buffer, read_samples  # noqa: E402
 from freetoken_py.hw.measure_expert import tiled_bank  # noqa: E402
 from freetoken_py.kernels import ExpertBank, configure_threads, moe_experts  # noqa: E402
+from freetoken_py.kernels.cpu_moe import preferred_layout  # noqa: E402
 
 SHAPES = {"qwen3": (2048, 768), "dsv3": (7168, 2048)}      # (hidden D, expert width I)
 GROUP = {"bf16": 32, "fp32": 32, "int8": 32, "int4": 32, "fp8": 128, "nvfp4": 16}
@@ -70,11 +74,22 @@ def _weights(shape, g: torch.Generator, kind: str) -> torch.Tensor:
     return (torch.rand(shape, generator=g) - 0.5) * 0.1
 
 
+def _spec(f: str) -> tuple[str, str]:
+    """"int4" -> ("int4", "auto"); "int4:rows" -> ("int4", "rows"): a format and its bank layout
+    (so one run can hold the layouts side by side)."""
+    fmt, _, layout = f.partition(":")
+    return fmt, layout or "auto"
+
+
 def make_bank(fmt: str, hidden: int, inter: int, bank_bytes: int, g: torch.Generator,
-              weights: str = "uniform") -> ExpertBank:
+              weights: str = "uniform", layout: str = "auto") -> ExpertBank:
+    """A bank of ~bank_bytes in `fmt`, in the layout the CPU backend would give it ("auto":
+    cpu_moe.preferred_layout) or the one named."""
     gate, up = (_weights((BASE, inter, hidden), g, weights) for _ in range(2))
     down = _weights((BASE, hidden, inter), g, weights)
-    base = ExpertBank.from_weights(gate, up, down, fmt=fmt, group_size=GROUP[fmt])
+    if layout == "auto":
+        layout = preferred_layout(fmt, inter, hidden, GROUP[fmt])
+    base = ExpertBank.from_weights(gate, up, down, fmt=fmt, group_size=GROUP[fmt], layout=layout)
     num = max(math.ceil(bank_bytes / base.bytes_per_expert / TOP_K), 2) * TOP_K
     return tiled_bank(base, num)
 
@@ -108,7 +123,8 @@ def measure(fmts, shapes, rounds: int = 7, bank_mib: int = 768, sample_s: float 
     threads = configure_threads(threads)
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
-    work = {(f, s): Workload(make_bank(f, *SHAPES[s], bank_mib << 20, g, weights), g) for f in fmts for s in shapes}
+    work = {(f, s): Workload(make_bank(*_spec(f)[:1], *SHAPES[s], bank_mib << 20, g, weights, _spec(f)[1]), g)
+            for f in fmts for s in shapes}
     build_s = time.perf_counter() - t0
     dram_buf = make_buffer(1 << 30)
     for w in work.values():                          # compile / cache-load, page in
@@ -131,12 +147,13 @@ def measure(fmts, shapes, rounds: int = 7, bank_mib: int = 768, sample_s: float 
     lines = []
     for f in fmts:
         act = {"int8": _dots.INT_ACT, "int4": _dots.INT_ACT, "nvfp4": _dots.INT_ACT,
-               "bf16": _dots.BF16_ACT, "fp8": getattr(_dots, "FP8_ACT", "fp32")}.get(f, "fp32")
-        line = {**common, "format": f, "group": GROUP[f], "act": act, "shapes": {}}
+               "bf16": _dots.BF16_ACT, "fp8": getattr(_dots, "FP8_ACT", "fp32")}.get(_spec(f)[0], "fp32")
+        fmt, _ = _spec(f)
+        line = {**common, "format": fmt, "group": GROUP[fmt], "act": act, "shapes": {}}
         for s in shapes:
             b = work[(f, s)].bank
             m = kern_med[(f, s)]
-            line["shapes"][s] = {"hidden": b.hidden, "inter": b.inter, "bank_mib": b.nbytes >> 20,
+            line["shapes"][s] = {"hidden": b.hidden, "inter": b.inter, "layout": b.layout, "bank_mib": b.nbytes >> 20,
                                  "bytes_per_expert": b.bytes_per_expert, "gbps": round(m, 1),
                                  "samples": [round(v, 1) for v in got[(f, s)]],
                                  "share_of_dram": round(m / dram_med, 3), "share_of_wall": round(m / wall, 3),

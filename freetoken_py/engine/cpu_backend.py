@@ -220,7 +220,8 @@ def load_cpu_parts(model_dir, dtype: str = "auto", expert_format: str | None = N
     if native is not None and fmt != native:
         note_conversion(f"converting the checkpoint's {ckpt.decoder.describe()} experts to {fmt} (--expert-dtype)")
     load_dtype = model.dtype
-    store = open_expert_store(model_dir, model.args, load_dtype, fmt, expert_group, expert_cache, show_progress)
+    store = open_expert_store(model_dir, model.args, load_dtype, fmt, expert_group, expert_cache, show_progress,
+                              layout="auto")
     packed = packed_dense(ckpt, model, groups) if groups is not None else None
     use_cpu_kernels(model, fmt, expert_group if dense_format is None else group_size, dense_format=dense_format,
                     banks=store.banks, packed=packed)
@@ -228,7 +229,7 @@ def load_cpu_parts(model_dir, dtype: str = "auto", expert_format: str | None = N
     if prefill_format is not None and prefill_format != fmt:
         pgroup = ckpt.decoder.group_size if prefill_format == native else group_size
         pstore = open_expert_store(model_dir, model.args, load_dtype, prefill_format, pgroup, expert_cache,
-                                   show_progress)
+                                   show_progress, layout="auto")
         model.experts.prefill_banks = pstore.banks
     kv_dtype = torch.bfloat16 if load_dtype == torch.bfloat16 else torch.float32
     return CpuModel(model, store, pstore, kv_dtype)
@@ -298,6 +299,7 @@ def _moe_kernels(lw, dense_fmt: str, head_fmt: str, expert_format: str, group_si
     """One MoE layer's router and shared expert on the kernels, in place; returns its ExpertBank
     (`prebuilt`, the store's, or converted from the torch stacks, which are dropped)."""
     from freetoken_py.kernels import ExpertBank
+    from freetoken_py.kernels.cpu_moe import preferred_layout
 
     # a sigmoid router stays fp32 (as transformers and llama.cpp keep it): its scores pick experts
     lw.router = _kernel(lw.router, "fp32" if lw.router_bias is not None else head_fmt)
@@ -313,7 +315,8 @@ def _moe_kernels(lw, dense_fmt: str, head_fmt: str, expert_format: str, group_si
     else:
         inter = lw.w13.shape[1] // 2
         bank = ExpertBank.from_weights(lw.w13[:, :inter], lw.w13[:, inter:], lw.w2,
-                                       fmt=expert_format, group_size=group_size)
+                                       fmt=expert_format, group_size=group_size,
+                                       layout=preferred_layout(expert_format, inter, lw.w2.shape[1], group_size))
         bank = bank if lw.b13 is None else bank.with_biases(lw.b13, lw.b2)
     lw.w13 = lw.w2 = lw.b13 = lw.b2 = None
     return bank

@@ -5,7 +5,7 @@ Layout (little-endian)::
     0   8 bytes   magic b"FTEXPB01"
     8   u64       header length H
     16  32 bytes  sha256 of the header bytes
-    48  H bytes   JSON header: version, identity, fmt, group_size, file_bytes, per-layer arrays
+    48  H bytes   JSON header: version, identity, fmt, group_size, layout, file_bytes, per-layer arrays
     ... zero padding to the next 4096-byte page
         every array raw, C order, each starting on a 4096-byte page (offsets in the header)
 
@@ -118,6 +118,9 @@ def check_header(header: dict, expected: dict, path: Path) -> None:
     for key in ("identity", "fmt", "group_size"):
         if header.get(key) != expected[key]:
             raise CacheInvalid(f"{key} differs (the model files or options changed since it was written)")
+    if header.get("layout", "rows") != expected.get("layout", "rows"):      # files from before "r16" hold rows
+        raise CacheInvalid(f"its experts are in the {header.get('layout', 'rows')} layout, this start needs "
+                           f"{expected.get('layout', 'rows')}")
     if header.get("layers") != expected["layers"] or header.get("file_bytes") != expected["file_bytes"]:
         raise CacheInvalid("array layout differs from what this model needs")
     size = path.stat().st_size

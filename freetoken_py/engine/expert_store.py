@@ -28,7 +28,7 @@ from freetoken_py import envs
 from freetoken_py.engine import expert_cache as fc
 from freetoken_py.errors import FreetokenError
 from freetoken_py.kernels._buffers import PAGE_BYTES, aligned_empty, row_layout, scale_dtype
-from freetoken_py.kernels.cpu_moe import ExpertBank
+from freetoken_py.kernels.cpu_moe import ExpertBank, preferred_layout
 from freetoken_py.models import loader
 from freetoken_py.models.args import ModelArgs
 from freetoken_py.utils.progress import progress_bar
@@ -49,13 +49,18 @@ class ExpertStore:
 
 
 def open_expert_store(model_dir: Path | str, args: ModelArgs, dtype: torch.dtype, fmt: str, group_size: int = 32,
-                      cache: str = "auto", show_progress: bool = True) -> ExpertStore:
+                      cache: str = "auto", show_progress: bool = True, layout: str = "rows") -> ExpertStore:
     """Banks for every layer. `dtype` is the load dtype: tensors are cast to it before encoding,
-    exactly as the torch loader would, so the bytes match `ExpertBank.from_weights` on its stacks."""
+    exactly as the torch loader would, so the bytes match `ExpertBank.from_weights` on its stacks.
+    layout: the banks' layout ("rows"; "auto" for banks only the CPU kernels read: what
+    `cpu_moe.preferred_layout` picks on this CPU, "r16" int4 slabs on AVX-512 VNNI); an "r16"
+    store has its own cache file."""
     if cache not in CACHE_MODES:
         raise FreetokenError(f"expert cache must be one of {', '.join(CACHE_MODES)} (got {cache!r})")
     model_dir = Path(model_dir)
-    job = _Job(model_dir, args, dtype, fmt, group_size, show_progress)
+    if layout == "auto":
+        layout = preferred_layout(fmt, args.moe_intermediate_size, args.hidden_size, group_size)
+    job = _Job(model_dir, args, dtype, fmt, group_size, show_progress, layout)
     if cache == "off":
         _check_in_memory(job, "--expert-cache off holds them in memory; use --expert-cache auto (a cache file, mapped)")
         return ExpertStore(job.build_in_memory(), "built", None)
@@ -125,7 +130,8 @@ def _candidate_paths(model_dir: Path, name: str) -> list[Path]:
 
 
 def _mapped_banks(path: Path, job: "_Job") -> list[ExpertBank | None]:
-    banks = [None if a is None else ExpertBank(job.fmt, job.group_size, a["w13"], a["s13"], a["w2"], a["s2"])
+    banks = [None if a is None else ExpertBank(job.fmt, job.group_size, a["w13"], a["s13"], a["w2"], a["s2"],
+                                               layout=job.layout)
              for a in fc.map_arrays(path, job.header)]
     return banks
 
@@ -134,9 +140,10 @@ class _Job:
     """What to build (names, shapes, format) and the cache header that describes it."""
 
     def __init__(self, model_dir: Path, args: ModelArgs, dtype: torch.dtype, fmt: str, group_size: int,
-                 show_progress: bool):
+                 show_progress: bool, layout: str = "rows"):
         _check_format(args, fmt, group_size)
         self.model_dir, self.args, self.dtype, self.fmt, self.group_size = model_dir, args, dtype, fmt, group_size
+        self.layout = layout
         self.show_progress = show_progress
         self.ckpt = loader.open_checkpoint(model_dir)
         self.scheme = self.ckpt.scheme
@@ -145,13 +152,14 @@ class _Job:
         # the checkpoint's own execution format: its codes and scales are copied, never re-encoded
         self.copy_packed = dec.exec_format == fmt and dec.group_size == group_size
         src = str(dtype).removeprefix("torch.")
-        self.file_name = f"freetoken-experts-{fmt}-g{group_size}-from-{src}.bin"
+        shape = "" if layout == "rows" else f"-{layout}"
+        self.file_name = f"freetoken-experts-{fmt}-g{group_size}{shape}-from-{src}.bin"
         files = sorted({t.file for t in self.tensors.values()})
         identity = {"model_type": args.model_type, "load_dtype": src, "format": dec.name,
                     "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
         specs = [self._spec() if sparse else None for sparse in args.sparse_layers]
         self.raw_header, self.header = fc.plan_layout(
-            specs, {"identity": identity, "fmt": fmt, "group_size": group_size})
+            specs, {"identity": identity, "fmt": fmt, "group_size": group_size, "layout": layout})
 
     def _spec(self) -> dict:
         a = self.args
@@ -180,8 +188,9 @@ class _Job:
     def _build_layer(self, reader, i: int, transient: bool = False) -> ExpertBank:
         global LAYER_BUILDS
         a, s = self.args, self.scheme
-        bank = (_transient_bank(self.fmt, self.group_size, self.header["layers"][i]) if transient else
-                ExpertBank.empty(self.fmt, a.num_experts, a.moe_intermediate_size, a.hidden_size, self.group_size))
+        bank = (_transient_bank(self.fmt, self.group_size, self.header["layers"][i], self.layout) if transient else
+                ExpertBank.empty(self.fmt, a.num_experts, a.moe_intermediate_size, a.hidden_size, self.group_size,
+                                 self.layout))
         prefix = s.layer.format(i=i)
         for e in range(a.num_experts):
             names = [f"{prefix}{s.expert.format(e=e)}{proj}.weight" for proj in s.expert_proj]  # gate, up, down
@@ -216,7 +225,7 @@ class _Job:
             raise
 
 
-def _transient_bank(fmt: str, group_size: int, layer: dict) -> ExpertBank:
+def _transient_bank(fmt: str, group_size: int, layer: dict, layout: str = "rows") -> ExpertBank:
     """An empty bank with the cache plan's arrays (`layer`: name -> dtype, shape) in one
     anonymous mapping, each array page-aligned; unmapped when the last array is dropped."""
     sizes = [(n, np.dtype(layer[n]["dtype"]), layer[n]["shape"]) for n in fc.ARRAYS]
@@ -228,7 +237,7 @@ def _transient_bank(fmt: str, group_size: int, layer: dict) -> ExpertBank:
         count = int(np.prod(shape, dtype=np.int64))
         arrays[name] = np.frombuffer(mm, dt, count, pos).reshape(shape)   # each view keeps mm alive
         pos += span
-    return ExpertBank(fmt, group_size, arrays["w13"], arrays["s13"], arrays["w2"], arrays["s2"])
+    return ExpertBank(fmt, group_size, arrays["w13"], arrays["s13"], arrays["w2"], arrays["s2"], layout=layout)
 
 
 def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:

@@ -100,6 +100,50 @@ def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) ->
                            group_size)
 
 
+R16_ROWS = 16     # rows per slab of the "r16" int4 layout (_simd "int4 weights in 16-row interleaved slabs")
+
+
+def r16_fits(fmt: str, n: int, k: int, group_size: int) -> bool:
+    """True where [n, k] int4 rows of group_size can take the "r16" layout: whole slabs of 16 rows,
+    whole 32-column blocks, groups of whole blocks."""
+    return fmt == "int4" and n % R16_ROWS == 0 and k % 32 == 0 and group_size % 32 == 0 and n > 0
+
+
+def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int4 rows in the row layout (w uint8 [..., N, K/2], low nibble = even column; s [..., N, G])
+    -> the same bytes in the "r16" layout, same shapes: per slab of 16 rows and 32-column block b,
+    4 chunks c of 64 bytes, byte 4r + j holding row r's columns 32b + 8c + j (low nibble) and
+    32b + 8c + 4 + j (high nibble); the slab's scales as [G, 16]."""
+    *lead, n, kh = w.shape
+    g = s.shape[-1]
+    q = np.empty((*lead, n, 2 * kh), np.uint8)
+    q[..., 0::2] = w & 15
+    q[..., 1::2] = w >> 4
+    q = q.reshape(*lead, n // 16, 16, kh // 16, 4, 2, 4)           # slab, r, b, c, half, j
+    packed = q[..., 0, :] | (q[..., 1, :] << 4)                    # slab, r, b, c, j
+    nd = len(lead)
+    perm = tuple(range(nd)) + tuple(nd + a for a in (0, 2, 3, 1, 4))   # slab, b, c, r, j
+    wr = np.ascontiguousarray(packed.transpose(perm)).reshape(w.shape)
+    sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
+    sr = np.ascontiguousarray(s.reshape(*lead, n // 16, 16, g).transpose(sperm)).reshape(s.shape)
+    return wr, sr
+
+
+def r16_unpack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of r16_pack: "r16" slabs back to the row layout."""
+    *lead, n, kh = w.shape
+    g = s.shape[-1]
+    nd = len(lead)
+    b = np.ascontiguousarray(w).reshape(*lead, n // 16, kh // 16, 4, 16, 4)     # slab, b, c, r, j
+    b = b.transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 3, 1, 2, 4)))  # slab, r, b, c, j
+    q = np.stack([b & 15, b >> 4], axis=-2)                                      # slab, r, b, c, half, j
+    q = q.reshape(*lead, n, 2 * kh)
+    wr = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
+    sr = np.ascontiguousarray(np.ascontiguousarray(s).reshape(*lead, n // 16, g, 16).transpose(sperm)).reshape(s.shape)
+    return wr, sr
+
+
 _TORCH_DTYPES = {np.float32: torch.float32, np.int64: torch.int64}
 
 

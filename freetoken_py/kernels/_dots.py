@@ -829,6 +829,47 @@ def prep_q8n_rows(x):
     return xq, xs
 
 
+@njit(fastmath=False, cache=True)
+def prep_q8r_rows(x):
+    """x [R, K] (K % 32 == 0) -> (xq int8 [R, K] natural order, xg float32 [R, 2 K/32]): per block b
+    xg[b] = s_x[b], xg[K/32 + b] = 8 s_x[b] sum(q_b) (the nibble offset, removed per block): the
+    activations of the "r16" int4 slabs (_simd.q4r16_dot). Rounding as prep_q8_row."""
+    nb = x.shape[1] // Q8_BLOCK
+    xq = np.empty(x.shape, np.int8)
+    xg = np.empty((x.shape[0], 2 * nb), np.float32)
+    for r in range(x.shape[0]):
+        for b in range(nb):
+            x0 = b * Q8_BLOCK
+            scale, div = q8_block_scale(x[r], x0, x0 + Q8_BLOCK)
+            qsum = np.int32(0)
+            for j in range(x0, x0 + Q8_BLOCK):
+                q = q8_code(x[r, j], div)
+                xq[r, j] = np.int8(q)
+                qsum += np.int32(q)
+            xg[r, b] = scale
+            xg[r, nb + b] = np.float32(8.0) * scale * np.float32(qsum)
+    return xq, xg
+
+
+R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 banks in the "r16" layout (_simd)
+
+
+def prepare_as(w, s, x, gs, r16):
+    """prepare, or for int4 rows in the "r16" layout (r16 true at run time) prep_q8r_rows (jitted only)."""
+    raise NotImplementedError("prepare_as is only callable from numba-compiled code")
+
+
+@overload(prepare_as, jit_options={"fastmath": True})
+def _prepare_as_impl(w, s, x, gs, r16):
+    if R16_OK and w.dtype == types.uint8 and s.dtype == types.uint16:
+        def impl(w, s, x, gs, r16):
+            if r16:
+                return prep_q8r_rows(x)
+            return prep_q8_rows(x, gs)
+        return impl
+    return lambda w, s, x, gs, r16: prepare(w, s, x, gs)
+
+
 @njit(fastmath=True, cache=True)
 def prep_q8_rows_as(x, gs, quad):
     """x [R, K] -> (xq int8 [R, K], xg float32 [R, K/32 + K/gs]): prep_q8_row for every row."""

@@ -15,8 +15,8 @@ import numba
 import numpy as np
 import torch
 
-from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows, host_array
-from freetoken_py.kernels._dots import ACTIVATIONS, FORMATS
+from freetoken_py.kernels._buffers import R16_ROWS, decode_rows, empty_rows, encode_rows, host_array, r16_fits, r16_pack, r16_unpack
+from freetoken_py.kernels._dots import ACTIVATIONS, FORMATS, R16_OK
 from freetoken_py.kernels._moe_kernels import moe_rows
 from freetoken_py.kernels.cpu_linear import torch_bf16, use_torch_bf16
 
@@ -31,6 +31,11 @@ class ExpertBank:
                               uint16, G = D/group_size (_buffers.scale_dtype)
     w2   [E, D, I]    down rows, same encoding (uint8 [E, D, I/2] for int4)
     s2   [E, D, G']           as s13
+
+    layout "rows" (above) or "r16" (int4 only, AVX-512 VNNI CPUs: `preferred_layout`): the same
+    shapes and bytes, each slab of 16 rows permuted within itself so one vector load serves 16
+    rows (_buffers.r16_pack, _simd "int4 weights in 16-row interleaved slabs"); the CPU kernels
+    read either, `dequantized()` undoes it, the accelerator tiers take "rows" only.
     """
 
     fmt: str
@@ -42,6 +47,14 @@ class ExpertBank:
     # biases (gpt-oss): b13 [E, 2I] gate then up, b2 [E, D], float32; 0 rows: none
     b13: np.ndarray = field(default_factory=lambda: _NO_BIAS)
     b2: np.ndarray = field(default_factory=lambda: _NO_BIAS)
+    layout: str = "rows"
+
+    def __post_init__(self):
+        if self.layout not in ("rows", "r16"):
+            raise ValueError(f"unknown bank layout {self.layout!r}; expected 'rows' or 'r16'")
+        if self.layout == "r16" and not R16_OK:
+            raise ValueError("the r16 layout runs on AVX-512 VNNI CPUs with int8 activations only "
+                             "(this process: FREETOKEN_SIMD / FREETOKEN_INT_ACT or the CPU rule it out)")
 
     def with_biases(self, b13, b2) -> "ExpertBank":
         """This bank with the experts' biases (torch or numpy [E, 2I] and [E, D], any float dtype)."""
@@ -69,7 +82,7 @@ class ExpertBank:
         return self.nbytes // self.num_experts
 
     @classmethod
-    def from_weights(cls, gate, up, down, fmt: str = "bf16", group_size: int = 32) -> "ExpertBank":
+    def from_weights(cls, gate, up, down, fmt: str = "bf16", group_size: int = 32, layout: str = "rows") -> "ExpertBank":
         """gate, up [E, I, D] and down [E, D, I] (torch, any float dtype) -> bank in `fmt`.
 
         Converts one expert at a time, so no full-size high-precision copy is kept or made.
@@ -80,19 +93,29 @@ class ExpertBank:
         if tuple(up.shape) != (num_e, inter, hidden) or tuple(down.shape) != (num_e, hidden, inter):
             raise ValueError(f"expected gate/up [E, I, D] and down [E, D, I], got {tuple(gate.shape)}, "
                              f"{tuple(up.shape)}, {tuple(down.shape)}")
-        bank = cls.empty(fmt, num_e, inter, hidden, group_size)
+        bank = cls.empty(fmt, num_e, inter, hidden, group_size, layout)
         for e in range(num_e):
             bank.set_expert(e, gate[e], up[e], down[e])
         return bank
 
     @classmethod
-    def empty(cls, fmt: str, num_experts: int, inter: int, hidden: int, group_size: int = 32) -> "ExpertBank":
+    def empty(cls, fmt: str, num_experts: int, inter: int, hidden: int, group_size: int = 32,
+              layout: str = "rows") -> "ExpertBank":
         """Uninitialised page-aligned bank of `num_experts` experts; fill it with `set_expert`."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
+        if layout == "r16" and not r16_layout_fits(fmt, inter, hidden, group_size):
+            raise ValueError(f"the r16 layout takes int4 experts with I and D multiples of 32 and groups of whole "
+                             f"32-blocks, got {fmt} I={inter} D={hidden} g{group_size}")
         w13, s13 = empty_rows(fmt, (num_experts, 2 * inter), hidden, group_size)
         w2, s2 = empty_rows(fmt, (num_experts, hidden), inter, group_size)
-        return cls(fmt, group_size, w13, s13, w2, s2)
+        return cls(fmt, group_size, w13, s13, w2, s2, layout=layout)
+
+    def _to_layout(self, e: int) -> None:
+        """Expert e, just written in the row layout, into this bank's layout (in place)."""
+        if self.layout == "r16":
+            self.w13[e], self.s13[e] = r16_pack(self.w13[e], self.s13[e])
+            self.w2[e], self.s2[e] = r16_pack(self.w2[e], self.s2[e])
 
     def set_expert(self, e: int, gate, up, down) -> None:
         """Encode one expert: gate, up [I, D] and down [D, I] (torch, any float dtype)."""
@@ -100,6 +123,7 @@ class ExpertBank:
         encode_rows(_cpu(gate), self.fmt, self.group_size, self.w13[e, :inter], self.s13[e, :inter])
         encode_rows(_cpu(up), self.fmt, self.group_size, self.w13[e, inter:], self.s13[e, inter:])
         encode_rows(_cpu(down), self.fmt, self.group_size, self.w2[e], self.s2[e])
+        self._to_layout(e)
 
     def set_expert_packed(self, e: int, gate, up, down) -> None:
         """Copy one expert already in this bank's format (formats.Packed gate, up [I, D], down
@@ -111,6 +135,7 @@ class ExpertBank:
                 raise ValueError(f"a {p.fmt} g{p.group_size} weight in a {self.fmt} g{self.group_size} bank")
             codes, scales = p.arrays()
             w[...], s[...] = codes, scales
+        self._to_layout(e)
 
     @classmethod
     def view_of(cls, w13: torch.Tensor, w2: torch.Tensor) -> "ExpertBank":
@@ -135,8 +160,27 @@ class ExpertBank:
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 fp32 [E, 2I, D], w2 fp32 [E, D, I]) as the kernels see them, for references."""
-        return (decode_rows(self.w13, self.s13, self.fmt, self.group_size),
-                decode_rows(self.w2, self.s2, self.fmt, self.group_size))
+        return (decode_rows(*self.row_arrays(self.w13, self.s13), self.fmt, self.group_size),
+                decode_rows(*self.row_arrays(self.w2, self.s2), self.fmt, self.group_size))
+
+    def row_arrays(self, w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(weights, scales) of this bank (all or some experts) in the row layout: as they are, or
+        unpacked from "r16" (a copy)."""
+        return r16_unpack(w, s) if self.layout == "r16" else (w, s)
+
+
+def r16_layout_fits(fmt: str, inter: int, hidden: int, group_size: int) -> bool:
+    """True where experts of these widths can be stored in the "r16" layout (gate and up halves
+    in whole slabs, whole blocks of 32 columns both ways)."""
+    return (fmt == "int4" and inter % R16_ROWS == 0 and r16_fits(fmt, 2 * inter, hidden, group_size)
+            and r16_fits(fmt, hidden, inter, group_size))
+
+
+def preferred_layout(fmt: str, inter: int, hidden: int, group_size: int) -> str:
+    """"r16" where this process's CPU kernels run it (int4, AVX-512 VNNI, int8 activations) and the
+    widths fit, else "rows". A bank that only the CPU reads takes this; the accelerator tiers
+    keep "rows"."""
+    return "r16" if R16_OK and r16_layout_fits(fmt, inter, hidden, group_size) else "rows"
 
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
@@ -181,7 +225,7 @@ def add_moe_experts(bank: ExpertBank, x: np.ndarray, topk_ids: np.ndarray, topk_
         _add_experts_torch_bf16(bank, x, topk_ids, topk_weights, out)
         return
     moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, x, topk_ids, topk_weights, activation, bank.group_size,
-             numba.get_num_threads(), out, bank.b13, bank.b2)
+             numba.get_num_threads(), out, bank.b13, bank.b2, bank.layout == "r16")
 
 
 def _add_experts_torch_bf16(bank: ExpertBank, x: np.ndarray, ids: np.ndarray, wts: np.ndarray, out: np.ndarray) -> None:

@@ -1,0 +1,247 @@
+"""int4 experts in 16-row slabs (ExpertBank layout "r16", _simd "int4 weights in 16-row interleaved
+slabs"): the layout's byte placement and round trip (any CPU), the slab dot against float64 on the
+format's own dequantisation (AVX-512 VNNI), whole expert calls against the row layout and against
+float64 in every stage form (decode expert-major, few pairs, prefill row blocks, biases, GPT-OSS's
+activation, group sizes 32 / 64 / 128), the choice of layout (forced AVX2: rows, never r16), and the
+expert store's own cache file for it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from freetoken_py.kernels import ExpertBank, moe_experts
+from freetoken_py.kernels._buffers import decode_rows, r16_fits, r16_pack, r16_unpack
+from freetoken_py.kernels._dots import R16_OK, prep_q8r_rows
+from freetoken_py.kernels.cpu_moe import preferred_layout, r16_layout_fits
+
+needs_r16 = pytest.mark.skipif(not R16_OK, reason="the r16 kernels run on AVX-512 VNNI with int8 activations only")
+
+if R16_OK:
+    from freetoken_py.kernels._simd import q4r16_dot, q4r16_dot4
+
+    @njit(fastmath=True)
+    def slab_mv(w, s, xq, xg, bpg):
+        """[R, N]: every 16-row slab of w against each activation row (R = 1 or 4)."""
+        r = xq.shape[0]
+        out = np.zeros((r, w.shape[0]), np.float32)
+        for n in range(0, w.shape[0], 16):
+            if r == 4:
+                q4r16_dot4(w[n:n + 16], s[n:n + 16], xq[0], xq[1], xq[2], xq[3], xg[0], xg[1], xg[2], xg[3], bpg,
+                           out[0, n:n + 16], out[1, n:n + 16], out[2, n:n + 16], out[3, n:n + 16])
+            else:
+                q4r16_dot(w[n:n + 16], s[n:n + 16], xq[0], xg[0], bpg, out[0, n:n + 16])
+        return out
+
+
+def int4_rows(n: int, k: int, g: int, seed: int):
+    """Random int4 rows in the row layout (packed, fp16-bit scales) and their float64 values."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    w[w & 15 == 0] |= 1                      # codes q + 8 in [1, 15], as quantize_int4 writes them
+    w[w >> 4 == 0] |= 16
+    s = (rng.random((n, k // g)) * 0.02 + 1e-3).astype(np.float16).view(np.uint16)
+    ref = decode_rows(w, s, "int4", g).double().numpy()
+    return w, s, ref
+
+
+def test_pack_places_each_nibble_and_scale_and_unpack_inverts_it():
+    n, k, g = 32, 96, 32
+    w, s, _ = int4_rows(n, k, g, 0)
+    q = np.empty((n, k), np.uint8)
+    q[:, 0::2], q[:, 1::2] = w & 15, w >> 4
+    wr, sr = r16_pack(w, s)
+    assert wr.shape == w.shape and sr.shape == s.shape
+    flat, sflat = wr.reshape(n // 16, -1), sr.reshape(n // 16, -1)
+    for slab in range(n // 16):
+        for r in range(16):
+            for col in range(k):
+                b, c, j, high = col // 32, (col % 32) // 8, col % 4, (col % 8) >= 4
+                byte = flat[slab, 256 * b + 64 * c + 4 * r + j]
+                assert (byte >> 4 if high else byte & 15) == q[16 * slab + r, col]
+            for grp in range(k // g):
+                assert sflat[slab, 16 * grp + r] == s[16 * slab + r, grp]
+    back_w, back_s = r16_unpack(wr, sr)
+    assert np.array_equal(back_w, w) and np.array_equal(back_s, s)
+    e3 = np.stack([w, w ^ 0x11, w])                                 # leading (expert) dims
+    s3 = np.stack([s, s, s ^ 1])
+    wr3, sr3 = r16_pack(e3, s3)
+    assert np.array_equal(wr3[1], r16_pack(e3[1], s3[1])[0]) and np.array_equal(sr3[2], r16_pack(e3[2], s3[2])[1])
+    assert all(np.array_equal(a, b) for a, b in zip(r16_unpack(wr3, sr3), (e3, s3)))
+
+
+def test_which_widths_and_formats_take_the_layout():
+    assert r16_fits("int4", 32, 64, 32) and not r16_fits("int4", 24, 64, 32) and not r16_fits("int4", 32, 48, 16)
+    assert not r16_fits("int8", 32, 64, 32)
+    assert r16_layout_fits("int4", 768, 2048, 32) and r16_layout_fits("int4", 64, 64, 64)
+    assert not r16_layout_fits("int4", 48, 64, 32)           # the up half would start inside a slab
+    assert not r16_layout_fits("int4", 40, 64, 32)           # I not whole 32-blocks (the down rows' K)
+    assert preferred_layout("int8", 768, 2048, 32) == "rows" and preferred_layout("int4", 48, 64, 32) == "rows"
+    assert preferred_layout("int4", 768, 2048, 32) == ("r16" if R16_OK else "rows")
+    with pytest.raises(ValueError, match="layout"):
+        ExpertBank.empty("int4", 2, 64, 64, 32, layout="cols")
+    if R16_OK:
+        with pytest.raises(ValueError, match="r16 layout takes int4"):
+            ExpertBank.empty("int8", 2, 64, 64, 32, layout="r16")
+
+
+def test_forced_avx2_never_builds_r16_banks():
+    """FREETOKEN_SIMD=avx2 (the AVX2 kernels on an AVX-512 machine): banks stay in rows, a bank
+    claiming r16 is refused, and the expert call still equals float64."""
+    code = """
+import torch, numpy as np
+from freetoken_py.kernels import ExpertBank, moe_experts
+from freetoken_py.kernels._dots import R16_OK
+from freetoken_py.kernels.cpu_moe import preferred_layout
+assert not R16_OK and preferred_layout("int4", 64, 128, 32) == "rows"
+g = torch.Generator().manual_seed(0)
+gate, up, down = torch.randn(4, 64, 128, generator=g), torch.randn(4, 64, 128, generator=g), torch.randn(4, 128, 64, generator=g)
+bank = ExpertBank.from_weights(gate, up, down, "int4", 32)
+try:
+    ExpertBank(bank.fmt, bank.group_size, bank.w13, bank.s13, bank.w2, bank.s2, layout="r16")
+    raise SystemExit("an r16 bank was accepted without the r16 kernels")
+except ValueError as e:
+    assert "AVX-512 VNNI" in str(e)
+x = torch.randn(3, 128, generator=g)
+ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+out = moe_experts(bank, x, ids, torch.full((3, 2), 0.5))
+assert out.shape == (3, 128) and torch.isfinite(out).all()
+print("ok")
+"""
+    env = dict(os.environ, FREETOKEN_SIMD="avx2")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@needs_r16
+@pytest.mark.parametrize("k,g", [(32, 32), (96, 32), (160, 32), (2048, 32), (128, 64), (192, 64), (384, 128)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_slab_dot_equals_float64(k, g, rows):
+    n = 48
+    w, s, ref = int4_rows(n, k, g, k + g)
+    wr, sr = r16_pack(w, s)
+    x = np.random.default_rng(k).standard_normal((rows, k)).astype(np.float32) * 3
+    xq, xg = prep_q8r_rows(x)
+    nb = k // 32
+    xs = xg[:, :nb].astype(np.float64)
+    assert np.allclose(xg[:, nb:], 8 * xg[:, :nb] * xq.reshape(rows, nb, 32).sum(-1), rtol=1e-6)
+    xdq = (xq.reshape(rows, nb, 32).astype(np.float64) * xs[:, :, None]).reshape(rows, k)
+    want = xdq @ ref.T
+    got = slab_mv(wr, sr, xq, xg, g // 32)
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 2e-6 * scale, np.abs(got - want).max() / scale
+    # a wrong slab layout (the row layout read as r16) is far off
+    assert np.abs(slab_mv(w, s, xq, xg, g // 32) - want).max() > 0.05 * scale
+
+
+def expert_weights(e, i, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(e, i, d, generator=g) * 0.1, torch.randn(e, i, d, generator=g) * 0.1,
+            torch.randn(e, d, i, generator=g) * 0.1)
+
+
+def reference(bank: ExpertBank, x, ids, wts, activation="silu"):
+    """float64 on the bank's dequantised weights and the int8-quantised activations of each stage."""
+    from freetoken_py.quant import roundtrip_act_q8
+    w13, w2 = (t.double() for t in bank.dequantized())
+    inter = bank.inter
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    xr = roundtrip_act_q8(x).double()
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = w13[e] @ xr[t]
+            if bank.b13.shape[0]:
+                gu = gu + torch.from_numpy(bank.b13[e]).double()
+            gt, u = gu[:inter], gu[inter:]
+            if activation == "silu":
+                h = torch.nn.functional.silu(gt) * u
+            else:
+                gt, u = gt.clamp(max=7.0), u.clamp(-7.0, 7.0)
+                h = (u + 1) * gt * torch.sigmoid(1.702 * gt)
+            y = w2[e] @ roundtrip_act_q8(h.float()[None])[0].double()
+            if bank.b2.shape[0]:
+                y = y + torch.from_numpy(bank.b2[e]).double()
+            out[t] += float(wts[t, j]) * y
+    return out
+
+
+@needs_r16
+@pytest.mark.parametrize("tokens,e,i,d,g,topk", [
+    (1, 8, 768, 2048, 32, 8),      # decode at Qwen3-30B-A3B widths: expert-major down stage
+    (1, 8, 64, 128, 32, 4),        # decode, short rows: the row-block down stage
+    (3, 8, 96, 256, 32, 2),        # a few tokens: 1-4 pairs per expert
+    (40, 4, 128, 256, 64, 2),      # prefill: 20 pairs per expert, row blocks of 16
+    (9, 6, 128, 384, 128, 3),      # group 128
+])
+def test_expert_call_equals_rows_and_float64(tokens, e, i, d, g, topk):
+    gate, up, down = expert_weights(e, i, d, tokens + i)
+    rows = ExpertBank.from_weights(gate, up, down, "int4", g)
+    slabs = ExpertBank.from_weights(gate, up, down, "int4", g, layout="r16")
+    assert slabs.layout == "r16" and not np.array_equal(slabs.w13, rows.w13)
+    assert all(torch.equal(a, b) for a, b in zip(rows.dequantized(), slabs.dequantized()))
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(tokens)])
+    wts = torch.rand(tokens, topk, generator=gen)
+    a, b = moe_experts(rows, x, ids, wts), moe_experts(slabs, x, ids, wts)
+    scale = float(a.abs().max())
+    assert float((a - b).abs().max()) <= 1e-5 * scale
+    ref = reference(slabs, x, ids, wts)
+    assert float((b.double() - ref).abs().max()) <= 5e-3 * float(ref.abs().max())
+
+
+@needs_r16
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_biases_and_gptoss_activation_in_slabs(tokens):
+    e, i, d = 4, 64, 128
+    gate, up, down = expert_weights(e, i, d, 7)
+    g = torch.Generator().manual_seed(8)
+    b13, b2 = torch.randn(e, 2 * i, generator=g), torch.randn(e, d, generator=g)
+    rows = ExpertBank.from_weights(gate, up, down, "int4", 32).with_biases(b13, b2)
+    slabs = ExpertBank.from_weights(gate, up, down, "int4", 32, layout="r16").with_biases(b13, b2)
+    assert slabs.layout == "r16"
+    x = torch.randn(tokens, d, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(tokens)])
+    wts = torch.rand(tokens, 2, generator=g)
+    for act in ("silu", "gptoss"):
+        a, b = moe_experts(rows, x, ids, wts, act), moe_experts(slabs, x, ids, wts, act)
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max()), act
+        ref = reference(slabs, x, ids, wts, act)
+        assert float((b.double() - ref).abs().max()) <= 5e-3 * float(ref.abs().max()), act
+
+
+@needs_r16
+def test_expert_store_keeps_r16_banks_in_their_own_cache_file(checkpoint_factory, tmp_path):
+    import shutil
+
+    from freetoken_py.engine import expert_store as es
+    from freetoken_py.models.loader import load_model
+
+    src = checkpoint_factory("qwen3_moe_step2")                   # I = 64, D = 64: r16 fits
+    path = tmp_path / src.name
+    shutil.copytree(src, path, ignore=shutil.ignore_patterns("freetoken-experts-*"))
+    model = load_model(path, "auto", show_progress=False, experts="skip")
+    args, dtype = model.args, model.dtype
+    rows = es.open_expert_store(path, args, dtype, "int4", 32, show_progress=False)
+    built = es.open_expert_store(path, args, dtype, "int4", 32, show_progress=False, layout="auto")
+    assert built.path != rows.path and "-r16-" in built.path.name
+    count = es.LAYER_BUILDS
+    cached = es.open_expert_store(path, args, dtype, "int4", 32, show_progress=False, layout="auto")
+    assert cached.source == "cache" and es.LAYER_BUILDS == count
+    for a, b, c in zip(rows.banks, built.banks, cached.banks):
+        if a is None:
+            continue
+        assert a.layout == "rows" and b.layout == c.layout == "r16"
+        assert np.array_equal(b.w13, c.w13) and np.array_equal(b.s2, c.s2)
+        assert all(torch.equal(u, v) for u, v in zip(a.dequantized(), c.dequantized()))
+    # a rows file renamed to the r16 name is refused by its header and rebuilt
+    shutil.copy(rows.path, built.path)
+    with pytest.warns(es.ExpertCacheWarning, match="layout"):
+        again = es.open_expert_store(path, args, dtype, "int4", 32, show_progress=False, layout="auto")
+    assert all(b is None or b.layout == "r16" for b in again.banks)
