@@ -14,22 +14,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import moe_stages  # noqa: E402
 from freetoken_py.kernels import ExpertBank, moe_experts  # noqa: E402
 from freetoken_py.kernels._moe_kernels import RB_FEW  # noqa: E402
+from freetoken_py.kernels.cpu_moe import preferred_layout  # noqa: E402
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_the_stages_sum_to_the_production_call(fmt):
+@pytest.mark.parametrize("fmt,layout", [("int4", "rows"), ("int4", "auto"), ("int8", "rows")])
+def test_the_stages_sum_to_the_production_call(fmt, layout):
     g = torch.Generator().manual_seed(1)
     hidden, inter, num, k = 256, 160, 12, 8      # I not a multiple of RB_FEW: a short last block
+    layout = preferred_layout(fmt, inter, hidden, 32) if layout == "auto" else layout   # r16 slabs on AVX-512 VNNI
     bank = ExpertBank.from_weights(*(torch.randn(num, inter, hidden, generator=g) * 0.05 for _ in range(2)),
-                                   torch.randn(num, hidden, inter, generator=g) * 0.05, fmt=fmt, group_size=32)
+                                   torch.randn(num, hidden, inter, generator=g) * 0.05, fmt=fmt, group_size=32,
+                                   layout=layout)
+    r16 = bank.layout == "r16"
     x = torch.randn(1, hidden, generator=g).numpy()
     ids = torch.randperm(num, generator=g)[:k].view(1, k).numpy()
     wts = torch.rand(1, k, generator=g).numpy()
     h = np.empty((k, inter), np.float32)
     ub = np.empty((k * -(-inter // RB_FEW), 4, RB_FEW), np.float32)
-    moe_stages._stage1(bank.w13, bank.s13, x, ids, 32, h, ub)
+    moe_stages._stage1(bank.w13, bank.s13, x, ids, 32, h, ub, r16)
     y = np.empty((k, hidden), np.float32)
-    moe_stages._stage2(bank.w2, bank.s2, h, ids, 32, y)
+    moe_stages._stage2(bank.w2, bank.s2, h, ids, 32, y, r16)
     want = moe_experts(bank, x, ids, wts)
     got = (wts.reshape(k, 1) * y).sum(0, keepdims=True)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() + 1e-7
