@@ -32,7 +32,7 @@ from numba import njit, prange
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from expert_roofline import GROUP, SHAPES, TOP_K, cpu_name, isa, make_bank  # noqa: E402
+from expert_roofline import GROUP, SHAPES, TOP_K, _spec, cpu_name, isa, make_bank  # noqa: E402
 from freetoken_py.hw.measure_dram import make_buffer, read_samples  # noqa: E402
 from freetoken_py.kernels import configure_threads, moe_experts  # noqa: E402
 from freetoken_py.kernels._dots import ACT_SILU, prepare_as  # noqa: E402
@@ -101,11 +101,13 @@ def _rate(fn, calls: list, nbytes: int) -> float:
     return len(calls) * nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def measure(fmt: str, rounds: int, bank_mib: int, threads: int) -> dict:
+def measure(spec: str, rounds: int, bank_mib: int, threads: int) -> dict:
+    """spec: a format, or format:layout ("int4:rows": the row layout where the CPU would take r16)."""
+    fmt, layout = _spec(spec)
     g = torch.Generator().manual_seed(0)
     hidden, inter = SHAPES["qwen3"]
     gs = GROUP[fmt]
-    bank = make_bank(fmt, hidden, inter, bank_mib << 20, g)
+    bank = make_bank(fmt, hidden, inter, bank_mib << 20, g, layout=layout)
     n = bank.num_experts
     per13 = (bank.w13.nbytes + bank.s13.nbytes) // n
     per2 = (bank.w2.nbytes + bank.s2.nbytes) // n
@@ -146,7 +148,8 @@ def measure(fmt: str, rounds: int, bank_mib: int, threads: int) -> dict:
         for name, (fn, calls, nbytes) in runs.items():
             got[name].append(_rate(fn, calls, nbytes))
     med = {k: float(np.median(v)) for k, v in got.items()}
-    return {"bench": "moe_stages", "cpu": cpu_name(), "isa": isa(), "threads": threads, "format": fmt, "group": gs, "layout": bank.layout,
+    return {"bench": "moe_stages", "cpu": cpu_name(), "isa": isa(), "threads": threads, "format": fmt, "group": gs,
+            "layout": bank.layout,
             "hidden": hidden, "inter": inter, "top_k": TOP_K, "rounds": rounds, "bank_mib": bank.nbytes >> 20,
             "gbps": {k: round(v, 1) for k, v in med.items()},
             "share_of_dram": {k: round(v / med["dram"], 3) for k, v in med.items() if k != "dram"},
