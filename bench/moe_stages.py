@@ -9,8 +9,8 @@ interleaved; each figure is a median of GB/s of weights read:
 - `gate_up`: its stage 1 alone (the production block function over the call's 8 experts);
 - `gate_up_x8`: the same stage for 8 tokens routed to 64 distinct experts (8x the bytes a call,
   so a cost per call shows as `gate_up` below it);
-- `gemv_gate_up`: the dense GEMV (`cpu_linear.dense_rows_prepared`'s loop; for "r16" banks the slab
-  form) over the same 8 experts'
+- `gemv_gate_up`: the dense GEMV (`cpu_linear.dense_rows_prepared`; for "r16" banks its slab form)
+  over the same 8 experts'
   gate/up rows as one matrix [8 x 2I, D]: equal bytes, one parallel region of 32-row tasks;
 - `down`: stage 2 alone (the expert-major down GEMV blocks).
 
@@ -35,62 +35,40 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from expert_roofline import GROUP, SHAPES, TOP_K, _spec, cpu_name, isa, make_bank  # noqa: E402
 from freetoken_py.hw.measure_dram import make_buffer, read_samples  # noqa: E402
 from freetoken_py.kernels import configure_threads, moe_experts  # noqa: E402
-from freetoken_py.kernels._dots import ACT_SILU, prepare_as  # noqa: E402
-from freetoken_py.kernels._moe_kernels import (RB_DOWN_FEW, RB_FEW, _gate_up_block, gate_up_r16, gemv_r16,  # noqa: E402
-                                              group_pairs)
-from freetoken_py.kernels.cpu_linear import ROWS_PER_TASK, gemv_block  # noqa: E402
+from freetoken_py.kernels._dots import ACT_SILU, prepare  # noqa: E402
+from freetoken_py.kernels._moe_kernels import RB_DOWN_FEW, RB_FEW, gate_up_block, group_pairs  # noqa: E402
+from freetoken_py.kernels.cpu_linear import dense_rows_prepared, gemv_block  # noqa: E402
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _stage1(w13, s13, x, ids, gs, h, ub, r16):
-    """moe_rows's stage 1 at decode's row blocks (RB_FEW) for x [T, D] and ids [T, k] (r16: the
-    bank's int4 slabs, as moe_rows runs them)."""
-    xv, xg = prepare_as(w13, s13, x, gs, r16)
+def _stage1(w13, s13, x, ids, gs, h, ub):
+    """moe_rows's stage 1 at decode's row blocks (RB_FEW) for x [T, D] and ids [T, k]."""
+    xv, xg = prepare(w13, s13, x, gs)
     inter = w13.shape[1] // 2
     order, eids, off = group_pairs(ids.reshape(-1), w13.shape[0])
     nb = (inter + RB_FEW - 1) // RB_FEW
     for task in prange(eids.shape[0] * nb):
         u, i0 = task // nb, task % nb * RB_FEW
-        if r16:
-            gate_up_r16(w13[eids[u]], s13[eids[u]], xv, xg, order[off[u]:off[u + 1]], ids.shape[1], i0,
-                        min(inter, i0 + RB_FEW), ACT_SILU, gs // 32, h, ub[task], np.zeros(0, np.float32))
-        else:
-            _gate_up_block(w13[eids[u]], s13[eids[u]], xv, xg, order[off[u]:off[u + 1]], ids.shape[1], i0,
-                           min(inter, i0 + RB_FEW), ACT_SILU, gs // 2, h, ub[task], np.zeros(0, np.float32))
+        gate_up_block(w13[eids[u]], s13[eids[u]], xv, xg, order[off[u]:off[u + 1]], ids.shape[1], i0,
+                      min(inter, i0 + RB_FEW), ACT_SILU, gs // 2, h, ub[task], np.zeros(0, np.float32))
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _stage2(w2, s2, h, ids, gs, y, r16):
+def _stage2(w2, s2, h, ids, gs, y):
     """moe_rows's expert-major down stage (without the combine) for one token's k pairs' h [k, I]."""
-    hv, hg = prepare_as(w2, s2, h, gs, r16)
+    hv, hg = prepare(w2, s2, h, gs)
     eids = ids.reshape(-1)
     hidden = w2.shape[1]
     nb = (hidden + RB_DOWN_FEW - 1) // RB_DOWN_FEW
     for task in prange(eids.shape[0] * nb):
         u, d0 = task // nb, task % nb * RB_DOWN_FEW
-        if r16:
-            gemv_r16(w2[eids[u]], s2[eids[u]], hv[u:u + 1], hg[u:u + 1], gs // 32, d0, min(hidden, d0 + RB_DOWN_FEW),
-                     y[u:u + 1])
-        else:
-            gemv_block(w2[eids[u]], s2[eids[u]], hv[u:u + 1], hg[u:u + 1], gs // 2, d0,
-                       min(hidden, d0 + RB_DOWN_FEW), y[u:u + 1])
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _gemv(w, s, xv, xg, gs, out, r16):
-    """The dense GEMV over rows w [N, K] (ROWS_PER_TASK rows a task; r16: whole slabs of them)."""
-    n = w.shape[0]
-    for task in prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        n0 = task * ROWS_PER_TASK
-        if r16:
-            gemv_r16(w, s, xv, xg, gs // 32, n0, min(n, n0 + ROWS_PER_TASK), out)
-        else:
-            gemv_block(w, s, xv, xg, gs // 2, n0, min(n, n0 + ROWS_PER_TASK), out)
+        gemv_block(w2[eids[u]], s2[eids[u]], hv[u:u + 1], hg[u:u + 1], gs // 2, d0, min(hidden, d0 + RB_DOWN_FEW),
+                   y[u:u + 1])
 
 
 @njit(cache=True)
-def _prepared(w, s, x, gs, r16):
-    return prepare_as(w, s, x, gs, r16)
+def _prepared(w, s, x, gs):
+    return prepare(w, s, x, gs)
 
 
 def _rate(fn, calls: list, nbytes: int) -> float:
@@ -122,22 +100,20 @@ def measure(spec: str, rounds: int, bank_mib: int, threads: int) -> dict:
     y = np.empty((TOP_K, hidden), np.float32)
     rows13 = bank.w13.reshape(-1, hidden)                    # every expert's gate/up rows as one matrix
     srows13 = bank.s13.reshape(rows13.shape[0], -1)
-    r16 = bank.layout == "r16"
-    xv, xg = _prepared(rows13[:1], srows13[:1], x, gs, r16)
+    xv, xg = _prepared(rows13[:1], srows13[:1], x, gs)
     gout = np.empty((1, TOP_K * 2 * inter), np.float32)
     span = TOP_K * 2 * inter
 
     def gemv(ids):
         e = int(ids[0, 0]) * 2 * inter
-        _gemv(rows13[e:e + span], srows13[e:e + span], xv, xg, gs, gout, r16)
+        dense_rows_prepared(rows13[e:e + span], srows13[e:e + span], xv, xg, gs, gout)
 
     runs = {
         "call": (lambda ids: moe_experts(bank, x, ids, wts), one, TOP_K * bank.bytes_per_expert),
-        "gate_up": (lambda ids: _stage1(bank.w13, bank.s13, x, ids, gs, hbuf, ubuf, r16), one, TOP_K * per13),
-        "gate_up_x8": (lambda ids: _stage1(bank.w13, bank.s13, x8, ids, gs, hbuf, ubuf, r16), wide,
-                       8 * TOP_K * per13),
+        "gate_up": (lambda ids: _stage1(bank.w13, bank.s13, x, ids, gs, hbuf, ubuf), one, TOP_K * per13),
+        "gate_up_x8": (lambda ids: _stage1(bank.w13, bank.s13, x8, ids, gs, hbuf, ubuf), wide, 8 * TOP_K * per13),
         "gemv_gate_up": (gemv, one, TOP_K * per13),
-        "down": (lambda ids: _stage2(bank.w2, bank.s2, h, ids, gs, y, r16), one, TOP_K * per2),
+        "down": (lambda ids: _stage2(bank.w2, bank.s2, h, ids, gs, y), one, TOP_K * per2),
     }
     for fn, calls, _ in runs.values():          # compile, page in
         fn(calls[0])

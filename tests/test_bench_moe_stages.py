@@ -25,15 +25,15 @@ def test_the_stages_sum_to_the_production_call(fmt, layout):
     bank = ExpertBank.from_weights(*(torch.randn(num, inter, hidden, generator=g) * 0.05 for _ in range(2)),
                                    torch.randn(num, hidden, inter, generator=g) * 0.05, fmt=fmt, group_size=32,
                                    layout=layout)
-    r16 = bank.layout == "r16"
+    assert bank.layout == layout
     x = torch.randn(1, hidden, generator=g).numpy()
     ids = torch.randperm(num, generator=g)[:k].view(1, k).numpy()
     wts = torch.rand(1, k, generator=g).numpy()
     h = np.empty((k, inter), np.float32)
     ub = np.empty((k * -(-inter // RB_FEW), 4, RB_FEW), np.float32)
-    moe_stages._stage1(bank.w13, bank.s13, x, ids, 32, h, ub, r16)
+    moe_stages._stage1(bank.w13, bank.s13, x, ids, 32, h, ub)
     y = np.empty((k, hidden), np.float32)
-    moe_stages._stage2(bank.w2, bank.s2, h, ids, 32, y, r16)
+    moe_stages._stage2(bank.w2, bank.s2, h, ids, 32, y)
     want = moe_experts(bank, x, ids, wts)
     got = (wts.reshape(k, 1) * y).sum(0, keepdims=True)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() + 1e-7

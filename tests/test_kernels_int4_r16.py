@@ -57,7 +57,8 @@ def test_pack_places_each_nibble_and_scale_and_unpack_inverts_it():
     q[:, 0::2], q[:, 1::2] = w & 15, w >> 4
     wr, sr = r16_pack(w, s)
     assert wr.shape == w.shape and sr.shape == s.shape
-    flat, sflat = wr.reshape(n // 16, -1), sr.reshape(n // 16, -1)
+    assert sr.dtype == np.int16                                   # the dtype that tells the kernels the layout
+    flat, sflat = wr.reshape(n // 16, -1), sr.view(np.uint16).reshape(n // 16, -1)
     for slab in range(n // 16):
         for r in range(16):
             for col in range(k):
@@ -67,12 +68,13 @@ def test_pack_places_each_nibble_and_scale_and_unpack_inverts_it():
             for grp in range(k // g):
                 assert sflat[slab, 16 * grp + r] == s[16 * slab + r, grp]
     back_w, back_s = r16_unpack(wr, sr)
-    assert np.array_equal(back_w, w) and np.array_equal(back_s, s)
+    assert np.array_equal(back_w, w) and np.array_equal(back_s, s) and back_s.dtype == np.uint16
     e3 = np.stack([w, w ^ 0x11, w])                                 # leading (expert) dims
     s3 = np.stack([s, s, s ^ 1])
     wr3, sr3 = r16_pack(e3, s3)
     assert np.array_equal(wr3[1], r16_pack(e3[1], s3[1])[0]) and np.array_equal(sr3[2], r16_pack(e3[2], s3[2])[1])
     assert all(np.array_equal(a, b) for a, b in zip(r16_unpack(wr3, sr3), (e3, s3)))
+    assert np.array_equal(wr3[1], r16_pack(e3[1], s3[1])[0])
 
 
 def test_which_widths_and_formats_take_the_layout():
@@ -102,8 +104,9 @@ assert not R16_OK and preferred_layout("int4", 64, 128, 32) == "rows"
 g = torch.Generator().manual_seed(0)
 gate, up, down = torch.randn(4, 64, 128, generator=g), torch.randn(4, 64, 128, generator=g), torch.randn(4, 128, 64, generator=g)
 bank = ExpertBank.from_weights(gate, up, down, "int4", 32)
+assert bank.layout == "rows"
 try:
-    ExpertBank(bank.fmt, bank.group_size, bank.w13, bank.s13, bank.w2, bank.s2, layout="r16")
+    ExpertBank(bank.fmt, bank.group_size, bank.w13, bank.s13.view(np.int16), bank.w2, bank.s2.view(np.int16))
     raise SystemExit("an r16 bank was accepted without the r16 kernels")
 except ValueError as e:
     assert "AVX-512 VNNI" in str(e)
@@ -136,7 +139,7 @@ def test_slab_dot_equals_float64(k, g, rows):
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 2e-6 * scale, np.abs(got - want).max() / scale
     # a wrong slab layout (the row layout read as r16) is far off
-    assert np.abs(slab_mv(w, s, xq, xg, g // 32) - want).max() > 0.05 * scale
+    assert np.abs(slab_mv(w, s.view(np.int16), xq, xg, g // 32) - want).max() > 0.05 * scale
 
 
 def expert_weights(e, i, d, seed):

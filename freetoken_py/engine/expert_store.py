@@ -27,7 +27,7 @@ import torch
 from freetoken_py import envs
 from freetoken_py.engine import expert_cache as fc
 from freetoken_py.errors import FreetokenError
-from freetoken_py.kernels._buffers import PAGE_BYTES, aligned_empty, row_layout, scale_dtype
+from freetoken_py.kernels._buffers import PAGE_BYTES, R16_SCALES, aligned_empty, row_layout, scale_dtype
 from freetoken_py.kernels.cpu_moe import ExpertBank, preferred_layout
 from freetoken_py.models import loader
 from freetoken_py.models.args import ModelArgs
@@ -130,8 +130,7 @@ def _candidate_paths(model_dir: Path, name: str) -> list[Path]:
 
 
 def _mapped_banks(path: Path, job: "_Job") -> list[ExpertBank | None]:
-    banks = [None if a is None else ExpertBank(job.fmt, job.group_size, a["w13"], a["s13"], a["w2"], a["s2"],
-                                               layout=job.layout)
+    banks = [None if a is None else ExpertBank(job.fmt, job.group_size, a["w13"], a["s13"], a["w2"], a["s2"])
              for a in fc.map_arrays(path, job.header)]
     return banks
 
@@ -166,7 +165,7 @@ class _Job:
         e, i, d = a.num_experts, a.moe_intermediate_size, a.hidden_size
         dt13, items13, g13 = row_layout(self.fmt, d, self.group_size)
         dt2, items2, g2 = row_layout(self.fmt, i, self.group_size)
-        sdt = scale_dtype(self.fmt).str
+        sdt = (R16_SCALES if self.layout == "r16" else scale_dtype(self.fmt)).str   # r16: its int16 scales
         return {"w13": (dt13.str, (e, 2 * i, items13)), "s13": (sdt, (e, 2 * i, g13)),
                 "w2": (dt2.str, (e, d, items2)), "s2": (sdt, (e, d, g2))}
 
@@ -188,7 +187,7 @@ class _Job:
     def _build_layer(self, reader, i: int, transient: bool = False) -> ExpertBank:
         global LAYER_BUILDS
         a, s = self.args, self.scheme
-        bank = (_transient_bank(self.fmt, self.group_size, self.header["layers"][i], self.layout) if transient else
+        bank = (_transient_bank(self.fmt, self.group_size, self.header["layers"][i]) if transient else
                 ExpertBank.empty(self.fmt, a.num_experts, a.moe_intermediate_size, a.hidden_size, self.group_size,
                                  self.layout))
         prefix = s.layer.format(i=i)
@@ -225,7 +224,7 @@ class _Job:
             raise
 
 
-def _transient_bank(fmt: str, group_size: int, layer: dict, layout: str = "rows") -> ExpertBank:
+def _transient_bank(fmt: str, group_size: int, layer: dict) -> ExpertBank:
     """An empty bank with the cache plan's arrays (`layer`: name -> dtype, shape) in one
     anonymous mapping, each array page-aligned; unmapped when the last array is dropped."""
     sizes = [(n, np.dtype(layer[n]["dtype"]), layer[n]["shape"]) for n in fc.ARRAYS]
@@ -237,7 +236,7 @@ def _transient_bank(fmt: str, group_size: int, layer: dict, layout: str = "rows"
         count = int(np.prod(shape, dtype=np.int64))
         arrays[name] = np.frombuffer(mm, dt, count, pos).reshape(shape)   # each view keeps mm alive
         pos += span
-    return ExpertBank(fmt, group_size, arrays["w13"], arrays["s13"], arrays["w2"], arrays["s2"], layout=layout)
+    return ExpertBank(fmt, group_size, arrays["w13"], arrays["s13"], arrays["w2"], arrays["s2"])
 
 
 def _check_format(args: ModelArgs, fmt: str, group_size: int) -> None:

@@ -101,6 +101,9 @@ def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) ->
 
 
 R16_ROWS = 16     # rows per slab of the "r16" int4 layout (_simd "int4 weights in 16-row interleaved slabs")
+# The layout travels in the scales' dtype: the same fp16 bits held as int16 instead of uint16, so the
+# kernels pick the slab loops at compile time from the arrays alone (no flag to thread through).
+R16_SCALES = np.dtype(np.int16)
 
 
 def r16_fits(fmt: str, n: int, k: int, group_size: int) -> bool:
@@ -113,7 +116,7 @@ def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """int4 rows in the row layout (w uint8 [..., N, K/2], low nibble = even column; s [..., N, G])
     -> the same bytes in the "r16" layout, same shapes: per slab of 16 rows and 32-column block b,
     4 chunks c of 64 bytes, byte 4r + j holding row r's columns 32b + 8c + j (low nibble) and
-    32b + 8c + 4 + j (high nibble); the slab's scales as [G, 16]."""
+    32b + 8c + 4 + j (high nibble); the slab's scales as [G, 16], int16 (R16_SCALES: the same bits)."""
     *lead, n, kh = w.shape
     g = s.shape[-1]
     q = np.empty((*lead, n, 2 * kh), np.uint8)
@@ -126,11 +129,11 @@ def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     wr = np.ascontiguousarray(packed.transpose(perm)).reshape(w.shape)
     sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
     sr = np.ascontiguousarray(s.reshape(*lead, n // 16, 16, g).transpose(sperm)).reshape(s.shape)
-    return wr, sr
+    return wr, sr.view(R16_SCALES)
 
 
 def r16_unpack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of r16_pack: "r16" slabs back to the row layout."""
+    """The inverse of r16_pack: "r16" slabs back to the row layout (scales uint16 again)."""
     *lead, n, kh = w.shape
     g = s.shape[-1]
     nd = len(lead)
@@ -141,7 +144,7 @@ def r16_unpack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     wr = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
     sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
     sr = np.ascontiguousarray(np.ascontiguousarray(s).reshape(*lead, n // 16, g, 16).transpose(sperm)).reshape(s.shape)
-    return wr, sr
+    return wr, sr.view(np.uint16)
 
 
 _TORCH_DTYPES = {np.float32: torch.float32, np.int64: torch.int64}

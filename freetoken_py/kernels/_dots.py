@@ -851,23 +851,12 @@ def prep_q8r_rows(x):
     return xq, xg
 
 
-R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 banks in the "r16" layout (_simd)
+R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 rows in the "r16" layout (_simd)
 
 
-def prepare_as(w, s, x, gs, r16):
-    """prepare, or for int4 rows in the "r16" layout (r16 true at run time) prep_q8r_rows (jitted only)."""
-    raise NotImplementedError("prepare_as is only callable from numba-compiled code")
-
-
-@overload(prepare_as, jit_options={"fastmath": True})
-def _prepare_as_impl(w, s, x, gs, r16):
-    if R16_OK and w.dtype == types.uint8 and s.dtype == types.uint16:
-        def impl(w, s, x, gs, r16):
-            if r16:
-                return prep_q8r_rows(x)
-            return prep_q8_rows(x, gs)
-        return impl
-    return lambda w, s, x, gs, r16: prepare(w, s, x, gs)
+def is_r16(w, s):
+    """Typing-time test: int4 rows in the "r16" slab layout (uint8 weights, int16 scales)."""
+    return w.dtype == types.uint8 and s.dtype == types.int16
 
 
 @njit(fastmath=True, cache=True)
@@ -916,6 +905,8 @@ def prepare(w, s, x, gs):
 
 @overload(prepare, jit_options={"fastmath": True})
 def _prepare_impl(w, s, x, gs):
+    if is_r16(w, s):          # int4 in 16-row slabs: natural-order int8, (s_x, offset) per block
+        return lambda w, s, x, gs: prep_q8r_rows(x)
     if w.dtype == types.uint8 and s.dtype == types.uint8 and INT_ACT == "int8":   # nvfp4 x int8 activations
         return lambda w, s, x, gs: prep_nv8_rows(x)
     if w.dtype == types.uint8 and s.dtype == types.float32 and FP8_ACT == "bf16":   # fp8 x bf16 activations

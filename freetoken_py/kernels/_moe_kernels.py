@@ -46,11 +46,11 @@ and longer streams read memory faster), as long as each stage keeps >= 4 tasks p
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, prange
 from numba.extending import overload
 
-from freetoken_py.kernels._dots import (ACT_SILU, ANY, R16_OK, VEC, act, pdot, pdot4, prepare, prepare_as, tile_form,
-                                       tile_rows, vec_rows, widen_row)
+from freetoken_py.kernels._dots import (ACT_SILU, ANY, VEC, act, is_r16, pdot, pdot4, prepare, tile_form, tile_rows,
+                                       vec_rows, widen_row)
 from freetoken_py.kernels._simd import R16, q4r16_dot, q4r16_dot4, swiglu, tile_dot44
 from freetoken_py.kernels.cpu_linear import gemv_block
 
@@ -354,130 +354,112 @@ def _combine(y, order, wts, k, d0, d1, out):
             out[t, d] += wts[p] * y[q, d]
 
 
-# "r16" int4 banks (AVX-512 VNNI, _simd "int4 weights in 16-row interleaved slabs"): the same stages
-# with a slab of 16 rows per dot. Every row block (RB1, RB2, RB_FEW, RB_DOWN_FEW) is a multiple of 16
-# and the bank's I and D are (ExpertBank.layout), so a task's rows are whole slabs. Compiled only
-# for int4 banks in processes that run the layout (_dots.R16_OK); for other formats these are no-ops
-# that moe_rows never reaches (its r16 argument is false for them).
-def gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, bpg, h, ub, b13):
-    """_gate_up_block for an "r16" int4 expert (jitted only)."""
-    raise NotImplementedError("gate_up_r16 is only callable from numba-compiled code")
-
-
-def _is_r16(w, s, xv):
-    return R16_OK and w.dtype == types.uint8 and s.dtype == types.uint16 and xv.dtype == types.int8
-
-
-@overload(gate_up_r16, jit_options={"fastmath": True})
-def _gate_up_r16_impl(w13, s13, xv, xg, pairs, k, i0, i1, kind, bpg, h, ub, b13):
-    if not _is_r16(w13, s13, xv):
-        return lambda w13, s13, xv, xg, pairs, k, i0, i1, kind, bpg, h, ub, b13: None
-
-    def impl(w13, s13, xv, xg, pairs, k, i0, i1, kind, bpg, h, ub, b13):
-        inter = w13.shape[0] // 2
-        n = pairs.shape[0]
-        step = 1 if b13.shape[0] else 4      # biased experts: a pair at a time, the bias before the act
-        for q in range(0, n, step):
-            if n - q == 1 or step == 1:
-                p = pairs[q]
-                t = p // k
-                for i in range(i0, i1, R16):
-                    q4r16_dot(w13[i:i + R16], s13[i:i + R16], xv[t], xg[t], bpg, h[p, i:i + R16])
-                    q4r16_dot(w13[inter + i:inter + i + R16], s13[inter + i:inter + i + R16], xv[t], xg[t], bpg,
-                              ub[0, i - i0:i - i0 + R16])
-                if b13.shape[0]:
-                    for i in range(i0, i1):
-                        h[p, i] = act(kind, h[p, i] + b13[i], ub[0, i - i0] + b13[inter + i])
-                else:
-                    _act_rows(kind, h[p, i0:i1], ub[0, :i1 - i0])
-                continue
-            p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
+# int4 banks in 16-row slabs (layout "r16": int16 scales; _simd "int4 weights in 16-row interleaved
+# slabs"): the same stages with a slab of 16 rows per dot, picked at compile time from the scales'
+# dtype (`gate_up_block`, `down_block`; the expert-major down stage's cpu_linear.gemv_block picks
+# the same way). Every row block (RB1, RB2, RB_FEW, RB_DOWN_FEW) is a multiple of 16 and such a
+# bank's I and D are (cpu_moe.r16_layout_fits), so a task's rows are whole slabs.
+@njit(fastmath=True, cache=True)
+def _gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
+    inter = w13.shape[0] // 2
+    bpg = hb // 16
+    n = pairs.shape[0]
+    step = 1 if b13.shape[0] else 4      # biased experts: a pair at a time, the bias before the act
+    for q in range(0, n, step):
+        if n - q == 1 or step == 1:
+            p = pairs[q]
+            t = p // k
             for i in range(i0, i1, R16):
-                j = i - i0
-                q4r16_dot4(w13[i:i + R16], s13[i:i + R16], xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3],
-                           bpg, h[p0, i:i + R16], h[p1, i:i + R16], h[p2, i:i + R16], h[p3, i:i + R16])
-                q4r16_dot4(w13[inter + i:inter + i + R16], s13[inter + i:inter + i + R16], xv[t0], xv[t1], xv[t2], xv[t3],
-                           xg[t0], xg[t1], xg[t2], xg[t3], bpg,
-                           ub[0, j:j + R16], ub[1, j:j + R16], ub[2, j:j + R16], ub[3, j:j + R16])
+                q4r16_dot(w13[i:i + R16], s13[i:i + R16], xv[t], xg[t], bpg, h[p, i:i + R16])
+                q4r16_dot(w13[inter + i:inter + i + R16], s13[inter + i:inter + i + R16], xv[t], xg[t], bpg,
+                          ub[0, i - i0:i - i0 + R16])
+            if b13.shape[0]:
+                for i in range(i0, i1):
+                    h[p, i] = act(kind, h[p, i] + b13[i], ub[0, i - i0] + b13[inter + i])
+            else:
+                _act_rows(kind, h[p, i0:i1], ub[0, :i1 - i0])
+            continue
+        p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
+        for i in range(i0, i1, R16):
+            j = i - i0
+            q4r16_dot4(w13[i:i + R16], s13[i:i + R16], xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3],
+                       bpg, h[p0, i:i + R16], h[p1, i:i + R16], h[p2, i:i + R16], h[p3, i:i + R16])
+            q4r16_dot4(w13[inter + i:inter + i + R16], s13[inter + i:inter + i + R16], xv[t0], xv[t1], xv[t2], xv[t3],
+                       xg[t0], xg[t1], xg[t2], xg[t3], bpg,
+                       ub[0, j:j + R16], ub[1, j:j + R16], ub[2, j:j + R16], ub[3, j:j + R16])
+        c = min(n - q, 4)            # a padded tail's repeats hold the last pair's values: act once per pair
+        _act_rows(kind, h[p0, i0:i1], ub[0, :i1 - i0])
+        _act_rows(kind, h[p1, i0:i1], ub[1, :i1 - i0])
+        if c > 2:
+            _act_rows(kind, h[p2, i0:i1], ub[2, :i1 - i0])
+        if c > 3:
+            _act_rows(kind, h[p3, i0:i1], ub[3, :i1 - i0])
+
+
+@njit(fastmath=True, cache=True)
+def _down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
+    bpg = hb // 16
+    y = np.empty((4, R16), np.float32)
+    for u in range(eids.shape[0]):          # experts ascending, pairs in order: _down_rows's order
+        e = eids[u]
+        pairs = order[off[u]:off[u + 1]]
+        n = pairs.shape[0]
+        for q in range(0, n, 4):
+            p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
             c = min(n - q, 4)
-            _act_rows(kind, h[p0, i0:i1], ub[0, :i1 - i0])
-            _act_rows(kind, h[p1, i0:i1], ub[1, :i1 - i0])
-            if c > 2:
-                _act_rows(kind, h[p2, i0:i1], ub[2, :i1 - i0])
-            if c > 3:
-                _act_rows(kind, h[p3, i0:i1], ub[3, :i1 - i0])
-    return impl
+            for d in range(d0, d1, R16):
+                q4r16_dot4(w2[e, d:d + R16], s2[e, d:d + R16], hv[p0], hv[p1], hv[p2], hv[p3],
+                           hg[p0], hg[p1], hg[p2], hg[p3], bpg, y[0], y[1], y[2], y[3])
+                for r in range(R16):
+                    out[t0, d + r] += wts[p0] * y[0, r]
+                    if c > 1:
+                        out[t1, d + r] += wts[p1] * y[1, r]
+                    if c > 2:
+                        out[t2, d + r] += wts[p2] * y[2, r]
+                    if c > 3:
+                        out[t3, d + r] += wts[p3] * y[3, r]
 
 
-def gemv_r16(w, s, xv, xg, bpg, n0, n1, out):
-    """out[:, n0:n1] = xv . rows n0..n1 of an "r16" int4 matrix (cpu_linear.gemv_block's job; jitted only)."""
-    raise NotImplementedError("gemv_r16 is only callable from numba-compiled code")
+def gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
+    """Stage 1 for one expert's rows i0..i1: _gate_up_block, or the slab form for "r16" int4 (jitted only)."""
+    raise NotImplementedError("gate_up_block is only callable from numba-compiled code")
 
 
-@overload(gemv_r16, jit_options={"fastmath": True})
-def _gemv_r16_impl(w, s, xv, xg, bpg, n0, n1, out):
-    if not _is_r16(w, s, xv):
-        return lambda w, s, xv, xg, bpg, n0, n1, out: None
-
-    def impl(w, s, xv, xg, bpg, n0, n1, out):
-        num_t = xv.shape[0]
-        for t in range(0, num_t, 4):
-            if num_t - t == 1:
-                for n in range(n0, n1, R16):
-                    q4r16_dot(w[n:n + R16], s[n:n + R16], xv[t], xg[t], bpg, out[t, n:n + R16])
-                continue
-            t1, t2, t3 = min(t + 1, num_t - 1), min(t + 2, num_t - 1), min(t + 3, num_t - 1)
-            for n in range(n0, n1, R16):
-                q4r16_dot4(w[n:n + R16], s[n:n + R16], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], bpg,
-                           out[t, n:n + R16], out[t1, n:n + R16], out[t2, n:n + R16], out[t3, n:n + R16])
-    return impl
+@overload(gate_up_block, jit_options={"fastmath": True})
+def _gate_up_block_impl(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
+    if is_r16(w13, s13):
+        return lambda w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13: _gate_up_r16(
+            w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
+    return lambda w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13: _gate_up_block(
+        w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
 
 
-def down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, bpg, out):
-    """_down_block for "r16" int4 banks (jitted only)."""
-    raise NotImplementedError("down_r16 is only callable from numba-compiled code")
+def down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
+    """Stage 2's row-block form over output rows d0..d1: _down_block, or the slab form (jitted only)."""
+    raise NotImplementedError("down_block is only callable from numba-compiled code")
 
 
-@overload(down_r16, jit_options={"fastmath": True})
-def _down_r16_impl(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, bpg, out):
-    if not _is_r16(w2, s2, hv):
-        return lambda w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, bpg, out: None
-
-    def impl(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, bpg, out):
-        y = np.empty((4, R16), np.float32)
-        for u in range(eids.shape[0]):          # experts ascending, pairs in order: _down_rows's order
-            e = eids[u]
-            pairs = order[off[u]:off[u + 1]]
-            n = pairs.shape[0]
-            for q in range(0, n, 4):
-                p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
-                c = min(n - q, 4)
-                for d in range(d0, d1, R16):
-                    q4r16_dot4(w2[e, d:d + R16], s2[e, d:d + R16], hv[p0], hv[p1], hv[p2], hv[p3],
-                               hg[p0], hg[p1], hg[p2], hg[p3], bpg, y[0], y[1], y[2], y[3])
-                    for r in range(R16):
-                        out[t0, d + r] += wts[p0] * y[0, r]
-                        if c > 1:
-                            out[t1, d + r] += wts[p1] * y[1, r]
-                        if c > 2:
-                            out[t2, d + r] += wts[p2] * y[2, r]
-                        if c > 3:
-                            out[t3, d + r] += wts[p3] * y[3, r]
-    return impl
+@overload(down_block, jit_options={"fastmath": True})
+def _down_block_impl(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
+    if is_r16(w2, s2):
+        return lambda w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out: _down_r16(
+            w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
+    return lambda w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out: _down_block(
+        w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out, b13, b2, r16=False):
+def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out, b13, b2):
     """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed;
     threads = numba's thread count for the row blocks (an argument: numba.get_num_threads inside
     the kernel would stop it from being cached). b13 [E, 2I] / b2 [E, D]: expert biases (gpt-oss;
-    0 rows: none), b2 added as w_p * b2[e] per pair. r16: an int4 bank in the "r16" layout (above)."""
+    0 rows: none), b2 added as w_p * b2[e] per pair. int4 banks in 16-row slabs ("r16", int16
+    scales) take the slab stages (above)."""
     k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1)          # pair p = t * k + j
     wts = topk_weights.reshape(-1)
-    xv, xg = prepare_as(w13, s13, x, gs, r16)
+    xv, xg = prepare(w13, s13, x, gs)
     inter = w13.shape[1] // 2
-    bpg = gs // 32
     hidden = w2.shape[1]
     order, eids, off = group_pairs(ids, w13.shape[0])
     rb1, rb2 = row_blocks(off, inter, hidden, threads)
@@ -490,13 +472,9 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
         u = task // nb1
         i0 = (task - u * nb1) * rb1
         e = eids[u]
-        if r16:
-            gate_up_r16(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
-                        min(inter, i0 + rb1), kind, bpg, h, ub[task], b13[e] if b13.shape[0] else no_bias)
-        else:
-            _gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
-                           min(inter, i0 + rb1), kind, gs // 2, h, ub[task], b13[e] if b13.shape[0] else no_bias)
-    hv, hg = prepare_as(w2, s2, h, gs, r16)
+        gate_up_block(w13[e], s13[e], xv, xg, order[off[u]:off[u + 1]], k, i0,
+                      min(inter, i0 + rb1), kind, gs // 2, h, ub[task], b13[e] if b13.shape[0] else no_bias)
+    hv, hg = prepare(w2, s2, h, gs)
     if down_expert_major(off, hidden, threads):    # decode (module doc)
         nbd = (hidden + RB_DOWN_FEW - 1) // RB_DOWN_FEW
         hvg, hgg = hv[order], hg[order]               # the pairs' activations in grouped order
@@ -505,11 +483,7 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
             u = task // nbd
             d0 = (task - u * nbd) * RB_DOWN_FEW
             a, b = off[u], off[u + 1]
-            if r16:
-                gemv_r16(w2[eids[u]], s2[eids[u]], hvg[a:b], hgg[a:b], bpg, d0, min(hidden, d0 + RB_DOWN_FEW), y[a:b])
-            else:
-                gemv_block(w2[eids[u]], s2[eids[u]], hvg[a:b], hgg[a:b], gs // 2, d0, min(hidden, d0 + RB_DOWN_FEW),
-                           y[a:b])
+            gemv_block(w2[eids[u]], s2[eids[u]], hvg[a:b], hgg[a:b], gs // 2, d0, min(hidden, d0 + RB_DOWN_FEW), y[a:b])
         for task in prange((hidden + RB_COMBINE - 1) // RB_COMBINE):
             d0 = task * RB_COMBINE
             _combine(y, order, wts, k, d0, min(hidden, d0 + RB_COMBINE), out)
@@ -517,10 +491,7 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
         nb2 = (hidden + rb2 - 1) // rb2
         for task in prange(nb2):
             d0 = task * rb2
-            if r16:
-                down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, min(hidden, d0 + rb2), bpg, out)
-            else:
-                _down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, min(hidden, d0 + rb2), gs // 2, out)
+            down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, min(hidden, d0 + rb2), gs // 2, out)
     if b2.shape[0]:
         for p in range(num_pairs):
             t = p // k

@@ -894,11 +894,11 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
 # 64-byte load serves 16 rows x 8 columns, the activations are dword broadcasts in their natural
 # order, and the scales are one 16-lane vector per block for all 16 rows.
 #
-# Layout (`_dots.r16_pack`, ExpertBank layout "r16"): rows in slabs of 16 (a slab is the same 16 x
+# Layout (`_buffers.r16_pack`, bank / dense layout "r16"): rows in slabs of 16 (a slab is the same 16 x
 # K/2 bytes and 16 x G scales as in the row layout, permuted within itself). Weight bytes per
 # 32-column block b: 4 chunks c of 64 bytes; byte 4r + j of chunk c holds row r's columns
 # 32b + 8c + j (low nibble, value + 8) and 32b + 8c + 4 + j (high nibble). Scales [G, 16]: the 16
-# rows' fp16 scale of group g side by side.
+# rows' fp16 scale of group g side by side, held as int16 (the dtype that tells the kernels the layout).
 # Per chunk: lo = b & 15, hi = (b >> 4) & 15, vpdpbusd(lo, q[32b + 8c .. +3] broadcast) and
 # vpdpbusd(hi, q[32b + 8c + 4 .. +7] broadcast) into two i32 chains; per block: one convert, then
 # acc += (dot * s_x[b] - 8 s_x[b] sum(q_b)) * s_w[rows, b // bpg] (the nibble offset removed per
@@ -912,8 +912,9 @@ R16 = 16
 
 def _check_r16(w, s, xqs, xgs, outs):
     _check_avx512()
-    if w.dtype != types.uint8 or s.dtype != types.uint16 or w.ndim != 2 or s.ndim != 2:
-        raise TypeError("q4r16_dot takes a slab of 16 int4 rows (uint8 [16, K/2]) and its fp16-bit scales (uint16 [16, G])")
+    if w.dtype != types.uint8 or s.dtype != types.int16 or w.ndim != 2 or s.ndim != 2:
+        raise TypeError("q4r16_dot takes a slab of 16 int4 rows (uint8 [16, K/2]) and its fp16-bit scales as r16 "
+                        "holds them (int16 [16, G])")
     if any(x.dtype != types.int8 or x.ndim != 1 for x in xqs) or any(g.dtype != types.float32 or g.ndim != 1 for g in xgs):
         raise TypeError("q4r16_dot takes int8 activations [K] and their float32 (s_x, correction) [2 K/32]")
     if any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
@@ -989,7 +990,7 @@ def _r16_codegen(num_x):
 
 @intrinsic
 def q4r16_dot(typingctx, w, s, xq, xg, bpg, out):
-    """out[0:16] = the 16 int4 rows of slab (w uint8 [16, K/2], s uint16 [16, G], layout "r16", both
+    """out[0:16] = the 16 int4 rows of slab (w uint8 [16, K/2], s int16 [16, G], layout "r16", both
     C-contiguous) . the int8 activation xq [K] (natural order, K % 32 == 0), xg = prep_q8r_row's
     (s_x [K/32], correction [K/32]); bpg = group size / 32. AVX-512 VNNI only."""
     _check_r16(w, s, (xq,), (xg,), (out,))

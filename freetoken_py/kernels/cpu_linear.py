@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from numba import njit, prange
+from numba.extending import overload
 
-from freetoken_py.kernels._buffers import decode_rows, empty_rows, encode_rows, host_array
-from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, VEC, pdot, pdot4, prepare, vec_rows
+from freetoken_py.kernels._buffers import R16_SCALES, decode_rows, empty_rows, encode_rows, host_array, r16_fits, r16_pack, r16_unpack
+from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, R16_OK, VEC, is_r16, pdot, pdot4, prepare, vec_rows
+from freetoken_py.kernels._simd import R16, q4r16_dot, q4r16_dot4
 
 ROWS_PER_TASK = 32         # output rows per prange task
 TORCH_MIN_TOKENS = 256     # from this many tokens, fp32 weights use torch's GEMM (docs/kernels.md)
@@ -41,7 +43,8 @@ def use_torch_bf16(fmt: str, num_tokens: int) -> bool:
 class DenseWeight:
     """A [N, K] weight in execution format: w [N, K] float32 | uint16 (bf16 bits) | int8, or
     uint8 [N, K/2] (int4); s [N, G] scales: float32 (G = 0, 1 for int8), int4 fp16 bits as uint16
-    (G = K/group_size)."""
+    (G = K/group_size). int4 on AVX-512 VNNI CPUs where N % 16 == 0 and K % 32 == 0: in 16-row
+    slabs, the scales' bits as int16 (`layout` "r16", ExpertBank's; the default "auto" picks it)."""
 
     fmt: str
     group_size: int
@@ -54,12 +57,17 @@ class DenseWeight:
         return self.w.shape[0]
 
     @property
+    def layout(self) -> str:
+        return "r16" if self.s.dtype == R16_SCALES else "rows"
+
+    @property
     def nbytes(self) -> int:
         return self.w.nbytes + self.s.nbytes
 
     @classmethod
-    def from_tensor(cls, w, fmt: str = "bf16", group_size: int = 32) -> "DenseWeight":
-        """w [N, K] (torch, any float dtype) -> page-aligned weight in `fmt` (int4 needs K % group_size == 0)."""
+    def from_tensor(cls, w, fmt: str = "bf16", group_size: int = 32, layout: str = "auto") -> "DenseWeight":
+        """w [N, K] (torch, any float dtype) -> page-aligned weight in `fmt` (int4 needs K % group_size == 0);
+        layout "auto" (int4 in 16-row slabs where this CPU runs them: dense_layout) or "rows"."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown dense format {fmt!r}; expected one of {FORMATS}")
         w = w.detach().to("cpu") if isinstance(w, torch.Tensor) else torch.as_tensor(w)
@@ -70,22 +78,47 @@ class DenseWeight:
         chunk = 4096                                  # rows per conversion step: bounded temporaries
         for r in range(0, n, chunk):
             encode_rows(w[r:r + chunk], fmt, group_size, wq[r:r + chunk], s[r:r + chunk])
-        return cls(fmt, group_size, wq, s, k)
+        return cls(fmt, group_size, *_in_layout(wq, s, fmt, group_size, layout), k)
 
     @classmethod
-    def from_arrays(cls, fmt: str, group_size: int, w: np.ndarray, s: np.ndarray, in_features: int) -> "DenseWeight":
-        """A weight already in execution format (a checkpoint's fp8 / int4 codes and scales, see
-        formats.Packed.arrays), copied into page-aligned storage as it is."""
+    def from_arrays(cls, fmt: str, group_size: int, w: np.ndarray, s: np.ndarray, in_features: int,
+                    layout: str = "auto") -> "DenseWeight":
+        """A weight already in execution format (a checkpoint's fp8 / int4 codes and scales in the
+        row layout, see formats.Packed.arrays), copied into page-aligned storage as it is (int4:
+        then into `layout`, as from_tensor)."""
         wq, sq = empty_rows(fmt, (w.shape[0],), in_features, group_size)
         if wq.shape != w.shape or sq.shape != s.shape or wq.dtype != w.dtype or sq.dtype != s.dtype:
             raise ValueError(f"{fmt} g{group_size} [{w.shape[0]}, {in_features}] needs arrays {wq.shape} {wq.dtype} / "
                              f"{sq.shape} {sq.dtype}, got {w.shape} {w.dtype} / {s.shape} {s.dtype}")
         wq[...], sq[...] = w, s
-        return cls(fmt, group_size, wq, sq, in_features)
+        return cls(fmt, group_size, *_in_layout(wq, sq, fmt, group_size, layout), in_features)
 
     def dequantized(self) -> torch.Tensor:
         """float32 [N, K] as the kernel sees it, for references."""
-        return decode_rows(self.w, self.s, self.fmt, self.group_size)
+        w, s = r16_unpack(self.w, self.s) if self.layout == "r16" else (self.w, self.s)
+        return decode_rows(w, s, self.fmt, self.group_size)
+
+
+def dense_layout(fmt: str, n: int, k: int, group_size: int) -> str:
+    """"r16" where this process's kernels run int4 [n, k] rows in 16-row slabs, else "rows"."""
+    return "r16" if R16_OK and r16_fits(fmt, n, k, group_size) else "rows"
+
+
+def _in_layout(w: np.ndarray, s: np.ndarray, fmt: str, group_size: int, layout: str):
+    """(w, s) of rows, in place, in `layout` ("auto": dense_layout)."""
+    if layout == "auto":
+        layout = dense_layout(fmt, w.shape[0], s.shape[1] * group_size if fmt == "int4" else 0, group_size)
+    if layout not in ("rows", "r16"):
+        raise ValueError(f"unknown dense layout {layout!r}; expected 'auto', 'rows' or 'r16'")
+    if layout == "rows":
+        return w, s
+    if not R16_OK or not r16_fits(fmt, w.shape[0], s.shape[1] * group_size, group_size):
+        raise ValueError(f"the r16 layout takes int4 [N % 16 == 0, K % 32 == 0] on AVX-512 VNNI CPUs, got {fmt} "
+                         f"{w.shape[0]} rows")
+    w[...], s16 = r16_pack(w, s)
+    s = s.view(R16_SCALES)
+    s[...] = s16
+    return w, s
 
 
 @njit(fastmath=True, cache=True)
@@ -106,13 +139,43 @@ def _gemv_rows(path, w, s, xv, xg, hb, n0, n1, out):
 
 
 @njit(fastmath=True, cache=True)
-def gemv_block(w, s, xv, xg, hb, n0, n1, out):
-    """out[:, n0:n1]: 4 tokens per pass over the rows (a 2-3 token tail padded with repeats); the
-    vector dot's shape test made once here, not per row (_dots "Path tags")."""
+def _gemv_block_rows(w, s, xv, xg, hb, n0, n1, out):
     if vec_rows(w, s, xv, hb):
         _gemv_rows(VEC, w, s, xv, xg, hb, n0, n1, out)
     else:
         _gemv_rows(ANY, w, s, xv, xg, hb, n0, n1, out)
+
+
+@njit(fastmath=True, cache=True)
+def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
+    """gemv_block over int4 rows in 16-row slabs (n0, n1 on slab bounds): one slab dot per 16 rows."""
+    bpg = hb // 16                     # group size / 32
+    num_t = xv.shape[0]
+    for t in range(0, num_t, 4):
+        if num_t - t == 1:
+            for n in range(n0, n1, R16):
+                q4r16_dot(w[n:n + R16], s[n:n + R16], xv[t], xg[t], bpg, out[t, n:n + R16])
+            continue
+        t1, t2, t3 = min(t + 1, num_t - 1), min(t + 2, num_t - 1), min(t + 3, num_t - 1)
+        for n in range(n0, n1, R16):
+            q4r16_dot4(w[n:n + R16], s[n:n + R16], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], bpg,
+                       out[t, n:n + R16], out[t1, n:n + R16], out[t2, n:n + R16], out[t3, n:n + R16])
+
+
+def gemv_block(w, s, xv, xg, hb, n0, n1, out):
+    """out[:, n0:n1]: 4 tokens per pass over the rows (a 2-3 token tail padded with repeats); the
+    vector dot's shape test made once here, not per row (_dots "Path tags"). int4 rows in 16-row
+    slabs (int16 scales: layout "r16") take the slab dot, 16 rows a call (jitted only)."""
+    raise NotImplementedError("gemv_block is only callable from numba-compiled code")
+
+
+@overload(gemv_block, jit_options={"fastmath": True})
+def _gemv_block_impl(w, s, xv, xg, hb, n0, n1, out):
+    if is_r16(w, s):
+        if not R16_OK:
+            raise TypeError("int4 rows in the r16 layout need this process's AVX-512 VNNI kernels")
+        return lambda w, s, xv, xg, hb, n0, n1, out: _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out)
+    return lambda w, s, xv, xg, hb, n0, n1, out: _gemv_block_rows(w, s, xv, xg, hb, n0, n1, out)
 
 
 @njit(parallel=True, fastmath=True, cache=True)

@@ -15,7 +15,8 @@ import numba
 import numpy as np
 import torch
 
-from freetoken_py.kernels._buffers import R16_ROWS, decode_rows, empty_rows, encode_rows, host_array, r16_fits, r16_pack, r16_unpack
+from freetoken_py.kernels._buffers import (R16_ROWS, R16_SCALES, decode_rows, empty_rows, encode_rows, host_array, r16_fits,
+                                           r16_pack, r16_unpack)
 from freetoken_py.kernels._dots import ACTIVATIONS, FORMATS, R16_OK
 from freetoken_py.kernels._moe_kernels import moe_rows
 from freetoken_py.kernels.cpu_linear import torch_bf16, use_torch_bf16
@@ -34,8 +35,9 @@ class ExpertBank:
 
     layout "rows" (above) or "r16" (int4 only, AVX-512 VNNI CPUs: `preferred_layout`): the same
     shapes and bytes, each slab of 16 rows permuted within itself so one vector load serves 16
-    rows (_buffers.r16_pack, _simd "int4 weights in 16-row interleaved slabs"); the CPU kernels
-    read either, `dequantized()` undoes it, the accelerator tiers take "rows" only.
+    rows, the scales held as int16 (_buffers.r16_pack, _simd "int4 weights in 16-row interleaved
+    slabs"); the scales' dtype is the layout, so the kernels pick their loops from the arrays.
+    `dequantized()` undoes it; the accelerator tiers take "rows" only.
     """
 
     fmt: str
@@ -47,11 +49,8 @@ class ExpertBank:
     # biases (gpt-oss): b13 [E, 2I] gate then up, b2 [E, D], float32; 0 rows: none
     b13: np.ndarray = field(default_factory=lambda: _NO_BIAS)
     b2: np.ndarray = field(default_factory=lambda: _NO_BIAS)
-    layout: str = "rows"
 
     def __post_init__(self):
-        if self.layout not in ("rows", "r16"):
-            raise ValueError(f"unknown bank layout {self.layout!r}; expected 'rows' or 'r16'")
         if self.layout == "r16" and not R16_OK:
             raise ValueError("the r16 layout runs on AVX-512 VNNI CPUs with int8 activations only "
                              "(this process: FREETOKEN_SIMD / FREETOKEN_INT_ACT or the CPU rule it out)")
@@ -60,6 +59,11 @@ class ExpertBank:
         """This bank with the experts' biases (torch or numpy [E, 2I] and [E, D], any float dtype)."""
         arr = lambda b: np.ascontiguousarray(_cpu(b).float().numpy())  # noqa: E731
         return replace(self, b13=arr(b13), b2=arr(b2))
+
+    @property
+    def layout(self) -> str:
+        """"r16" (int4 in 16-row slabs: int16 scales) or "rows"."""
+        return "r16" if self.s13.dtype == R16_SCALES else "rows"
 
     @property
     def num_experts(self) -> int:
@@ -104,33 +108,45 @@ class ExpertBank:
         """Uninitialised page-aligned bank of `num_experts` experts; fill it with `set_expert`."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
+        if layout not in ("rows", "r16"):
+            raise ValueError(f"unknown bank layout {layout!r}; expected 'rows' or 'r16'")
         if layout == "r16" and not r16_layout_fits(fmt, inter, hidden, group_size):
             raise ValueError(f"the r16 layout takes int4 experts with I and D multiples of 32 and groups of whole "
                              f"32-blocks, got {fmt} I={inter} D={hidden} g{group_size}")
         w13, s13 = empty_rows(fmt, (num_experts, 2 * inter), hidden, group_size)
         w2, s2 = empty_rows(fmt, (num_experts, hidden), inter, group_size)
-        return cls(fmt, group_size, w13, s13, w2, s2, layout=layout)
+        if layout == "r16":
+            s13, s2 = s13.view(R16_SCALES), s2.view(R16_SCALES)
+        return cls(fmt, group_size, w13, s13, w2, s2)
+
+    def _row_scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """(s13, s2) as the row layout's encoders write them (r16's int16 scales seen as uint16)."""
+        if self.layout == "r16":
+            return self.s13.view(np.uint16), self.s2.view(np.uint16)
+        return self.s13, self.s2
 
     def _to_layout(self, e: int) -> None:
         """Expert e, just written in the row layout, into this bank's layout (in place)."""
         if self.layout == "r16":
-            self.w13[e], self.s13[e] = r16_pack(self.w13[e], self.s13[e])
-            self.w2[e], self.s2[e] = r16_pack(self.w2[e], self.s2[e])
+            self.w13[e], self.s13[e] = r16_pack(self.w13[e], self.s13[e].view(np.uint16))
+            self.w2[e], self.s2[e] = r16_pack(self.w2[e], self.s2[e].view(np.uint16))
 
     def set_expert(self, e: int, gate, up, down) -> None:
         """Encode one expert: gate, up [I, D] and down [D, I] (torch, any float dtype)."""
         inter = self.inter
-        encode_rows(_cpu(gate), self.fmt, self.group_size, self.w13[e, :inter], self.s13[e, :inter])
-        encode_rows(_cpu(up), self.fmt, self.group_size, self.w13[e, inter:], self.s13[e, inter:])
-        encode_rows(_cpu(down), self.fmt, self.group_size, self.w2[e], self.s2[e])
+        s13, s2 = self._row_scales()
+        encode_rows(_cpu(gate), self.fmt, self.group_size, self.w13[e, :inter], s13[e, :inter])
+        encode_rows(_cpu(up), self.fmt, self.group_size, self.w13[e, inter:], s13[e, inter:])
+        encode_rows(_cpu(down), self.fmt, self.group_size, self.w2[e], s2[e])
         self._to_layout(e)
 
     def set_expert_packed(self, e: int, gate, up, down) -> None:
         """Copy one expert already in this bank's format (formats.Packed gate, up [I, D], down
         [D, I]: a checkpoint's fp8 / int4 codes and scales) as it is, bit for bit."""
         inter = self.inter
-        for p, w, s in ((gate, self.w13[e, :inter], self.s13[e, :inter]), (up, self.w13[e, inter:], self.s13[e, inter:]),
-                        (down, self.w2[e], self.s2[e])):
+        s13, s2 = self._row_scales()
+        for p, w, s in ((gate, self.w13[e, :inter], s13[e, :inter]), (up, self.w13[e, inter:], s13[e, inter:]),
+                        (down, self.w2[e], s2[e])):
             if (p.fmt, p.group_size) != (self.fmt, self.group_size):
                 raise ValueError(f"a {p.fmt} g{p.group_size} weight in a {self.fmt} g{self.group_size} bank")
             codes, scales = p.arrays()
@@ -225,7 +241,7 @@ def add_moe_experts(bank: ExpertBank, x: np.ndarray, topk_ids: np.ndarray, topk_
         _add_experts_torch_bf16(bank, x, topk_ids, topk_weights, out)
         return
     moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, x, topk_ids, topk_weights, activation, bank.group_size,
-             numba.get_num_threads(), out, bank.b13, bank.b2, bank.layout == "r16")
+             numba.get_num_threads(), out, bank.b13, bank.b2)
 
 
 def _add_experts_torch_bf16(bank: ExpertBank, x: np.ndarray, ids: np.ndarray, wts: np.ndarray, out: np.ndarray) -> None:
