@@ -26,16 +26,16 @@ if R16_OK:
     from freetoken_py.kernels._simd import q4r16_dot, q4r16_dot4
 
     @njit(fastmath=True)
-    def slab_mv(w, s, xq, xg, bpg):
-        """[R, N]: every 16-row slab of w against each activation row (R = 1 or 4)."""
+    def slab_mv(w, s, xq, xg, bpg, step):
+        """[R, N]: w's rows against each activation row (R = 1 or 4), `step` rows (whole slabs) a call."""
         r = xq.shape[0]
         out = np.zeros((r, w.shape[0]), np.float32)
-        for n in range(0, w.shape[0], 16):
+        for n in range(0, w.shape[0], step):
             if r == 4:
-                q4r16_dot4(w[n:n + 16], s[n:n + 16], xq[0], xq[1], xq[2], xq[3], xg[0], xg[1], xg[2], xg[3], bpg,
-                           out[0, n:n + 16], out[1, n:n + 16], out[2, n:n + 16], out[3, n:n + 16])
+                q4r16_dot4(w[n:n + step], s[n:n + step], xq[0], xq[1], xq[2], xq[3], xg[0], xg[1], xg[2], xg[3], bpg,
+                           out[0, n:n + step], out[1, n:n + step], out[2, n:n + step], out[3, n:n + step])
             else:
-                q4r16_dot(w[n:n + 16], s[n:n + 16], xq[0], xg[0], bpg, out[0, n:n + 16])
+                q4r16_dot(w[n:n + step], s[n:n + step], xq[0], xg[0], bpg, out[0, n:n + step])
         return out
 
 
@@ -135,11 +135,12 @@ def test_slab_dot_equals_float64(k, g, rows):
     assert np.allclose(xg[:, nb:], 8 * xg[:, :nb] * xq.reshape(rows, nb, 32).sum(-1), rtol=1e-6)
     xdq = (xq.reshape(rows, nb, 32).astype(np.float64) * xs[:, :, None]).reshape(rows, k)
     want = xdq @ ref.T
-    got = slab_mv(wr, sr, xq, xg, g // 32)
     scale = np.abs(want).max()
-    assert np.abs(got - want).max() <= 2e-6 * scale, np.abs(got - want).max() / scale
+    for step in (16, n):                  # a call per slab, and all three slabs in one call
+        got = slab_mv(wr, sr, xq, xg, g // 32, step)
+        assert np.abs(got - want).max() <= 2e-6 * scale, (step, np.abs(got - want).max() / scale)
     # a wrong slab layout (the row layout read as r16) is far off
-    assert np.abs(slab_mv(w, s.view(np.int16), xq, xg, g // 32) - want).max() > 0.05 * scale
+    assert np.abs(slab_mv(w, s.view(np.int16), xq, xg, g // 32, n) - want).max() > 0.05 * scale
 
 
 def expert_weights(e, i, d, seed):

@@ -51,7 +51,7 @@ from numba.extending import overload
 
 from freetoken_py.kernels._dots import (ACT_SILU, ANY, VEC, act, is_r16, pdot, pdot4, prepare, tile_form, tile_rows,
                                        vec_rows, widen_row)
-from freetoken_py.kernels._simd import R16, q4r16_dot, q4r16_dot4, swiglu, tile_dot44
+from freetoken_py.kernels._simd import q4r16_dot, q4r16_dot4, swiglu, tile_dot44
 from freetoken_py.kernels.cpu_linear import gemv_block
 
 RB1 = 16   # gate/up rows per stage-1 task: 16 x (2 rows) x D bytes, small enough to balance 2 threads
@@ -364,42 +364,39 @@ def _gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
     inter = w13.shape[0] // 2
     bpg = hb // 16
     n = pairs.shape[0]
+    m = i1 - i0
+    gw, gs_, uw, us = w13[i0:i1], s13[i0:i1], w13[inter + i0:inter + i1], s13[inter + i0:inter + i1]
     step = 1 if b13.shape[0] else 4      # biased experts: a pair at a time, the bias before the act
     for q in range(0, n, step):
         if n - q == 1 or step == 1:
             p = pairs[q]
             t = p // k
-            for i in range(i0, i1, R16):
-                q4r16_dot(w13[i:i + R16], s13[i:i + R16], xv[t], xg[t], bpg, h[p, i:i + R16])
-                q4r16_dot(w13[inter + i:inter + i + R16], s13[inter + i:inter + i + R16], xv[t], xg[t], bpg,
-                          ub[0, i - i0:i - i0 + R16])
+            q4r16_dot(gw, gs_, xv[t], xg[t], bpg, h[p, i0:i1])
+            q4r16_dot(uw, us, xv[t], xg[t], bpg, ub[0, :m])
             if b13.shape[0]:
                 for i in range(i0, i1):
                     h[p, i] = act(kind, h[p, i] + b13[i], ub[0, i - i0] + b13[inter + i])
             else:
-                _act_rows(kind, h[p, i0:i1], ub[0, :i1 - i0])
+                _act_rows(kind, h[p, i0:i1], ub[0, :m])
             continue
         p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
-        for i in range(i0, i1, R16):
-            j = i - i0
-            q4r16_dot4(w13[i:i + R16], s13[i:i + R16], xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3],
-                       bpg, h[p0, i:i + R16], h[p1, i:i + R16], h[p2, i:i + R16], h[p3, i:i + R16])
-            q4r16_dot4(w13[inter + i:inter + i + R16], s13[inter + i:inter + i + R16], xv[t0], xv[t1], xv[t2], xv[t3],
-                       xg[t0], xg[t1], xg[t2], xg[t3], bpg,
-                       ub[0, j:j + R16], ub[1, j:j + R16], ub[2, j:j + R16], ub[3, j:j + R16])
+        q4r16_dot4(gw, gs_, xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3], bpg,
+                   h[p0, i0:i1], h[p1, i0:i1], h[p2, i0:i1], h[p3, i0:i1])
+        q4r16_dot4(uw, us, xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3], bpg,
+                   ub[0, :m], ub[1, :m], ub[2, :m], ub[3, :m])
         c = min(n - q, 4)            # a padded tail's repeats hold the last pair's values: act once per pair
-        _act_rows(kind, h[p0, i0:i1], ub[0, :i1 - i0])
-        _act_rows(kind, h[p1, i0:i1], ub[1, :i1 - i0])
+        _act_rows(kind, h[p0, i0:i1], ub[0, :m])
+        _act_rows(kind, h[p1, i0:i1], ub[1, :m])
         if c > 2:
-            _act_rows(kind, h[p2, i0:i1], ub[2, :i1 - i0])
+            _act_rows(kind, h[p2, i0:i1], ub[2, :m])
         if c > 3:
-            _act_rows(kind, h[p3, i0:i1], ub[3, :i1 - i0])
+            _act_rows(kind, h[p3, i0:i1], ub[3, :m])
 
 
 @njit(fastmath=True, cache=True)
 def _down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
     bpg = hb // 16
-    y = np.empty((4, R16), np.float32)
+    y = np.empty((4, d1 - d0), np.float32)
     for u in range(eids.shape[0]):          # experts ascending, pairs in order: _down_rows's order
         e = eids[u]
         pairs = order[off[u]:off[u + 1]]
@@ -407,17 +404,16 @@ def _down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
         for q in range(0, n, 4):
             p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
             c = min(n - q, 4)
-            for d in range(d0, d1, R16):
-                q4r16_dot4(w2[e, d:d + R16], s2[e, d:d + R16], hv[p0], hv[p1], hv[p2], hv[p3],
-                           hg[p0], hg[p1], hg[p2], hg[p3], bpg, y[0], y[1], y[2], y[3])
-                for r in range(R16):
-                    out[t0, d + r] += wts[p0] * y[0, r]
-                    if c > 1:
-                        out[t1, d + r] += wts[p1] * y[1, r]
-                    if c > 2:
-                        out[t2, d + r] += wts[p2] * y[2, r]
-                    if c > 3:
-                        out[t3, d + r] += wts[p3] * y[3, r]
+            q4r16_dot4(w2[e, d0:d1], s2[e, d0:d1], hv[p0], hv[p1], hv[p2], hv[p3], hg[p0], hg[p1], hg[p2], hg[p3],
+                       bpg, y[0], y[1], y[2], y[3])
+            for r in range(d1 - d0):
+                out[t0, d0 + r] += wts[p0] * y[0, r]
+                if c > 1:
+                    out[t1, d0 + r] += wts[p1] * y[1, r]
+                if c > 2:
+                    out[t2, d0 + r] += wts[p2] * y[2, r]
+                if c > 3:
+                    out[t3, d0 + r] += wts[p3] * y[3, r]
 
 
 def gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):

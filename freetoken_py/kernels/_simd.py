@@ -922,27 +922,30 @@ def _check_r16(w, s, xqs, xgs, outs):
 
 
 def _r16_codegen(num_x):
-    """Codegen of q4r16_dot / q4r16_dot4: 16 rows (one slab) x num_x activations -> out[j][0:16]."""
+    """Codegen of q4r16_dot / q4r16_dot4: rows in whole slabs of 16 x num_x activations ->
+    out[j][0:rows], one slab after the other in one loop (no call per slab)."""
     def codegen(context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
                   for t, v in zip(signature.args, args)]
-        wp, sp = arrays[0].data, arrays[1].data
+        wp0, sp0 = arrays[0].data, arrays[1].data
         qps = [a.data for a in arrays[2:2 + num_x]]
         xgps = [a.data for a in arrays[2 + num_x:2 + 2 * num_x]]
         outps = [a.data for a in arrays[3 + 2 * num_x:]]
         bpg = context.cast(builder, args[2 + 2 * num_x], signature.args[2 + 2 * num_x], types.int64)
-        nb = builder.lshr(cgutils.unpack_tuple(builder, arrays[0].shape)[1], _c64(4))    # K/2 / 16 = K/32 blocks
+        rows, half_k = cgutils.unpack_tuple(builder, arrays[0].shape)
+        groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
+        nb = builder.lshr(half_k, _c64(4))                   # K/2 / 16 = K/32 blocks
         v64b, v16i, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
         v16h = ir.VectorType(_I16, 16)
         m15, s4 = ir.Constant(v64b, [15] * 64), ir.Constant(v64b, [4] * 64)
         zero = ir.Constant(v16i, None)
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, None)) for _ in range(num_x)] for _ in range(2)]
+        accs = [[cgutils.alloca_once(builder, v16f) for _ in range(num_x)] for _ in range(2)]
 
         def bcast(qp, off):        # 4 activation bytes splat over the 16 dword lanes
             p = builder.bitcast(builder.gep(qp, [off]), _I32.as_pointer())
             return builder.bitcast(_splat(builder, builder.load(p, align=1), 16), v64b)
 
-        def block(b, sidx, aset):
+        def block(wp, sp, b, sidx, aset):
             base = builder.shl(b, _c64(8))
             ia = [[zero, zero] for _ in range(num_x)]
             for c in range(4):
@@ -965,24 +968,32 @@ def _r16_codegen(num_x):
                 a = accs[aset][j]
                 builder.store(builder.fadd(builder.load(a), builder.fmul(t, sw, flags=_FAST), flags=_FAST), a)
 
-        def walk(sidx_of):
+        def walk(wp, sp, sidx_of):
             with cgutils.for_range(builder, builder.lshr(nb, _c64(1))) as loop:
                 b0 = builder.shl(loop.index, _c64(1))
                 b1 = builder.add(b0, _c64(1))
-                block(b0, sidx_of(b0), 0)
-                block(b1, sidx_of(b1), 1)
+                block(wp, sp, b0, sidx_of(b0), 0)
+                block(wp, sp, b1, sidx_of(b1), 1)
             with builder.if_then(builder.trunc(nb, ir.IntType(1))):
                 last = builder.sub(nb, _c64(1))
-                block(last, sidx_of(last), 0)
+                block(wp, sp, last, sidx_of(last), 0)
 
-        with builder.if_else(builder.icmp_unsigned("==", bpg, _c64(1))) as (g32, wider):
-            with g32:
-                walk(lambda b: b)
-            with wider:
-                walk(lambda b: builder.udiv(b, bpg))
-        for j in range(num_x):
-            r = builder.fadd(builder.load(accs[0][j]), builder.load(accs[1][j]), flags=_FAST)
-            builder.store(r, builder.bitcast(outps[j], v16f.as_pointer()), align=4)
+        with cgutils.for_range(builder, builder.lshr(rows, _c64(4))) as slabs:
+            slab = slabs.index
+            wp = builder.gep(wp0, [builder.mul(slab, builder.shl(half_k, _c64(4)))])
+            sp = builder.gep(sp0, [builder.mul(slab, builder.shl(groups, _c64(4)))])
+            for aset in accs:
+                for a in aset:
+                    builder.store(ir.Constant(v16f, None), a)
+            with builder.if_else(builder.icmp_unsigned("==", bpg, _c64(1))) as (g32, wider):
+                with g32:
+                    walk(wp, sp, lambda b: b)
+                with wider:
+                    walk(wp, sp, lambda b: builder.udiv(b, bpg))
+            for j in range(num_x):
+                r = builder.fadd(builder.load(accs[0][j]), builder.load(accs[1][j]), flags=_FAST)
+                op = builder.gep(outps[j], [builder.shl(slab, _c64(4))])
+                builder.store(r, builder.bitcast(op, v16f.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return codegen
@@ -990,16 +1001,16 @@ def _r16_codegen(num_x):
 
 @intrinsic
 def q4r16_dot(typingctx, w, s, xq, xg, bpg, out):
-    """out[0:16] = the 16 int4 rows of slab (w uint8 [16, K/2], s int16 [16, G], layout "r16", both
-    C-contiguous) . the int8 activation xq [K] (natural order, K % 32 == 0), xg = prep_q8r_row's
-    (s_x [K/32], correction [K/32]); bpg = group size / 32. AVX-512 VNNI only."""
+    """out[0:R] = R int4 rows in whole slabs (w uint8 [R, K/2], s int16 [R, G], R % 16 == 0, layout
+    "r16", both C-contiguous) . the int8 activation xq [K] (natural order, K % 32 == 0), xg =
+    prep_q8r_rows' (s_x [K/32], correction [K/32]); bpg = group size / 32. AVX-512 VNNI only."""
     _check_r16(w, s, (xq,), (xg,), (out,))
     return types.void(w, s, xq, xg, bpg, out), _r16_codegen(1)
 
 
 @intrinsic
 def q4r16_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3):
-    """q4r16_dot of one slab with four activations at once (the slab read once), oj[0:16] each."""
+    """q4r16_dot with four activations at once (each slab read once), oj[0:R] each."""
     _check_r16(w, s, (x0, x1, x2, x3), (g0, g1, g2, g3), (o0, o1, o2, o3))
     return types.void(w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3), _r16_codegen(4)
 

@@ -22,7 +22,7 @@ from numba.extending import overload
 
 from freetoken_py.kernels._buffers import R16_SCALES, decode_rows, empty_rows, encode_rows, host_array, r16_fits, r16_pack, r16_unpack
 from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, R16_OK, VEC, is_r16, pdot, pdot4, prepare, vec_rows
-from freetoken_py.kernels._simd import R16, q4r16_dot, q4r16_dot4
+from freetoken_py.kernels._simd import q4r16_dot, q4r16_dot4
 
 ROWS_PER_TASK = 32         # output rows per prange task
 TORCH_MIN_TOKENS = 256     # from this many tokens, fp32 weights use torch's GEMM (docs/kernels.md)
@@ -148,18 +148,17 @@ def _gemv_block_rows(w, s, xv, xg, hb, n0, n1, out):
 
 @njit(fastmath=True, cache=True)
 def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
-    """gemv_block over int4 rows in 16-row slabs (n0, n1 on slab bounds): one slab dot per 16 rows."""
+    """gemv_block over int4 rows in 16-row slabs (n0, n1 on slab bounds): one slab-dot call for the
+    block's rows per token (or per 4 tokens)."""
     bpg = hb // 16                     # group size / 32
     num_t = xv.shape[0]
     for t in range(0, num_t, 4):
         if num_t - t == 1:
-            for n in range(n0, n1, R16):
-                q4r16_dot(w[n:n + R16], s[n:n + R16], xv[t], xg[t], bpg, out[t, n:n + R16])
+            q4r16_dot(w[n0:n1], s[n0:n1], xv[t], xg[t], bpg, out[t, n0:n1])
             continue
         t1, t2, t3 = min(t + 1, num_t - 1), min(t + 2, num_t - 1), min(t + 3, num_t - 1)
-        for n in range(n0, n1, R16):
-            q4r16_dot4(w[n:n + R16], s[n:n + R16], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], bpg,
-                       out[t, n:n + R16], out[t1, n:n + R16], out[t2, n:n + R16], out[t3, n:n + R16])
+        q4r16_dot4(w[n0:n1], s[n0:n1], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], bpg,
+                   out[t, n0:n1], out[t1, n0:n1], out[t2, n0:n1], out[t3, n0:n1])
 
 
 def gemv_block(w, s, xv, xg, hb, n0, n1, out):
