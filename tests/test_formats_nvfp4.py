@@ -82,15 +82,17 @@ def test_nvfp4_banks_and_dense_weights_equal_the_checkpoint_exactly(ct_qwen, mo_
     codes_key = "weight_packed" if which == "ct" else "weight"
     for layer in (i for i, s in enumerate(a.sparse_layers) if s):
         bank = llm.loaded.expert_store.banks[layer]
-        assert (bank.fmt, bank.group_size, bank.w13.dtype, bank.s13.dtype) == ("nvfp4", 16, np.uint8, np.uint8)
+        assert (bank.fmt, bank.group_size, bank.w13.dtype) == ("nvfp4", 16, np.uint8)
+        assert bank.s13.dtype == (np.int8 if bank.layout == "r16" else np.uint8)   # r16: 16-row slabs (AVX-512 VNNI)
         w13, w2 = bank.dequantized()
         inter = bank.inter
         for e in range(a.num_experts):
             x = f"model.layers.{layer}.mlp.experts.{e}."
+            (c13, s13), (c2, s2) = bank.row_arrays(bank.w13[e], bank.s13[e]), bank.row_arrays(bank.w2[e], bank.s2[e])
             for rows, name, deq, codes, scales in (
-                    (slice(0, inter), "gate_proj", w13[e, :inter], bank.w13[e], bank.s13[e]),
-                    (slice(inter, None), "up_proj", w13[e, inter:], bank.w13[e], bank.s13[e]),
-                    (slice(None), "down_proj", w2[e], bank.w2[e], bank.s2[e])):
+                    (slice(0, inter), "gate_proj", w13[e, :inter], c13, s13),
+                    (slice(inter, None), "up_proj", w13[e, inter:], c13, s13),
+                    (slice(None), "down_proj", w2[e], c2, s2)):
                 assert np.array_equal(codes[rows], t[f"{x}{name}.{codes_key}"].numpy())        # the bytes, copied
                 g = scales.shape[1] - 4
                 assert np.array_equal(scales[rows][:, :g], t[f"{x}{name}.weight_scale"].view(torch.uint8).numpy())

@@ -165,7 +165,7 @@ class _Job:
         e, i, d = a.num_experts, a.moe_intermediate_size, a.hidden_size
         dt13, items13, g13 = row_layout(self.fmt, d, self.group_size)
         dt2, items2, g2 = row_layout(self.fmt, i, self.group_size)
-        sdt = (R16_SCALES if self.layout == "r16" else scale_dtype(self.fmt)).str   # r16: its int16 scales
+        sdt = (R16_SCALES[self.fmt] if self.layout == "r16" else scale_dtype(self.fmt)).str   # r16: int16 / int8
         return {"w13": (dt13.str, (e, 2 * i, items13)), "s13": (sdt, (e, 2 * i, g13)),
                 "w2": (dt2.str, (e, d, items2)), "s2": (sdt, (e, d, g2))}
 

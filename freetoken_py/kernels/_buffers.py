@@ -100,25 +100,30 @@ def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) ->
                            group_size)
 
 
-R16_ROWS = 16     # rows per slab of the "r16" int4 layout (_simd "int4 weights in 16-row interleaved slabs")
-# The layout travels in the scales' dtype: the same fp16 bits held as int16 instead of uint16, so the
-# kernels pick the slab loops at compile time from the arrays alone (no flag to thread through).
-R16_SCALES = np.dtype(np.int16)
+R16_ROWS = 16     # rows per slab of the "r16" int4 / nvfp4 layout (_simd "weights in 16-row interleaved slabs")
+# The layout travels in the scales' dtype: the same bytes held as int16 (int4's fp16 bits, uint16 in
+# rows) or int8 (nvfp4's e4m3 bytes and row factors, uint8 in rows), so the kernels pick the slab
+# loops at compile time from the arrays alone (no flag to thread through).
+R16_SCALES = {"int4": np.dtype(np.int16), "nvfp4": np.dtype(np.int8)}
+_ROW_SCALES = {np.dtype(np.int16): np.dtype(np.uint16), np.dtype(np.int8): np.dtype(np.uint8)}
+
+
+def is_r16_scales(s: np.ndarray) -> bool:
+    """True for scales in the "r16" layout (int16 / int8)."""
+    return s.dtype in _ROW_SCALES
 
 
 def r16_fits(fmt: str, n: int, k: int, group_size: int) -> bool:
-    """True where [n, k] int4 rows of group_size can take the "r16" layout: whole slabs of 16 rows,
-    whole 32-column blocks, groups of whole blocks."""
-    return fmt == "int4" and n % R16_ROWS == 0 and k % 32 == 0 and group_size % 32 == 0 and n > 0
+    """True where [n, k] rows of fmt can take the "r16" layout: whole slabs of 16 rows, whole
+    32-column blocks; int4 groups of whole blocks, nvfp4 its groups of 16."""
+    if n <= 0 or n % R16_ROWS or k % 32:
+        return False
+    return (fmt == "int4" and group_size % 32 == 0) or (fmt == "nvfp4" and group_size == 16)
 
 
-def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int4 rows in the row layout (w uint8 [..., N, K/2], low nibble = even column; s [..., N, G])
-    -> the same bytes in the "r16" layout, same shapes: per slab of 16 rows and 32-column block b,
-    4 chunks c of 64 bytes, byte 4r + j holding row r's columns 32b + 8c + j (low nibble) and
-    32b + 8c + 4 + j (high nibble); the slab's scales as [G, 16], int16 (R16_SCALES: the same bits)."""
+def _slab_bytes(w: np.ndarray) -> np.ndarray:
+    """Packed nibbles [..., N, K/2] (low = even column) -> the r16 weight bytes, same shape."""
     *lead, n, kh = w.shape
-    g = s.shape[-1]
     q = np.empty((*lead, n, 2 * kh), np.uint8)
     q[..., 0::2] = w & 15
     q[..., 1::2] = w >> 4
@@ -126,25 +131,55 @@ def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     packed = q[..., 0, :] | (q[..., 1, :] << 4)                    # slab, r, b, c, j
     nd = len(lead)
     perm = tuple(range(nd)) + tuple(nd + a for a in (0, 2, 3, 1, 4))   # slab, b, c, r, j
-    wr = np.ascontiguousarray(packed.transpose(perm)).reshape(w.shape)
-    sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
-    sr = np.ascontiguousarray(s.reshape(*lead, n // 16, 16, g).transpose(sperm)).reshape(s.shape)
-    return wr, sr.view(R16_SCALES)
+    return np.ascontiguousarray(packed.transpose(perm)).reshape(w.shape)
 
 
-def r16_unpack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of r16_pack: "r16" slabs back to the row layout (scales uint16 again)."""
+def _row_bytes(w: np.ndarray) -> np.ndarray:
+    """The inverse of _slab_bytes."""
     *lead, n, kh = w.shape
-    g = s.shape[-1]
     nd = len(lead)
     b = np.ascontiguousarray(w).reshape(*lead, n // 16, kh // 16, 4, 16, 4)     # slab, b, c, r, j
     b = b.transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 3, 1, 2, 4)))  # slab, r, b, c, j
-    q = np.stack([b & 15, b >> 4], axis=-2)                                      # slab, r, b, c, half, j
-    q = q.reshape(*lead, n, 2 * kh)
-    wr = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    q = np.stack([b & 15, b >> 4], axis=-2).reshape(*lead, n, 2 * kh)           # slab, r, b, c, half, j
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int4 (s uint16 [..., N, G]) or nvfp4 (s uint8 [..., N, K/16 + 4]) rows in the row layout
+    (w uint8 [..., N, K/2], low nibble = even column) -> the same bytes in the "r16" layout, same
+    shapes: per slab of 16 rows and 32-column block b, 4 chunks c of 64 bytes, byte 4r + j holding
+    row r's columns 32b + 8c + j (low nibble) and 32b + 8c + 4 + j (high nibble). Scales per slab:
+    int4 [G, 16] as int16; nvfp4 [K/16, 16] e4m3 bytes then the 16 rows' fp32 factors, as int8."""
+    *lead, n, _ = w.shape
+    nd = len(lead)
     sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
-    sr = np.ascontiguousarray(np.ascontiguousarray(s).reshape(*lead, n // 16, g, 16).transpose(sperm)).reshape(s.shape)
-    return wr, sr.view(np.uint16)
+    if s.dtype == np.uint16:
+        g = s.shape[-1]
+        sr = np.ascontiguousarray(s.reshape(*lead, n // 16, 16, g).transpose(sperm)).reshape(s.shape)
+        return _slab_bytes(w), sr.view(R16_SCALES["int4"])
+    ng = s.shape[-1] - 4
+    e = s[..., :ng].reshape(*lead, n // 16, 16, ng).transpose(sperm).reshape(*lead, n // 16, 16 * ng)
+    f = np.ascontiguousarray(s[..., ng:]).reshape(*lead, n // 16, 64)
+    sr = np.ascontiguousarray(np.concatenate([e, f], axis=-1)).reshape(s.shape)
+    return _slab_bytes(w), sr.view(R16_SCALES["nvfp4"])
+
+
+def r16_unpack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of r16_pack: "r16" slabs back to the row layout (scales uint16 / uint8 again)."""
+    *lead, n, _ = w.shape
+    nd = len(lead)
+    sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
+    s = np.ascontiguousarray(s).view(_ROW_SCALES[s.dtype])
+    if s.dtype == np.uint16:
+        g = s.shape[-1]
+        sr = np.ascontiguousarray(s.reshape(*lead, n // 16, g, 16).transpose(sperm)).reshape(s.shape)
+        return _row_bytes(w), sr
+    ng = s.shape[-1] - 4
+    flat = s.reshape(*lead, n // 16, 16 * (ng + 4))
+    e = flat[..., :16 * ng].reshape(*lead, n // 16, ng, 16).transpose(sperm)
+    f = flat[..., 16 * ng:].reshape(*lead, n // 16, 16, 4)
+    sr = np.ascontiguousarray(np.concatenate([e, f], axis=-1)).reshape(s.shape)
+    return _row_bytes(w), sr
 
 
 _TORCH_DTYPES = {np.float32: torch.float32, np.int64: torch.int64}

@@ -833,7 +833,7 @@ def prep_q8n_rows(x):
 def prep_q8r_rows(x):
     """x [R, K] (K % 32 == 0) -> (xq int8 [R, K] natural order, xg float32 [R, 2 K/32]): per block b
     xg[b] = s_x[b], xg[K/32 + b] = 8 s_x[b] sum(q_b) (the nibble offset, removed per block): the
-    activations of the "r16" int4 slabs (_simd.q4r16_dot). Rounding as prep_q8_row."""
+    activations of the "r16" int4 slabs (_simd.r16_dot). Rounding as prep_q8_row."""
     nb = x.shape[1] // Q8_BLOCK
     xq = np.empty(x.shape, np.int8)
     xg = np.empty((x.shape[0], 2 * nb), np.float32)
@@ -851,12 +851,36 @@ def prep_q8r_rows(x):
     return xq, xg
 
 
-R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 rows in the "r16" layout (_simd)
+@njit(fastmath=False, cache=True)
+def prep_q8r_nv_rows(x):
+    """x [R, K] (K % 32 == 0) -> (xq int8 [R, K] natural order, xg float32 [R, 3 K/32]): xg[b] =
+    s_x[b], xg[K/32 + g] = 12 s_x sum(q over the 16 columns of group g) (the e2m1 table's offset):
+    the activations of the "r16" nvfp4 slabs (_simd.r16_dot). Rounding as prep_q8_row."""
+    nb = x.shape[1] // Q8_BLOCK
+    xq = np.empty(x.shape, np.int8)
+    xg = np.empty((x.shape[0], 3 * nb), np.float32)
+    for r in range(x.shape[0]):
+        for b in range(nb):
+            x0 = b * Q8_BLOCK
+            scale, div = q8_block_scale(x[r], x0, x0 + Q8_BLOCK)
+            xg[r, b] = scale
+            for half in range(2):
+                qsum = np.int32(0)
+                for j in range(x0 + 16 * half, x0 + 16 * half + 16):
+                    q = q8_code(x[r, j], div)
+                    xq[r, j] = np.int8(q)
+                    qsum += np.int32(q)
+                xg[r, nb + 2 * b + half] = np.float32(12.0) * scale * np.float32(qsum)
+    return xq, xg
+
+
+R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 / nvfp4 rows in the "r16" layout (_simd)
 
 
 def is_r16(w, s):
-    """Typing-time test: int4 rows in the "r16" slab layout (uint8 weights, int16 scales)."""
-    return w.dtype == types.uint8 and s.dtype == types.int16
+    """Typing-time test: int4 / nvfp4 rows in the "r16" slab layout (uint8 weights; int16 scales:
+    int4, int8 scales: nvfp4)."""
+    return w.dtype == types.uint8 and s.dtype in (types.int16, types.int8)
 
 
 @njit(fastmath=True, cache=True)
@@ -905,8 +929,10 @@ def prepare(w, s, x, gs):
 
 @overload(prepare, jit_options={"fastmath": True})
 def _prepare_impl(w, s, x, gs):
-    if is_r16(w, s):          # int4 in 16-row slabs: natural-order int8, (s_x, offset) per block
+    if is_r16(w, s) and s.dtype == types.int16:   # int4 in 16-row slabs: natural-order int8, (s_x, offset) per block
         return lambda w, s, x, gs: prep_q8r_rows(x)
+    if is_r16(w, s):                               # nvfp4 in slabs: (s_x per block, offset per 16 columns)
+        return lambda w, s, x, gs: prep_q8r_nv_rows(x)
     if w.dtype == types.uint8 and s.dtype == types.uint8 and INT_ACT == "int8":   # nvfp4 x int8 activations
         return lambda w, s, x, gs: prep_nv8_rows(x)
     if w.dtype == types.uint8 and s.dtype == types.float32 and FP8_ACT == "bf16":   # fp8 x bf16 activations

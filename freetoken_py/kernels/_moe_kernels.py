@@ -51,7 +51,7 @@ from numba.extending import overload
 
 from freetoken_py.kernels._dots import (ACT_SILU, ANY, VEC, act, is_r16, pdot, pdot4, prepare, tile_form, tile_rows,
                                        vec_rows, widen_row)
-from freetoken_py.kernels._simd import q4r16_dot, q4r16_dot4, swiglu, tile_dot44
+from freetoken_py.kernels._simd import r16_dot, r16_dot4, swiglu, tile_dot44
 from freetoken_py.kernels.cpu_linear import gemv_block
 
 RB1 = 16   # gate/up rows per stage-1 task: 16 x (2 rows) x D bytes, small enough to balance 2 threads
@@ -371,8 +371,8 @@ def _gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
         if n - q == 1 or step == 1:
             p = pairs[q]
             t = p // k
-            q4r16_dot(gw, gs_, xv[t], xg[t], bpg, h[p, i0:i1])
-            q4r16_dot(uw, us, xv[t], xg[t], bpg, ub[0, :m])
+            r16_dot(gw, gs_, xv[t], xg[t], bpg, h[p, i0:i1])
+            r16_dot(uw, us, xv[t], xg[t], bpg, ub[0, :m])
             if b13.shape[0]:
                 for i in range(i0, i1):
                     h[p, i] = act(kind, h[p, i] + b13[i], ub[0, i - i0] + b13[inter + i])
@@ -380,9 +380,9 @@ def _gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
                 _act_rows(kind, h[p, i0:i1], ub[0, :m])
             continue
         p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
-        q4r16_dot4(gw, gs_, xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3], bpg,
+        r16_dot4(gw, gs_, xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3], bpg,
                    h[p0, i0:i1], h[p1, i0:i1], h[p2, i0:i1], h[p3, i0:i1])
-        q4r16_dot4(uw, us, xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3], bpg,
+        r16_dot4(uw, us, xv[t0], xv[t1], xv[t2], xv[t3], xg[t0], xg[t1], xg[t2], xg[t3], bpg,
                    ub[0, :m], ub[1, :m], ub[2, :m], ub[3, :m])
         c = min(n - q, 4)            # a padded tail's repeats hold the last pair's values: act once per pair
         _act_rows(kind, h[p0, i0:i1], ub[0, :m])
@@ -404,7 +404,7 @@ def _down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
         for q in range(0, n, 4):
             p0, p1, p2, p3, t0, t1, t2, t3 = _chunk(pairs, q, k)
             c = min(n - q, 4)
-            q4r16_dot4(w2[e, d0:d1], s2[e, d0:d1], hv[p0], hv[p1], hv[p2], hv[p3], hg[p0], hg[p1], hg[p2], hg[p3],
+            r16_dot4(w2[e, d0:d1], s2[e, d0:d1], hv[p0], hv[p1], hv[p2], hv[p3], hg[p0], hg[p1], hg[p2], hg[p3],
                        bpg, y[0], y[1], y[2], y[3])
             for r in range(d1 - d0):
                 out[t0, d0 + r] += wts[p0] * y[0, r]

@@ -885,7 +885,7 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
     return types.UniTuple(types.float32, 4)(w, x0, x1, x2, x3, s0, s1, s2, s3), _i8q8v_codegen(4)
 
 
-# --- int4 weights in 16-row interleaved slabs x int8 activations (AVX-512 VNNI) --------------------
+# --- int4 / nvfp4 weights in 16-row interleaved slabs x int8 activations (AVX-512 VNNI) -----------
 #
 # The row dots above spend most of their instructions per weight on bookkeeping of one row: a quad
 # of 128 weights costs two vpdpbusd but ~15 more instructions for the nibble split, the four block
@@ -902,8 +902,15 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
 # Per chunk: lo = b & 15, hi = (b >> 4) & 15, vpdpbusd(lo, q[32b + 8c .. +3] broadcast) and
 # vpdpbusd(hi, q[32b + 8c + 4 .. +7] broadcast) into two i32 chains; per block: one convert, then
 # acc += (dot * s_x[b] - 8 s_x[b] sum(q_b)) * s_w[rows, b // bpg] (the nibble offset removed per
-# block, `prep_q8r_row` gives s_x and the correction side by side). Same ranges as the row form:
+# block, `prep_q8r_rows` gives s_x and the correction side by side). Same ranges as the row form:
 # nibbles in [1, 15], |q| <= 127, |a block's sum| <= 60960.
+# nvfp4 (e2m1, e4m3 scale per 16 columns, a fp32 factor per row; MXFP4 loads into it) in the same
+# weight slabs: the nibbles through the 16-entry table to 2 e2m1 + 12 (u8 in [0, 24]: vpermb for
+# the low ones, vpshufb for the high ones, as the row form), each group of 16 columns (two chunks)
+# its own convert, offset 12 s_x sum(q_g) (`prep_q8r_nv_rows`) and e4m3 scale vector (16 bytes, by
+# bit placement to fp16: value / 2^8, exact); the scales held as int8 [K/16, 16] per slab, then the
+# 16 rows' fp32 factors (64 bytes), applied once per slab with the 2^7 (a multiplier f > 0, or
+# 1 / -f). |a group's sum| <= 16 * 24 * 127 = 48768.
 # One Zen 4 core (2048 columns, in L2 / L3): 53 / 57 GB/s against 31 / 31 for q4q8v_row_dot; from
 # DRAM one thread 27.5 against 21.6 GB/s (docs/kernels.md "int4 in 16-row slabs").
 
@@ -911,19 +918,26 @@ R16 = 16
 
 
 def _check_r16(w, s, xqs, xgs, outs):
+    """"int4" (int16 scales) or "nvfp4" (int8 scales): which slab dot these arrays are for."""
     _check_avx512()
-    if w.dtype != types.uint8 or s.dtype != types.int16 or w.ndim != 2 or s.ndim != 2:
-        raise TypeError("q4r16_dot takes a slab of 16 int4 rows (uint8 [16, K/2]) and its fp16-bit scales as r16 "
-                        "holds them (int16 [16, G])")
+    if w.dtype != types.uint8 or s.dtype not in (types.int16, types.int8) or w.ndim != 2 or s.ndim != 2:
+        raise TypeError("r16_dot takes slabs of 16 int4 / nvfp4 rows (uint8 [R, K/2]) and their scales as r16 "
+                        "holds them (int16 fp16 bits for int4, int8 e4m3 bytes + row factors for nvfp4)")
     if any(x.dtype != types.int8 or x.ndim != 1 for x in xqs) or any(g.dtype != types.float32 or g.ndim != 1 for g in xgs):
-        raise TypeError("q4r16_dot takes int8 activations [K] and their float32 (s_x, correction) [2 K/32]")
+        raise TypeError("r16_dot takes int8 activations [K] and their float32 (s_x, corrections) rows")
     if any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
-        raise TypeError("q4r16_dot writes 16 float32 outputs per activation (a 1-D float32 array)")
+        raise TypeError("r16_dot writes float32 outputs (1-D float32 arrays)")
+    return "int4" if s.dtype == types.int16 else "nvfp4"
 
 
-def _r16_codegen(num_x):
-    """Codegen of q4r16_dot / q4r16_dot4: rows in whole slabs of 16 x num_x activations ->
-    out[j][0:rows], one slab after the other in one loop (no call per slab)."""
+def _r16_codegen(num_x, fmt):
+    """Codegen of r16_dot / r16_dot4: rows in whole slabs of 16 x num_x activations -> out[j][0:rows],
+    one slab after the other in one loop (no call per slab). fmt "int4": the nibbles as codes q + 8,
+    the offset 8 s_x sum(q) per block, fp16 scales per group of bpg blocks. fmt "nvfp4": the nibbles
+    through the 16-entry table to 2 e2m1 + 12 (u8 in [0, 24]), the offset 12 s_x sum(q) per group
+    of 16 columns, e4m3 scales per group, the row factors at the end (section notes)."""
+    nv = fmt == "nvfp4"
+
     def codegen(context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
                   for t, v in zip(signature.args, args)]
@@ -936,7 +950,7 @@ def _r16_codegen(num_x):
         groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
         nb = builder.lshr(half_k, _c64(4))                   # K/2 / 16 = K/32 blocks
         v64b, v16i, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
-        v16h = ir.VectorType(_I16, 16)
+        v16h, v16b = ir.VectorType(_I16, 16), ir.VectorType(_I8, 16)
         m15, s4 = ir.Constant(v64b, [15] * 64), ir.Constant(v64b, [4] * 64)
         zero = ir.Constant(v16i, None)
         accs = [[cgutils.alloca_once(builder, v16f) for _ in range(num_x)] for _ in range(2)]
@@ -945,28 +959,45 @@ def _r16_codegen(num_x):
             p = builder.bitcast(builder.gep(qp, [off]), _I32.as_pointer())
             return builder.bitcast(_splat(builder, builder.load(p, align=1), 16), v64b)
 
-        def block(wp, sp, b, sidx, aset):
+        def codes(v):
+            if nv:
+                return _nv_lookup512(builder, v)
+            return builder.and_(v, m15), builder.and_(builder.lshr(v, s4), m15)
+
+        def chunks(wp, b, cs):
+            """int32 sums over chunks cs of block b, per activation (two chains added)."""
             base = builder.shl(b, _c64(8))
             ia = [[zero, zero] for _ in range(num_x)]
-            for c in range(4):
+            for c in cs:
                 off = builder.add(base, _c64(64 * c))
                 _prefetch(builder, wp, off)
-                v = _vload(builder, wp, off, v64b, 1)
-                lo = builder.and_(v, m15)
-                hi = builder.and_(builder.lshr(v, s4), m15)
+                lo, hi = codes(_vload(builder, wp, off, v64b, 1))
                 xo = builder.add(builder.shl(b, _c64(5)), _c64(8 * c))
                 xo4 = builder.add(xo, _c64(4))
                 for j in range(num_x):
                     ia[j][0] = _dpbusd(builder, ia[j][0], lo, bcast(qps[j], xo))
                     ia[j][1] = _dpbusd(builder, ia[j][1], hi, bcast(qps[j], xo4))
-            sw = _half_to_float(builder, _vload(builder, sp, builder.shl(sidx, _c64(4)), v16h, 2), 16)
+            return [builder.sitofp(builder.add(a, c), v16f) for a, c in ia]
+
+        def accumulate(aset, fs, b, corr_idx, sw):
             for j in range(num_x):
-                f = builder.sitofp(builder.add(ia[j][0], ia[j][1]), v16f)
                 xs = _splat(builder, builder.load(builder.gep(xgps[j], [b])), 16)
-                xc = _splat(builder, builder.load(builder.gep(xgps[j], [builder.add(nb, b)])), 16)
-                t = builder.fsub(builder.fmul(f, xs, flags=_FAST), xc, flags=_FAST)
+                xc = _splat(builder, builder.load(builder.gep(xgps[j], [builder.add(nb, corr_idx)])), 16)
+                t = builder.fsub(builder.fmul(fs[j], xs, flags=_FAST), xc, flags=_FAST)
                 a = accs[aset][j]
                 builder.store(builder.fadd(builder.load(a), builder.fmul(t, sw, flags=_FAST), flags=_FAST), a)
+
+        def block(wp, sp, b, sidx, aset):
+            if nv:        # two groups of 16 columns: chunks 0-1 and 2-3, each its e4m3 scales and offset
+                for half in range(2):
+                    g = builder.add(builder.shl(b, _c64(1)), _c64(half))
+                    fs = chunks(wp, b, (2 * half, 2 * half + 1))
+                    sw = _e4m3_half(builder, _vload(builder, sp, builder.shl(g, _c64(4)), v16b, 1), 16)
+                    accumulate(aset, fs, b, g, sw)
+            else:
+                fs = chunks(wp, b, range(4))
+                sw = _half_to_float(builder, _vload(builder, sp, builder.shl(sidx, _c64(4)), v16h, 2), 16)
+                accumulate(aset, fs, b, b, sw)
 
         def walk(wp, sp, sidx_of):
             with cgutils.for_range(builder, builder.lshr(nb, _c64(1))) as loop:
@@ -985,13 +1016,26 @@ def _r16_codegen(num_x):
             for aset in accs:
                 for a in aset:
                     builder.store(ir.Constant(v16f, None), a)
-            with builder.if_else(builder.icmp_unsigned("==", bpg, _c64(1))) as (g32, wider):
-                with g32:
-                    walk(wp, sp, lambda b: b)
-                with wider:
-                    walk(wp, sp, lambda b: builder.udiv(b, bpg))
+            if nv:
+                walk(wp, sp, lambda b: b)
+                # the 16 rows' fp32 factors after the slab's K/16 x 16 scale bytes; a multiplier f
+                # (f > 0) or a reciprocal 1 / -f; times 2^7 (the e4m3 / 2^8 scales, 2 e2m1 codes)
+                fp = builder.bitcast(builder.gep(sp, [builder.shl(builder.lshr(half_k, _c64(3)), _c64(4))]),
+                                     v16f.as_pointer())
+                f = builder.load(fp, align=1)
+                mult = builder.select(builder.fcmp_ordered(">", f, ir.Constant(v16f, None)), f,
+                                      builder.fdiv(ir.Constant(v16f, [1.0] * 16), builder.fneg(f)))
+                mult = builder.fmul(mult, ir.Constant(v16f, [128.0] * 16))
+            else:
+                with builder.if_else(builder.icmp_unsigned("==", bpg, _c64(1))) as (g32, wider):
+                    with g32:
+                        walk(wp, sp, lambda b: b)
+                    with wider:
+                        walk(wp, sp, lambda b: builder.udiv(b, bpg))
             for j in range(num_x):
                 r = builder.fadd(builder.load(accs[0][j]), builder.load(accs[1][j]), flags=_FAST)
+                if nv:
+                    r = builder.fmul(r, mult, flags=_FAST)
                 op = builder.gep(outps[j], [builder.shl(slab, _c64(4))])
                 builder.store(r, builder.bitcast(op, v16f.as_pointer()), align=4)
         return context.get_dummy_value()
@@ -1000,19 +1044,20 @@ def _r16_codegen(num_x):
 
 
 @intrinsic
-def q4r16_dot(typingctx, w, s, xq, xg, bpg, out):
-    """out[0:R] = R int4 rows in whole slabs (w uint8 [R, K/2], s int16 [R, G], R % 16 == 0, layout
-    "r16", both C-contiguous) . the int8 activation xq [K] (natural order, K % 32 == 0), xg =
-    prep_q8r_rows' (s_x [K/32], correction [K/32]); bpg = group size / 32. AVX-512 VNNI only."""
-    _check_r16(w, s, (xq,), (xg,), (out,))
-    return types.void(w, s, xq, xg, bpg, out), _r16_codegen(1)
+def r16_dot(typingctx, w, s, xq, xg, bpg, out):
+    """out[0:R] = R int4 or nvfp4 rows in whole slabs (w uint8 [R, K/2], s [R, G] as r16 holds them:
+    int16 for int4, int8 for nvfp4; R % 16 == 0, both C-contiguous) . the int8 activation xq [K]
+    (natural order, K % 32 == 0), xg = prep_q8r_rows' (int4) / prep_q8r_nv_rows' (nvfp4) s_x and
+    offsets; bpg = int4's group size / 32 (nvfp4: unused). AVX-512 VNNI only."""
+    fmt = _check_r16(w, s, (xq,), (xg,), (out,))
+    return types.void(w, s, xq, xg, bpg, out), _r16_codegen(1, fmt)
 
 
 @intrinsic
-def q4r16_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3):
-    """q4r16_dot with four activations at once (each slab read once), oj[0:R] each."""
-    _check_r16(w, s, (x0, x1, x2, x3), (g0, g1, g2, g3), (o0, o1, o2, o3))
-    return types.void(w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3), _r16_codegen(4)
+def r16_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3):
+    """r16_dot with four activations at once (each slab read once), oj[0:R] each."""
+    fmt = _check_r16(w, s, (x0, x1, x2, x3), (g0, g1, g2, g3), (o0, o1, o2, o3))
+    return types.void(w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3), _r16_codegen(4, fmt)
 
 
 # --- vector exp (the decode softmax) ---------------------------------------------------------------

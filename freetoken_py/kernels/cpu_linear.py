@@ -20,9 +20,10 @@ import torch
 from numba import njit, prange
 from numba.extending import overload
 
-from freetoken_py.kernels._buffers import R16_SCALES, decode_rows, empty_rows, encode_rows, host_array, r16_fits, r16_pack, r16_unpack
+from freetoken_py.kernels._buffers import (R16_SCALES, decode_rows, empty_rows, encode_rows, host_array, is_r16_scales,
+                                           r16_fits, r16_pack, r16_unpack)
 from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, R16_OK, VEC, is_r16, pdot, pdot4, prepare, vec_rows
-from freetoken_py.kernels._simd import q4r16_dot, q4r16_dot4
+from freetoken_py.kernels._simd import r16_dot, r16_dot4
 
 ROWS_PER_TASK = 32         # output rows per prange task
 TORCH_MIN_TOKENS = 256     # from this many tokens, fp32 weights use torch's GEMM (docs/kernels.md)
@@ -58,7 +59,7 @@ class DenseWeight:
 
     @property
     def layout(self) -> str:
-        return "r16" if self.s.dtype == R16_SCALES else "rows"
+        return "r16" if is_r16_scales(self.s) else "rows"
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +79,7 @@ class DenseWeight:
         chunk = 4096                                  # rows per conversion step: bounded temporaries
         for r in range(0, n, chunk):
             encode_rows(w[r:r + chunk], fmt, group_size, wq[r:r + chunk], s[r:r + chunk])
-        return cls(fmt, group_size, *_in_layout(wq, s, fmt, group_size, layout), k)
+        return cls(fmt, group_size, *_in_layout(wq, s, fmt, k, group_size, layout), k)
 
     @classmethod
     def from_arrays(cls, fmt: str, group_size: int, w: np.ndarray, s: np.ndarray, in_features: int,
@@ -91,7 +92,7 @@ class DenseWeight:
             raise ValueError(f"{fmt} g{group_size} [{w.shape[0]}, {in_features}] needs arrays {wq.shape} {wq.dtype} / "
                              f"{sq.shape} {sq.dtype}, got {w.shape} {w.dtype} / {s.shape} {s.dtype}")
         wq[...], sq[...] = w, s
-        return cls(fmt, group_size, *_in_layout(wq, sq, fmt, group_size, layout), in_features)
+        return cls(fmt, group_size, *_in_layout(wq, sq, fmt, in_features, group_size, layout), in_features)
 
     def dequantized(self) -> torch.Tensor:
         """float32 [N, K] as the kernel sees it, for references."""
@@ -104,19 +105,19 @@ def dense_layout(fmt: str, n: int, k: int, group_size: int) -> str:
     return "r16" if R16_OK and r16_fits(fmt, n, k, group_size) else "rows"
 
 
-def _in_layout(w: np.ndarray, s: np.ndarray, fmt: str, group_size: int, layout: str):
-    """(w, s) of rows, in place, in `layout` ("auto": dense_layout)."""
+def _in_layout(w: np.ndarray, s: np.ndarray, fmt: str, k: int, group_size: int, layout: str):
+    """(w, s) of [N, k] rows, in place, in `layout` ("auto": dense_layout)."""
     if layout == "auto":
-        layout = dense_layout(fmt, w.shape[0], s.shape[1] * group_size if fmt == "int4" else 0, group_size)
+        layout = dense_layout(fmt, w.shape[0], k, group_size)
     if layout not in ("rows", "r16"):
         raise ValueError(f"unknown dense layout {layout!r}; expected 'auto', 'rows' or 'r16'")
     if layout == "rows":
         return w, s
-    if not R16_OK or not r16_fits(fmt, w.shape[0], s.shape[1] * group_size, group_size):
-        raise ValueError(f"the r16 layout takes int4 [N % 16 == 0, K % 32 == 0] on AVX-512 VNNI CPUs, got {fmt} "
-                         f"{w.shape[0]} rows")
+    if not R16_OK or not r16_fits(fmt, w.shape[0], k, group_size):
+        raise ValueError(f"the r16 layout takes int4 / nvfp4 [N % 16 == 0, K % 32 == 0] on AVX-512 VNNI CPUs, got "
+                         f"{fmt} [{w.shape[0]}, {k}] g{group_size}")
     w[...], s16 = r16_pack(w, s)
-    s = s.view(R16_SCALES)
+    s = s.view(R16_SCALES[fmt])
     s[...] = s16
     return w, s
 
@@ -154,10 +155,10 @@ def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
     num_t = xv.shape[0]
     for t in range(0, num_t, 4):
         if num_t - t == 1:
-            q4r16_dot(w[n0:n1], s[n0:n1], xv[t], xg[t], bpg, out[t, n0:n1])
+            r16_dot(w[n0:n1], s[n0:n1], xv[t], xg[t], bpg, out[t, n0:n1])
             continue
         t1, t2, t3 = min(t + 1, num_t - 1), min(t + 2, num_t - 1), min(t + 3, num_t - 1)
-        q4r16_dot4(w[n0:n1], s[n0:n1], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], bpg,
+        r16_dot4(w[n0:n1], s[n0:n1], xv[t], xv[t1], xv[t2], xv[t3], xg[t], xg[t1], xg[t2], xg[t3], bpg,
                    out[t, n0:n1], out[t1, n0:n1], out[t2, n0:n1], out[t3, n0:n1])
 
 

@@ -15,8 +15,8 @@ import numba
 import numpy as np
 import torch
 
-from freetoken_py.kernels._buffers import (R16_ROWS, R16_SCALES, decode_rows, empty_rows, encode_rows, host_array, r16_fits,
-                                           r16_pack, r16_unpack)
+from freetoken_py.kernels._buffers import (R16_ROWS, R16_SCALES, decode_rows, empty_rows, encode_rows, host_array,
+                                           is_r16_scales, r16_fits, r16_pack, r16_unpack, scale_dtype)
 from freetoken_py.kernels._dots import ACTIVATIONS, FORMATS, R16_OK
 from freetoken_py.kernels._moe_kernels import moe_rows
 from freetoken_py.kernels.cpu_linear import torch_bf16, use_torch_bf16
@@ -33,10 +33,10 @@ class ExpertBank:
     w2   [E, D, I]    down rows, same encoding (uint8 [E, D, I/2] for int4)
     s2   [E, D, G']           as s13
 
-    layout "rows" (above) or "r16" (int4 only, AVX-512 VNNI CPUs: `preferred_layout`): the same
+    layout "rows" (above) or "r16" (int4 / nvfp4, AVX-512 VNNI CPUs: `preferred_layout`): the same
     shapes and bytes, each slab of 16 rows permuted within itself so one vector load serves 16
-    rows, the scales held as int16 (_buffers.r16_pack, _simd "int4 weights in 16-row interleaved
-    slabs"); the scales' dtype is the layout, so the kernels pick their loops from the arrays.
+    rows, the scales held as int16 / int8 (_buffers.r16_pack, _simd "int4 / nvfp4 weights in 16-row
+    interleaved slabs"); the scales' dtype is the layout, so the kernels pick their loops from the arrays.
     `dequantized()` undoes it; the accelerator tiers take "rows" only.
     """
 
@@ -62,8 +62,8 @@ class ExpertBank:
 
     @property
     def layout(self) -> str:
-        """"r16" (int4 in 16-row slabs: int16 scales) or "rows"."""
-        return "r16" if self.s13.dtype == R16_SCALES else "rows"
+        """"r16" (int4 / nvfp4 in 16-row slabs: int16 / int8 scales) or "rows"."""
+        return "r16" if is_r16_scales(self.s13) else "rows"
 
     @property
     def num_experts(self) -> int:
@@ -111,25 +111,26 @@ class ExpertBank:
         if layout not in ("rows", "r16"):
             raise ValueError(f"unknown bank layout {layout!r}; expected 'rows' or 'r16'")
         if layout == "r16" and not r16_layout_fits(fmt, inter, hidden, group_size):
-            raise ValueError(f"the r16 layout takes int4 experts with I and D multiples of 32 and groups of whole "
-                             f"32-blocks, got {fmt} I={inter} D={hidden} g{group_size}")
+            raise ValueError(f"the r16 layout takes int4 / nvfp4 experts with I and D multiples of 32 (int4: groups of "
+                             f"whole 32-blocks, nvfp4: 16), got {fmt} I={inter} D={hidden} g{group_size}")
         w13, s13 = empty_rows(fmt, (num_experts, 2 * inter), hidden, group_size)
         w2, s2 = empty_rows(fmt, (num_experts, hidden), inter, group_size)
         if layout == "r16":
-            s13, s2 = s13.view(R16_SCALES), s2.view(R16_SCALES)
+            s13, s2 = s13.view(R16_SCALES[fmt]), s2.view(R16_SCALES[fmt])
         return cls(fmt, group_size, w13, s13, w2, s2)
 
     def _row_scales(self) -> tuple[np.ndarray, np.ndarray]:
         """(s13, s2) as the row layout's encoders write them (r16's int16 scales seen as uint16)."""
         if self.layout == "r16":
-            return self.s13.view(np.uint16), self.s2.view(np.uint16)
+            return self.s13.view(scale_dtype(self.fmt)), self.s2.view(scale_dtype(self.fmt))
         return self.s13, self.s2
 
     def _to_layout(self, e: int) -> None:
         """Expert e, just written in the row layout, into this bank's layout (in place)."""
         if self.layout == "r16":
-            self.w13[e], self.s13[e] = r16_pack(self.w13[e], self.s13[e].view(np.uint16))
-            self.w2[e], self.s2[e] = r16_pack(self.w2[e], self.s2[e].view(np.uint16))
+            s13, s2 = self._row_scales()
+            self.w13[e], self.s13[e] = r16_pack(self.w13[e], s13[e])
+            self.w2[e], self.s2[e] = r16_pack(self.w2[e], s2[e])
 
     def set_expert(self, e: int, gate, up, down) -> None:
         """Encode one expert: gate, up [I, D] and down [D, I] (torch, any float dtype)."""
@@ -188,12 +189,12 @@ class ExpertBank:
 def r16_layout_fits(fmt: str, inter: int, hidden: int, group_size: int) -> bool:
     """True where experts of these widths can be stored in the "r16" layout (gate and up halves
     in whole slabs, whole blocks of 32 columns both ways)."""
-    return (fmt == "int4" and inter % R16_ROWS == 0 and r16_fits(fmt, 2 * inter, hidden, group_size)
+    return (inter % R16_ROWS == 0 and r16_fits(fmt, 2 * inter, hidden, group_size)
             and r16_fits(fmt, hidden, inter, group_size))
 
 
 def preferred_layout(fmt: str, inter: int, hidden: int, group_size: int) -> str:
-    """"r16" where this process's CPU kernels run it (int4, AVX-512 VNNI, int8 activations) and the
+    """"r16" where this process's CPU kernels run it (int4 / nvfp4, AVX-512 VNNI, int8 activations) and the
     widths fit, else "rows". A bank that only the CPU reads takes this; the accelerator tiers
     keep "rows"."""
     return "r16" if R16_OK and r16_layout_fits(fmt, inter, hidden, group_size) else "rows"

@@ -1,9 +1,10 @@
-"""int4 experts in 16-row slabs (ExpertBank layout "r16", _simd "int4 weights in 16-row interleaved
-slabs"): the layout's byte placement and round trip (any CPU), the slab dot against float64 on the
-format's own dequantisation (AVX-512 VNNI), whole expert calls against the row layout and against
-float64 in every stage form (decode expert-major, few pairs, prefill row blocks, biases, GPT-OSS's
-activation, group sizes 32 / 64 / 128), the choice of layout (forced AVX2: rows, never r16), and the
-expert store's own cache file for it."""
+"""int4 and nvfp4 weights in 16-row slabs (layout "r16", _simd "int4 / nvfp4 weights in 16-row
+interleaved slabs"): the layout's byte placement and round trip (any CPU), the slab dot against
+float64 on the format's own dequantisation (AVX-512 VNNI), whole expert calls against the row
+layout and against float64 in every stage form (decode expert-major, few pairs, prefill row blocks,
+biases, GPT-OSS's activation, int4 groups 32 / 64 / 128, nvfp4 with multiplier and reciprocal row
+factors), dense weights, the choice of layout (forced AVX2: rows, never r16), and the expert
+store's own cache file for it."""
 from __future__ import annotations
 
 import os
@@ -15,15 +16,15 @@ import pytest
 import torch
 from numba import njit
 
-from freetoken_py.kernels import ExpertBank, moe_experts
+from freetoken_py.kernels import DenseWeight, ExpertBank, dense_linear, moe_experts
 from freetoken_py.kernels._buffers import decode_rows, r16_fits, r16_pack, r16_unpack
-from freetoken_py.kernels._dots import R16_OK, prep_q8r_rows
+from freetoken_py.kernels._dots import R16_OK, prep_q8r_nv_rows, prep_q8r_rows
 from freetoken_py.kernels.cpu_moe import preferred_layout, r16_layout_fits
 
 needs_r16 = pytest.mark.skipif(not R16_OK, reason="the r16 kernels run on AVX-512 VNNI with int8 activations only")
 
 if R16_OK:
-    from freetoken_py.kernels._simd import q4r16_dot, q4r16_dot4
+    from freetoken_py.kernels._simd import r16_dot, r16_dot4
 
     @njit(fastmath=True)
     def slab_mv(w, s, xq, xg, bpg, step):
@@ -32,10 +33,10 @@ if R16_OK:
         out = np.zeros((r, w.shape[0]), np.float32)
         for n in range(0, w.shape[0], step):
             if r == 4:
-                q4r16_dot4(w[n:n + step], s[n:n + step], xq[0], xq[1], xq[2], xq[3], xg[0], xg[1], xg[2], xg[3], bpg,
+                r16_dot4(w[n:n + step], s[n:n + step], xq[0], xq[1], xq[2], xq[3], xg[0], xg[1], xg[2], xg[3], bpg,
                            out[0, n:n + step], out[1, n:n + step], out[2, n:n + step], out[3, n:n + step])
             else:
-                q4r16_dot(w[n:n + step], s[n:n + step], xq[0], xg[0], bpg, out[0, n:n + step])
+                r16_dot(w[n:n + step], s[n:n + step], xq[0], xg[0], bpg, out[0, n:n + step])
         return out
 
 
@@ -84,6 +85,8 @@ def test_which_widths_and_formats_take_the_layout():
     assert not r16_layout_fits("int4", 48, 64, 32)           # the up half would start inside a slab
     assert not r16_layout_fits("int4", 40, 64, 32)           # I not whole 32-blocks (the down rows' K)
     assert preferred_layout("int8", 768, 2048, 32) == "rows" and preferred_layout("int4", 48, 64, 32) == "rows"
+    assert preferred_layout("nvfp4", 768, 2048, 16) == ("r16" if R16_OK else "rows")
+    assert preferred_layout("fp8", 768, 2048, 128) == "rows" and preferred_layout("bf16", 768, 2048, 32) == "rows"
     assert preferred_layout("int4", 768, 2048, 32) == ("r16" if R16_OK else "rows")
     with pytest.raises(ValueError, match="layout"):
         ExpertBank.empty("int4", 2, 64, 64, 32, layout="cols")
@@ -249,3 +252,85 @@ def test_expert_store_keeps_r16_banks_in_their_own_cache_file(checkpoint_factory
     with pytest.warns(es.ExpertCacheWarning, match="layout"):
         again = es.open_expert_store(path, args, dtype, "int4", 32, show_progress=False, layout="auto")
     assert all(b is None or b.layout == "r16" for b in again.banks)
+
+
+def nvfp4_rows(n: int, k: int, seed: int, positive_factor: bool):
+    """Random nvfp4 rows in the row layout (codes, e4m3 group scales, a row factor: a multiplier
+    when positive, a reciprocal when negative, as quant/nvfp4.py stores them) and their values."""
+    from freetoken_py.quant.nvfp4 import exec_scales
+    rng = np.random.default_rng(seed)
+    w = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    e4m3 = torch.from_numpy((rng.random((n, k // 16)) * 3 + 0.01).astype(np.float32)).to(torch.float8_e4m3fn)
+    f = torch.from_numpy(rng.random(n).astype(np.float32) * 0.5 + 0.01)
+    s = exec_scales(e4m3, f if positive_factor else -1.0 / f).numpy()
+    return w, s, decode_rows(w, s, "nvfp4", 16).double().numpy()
+
+
+def test_nvfp4_pack_places_scales_and_factors():
+    n, k = 32, 64
+    w, s, _ = nvfp4_rows(n, k, 3, True)
+    wr, sr = r16_pack(w, s)
+    assert sr.dtype == np.int8 and sr.shape == s.shape and np.array_equal(wr, r16_pack(w, s.view(np.uint8))[0])
+    flat = sr.view(np.uint8).reshape(n // 16, -1)
+    ng = k // 16
+    for slab in range(n // 16):
+        for r in range(16):
+            for g in range(ng):
+                assert flat[slab, 16 * g + r] == s[16 * slab + r, g]
+            assert np.array_equal(flat[slab, 16 * ng + 4 * r:16 * ng + 4 * r + 4], s[16 * slab + r, ng:])
+    back_w, back_s = r16_unpack(wr, sr)
+    assert np.array_equal(back_w, w) and np.array_equal(back_s, s) and back_s.dtype == np.uint8
+
+
+@needs_r16
+@pytest.mark.parametrize("k", [32, 96, 2048])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("positive_factor", [True, False])
+def test_nvfp4_slab_dot_equals_float64(k, rows, positive_factor):
+    n = 32
+    w, s, ref = nvfp4_rows(n, k, k + rows, positive_factor)
+    wr, sr = r16_pack(w, s)
+    x = np.random.default_rng(k).standard_normal((rows, k)).astype(np.float32)
+    xq, xg = prep_q8r_nv_rows(x)
+    nb = k // 32
+    q = xq.reshape(rows, nb, 2, 16).astype(np.float64)
+    assert np.allclose(xg[:, nb:].reshape(rows, nb, 2), 12 * xg[:, :nb, None] * q.sum(-1), rtol=1e-6)
+    xdq = (xq.reshape(rows, nb, 32).astype(np.float64) * xg[:, :nb, None].astype(np.float64)).reshape(rows, k)
+    want = xdq @ ref.T
+    scale = np.abs(want).max()
+    for step in (16, n):
+        got = slab_mv(wr, sr, xq, xg, 0, step)
+        assert np.abs(got - want).max() <= 2e-6 * scale, (step, np.abs(got - want).max() / scale)
+    assert np.abs(slab_mv(w, s.view(np.int8), xq, xg, 0, n) - want).max() > 0.05 * scale
+
+
+@needs_r16
+@pytest.mark.parametrize("tokens,e,i,d,topk", [(1, 8, 768, 2048, 8), (3, 8, 96, 256, 2), (40, 4, 128, 256, 2)])
+def test_nvfp4_expert_call_equals_rows_and_float64(tokens, e, i, d, topk):
+    gate, up, down = expert_weights(e, i, d, tokens + 3)
+    rows = ExpertBank.from_weights(gate, up, down, "nvfp4", 16)
+    slabs = ExpertBank.from_weights(gate, up, down, "nvfp4", 16, layout="r16")
+    assert slabs.layout == "r16" and slabs.s13.dtype == np.int8 and rows.layout == "rows"
+    assert all(torch.equal(a, b) for a, b in zip(rows.dequantized(), slabs.dequantized()))
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(tokens)])
+    wts = torch.rand(tokens, topk, generator=gen)
+    a, b = moe_experts(rows, x, ids, wts), moe_experts(slabs, x, ids, wts)
+    assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+    ref = reference(slabs, x, ids, wts)
+    assert float((b.double() - ref).abs().max()) <= 5e-3 * float(ref.abs().max())
+
+
+@needs_r16
+@pytest.mark.parametrize("fmt,g", [("int4", 32), ("int4", 128), ("nvfp4", 16)])
+def test_dense_weights_take_the_slabs_and_equal_rows(fmt, g):
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(5))
+    rows, slabs = DenseWeight.from_tensor(w, fmt, g, layout="rows"), DenseWeight.from_tensor(w, fmt, g)
+    assert rows.layout == "rows" and slabs.layout == "r16"
+    assert torch.equal(rows.dequantized(), slabs.dequantized())
+    for t in (1, 3, 6):
+        x = torch.randn(t, 256, generator=torch.Generator().manual_seed(t))
+        a, b = dense_linear(rows, x), dense_linear(slabs, x)
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+    assert DenseWeight.from_tensor(torch.randn(40, 256), fmt, g).layout == "rows"     # 40 rows: not whole slabs
