@@ -71,6 +71,23 @@ def _prepared(w, s, x, gs):
     return prepare(w, s, x, gs)
 
 
+def gate_up_gemv(bank, x: np.ndarray, k: int):
+    """ids [1, k] (consecutive experts) -> their gate/up rows as one dense matrix times x [1, D],
+    by the dense GEMV (returns the [1, k 2I] output it writes)."""
+    inter, gs = bank.inter, bank.group_size
+    rows13 = bank.w13.reshape(-1, bank.w13.shape[-1])        # every expert's gate/up rows, one matrix
+    srows13 = bank.s13.reshape(rows13.shape[0], -1)
+    xv, xg = _prepared(rows13[:1], srows13[:1], x, gs)
+    out = np.empty((1, k * 2 * inter), np.float32)
+    span = k * 2 * inter
+
+    def gemv(ids):
+        e = int(ids[0, 0]) * 2 * inter
+        dense_rows_prepared(rows13[e:e + span], srows13[e:e + span], xv, xg, gs, out)
+        return out
+    return gemv
+
+
 def _rate(fn, calls: list, nbytes: int) -> float:
     """GB/s of one pass of fn over `calls` (each reading `nbytes`)."""
     t0 = time.perf_counter()
@@ -98,15 +115,7 @@ def measure(spec: str, rounds: int, bank_mib: int, threads: int) -> dict:
     tasks = 8 * TOP_K * -(-inter // RB_FEW)                  # stage 1's tasks for 64 experts
     hbuf, ubuf = np.empty((8 * TOP_K, inter), np.float32), np.empty((tasks, 4, RB_FEW), np.float32)
     y = np.empty((TOP_K, hidden), np.float32)
-    rows13 = bank.w13.reshape(-1, hidden)                    # every expert's gate/up rows as one matrix
-    srows13 = bank.s13.reshape(rows13.shape[0], -1)
-    xv, xg = _prepared(rows13[:1], srows13[:1], x, gs)
-    gout = np.empty((1, TOP_K * 2 * inter), np.float32)
-    span = TOP_K * 2 * inter
-
-    def gemv(ids):
-        e = int(ids[0, 0]) * 2 * inter
-        dense_rows_prepared(rows13[e:e + span], srows13[e:e + span], xv, xg, gs, gout)
+    gemv = gate_up_gemv(bank, x, TOP_K)
 
     runs = {
         "call": (lambda ids: moe_experts(bank, x, ids, wts), one, TOP_K * bank.bytes_per_expert),

@@ -37,3 +37,20 @@ def test_the_stages_sum_to_the_production_call(fmt, layout):
     want = moe_experts(bank, x, ids, wts)
     got = (wts.reshape(k, 1) * y).sum(0, keepdims=True)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() + 1e-7
+
+
+@pytest.mark.parametrize("fmt,layout", [("int4", "rows"), ("int4", "auto"), ("nvfp4", "auto"), ("int8", "rows")])
+def test_the_dense_gemv_line_reads_the_same_rows(fmt, layout):
+    """gemv_gate_up: the call's 8 experts' gate/up rows as one matrix, against x @ their dequantised rows."""
+    g = torch.Generator().manual_seed(2)
+    hidden, inter, num, k = 256, 64, 16, 8
+    gs = 16 if fmt == "nvfp4" else 32
+    layout = preferred_layout(fmt, inter, hidden, gs) if layout == "auto" else layout
+    bank = ExpertBank.from_weights(*(torch.randn(num, inter, hidden, generator=g) * 0.05 for _ in range(2)),
+                                   torch.randn(num, hidden, inter, generator=g) * 0.05, fmt=fmt, group_size=gs,
+                                   layout=layout)
+    x = torch.randn(1, hidden, generator=g).numpy()
+    got = moe_stages.gate_up_gemv(bank, x, k)(np.arange(8, 16).reshape(1, k))
+    from freetoken_py.quant import roundtrip_act_q8
+    want = roundtrip_act_q8(torch.from_numpy(x)) @ bank.dequantized()[0][8:16].reshape(-1, hidden).T
+    assert np.abs(got - want.numpy()).max() <= 1e-4 * np.abs(want.numpy()).max()

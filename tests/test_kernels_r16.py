@@ -95,9 +95,10 @@ def test_which_widths_and_formats_take_the_layout():
             ExpertBank.empty("int8", 2, 64, 64, 32, layout="r16")
 
 
-def test_forced_avx2_never_builds_r16_banks():
-    """FREETOKEN_SIMD=avx2 (the AVX2 kernels on an AVX-512 machine): banks stay in rows, a bank
-    claiming r16 is refused, and the expert call still equals float64."""
+@pytest.mark.parametrize("env", [{"FREETOKEN_SIMD": "avx2"}, {"FREETOKEN_INT_ACT": "fp32"}])
+def test_forced_avx2_never_builds_r16_banks(env):
+    """FREETOKEN_SIMD=avx2 (the AVX2 kernels on an AVX-512 machine) or FREETOKEN_INT_ACT=fp32: banks
+    stay in rows, a bank claiming r16 is refused, and the expert call runs."""
     code = """
 import torch, numpy as np
 from freetoken_py.kernels import ExpertBank, moe_experts
@@ -119,7 +120,7 @@ out = moe_experts(bank, x, ids, torch.full((3, 2), 0.5))
 assert out.shape == (3, 128) and torch.isfinite(out).all()
 print("ok")
 """
-    env = dict(os.environ, FREETOKEN_SIMD="avx2")
+    env = dict(os.environ, **env)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
@@ -181,6 +182,7 @@ def reference(bank: ExpertBank, x, ids, wts, activation="silu"):
 @needs_r16
 @pytest.mark.parametrize("tokens,e,i,d,g,topk", [
     (1, 8, 768, 2048, 32, 8),      # decode at Qwen3-30B-A3B widths: expert-major down stage
+    (1, 8, 64, 576, 32, 8),        # expert-major with a short last down block (576 = 2 x 256 + 64)
     (1, 8, 64, 128, 32, 4),        # decode, short rows: the row-block down stage
     (3, 8, 96, 256, 32, 2),        # a few tokens: 1-4 pairs per expert
     (40, 4, 128, 256, 64, 2),      # prefill: 20 pairs per expert, row blocks of 16
@@ -247,6 +249,14 @@ def test_expert_store_keeps_r16_banks_in_their_own_cache_file(checkpoint_factory
         assert a.layout == "rows" and b.layout == c.layout == "r16"
         assert np.array_equal(b.w13, c.w13) and np.array_equal(b.s2, c.s2)
         assert all(torch.equal(u, v) for u, v in zip(a.dequantized(), c.dequantized()))
+    # a header from before the layout key reads as rows: refused for r16, taken for rows
+    from freetoken_py.engine import expert_cache as fc
+    header = fc.read_header(built.path)
+    assert header["layout"] == "r16"
+    old = {k: v for k, v in header.items() if k != "layout"}
+    with pytest.raises(fc.CacheInvalid, match="layout"):
+        fc.check_header(old, header, built.path)
+    fc.check_header(old, dict(header, layout="rows"), built.path)
     # a rows file renamed to the r16 name is refused by its header and rebuilt
     shutil.copy(rows.path, built.path)
     with pytest.warns(es.ExpertCacheWarning, match="layout"):
@@ -325,7 +335,7 @@ def test_nvfp4_expert_call_equals_rows_and_float64(tokens, e, i, d, topk):
 @needs_r16
 @pytest.mark.parametrize("fmt,g", [("int4", 32), ("int4", 128), ("nvfp4", 16)])
 def test_dense_weights_take_the_slabs_and_equal_rows(fmt, g):
-    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(80, 256, generator=torch.Generator().manual_seed(5))    # 80 rows: a last task of one 16-row slab
     rows, slabs = DenseWeight.from_tensor(w, fmt, g, layout="rows"), DenseWeight.from_tensor(w, fmt, g)
     assert rows.layout == "rows" and slabs.layout == "r16"
     assert torch.equal(rows.dequantized(), slabs.dequantized())

@@ -100,9 +100,10 @@ def tiled_bank(bank: Any, num_experts: int) -> Optional[Any]:
 
 def base_bank(fmt: str, seed: int = 0) -> Any:
     """A few random experts converted to `fmt` by the production `ExpertBank.from_weights`."""
-    mod = kernel_module()
-    return mod.ExpertBank.from_weights(*_random_weights(_BASE_EXPERTS, seed), fmt=fmt, group_size=group_size(fmt),
-                                       layout=mod.preferred_layout(fmt, INTER, HIDDEN, group_size(fmt)))
+    # the row layout: this figure prices the residency tiers' CPU experts (residency/profiles.py),
+    # whose banks stay in rows; the cpu backend's r16 slabs are bench/expert_roofline.py's
+    return kernel_module().ExpertBank.from_weights(*_random_weights(_BASE_EXPERTS, seed), fmt=fmt,
+                                                   group_size=group_size(fmt))
 
 
 def build_workload(fmt: str, l3_bytes: Optional[int], quick: bool = False, seed: int = 0,
@@ -115,8 +116,7 @@ def build_workload(fmt: str, l3_bytes: Optional[int], quick: bool = False, seed:
     num = max(math.ceil(target / base.bytes_per_expert), 2 * TOP_K)
     num = math.ceil(num / TOP_K) * TOP_K
     bank = tiled_bank(base, num) or mod.ExpertBank.from_weights(
-        *_random_weights(num, seed), fmt=fmt, group_size=group_size(fmt),
-        layout=mod.preferred_layout(fmt, INTER, HIDDEN, group_size(fmt)))
+        *_random_weights(num, seed), fmt=fmt, group_size=group_size(fmt))
     routes = [torch.arange(i, i + TOP_K, dtype=torch.int64).view(1, TOP_K)
               for i in range(0, num, TOP_K)]
     x = torch.randn((1, HIDDEN), generator=torch.Generator().manual_seed(seed + 1))

@@ -354,15 +354,17 @@ def _combine(y, order, wts, k, d0, d1, out):
             out[t, d] += wts[p] * y[q, d]
 
 
-# int4 banks in 16-row slabs (layout "r16": int16 scales; _simd "int4 weights in 16-row interleaved
-# slabs"): the same stages with a slab of 16 rows per dot, picked at compile time from the scales'
-# dtype (`gate_up_block`, `down_block`; the expert-major down stage's cpu_linear.gemv_block picks
+# int4 / nvfp4 banks in 16-row slabs (layout "r16": int16 / int8 scales; _simd "int4 / nvfp4 weights
+# in 16-row interleaved slabs"): the same stages with whole slabs of 16 rows per dot call, picked at
+# compile time from the scales' dtype (`gate_up_block`, `down_block`; the expert-major down stage's cpu_linear.gemv_block picks
 # the same way). Every row block (RB1, RB2, RB_FEW, RB_DOWN_FEW) is a multiple of 16 and such a
 # bank's I and D are (cpu_moe.r16_layout_fits), so a task's rows are whole slabs.
 @njit(fastmath=True, cache=True)
 def _gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
     inter = w13.shape[0] // 2
     bpg = hb // 16
+    if xv.shape[1] != 2 * w13.shape[1] or (i1 - i0) % 16 or i0 % 16 or inter % 16:
+        raise ValueError("r16 experts: activations of K = 2 x the packed row bytes, rows on 16-row slabs")
     n = pairs.shape[0]
     m = i1 - i0
     gw, gs_, uw, us = w13[i0:i1], s13[i0:i1], w13[inter + i0:inter + i1], s13[inter + i0:inter + i1]
@@ -396,6 +398,8 @@ def _gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
 @njit(fastmath=True, cache=True)
 def _down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
     bpg = hb // 16
+    if hv.shape[1] != 2 * w2.shape[2] or (d1 - d0) % 16 or d0 % 16:
+        raise ValueError("r16 experts: activations of K = 2 x the packed row bytes, rows on 16-row slabs")
     y = np.empty((4, d1 - d0), np.float32)
     for u in range(eids.shape[0]):          # experts ascending, pairs in order: _down_rows's order
         e = eids[u]
@@ -449,8 +453,8 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
     """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed;
     threads = numba's thread count for the row blocks (an argument: numba.get_num_threads inside
     the kernel would stop it from being cached). b13 [E, 2I] / b2 [E, D]: expert biases (gpt-oss;
-    0 rows: none), b2 added as w_p * b2[e] per pair. int4 banks in 16-row slabs ("r16", int16
-    scales) take the slab stages (above)."""
+    0 rows: none), b2 added as w_p * b2[e] per pair. int4 / nvfp4 banks in 16-row slabs ("r16",
+    int16 / int8 scales) take the slab stages (above)."""
     k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1)          # pair p = t * k + j
     wts = topk_weights.reshape(-1)

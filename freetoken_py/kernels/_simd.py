@@ -1577,6 +1577,8 @@ def _nv_lookup512(builder, b):
     nibbles by one vpermb on a 64-entry table (its index bits 4-5 ignored by repeating the 16
     entries: no mask), the high ones by one vpshufb of (b >> 4) & 15 (one vgf2p8affineqb)."""
     v64b = ir.VectorType(_I8, 64)
+    if not HAS_AVX512VBMI:        # vpermb is AVX512-VBMI (not on Skylake-X / Cascade Lake): both by vpshufb
+        return _nv_lookup(builder, b, 64)
     permb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64b, [v64b, v64b]),
                                            "llvm.x86.avx512.permvar.qi.512")
     lo = builder.call(permb, [_c8(_NV_TABLE * 4), b])

@@ -43,9 +43,16 @@ def use_torch_bf16(fmt: str, num_tokens: int) -> bool:
 @dataclass(frozen=True, eq=False)
 class DenseWeight:
     """A [N, K] weight in execution format: w [N, K] float32 | uint16 (bf16 bits) | int8, or
-    uint8 [N, K/2] (int4); s [N, G] scales: float32 (G = 0, 1 for int8), int4 fp16 bits as uint16
-    (G = K/group_size). int4 on AVX-512 VNNI CPUs where N % 16 == 0 and K % 32 == 0: in 16-row
-    slabs, the scales' bits as int16 (`layout` "r16", ExpertBank's; the default "auto" picks it)."""
+    uint8 [N, K/2] (int4, nvfp4); s [N, G] scales: float32 (G = 0, 1 for int8), int4 fp16 bits as
+    uint16 (G = K/group_size), nvfp4 uint8 (e4m3 per 16, then the row factor). int4 / nvfp4 on
+    AVX-512 VNNI CPUs where N % 16 == 0 and K % 32 == 0: in 16-row slabs, the scales' bytes as
+    int16 / int8 (`layout` "r16", ExpertBank's; the default "auto" picks it)."""
+
+    def __post_init__(self):
+        if is_r16_scales(self.s) and not (R16_OK and r16_fits(self.fmt, self.w.shape[0], self.in_features,
+                                                                 self.group_size)):
+            raise ValueError(f"a {self.fmt} [{self.w.shape[0]}, {self.in_features}] weight in the r16 layout: this "
+                             f"process cannot run it (AVX-512 VNNI, int8 activations, whole 16-row slabs)")
 
     fmt: str
     group_size: int
@@ -152,6 +159,8 @@ def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
     """gemv_block over int4 rows in 16-row slabs (n0, n1 on slab bounds): one slab-dot call for the
     block's rows per token (or per 4 tokens)."""
     bpg = hb // 16                     # group size / 32
+    if xv.shape[1] != 2 * w.shape[1] or (n1 - n0) % 16 or n0 % 16:
+        raise ValueError("r16 rows: activations of K = 2 x the packed row bytes, row ranges on 16-row slabs")
     num_t = xv.shape[0]
     for t in range(0, num_t, 4):
         if num_t - t == 1:
@@ -173,7 +182,7 @@ def gemv_block(w, s, xv, xg, hb, n0, n1, out):
 def _gemv_block_impl(w, s, xv, xg, hb, n0, n1, out):
     if is_r16(w, s):
         if not R16_OK:
-            raise TypeError("int4 rows in the r16 layout need this process's AVX-512 VNNI kernels")
+            raise TypeError("int4 / nvfp4 rows in the r16 layout need this process's AVX-512 VNNI kernels")
         return lambda w, s, xv, xg, hb, n0, n1, out: _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out)
     return lambda w, s, xv, xg, hb, n0, n1, out: _gemv_block_rows(w, s, xv, xg, hb, n0, n1, out)
 

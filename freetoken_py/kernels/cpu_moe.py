@@ -54,6 +54,8 @@ class ExpertBank:
         if self.layout == "r16" and not R16_OK:
             raise ValueError("the r16 layout runs on AVX-512 VNNI CPUs with int8 activations only "
                              "(this process: FREETOKEN_SIMD / FREETOKEN_INT_ACT or the CPU rule it out)")
+        if self.layout == "r16" and not r16_layout_fits(self.fmt, self.inter, self.hidden, self.group_size):
+            raise ValueError(f"a {self.fmt} bank of I={self.inter}, D={self.hidden} cannot be in the r16 layout")
 
     def with_biases(self, b13, b2) -> "ExpertBank":
         """This bank with the experts' biases (torch or numpy [E, 2I] and [E, D], any float dtype)."""

@@ -16,7 +16,7 @@ def warmup(formats=FORMATS) -> float:
     """Run each kernel once per format on tiny inputs (both code paths of moe_experts and
     dense_linear's numba path) with the exact argument types production uses; returns seconds."""
     from freetoken_py.kernels.cpu_linear import DenseWeight, dense_linear
-    from freetoken_py.kernels.cpu_moe import ExpertBank, moe_experts
+    from freetoken_py.kernels.cpu_moe import ExpertBank, moe_experts, preferred_layout
 
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(0)
@@ -25,8 +25,12 @@ def warmup(formats=FORMATS) -> float:
     ids = torch.tensor([[0, 1]] * 5)
     wts = torch.full((5, 2), 0.5)
     for fmt in formats:
-        bank = ExpertBank.from_weights(gate, up, down, fmt=fmt, group_size=32)
-        for activation in ACTIVATIONS:
-            moe_experts(bank, x[:1], ids[:1], wts[:1], activation=activation)
-        dense_linear(DenseWeight.from_tensor(down[0], fmt=fmt, group_size=32), x[:3, :32].numpy().astype(np.float32))
+        group = 16 if fmt == "nvfp4" else 32
+        layouts = {"rows", preferred_layout(fmt, 32, 64, group)}     # the cpu backend's too (r16 slabs)
+        for layout in sorted(layouts):
+            bank = ExpertBank.from_weights(gate, up, down, fmt=fmt, group_size=group, layout=layout)
+            for activation in ACTIVATIONS:
+                moe_experts(bank, x[:1], ids[:1], wts[:1], activation=activation)
+            dense_linear(DenseWeight.from_tensor(down[0], fmt=fmt, group_size=group, layout=layout),
+                         x[:3, :32].numpy().astype(np.float32))
     return time.perf_counter() - t0

@@ -148,7 +148,11 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 
 def bank_parts(bank) -> Parts:
     """A `kernels.cpu_moe.ExpertBank`'s arrays as torch tensors sharing their memory: (w13, w2)
-    in bf16 / fp32 for the float formats, (q13, s13, q2, s2) for int8 / int4 / nvfp4 / fp8."""
+    in bf16 / fp32 for the float formats, (q13, s13, q2, s2) for int8 / int4 / nvfp4 / fp8. Banks in
+    the row layout only (the cpu backend's r16 slabs are not what the accelerator kernels read)."""
+    if bank.layout != "rows":
+        raise ValueError(f"a {bank.fmt} bank in the {bank.layout} layout cannot feed the accelerator tiers; "
+                         "open the expert store with layout='rows'")
     if bank.fmt == "fp32":
         return torch.from_numpy(bank.w13), torch.from_numpy(bank.w2)
     if bank.fmt == "bf16":   # uint16 bits -> the same bytes as bf16
