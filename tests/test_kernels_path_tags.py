@@ -31,6 +31,11 @@ def _prepare(w, s, x, gs):
 
 
 @njit(fastmath=True)
+def _gemv_block(w, s, xv, xg, hb, n0, n1, out):
+    gemv_block(w, s, xv, xg, hb, n0, n1, out)      # an overload: callable from jitted code only
+
+
+@njit(fastmath=True)
 def _tagged(w, s, xv, xg, hb, vec, one, four):
     """one [3, N]: row_dot, pdot(ANY), pdot(VEC) of token 0; four [3, N, 4] likewise for tokens 0-3."""
     for n in range(w.shape[0]):
@@ -87,7 +92,7 @@ def test_gemv_block_equals_row_dot_per_row(fmt, gs, k, vec, num_t):
     xv, xg = _prepare(dw.w, dw.s, np.ascontiguousarray(x[:num_t]), gs)
     n = dw.w.shape[0]
     out = np.full((num_t, n), np.nan, np.float32)
-    gemv_block(dw.w, dw.s, xv, xg, gs // 2, 2, n, out)        # rows 2.. only: a block, as the kernels call it
+    _gemv_block(dw.w, dw.s, xv, xg, gs // 2, 2, n, out)       # rows 2.. only: a block, as the kernels call it
     one, four = np.full((3, n), np.nan, np.float32), np.full((3, n, 4), np.nan, np.float32)
     xv4, xg4 = _prepare(dw.w, dw.s, np.ascontiguousarray(x[[min(i, num_t - 1) for i in range(4)]]), gs)
     _tagged(dw.w, dw.s, xv4, xg4, gs // 2, False, one, four)
