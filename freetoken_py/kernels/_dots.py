@@ -830,48 +830,40 @@ def prep_q8n_rows(x):
 
 
 @njit(fastmath=False, cache=True)
-def prep_q8r_rows(x):
-    """x [R, K] (K % 32 == 0) -> (xq int8 [R, K] natural order, xg float32 [R, 2 K/32]): per block b
-    xg[b] = s_x[b], xg[K/32 + b] = 8 s_x[b] sum(q_b) (the nibble offset, removed per block): the
-    activations of the "r16" int4 slabs (_simd.r16_dot). Rounding as prep_q8_row."""
+def prep_q8r_rows_as(x, cols, offset):
+    """x [R, K] (K % 32 == 0) -> (xq int8 [R, K] natural order, xg float32 [R, K/32 + K/cols]): xg[b]
+    = s_x[b] per 32-block, then per `cols` columns (32 or 16) offset x s_x x sum(q): the code offset
+    the slab dot removes (_simd.r16_dot). Rounding as prep_q8_row."""
     nb = x.shape[1] // Q8_BLOCK
+    per = Q8_BLOCK // cols
     xq = np.empty(x.shape, np.int8)
-    xg = np.empty((x.shape[0], 2 * nb), np.float32)
+    xg = np.empty((x.shape[0], nb + nb * per), np.float32)
     for r in range(x.shape[0]):
         for b in range(nb):
             x0 = b * Q8_BLOCK
             scale, div = q8_block_scale(x[r], x0, x0 + Q8_BLOCK)
-            qsum = np.int32(0)
-            for j in range(x0, x0 + Q8_BLOCK):
-                q = q8_code(x[r, j], div)
-                xq[r, j] = np.int8(q)
-                qsum += np.int32(q)
             xg[r, b] = scale
-            xg[r, nb + b] = np.float32(8.0) * scale * np.float32(qsum)
+            for part in range(per):
+                qsum = np.int32(0)
+                for j in range(x0 + cols * part, x0 + cols * part + cols):
+                    q = q8_code(x[r, j], div)
+                    xq[r, j] = np.int8(q)
+                    qsum += np.int32(q)
+                xg[r, nb + per * b + part] = np.float32(offset) * scale * np.float32(qsum)
     return xq, xg
 
 
 @njit(fastmath=False, cache=True)
+def prep_q8r_rows(x):
+    """The activations of the "r16" int4 slabs: the nibble offset 8 per 32-block (xg [R, 2 K/32])."""
+    return prep_q8r_rows_as(x, 32, 8.0)
+
+
+@njit(fastmath=False, cache=True)
 def prep_q8r_nv_rows(x):
-    """x [R, K] (K % 32 == 0) -> (xq int8 [R, K] natural order, xg float32 [R, 3 K/32]): xg[b] =
-    s_x[b], xg[K/32 + g] = 12 s_x sum(q over the 16 columns of group g) (the e2m1 table's offset):
-    the activations of the "r16" nvfp4 slabs (_simd.r16_dot). Rounding as prep_q8_row."""
-    nb = x.shape[1] // Q8_BLOCK
-    xq = np.empty(x.shape, np.int8)
-    xg = np.empty((x.shape[0], 3 * nb), np.float32)
-    for r in range(x.shape[0]):
-        for b in range(nb):
-            x0 = b * Q8_BLOCK
-            scale, div = q8_block_scale(x[r], x0, x0 + Q8_BLOCK)
-            xg[r, b] = scale
-            for half in range(2):
-                qsum = np.int32(0)
-                for j in range(x0 + 16 * half, x0 + 16 * half + 16):
-                    q = q8_code(x[r, j], div)
-                    xq[r, j] = np.int8(q)
-                    qsum += np.int32(q)
-                xg[r, nb + 2 * b + half] = np.float32(12.0) * scale * np.float32(qsum)
-    return xq, xg
+    """The activations of the "r16" nvfp4 slabs: the e2m1 table's offset 12 per group of 16
+    columns (xg [R, 3 K/32]: s_x per block, then group 2b and 2b + 1's offsets)."""
+    return prep_q8r_rows_as(x, 16, 12.0)
 
 
 R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 / nvfp4 rows in the "r16" layout (_simd)
