@@ -98,7 +98,8 @@ def test_which_widths_and_formats_take_the_layout():
 @pytest.mark.parametrize("env", [{"FREETOKEN_SIMD": "avx2"}, {"FREETOKEN_INT_ACT": "fp32"}])
 def test_forced_avx2_never_builds_r16_banks(env):
     """FREETOKEN_SIMD=avx2 (the AVX2 kernels on an AVX-512 machine) or FREETOKEN_INT_ACT=fp32: banks
-    stay in rows, a bank claiming r16 is refused, and the expert call runs."""
+    stay in rows, a bank claiming r16 is refused, and the expert call equals float64 on the bank's
+    dequantisation (activations as that process's dot quantises them)."""
     code = """
 import torch, numpy as np
 from freetoken_py.kernels import ExpertBank, moe_experts
@@ -117,7 +118,19 @@ except ValueError as e:
 x = torch.randn(3, 128, generator=g)
 ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
 out = moe_experts(bank, x, ids, torch.full((3, 2), 0.5))
-assert out.shape == (3, 128) and torch.isfinite(out).all()
+# float64 on the bank's own dequantisation, activations as this process's int4 dot sees them
+from freetoken_py.kernels._dots import INT_ACT
+from freetoken_py.quant import roundtrip_act_q8
+q = (lambda v: roundtrip_act_q8(v.float()).double()) if INT_ACT == "int8" else (lambda v: v.double())
+w13, w2 = (t.double() for t in bank.dequantized())
+ref = torch.zeros(3, 128, dtype=torch.float64)
+for t in range(3):
+    for e in ids[t].tolist():
+        gu = w13[e] @ q(x[t:t + 1])[0]
+        h = torch.nn.functional.silu(gu[:64]) * gu[64:]
+        ref[t] += 0.5 * (w2[e] @ q(h[None])[0])
+err = float((out.double() - ref).abs().max() / ref.abs().max())
+assert err <= 5e-3, err
 print("ok")
 """
     env = dict(os.environ, **env)

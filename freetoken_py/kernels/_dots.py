@@ -875,6 +875,19 @@ def is_r16(w, s):
     return w.dtype == types.uint8 and s.dtype in (types.int16, types.int8)
 
 
+def by_layout(stub, slab, rows):
+    """Overload `stub` (jitted only; its first two arguments a weight block and its scales) to run
+    `slab` for rows in the "r16" layout and `rows` otherwise, picked at compile time from the
+    scales' dtype; r16 arrays in a process that cannot run them are a typing error."""
+    @overload(stub, jit_options={"fastmath": True})
+    def _impl(*args):
+        if not is_r16(args[0], args[1]):
+            return lambda *args: rows(*args)
+        if not R16_OK:
+            raise TypeError("int4 / nvfp4 rows in the r16 layout need this process's AVX-512 VNNI kernels")
+        return lambda *args: slab(*args)
+
+
 @njit(fastmath=True, cache=True)
 def prep_q8_rows_as(x, gs, quad):
     """x [R, K] -> (xq int8 [R, K], xg float32 [R, K/32 + K/gs]): prep_q8_row for every row."""

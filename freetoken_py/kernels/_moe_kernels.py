@@ -49,8 +49,8 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from freetoken_py.kernels._dots import (ACT_SILU, ANY, VEC, act, is_r16, pdot, pdot4, prepare, tile_form, tile_rows,
-                                       vec_rows, widen_row)
+from freetoken_py.kernels._dots import (ACT_SILU, ANY, VEC, act, by_layout, pdot, pdot4, prepare, tile_form,
+                                       tile_rows, vec_rows, widen_row)
 from freetoken_py.kernels._simd import r16_dot, r16_dot4, swiglu, tile_dot44
 from freetoken_py.kernels.cpu_linear import gemv_block
 
@@ -421,17 +421,8 @@ def _down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
 
 
 def gate_up_block(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
-    """Stage 1 for one expert's rows i0..i1: _gate_up_block, or the slab form for "r16" int4 (jitted only)."""
+    """Stage 1 for one expert's rows i0..i1: _gate_up_block, or the slab form for "r16" (jitted only)."""
     raise NotImplementedError("gate_up_block is only callable from numba-compiled code")
-
-
-@overload(gate_up_block, jit_options={"fastmath": True})
-def _gate_up_block_impl(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
-    if is_r16(w13, s13):
-        return lambda w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13: _gate_up_r16(
-            w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
-    return lambda w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13: _gate_up_block(
-        w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13)
 
 
 def down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
@@ -439,13 +430,8 @@ def down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
     raise NotImplementedError("down_block is only callable from numba-compiled code")
 
 
-@overload(down_block, jit_options={"fastmath": True})
-def _down_block_impl(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
-    if is_r16(w2, s2):
-        return lambda w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out: _down_r16(
-            w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
-    return lambda w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out: _down_block(
-        w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out)
+by_layout(gate_up_block, _gate_up_r16, _gate_up_block)
+by_layout(down_block, _down_r16, _down_block)
 
 
 @njit(parallel=True, fastmath=True, cache=True)

@@ -512,11 +512,11 @@ UNROLL_1 = 4        # blocks per loop trip (and FMA chains) of the one-activatio
 PF_DIST = 4096
 
 
-def _prefetch(builder, wp, off, dist=None):
+def _prefetch(builder, wp, off):
     i8p = _I8.as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                         "llvm.prefetch.p0")
-    addr = builder.bitcast(builder.gep(wp, [builder.add(off, ir.Constant(_I64, PF_DIST if dist is None else dist))]), i8p)
+    addr = builder.bitcast(builder.gep(wp, [builder.add(off, ir.Constant(_I64, PF_DIST))]), i8p)
     builder.call(fn, [addr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])   # read, keep, data
 
 
@@ -914,8 +914,8 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
 # One Zen 4 core (2048 columns, in L2 / L3): 53 / 57 GB/s against 31 / 31 for q4q8v_row_dot; from
 # DRAM one thread 27.5 against 21.6 GB/s (docs/kernels.md "int4 in 16-row slabs").
 
-R16 = 16
-R16_PF_DIST = 4096     # the slab dots' prefetch distance, one per 64-byte chunk (2048 read less; 8192 / 16384 the same within noise)
+# The slab dots prefetch PF_DIST ahead, one per 64-byte chunk (for them 2048 B read less, 8192 / 16384 B
+# the same as 4096 within noise: docs/kernels.md). Rows per slab: _buffers.R16_ROWS.
 
 
 def _check_r16(w, s, xqs, xgs, outs):
@@ -971,7 +971,7 @@ def _r16_codegen(num_x, fmt):
             ia = [[zero, zero] for _ in range(num_x)]
             for c in cs:
                 off = builder.add(base, _c64(64 * c))
-                _prefetch(builder, wp, off, R16_PF_DIST)
+                _prefetch(builder, wp, off)
                 lo, hi = codes(_vload(builder, wp, off, v64b, 1))
                 xo = builder.add(builder.shl(b, _c64(5)), _c64(8 * c))
                 xo4 = builder.add(xo, _c64(4))

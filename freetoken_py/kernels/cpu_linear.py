@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from numba import njit, prange
-from numba.extending import overload
 
 from freetoken_py.kernels._buffers import (R16_SCALES, decode_rows, empty_rows, encode_rows, host_array, is_r16_scales,
                                            r16_fits, r16_pack, r16_unpack)
-from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, R16_OK, VEC, is_r16, pdot, pdot4, prepare, vec_rows
+from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, R16_OK, VEC, by_layout, pdot, pdot4, prepare, vec_rows
 from freetoken_py.kernels._simd import r16_dot, r16_dot4
 
 ROWS_PER_TASK = 32         # output rows per prange task
@@ -49,10 +48,8 @@ class DenseWeight:
     int16 / int8 (`layout` "r16", ExpertBank's; the default "auto" picks it)."""
 
     def __post_init__(self):
-        if is_r16_scales(self.s) and not (R16_OK and r16_fits(self.fmt, self.w.shape[0], self.in_features,
-                                                                 self.group_size)):
-            raise ValueError(f"a {self.fmt} [{self.w.shape[0]}, {self.in_features}] weight in the r16 layout: this "
-                             f"process cannot run it (AVX-512 VNNI, int8 activations, whole 16-row slabs)")
+        if is_r16_scales(self.s):
+            _check_r16(self.fmt, self.w.shape[0], self.in_features, self.group_size)
 
     fmt: str
     group_size: int
@@ -75,7 +72,7 @@ class DenseWeight:
     @classmethod
     def from_tensor(cls, w, fmt: str = "bf16", group_size: int = 32, layout: str = "auto") -> "DenseWeight":
         """w [N, K] (torch, any float dtype) -> page-aligned weight in `fmt` (int4 needs K % group_size == 0);
-        layout "auto" (int4 in 16-row slabs where this CPU runs them: dense_layout) or "rows"."""
+        layout "auto" (int4 / nvfp4 in 16-row slabs where this CPU runs them: dense_layout) or "rows"."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown dense format {fmt!r}; expected one of {FORMATS}")
         w = w.detach().to("cpu") if isinstance(w, torch.Tensor) else torch.as_tensor(w)
@@ -108,8 +105,14 @@ class DenseWeight:
 
 
 def dense_layout(fmt: str, n: int, k: int, group_size: int) -> str:
-    """"r16" where this process's kernels run int4 [n, k] rows in 16-row slabs, else "rows"."""
+    """"r16" where this process's kernels run int4 / nvfp4 [n, k] rows in 16-row slabs, else "rows"."""
     return "r16" if R16_OK and r16_fits(fmt, n, k, group_size) else "rows"
+
+
+def _check_r16(fmt: str, n: int, k: int, group_size: int) -> None:
+    if dense_layout(fmt, n, k, group_size) != "r16":
+        raise ValueError(f"the r16 layout takes int4 / nvfp4 [N % 16 == 0, K % 32 == 0] on AVX-512 VNNI CPUs with "
+                         f"int8 activations; this process cannot hold {fmt} [{n}, {k}] g{group_size} in it")
 
 
 def _in_layout(w: np.ndarray, s: np.ndarray, fmt: str, k: int, group_size: int, layout: str):
@@ -120,9 +123,7 @@ def _in_layout(w: np.ndarray, s: np.ndarray, fmt: str, k: int, group_size: int, 
         raise ValueError(f"unknown dense layout {layout!r}; expected 'auto', 'rows' or 'r16'")
     if layout == "rows":
         return w, s
-    if not R16_OK or not r16_fits(fmt, w.shape[0], k, group_size):
-        raise ValueError(f"the r16 layout takes int4 / nvfp4 [N % 16 == 0, K % 32 == 0] on AVX-512 VNNI CPUs, got "
-                         f"{fmt} [{w.shape[0]}, {k}] g{group_size}")
+    _check_r16(fmt, w.shape[0], k, group_size)
     w[...], s16 = r16_pack(w, s)
     s = s.view(R16_SCALES[fmt])
     s[...] = s16
@@ -156,8 +157,8 @@ def _gemv_block_rows(w, s, xv, xg, hb, n0, n1, out):
 
 @njit(fastmath=True, cache=True)
 def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
-    """gemv_block over int4 rows in 16-row slabs (n0, n1 on slab bounds): one slab-dot call for the
-    block's rows per token (or per 4 tokens)."""
+    """gemv_block over int4 / nvfp4 rows in 16-row slabs (n0, n1 on slab bounds): one slab-dot call
+    for the block's rows per token (or per 4 tokens)."""
     bpg = hb // 16                     # group size / 32
     if xv.shape[1] != 2 * w.shape[1] or (n1 - n0) % 16 or n0 % 16:
         raise ValueError("r16 rows: activations of K = 2 x the packed row bytes, row ranges on 16-row slabs")
@@ -173,18 +174,12 @@ def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
 
 def gemv_block(w, s, xv, xg, hb, n0, n1, out):
     """out[:, n0:n1]: 4 tokens per pass over the rows (a 2-3 token tail padded with repeats); the
-    vector dot's shape test made once here, not per row (_dots "Path tags"). int4 rows in 16-row
-    slabs (int16 scales: layout "r16") take the slab dot, 16 rows a call (jitted only)."""
+    vector dot's shape test made once here, not per row (_dots "Path tags"). int4 / nvfp4 rows in
+    16-row slabs (layout "r16") take the slab dot, the block's rows in one call (jitted only)."""
     raise NotImplementedError("gemv_block is only callable from numba-compiled code")
 
 
-@overload(gemv_block, jit_options={"fastmath": True})
-def _gemv_block_impl(w, s, xv, xg, hb, n0, n1, out):
-    if is_r16(w, s):
-        if not R16_OK:
-            raise TypeError("int4 / nvfp4 rows in the r16 layout need this process's AVX-512 VNNI kernels")
-        return lambda w, s, xv, xg, hb, n0, n1, out: _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out)
-    return lambda w, s, xv, xg, hb, n0, n1, out: _gemv_block_rows(w, s, xv, xg, hb, n0, n1, out)
+by_layout(gemv_block, _gemv_block_r16, _gemv_block_rows)
 
 
 @njit(parallel=True, fastmath=True, cache=True)

@@ -51,11 +51,8 @@ class ExpertBank:
     b2: np.ndarray = field(default_factory=lambda: _NO_BIAS)
 
     def __post_init__(self):
-        if self.layout == "r16" and not R16_OK:
-            raise ValueError("the r16 layout runs on AVX-512 VNNI CPUs with int8 activations only "
-                             "(this process: FREETOKEN_SIMD / FREETOKEN_INT_ACT or the CPU rule it out)")
-        if self.layout == "r16" and not r16_layout_fits(self.fmt, self.inter, self.hidden, self.group_size):
-            raise ValueError(f"a {self.fmt} bank of I={self.inter}, D={self.hidden} cannot be in the r16 layout")
+        if self.layout == "r16":
+            _check_r16(self.fmt, self.inter, self.hidden, self.group_size)
 
     def with_biases(self, b13, b2) -> "ExpertBank":
         """This bank with the experts' biases (torch or numpy [E, 2I] and [E, D], any float dtype)."""
@@ -112,9 +109,8 @@ class ExpertBank:
             raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
         if layout not in ("rows", "r16"):
             raise ValueError(f"unknown bank layout {layout!r}; expected 'rows' or 'r16'")
-        if layout == "r16" and not r16_layout_fits(fmt, inter, hidden, group_size):
-            raise ValueError(f"the r16 layout takes int4 / nvfp4 experts with I and D multiples of 32 (int4: groups of "
-                             f"whole 32-blocks, nvfp4: 16), got {fmt} I={inter} D={hidden} g{group_size}")
+        if layout == "r16":
+            _check_r16(fmt, inter, hidden, group_size)
         w13, s13 = empty_rows(fmt, (num_experts, 2 * inter), hidden, group_size)
         w2, s2 = empty_rows(fmt, (num_experts, hidden), inter, group_size)
         if layout == "r16":
@@ -200,6 +196,15 @@ def preferred_layout(fmt: str, inter: int, hidden: int, group_size: int) -> str:
     widths fit, else "rows". A bank that only the CPU reads takes this; the accelerator tiers
     keep "rows"."""
     return "r16" if R16_OK and r16_layout_fits(fmt, inter, hidden, group_size) else "rows"
+
+
+def _check_r16(fmt: str, inter: int, hidden: int, group_size: int) -> None:
+    if not R16_OK:
+        raise ValueError("the r16 layout runs on AVX-512 VNNI CPUs with int8 activations only "
+                         "(this process: FREETOKEN_SIMD / FREETOKEN_INT_ACT or the CPU rule it out)")
+    if not r16_layout_fits(fmt, inter, hidden, group_size):
+        raise ValueError(f"the r16 layout takes int4 / nvfp4 experts with I and D multiples of 32 (int4: groups of "
+                         f"whole 32-blocks, nvfp4: 16), got {fmt} I={inter} D={hidden} g{group_size}")
 
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
