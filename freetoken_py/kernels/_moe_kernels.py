@@ -434,6 +434,39 @@ by_layout(gate_up_block, _gate_up_r16, _gate_up_block)
 by_layout(down_block, _down_r16, _down_block)
 
 
+@njit(cache=True)
+def whole_experts(off, hidden, threads):
+    """True where a decode call runs each routed expert whole on one worker (`_experts_whole`):
+    the expert-major case (`down_expert_major`) with the experts dealt evenly (their count a
+    multiple of the workers) or >= 4 per worker, so no worker waits long for another."""
+    num_u = off.shape[0] - 1
+    return (down_expert_major(off, hidden, threads) and num_u >= threads
+            and (num_u % threads == 0 or num_u >= 4 * threads))
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _experts_whole(w13, s13, w2, s2, xv, xg, order, eids, off, k, kind, gs, workers, b13, h, y):
+    """Decode, one parallel region: worker j runs experts j, j + workers, ... whole — gate / up
+    over all I rows and the activation (stage 1's block over [0, I)), its pairs' h prepared, then
+    the down GEMV over all D rows into y[q] (stage 2' for the expert) — so no barrier separates
+    the stages and each worker streams every expert's rows start to end. The same dots on the same
+    rows as the staged form (per-row results do not depend on the blocks)."""
+    inter = w13.shape[1] // 2
+    hidden = w2.shape[1]
+    num_u = eids.shape[0]
+    no_bias = np.zeros(0, np.float32)
+    for j in prange(workers):
+        ub = np.empty((4, inter), np.float32)
+        for u in range(j, num_u, workers):
+            e = eids[u]
+            a, b = off[u], off[u + 1]
+            pairs = order[a:b]
+            gate_up_block(w13[e], s13[e], xv, xg, pairs, k, 0, inter, kind, gs // 2, h, ub,
+                          b13[e] if b13.shape[0] else no_bias)
+            hv, hg = prepare(w2, s2, h[pairs], gs)
+            gemv_block(w2[e], s2[e], hv, hg, gs // 2, 0, hidden, y[a:b])
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out, b13, b2):
     """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed;
@@ -451,6 +484,16 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
     rb1, rb2 = row_blocks(off, inter, hidden, threads)
     num_pairs = ids.shape[0]
     h = np.empty((num_pairs, inter), np.float32)
+    if whole_experts(off, hidden, threads):        # decode: one region, whole experts per worker
+        y = np.empty((num_pairs, hidden), np.float32)    # y[q]: pair order[q]'s down projection
+        _experts_whole(w13, s13, w2, s2, xv, xg, order, eids, off, k, kind, gs, threads, b13, h, y)
+        _combine(y, order, wts, k, 0, hidden, out)
+        if b2.shape[0]:
+            for p in range(num_pairs):
+                t = p // k
+                for d in range(hidden):
+                    out[t, d] += wts[p] * b2[ids[p], d]
+        return
     no_bias = np.zeros(0, np.float32)
     nb1 = (inter + rb1 - 1) // rb1
     ub = np.empty((eids.shape[0] * nb1, 4, rb1), np.float32)   # each stage-1 task's up projections
