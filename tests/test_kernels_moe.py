@@ -305,6 +305,43 @@ def _row_block_form():
     return run
 
 
+def test_whole_experts_decision():
+    """A decode call runs whole experts per worker where the experts deal evenly over the workers
+    or number >= 4 per worker (and the expert-major conditions hold), else the staged form."""
+    from freetoken_py.kernels._moe_kernels import whole_experts
+
+    eight = np.arange(9, dtype=np.int64)            # 8 experts, one pair each
+    assert whole_experts(eight, 2048, 1) and whole_experts(eight, 2048, 2) and whole_experts(eight, 2048, 4)
+    assert not whole_experts(eight, 2048, 3)         # 3 + 3 + 2: a worker would idle a third of the call
+    assert not whole_experts(eight, 2048, 16)        # fewer experts than workers
+    assert whole_experts(np.arange(14, dtype=np.int64), 2048, 3)     # 13 experts >= 4 per worker
+    assert not whole_experts(np.array([0, 5, 6], np.int64), 2048, 2)  # 5 pairs on one expert: prefill form
+
+
+@pytest.mark.parametrize("fmt, group_size", [("fp32", 32), ("int8", 32), ("int4", 32), ("fp8", 128), ("nvfp4", 16),
+                                             ("bf16", 32)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_whole_expert_decode_equals_the_row_block_form(fmt, group_size, threads):
+    """One decode token, top-8 of 9 experts: 1 and 2 workers run whole experts (`_experts_whole`), 3
+    the staged expert-major form; each equals the row-block form (1e-6) — the same dots, summed in
+    the same order."""
+    from freetoken_py.kernels._dots import ACTIVATIONS
+    from freetoken_py.kernels._moe_kernels import group_pairs, moe_rows, whole_experts
+
+    num_e, inter, hidden = 9, 128, 576
+    ids, w = routing(1, num_e, 8, seed=21)
+    off = group_pairs(ids.reshape(-1).numpy().astype(np.int64), num_e)[2]
+    assert whole_experts(off, hidden, threads) == (threads != 3)
+    bank = ExpertBank.from_weights(*random_experts(num_e, inter, hidden, seed=6), fmt=fmt, group_size=group_size)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(7))
+    xs, idn, wn = x.numpy(), ids.numpy().astype(np.int64), w.numpy().astype(np.float32)
+    new, old = np.zeros((1, hidden), np.float32), np.zeros((1, hidden), np.float32)
+    args = (bank.w13, bank.s13, bank.w2, bank.s2, xs, idn, wn, ACTIVATIONS["silu"], bank.group_size, threads)
+    moe_rows(*args, new, bank.b13, bank.b2)
+    _row_block_form()(*args, old, bank.b13, bank.b2)
+    assert rel_err(new, torch.from_numpy(old).double()) <= 1e-6
+
+
 @pytest.mark.parametrize("fmt, group_size", [("fp32", 32), ("int8", 32), ("int4", 32), ("fp8", 128), ("nvfp4", 16)])
 @pytest.mark.parametrize("num_t, k, biased", [(1, 8, False), (2, 3, False), (3, 4, True)])
 def test_expert_major_down_stage_equals_the_row_block_form(fmt, group_size, num_t, k, biased):

@@ -104,8 +104,14 @@ R16_ROWS = 16     # rows per slab of the "r16" int4 / nvfp4 layout (_simd "weigh
 # The layout travels in the scales' dtype: the same bytes held as int16 (int4's fp16 bits, uint16 in
 # rows) or int8 (nvfp4's e4m3 bytes and row factors, uint8 in rows), so the kernels pick the slab
 # loops at compile time from the arrays alone (no flag to thread through).
-R16_SCALES = {"int4": np.dtype(np.int16), "nvfp4": np.dtype(np.int8)}
-_ROW_SCALES = {np.dtype(np.int16): np.dtype(np.uint16), np.dtype(np.int8): np.dtype(np.uint8)}
+R16_SCALES = {"int4": np.dtype(np.int16), "nvfp4": np.dtype(np.int8), "fp8": np.dtype(np.int32)}
+_ROW_SCALES = {np.dtype(np.int16): np.dtype(np.uint16), np.dtype(np.int8): np.dtype(np.uint8),
+               np.dtype(np.int32): np.dtype(np.float32)}
+# fp8 slabs (scales int32: the fp32 block scales' bits): per 4-column unit u one 64-byte chunk, row
+# r's columns 4u + j at byte _FP8_SLOT[r, j] = 16 (r // 4) + 2 (r % 4) + 8 (j // 2) + j % 2 — the
+# order in which the byte unpacks of _simd's fp8 slab dot leave row r's column pairs in dword lane r.
+_FP8_SLOT = np.array([[16 * (r // 4) + 2 * (r % 4) + 8 * (j // 2) + j % 2 for j in range(4)] for r in range(16)])
+_FP8_FROM = np.argsort(_FP8_SLOT.reshape(-1))     # chunk byte i <- row-major (r, j) index _FP8_FROM[i]
 
 
 def is_r16_scales(s: np.ndarray) -> bool:
@@ -115,10 +121,28 @@ def is_r16_scales(s: np.ndarray) -> bool:
 
 def r16_fits(fmt: str, n: int, k: int, group_size: int) -> bool:
     """True where [n, k] rows of fmt can take the "r16" layout: whole slabs of 16 rows, whole
-    32-column blocks; int4 groups of whole blocks, nvfp4 its groups of 16."""
+    32-column blocks; int4 groups and fp8 scale blocks of whole 32-column blocks, nvfp4 its groups of 16."""
     if n <= 0 or n % R16_ROWS or k % 32:
         return False
-    return (fmt == "int4" and group_size % 32 == 0) or (fmt == "nvfp4" and group_size == 16)
+    return (fmt in ("int4", "fp8") and group_size % 32 == 0) or (fmt == "nvfp4" and group_size == 16)
+
+
+def _fp8_slab_bytes(w: np.ndarray) -> np.ndarray:
+    """fp8 rows [..., N, K] -> the r16 bytes (per slab and 4-column unit, the 64-byte chunk above)."""
+    *lead, n, k = w.shape
+    nd = len(lead)
+    q = w.reshape(*lead, n // 16, 16, k // 4, 4)                                  # slab, r, u, j
+    q = q.transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 2, 1, 3))).reshape(*lead, n // 16, k // 4, 64)
+    return np.ascontiguousarray(q[..., _FP8_FROM]).reshape(w.shape)
+
+
+def _fp8_row_bytes(w: np.ndarray) -> np.ndarray:
+    """The inverse of _fp8_slab_bytes."""
+    *lead, n, k = w.shape
+    nd = len(lead)
+    q = np.ascontiguousarray(w).reshape(*lead, n // 16, k // 4, 64)[..., _FP8_SLOT.reshape(-1)]
+    q = q.reshape(*lead, n // 16, k // 4, 16, 4).transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 2, 1, 3)))
+    return np.ascontiguousarray(q).reshape(w.shape)
 
 
 def _slab_bytes(w: np.ndarray) -> np.ndarray:
@@ -149,13 +173,17 @@ def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (w uint8 [..., N, K/2], low nibble = even column) -> the same bytes in the "r16" layout, same
     shapes: per slab of 16 rows and 32-column block b, 4 chunks c of 64 bytes, byte 4r + j holding
     row r's columns 32b + 8c + j (low nibble) and 32b + 8c + 4 + j (high nibble). Scales per slab:
-    int4 [G, 16] as int16; nvfp4 [K/16, 16] e4m3 bytes then the 16 rows' fp32 factors, as int8."""
+    int4 [G, 16] as int16; nvfp4 [K/16, 16] e4m3 bytes then the 16 rows' fp32 factors, as int8.
+    fp8 (w uint8 [..., N, K] e4m3, s float32 [..., N, G]): per slab one 64-byte chunk per 4 columns
+    (_FP8_SLOT), scales [G, 16] as int32."""
     *lead, n, _ = w.shape
     nd = len(lead)
     sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
-    if s.dtype == np.uint16:
+    if s.dtype in (np.uint16, np.float32):
         g = s.shape[-1]
         sr = np.ascontiguousarray(s.reshape(*lead, n // 16, 16, g).transpose(sperm)).reshape(s.shape)
+        if s.dtype == np.float32:
+            return _fp8_slab_bytes(w), sr.view(R16_SCALES["fp8"])
         return _slab_bytes(w), sr.view(R16_SCALES["int4"])
     ng = s.shape[-1] - 4
     e = s[..., :ng].reshape(*lead, n // 16, 16, ng).transpose(sperm).reshape(*lead, n // 16, 16 * ng)
@@ -170,10 +198,10 @@ def r16_unpack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nd = len(lead)
     sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
     s = np.ascontiguousarray(s).view(_ROW_SCALES[s.dtype])
-    if s.dtype == np.uint16:
+    if s.dtype in (np.uint16, np.float32):
         g = s.shape[-1]
         sr = np.ascontiguousarray(s.reshape(*lead, n // 16, g, 16).transpose(sperm)).reshape(s.shape)
-        return _row_bytes(w), sr
+        return (_fp8_row_bytes(w) if s.dtype == np.float32 else _row_bytes(w)), sr
     ng = s.shape[-1] - 4
     flat = s.reshape(*lead, n // 16, 16 * (ng + 4))
     e = flat[..., :16 * ng].reshape(*lead, n // 16, ng, 16).transpose(sperm)

@@ -867,12 +867,18 @@ def prep_q8r_nv_rows(x):
 
 
 R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 / nvfp4 rows in the "r16" layout (_simd)
+R16_FP8_OK = HAS_AVX512 and FP8_ACT == "bf16"   # ... and fp8 rows (AVX512-BF16 + VBMI, bf16 activations)
+
+
+def r16_ok(fmt: str) -> bool:
+    """True where this process's kernels run `fmt` rows in the "r16" slab layout."""
+    return R16_FP8_OK if fmt == "fp8" else R16_OK and fmt in ("int4", "nvfp4")
 
 
 def is_r16(w, s):
-    """Typing-time test: int4 / nvfp4 rows in the "r16" slab layout (uint8 weights; int16 scales:
-    int4, int8 scales: nvfp4)."""
-    return w.dtype == types.uint8 and s.dtype in (types.int16, types.int8)
+    """Typing-time test: int4 / nvfp4 / fp8 rows in the "r16" slab layout (uint8 weights; int16
+    scales: int4, int8 scales: nvfp4, int32 scales: fp8)."""
+    return w.dtype == types.uint8 and s.dtype in (types.int16, types.int8, types.int32)
 
 
 def by_layout(stub, slab, rows):
@@ -883,9 +889,24 @@ def by_layout(stub, slab, rows):
     def _impl(*args):
         if not is_r16(args[0], args[1]):
             return lambda *args: rows(*args)
-        if not R16_OK:
+        if args[1].dtype == types.int32 and not R16_FP8_OK:
+            raise TypeError("fp8 rows in the r16 layout need this process's AVX512-BF16 / VBMI kernels")
+        if args[1].dtype != types.int32 and not R16_OK:
             raise TypeError("int4 / nvfp4 rows in the r16 layout need this process's AVX-512 VNNI kernels")
         return lambda *args: slab(*args)
+
+
+def r16_cols(w, s):
+    """The columns K of rows (w, s) in the "r16" layout: 2 x the row bytes for int4 / nvfp4, the
+    row bytes for fp8 (jitted only)."""
+    raise NotImplementedError("r16_cols is only callable from numba-compiled code")
+
+
+@overload(r16_cols, inline="always")
+def _r16_cols_impl(w, s):
+    if s.dtype == types.int32:
+        return lambda w, s: w.shape[w.ndim - 1]
+    return lambda w, s: 2 * w.shape[w.ndim - 1]
 
 
 @njit(fastmath=True, cache=True)
@@ -936,6 +957,8 @@ def prepare(w, s, x, gs):
 def _prepare_impl(w, s, x, gs):
     if is_r16(w, s) and s.dtype == types.int16:   # int4 in 16-row slabs: natural-order int8, (s_x, offset) per block
         return lambda w, s, x, gs: prep_q8r_rows(x)
+    if is_r16(w, s) and s.dtype == types.int32:   # fp8 in slabs: natural-order bf16 (the fp32 rows unused)
+        return lambda w, s, x, gs: (prep_bf16_rows(x), np.zeros((x.shape[0], 1), np.float32))
     if is_r16(w, s):                               # nvfp4 in slabs: (s_x per block, offset per 16 columns)
         return lambda w, s, x, gs: prep_q8r_nv_rows(x)
     if w.dtype == types.uint8 and s.dtype == types.uint8 and INT_ACT == "int8":   # nvfp4 x int8 activations

@@ -49,7 +49,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from freetoken_py.kernels._dots import (ACT_SILU, ANY, VEC, act, by_layout, pdot, pdot4, prepare, tile_form,
+from freetoken_py.kernels._dots import (ACT_SILU, ANY, VEC, act, by_layout, pdot, pdot4, prepare, r16_cols, tile_form,
                                        tile_rows, vec_rows, widen_row)
 from freetoken_py.kernels._simd import r16_dot, r16_dot4, swiglu, tile_dot44
 from freetoken_py.kernels.cpu_linear import gemv_block
@@ -363,8 +363,8 @@ def _combine(y, order, wts, k, d0, d1, out):
 def _gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
     inter = w13.shape[0] // 2
     bpg = hb // 16
-    if xv.shape[1] != 2 * w13.shape[1] or (i1 - i0) % 16 or i0 % 16 or inter % 16:
-        raise ValueError("r16 experts: activations of K = 2 x the packed row bytes, rows on 16-row slabs")
+    if xv.shape[1] != r16_cols(w13, s13) or (i1 - i0) % 16 or i0 % 16 or inter % 16:
+        raise ValueError("r16 experts: activations of the rows' K, rows on 16-row slabs")
     n = pairs.shape[0]
     m = i1 - i0
     gw, gs_, uw, us = w13[i0:i1], s13[i0:i1], w13[inter + i0:inter + i1], s13[inter + i0:inter + i1]
@@ -398,8 +398,8 @@ def _gate_up_r16(w13, s13, xv, xg, pairs, k, i0, i1, kind, hb, h, ub, b13):
 @njit(fastmath=True, cache=True)
 def _down_r16(w2, s2, hv, hg, order, eids, off, wts, k, d0, d1, hb, out):
     bpg = hb // 16
-    if hv.shape[1] != 2 * w2.shape[2] or (d1 - d0) % 16 or d0 % 16:
-        raise ValueError("r16 experts: activations of K = 2 x the packed row bytes, rows on 16-row slabs")
+    if hv.shape[1] != r16_cols(w2, s2) or (d1 - d0) % 16 or d0 % 16:
+        raise ValueError("r16 experts: activations of the rows' K, rows on 16-row slabs")
     y = np.empty((4, d1 - d0), np.float32)
     for u in range(eids.shape[0]):          # experts ascending, pairs in order: _down_rows's order
         e = eids[u]

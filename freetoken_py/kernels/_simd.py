@@ -919,8 +919,17 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
 
 
 def _check_r16(w, s, xqs, xgs, outs):
-    """"int4" (int16 scales) or "nvfp4" (int8 scales): which slab dot these arrays are for."""
+    """"int4" (int16 scales), "nvfp4" (int8 scales) or "fp8" (int32 scales): which slab dot these arrays are for."""
     _check_avx512()
+    if w.dtype == types.uint8 and s.dtype == types.int32:
+        if not (HAS_AVX512BF16 and HAS_AVX512VBMI):
+            raise TypeError("fp8 slabs need AVX512-BF16 and AVX512-VBMI")
+        if w.ndim != 2 or s.ndim != 2 or any(x.dtype != types.uint16 or x.ndim != 1 for x in xqs):
+            raise TypeError("the fp8 slab dot takes uint8 [R, K] e4m3 slabs, int32 [R, G] scale bits and bf16 "
+                            "activations (uint16 [K], natural order)")
+        if any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
+            raise TypeError("r16_dot writes float32 outputs (1-D float32 arrays)")
+        return "fp8"
     if w.dtype != types.uint8 or s.dtype not in (types.int16, types.int8) or w.ndim != 2 or s.ndim != 2:
         raise TypeError("r16_dot takes slabs of 16 int4 / nvfp4 rows (uint8 [R, K/2]) and their scales as r16 "
                         "holds them (int16 fp16 bits for int4, int8 e4m3 bytes + row factors for nvfp4)")
@@ -1044,6 +1053,93 @@ def _r16_codegen(num_x, fmt):
     return codegen
 
 
+# fp8 (e4m3, fp32 scale per block of 32 bpg columns) in the same slabs of 16 rows (scales int32: the
+# fp32 bits, [G, 16] per slab). Per 4-column unit one 64-byte chunk (_buffers._FP8_SLOT): the two
+# vpermi2b + vpternlog table decode of the row form (`_e4m3_bf16_bytes`), then the byte unpacks
+# leave row r's columns (4u, 4u + 1) in dword lane r of the first word vector and (4u + 2, 4u + 3)
+# in the second, so each is one vdpbf16ps against a dword broadcast of the natural-order bf16
+# activations (a memory operand): no activation vector, no per-row reduction, and one FMA with the
+# 16 rows' block scales per block instead of one per row. Exact weights as in the row form; the
+# only rounding the activations' to bf16 (prep_bf16_rows, as bf16 weights take them).
+
+
+def _r16_fp8_codegen(num_x):
+    """Codegen of r16_dot / r16_dot4 for fp8 slabs: w uint8 [R, K], s int32 [R, G], x_j uint16 [K]
+    (bf16 bits, natural order), g_j (unused), bpg (block = 32 bpg columns), out_j [R]."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
+                  for t, v in zip(signature.args, args)]
+        wp0, sp0 = arrays[0].data, arrays[1].data
+        xps = [a.data for a in arrays[2:2 + num_x]]
+        outps = [a.data for a in arrays[3 + 2 * num_x:]]
+        bpg = context.cast(builder, args[2 + 2 * num_x], signature.args[2 + 2 * num_x], types.int64)
+        rows, k = cgutils.unpack_tuple(builder, arrays[0].shape)
+        groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
+        v64b, v32s, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_F32, 16)
+        v32bf = ir.VectorType(_BFloat(), 32)
+        dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
+                                            "llvm.x86.avx512bf16.dpbf16ps.512")
+        sh_lo = ir.Constant(ir.VectorType(_I32, 64), _UNPACK_LO)
+        sh_hi = ir.Constant(ir.VectorType(_I32, 64), _UNPACK_HI)
+        upb = builder.shl(bpg, _c64(3))                       # 4-column units per block: 32 bpg / 4
+        nunits = builder.lshr(k, _c64(2))
+        zero = ir.Constant(v16f, None)
+        accs = [cgutils.alloca_once(builder, v16f) for _ in range(num_x)]
+        parts = [[cgutils.alloca_once(builder, v16f) for _ in range(4)] for _ in range(num_x)]
+
+        def bcast(xp, u, half):     # bf16 activations 4u + 2 half, + 1 as one dword over 16 lanes
+            col = builder.add(builder.shl(u, _c64(2)), _c64(2 * half))
+            p = builder.bitcast(builder.gep(xp, [col]), _I32.as_pointer())
+            return builder.bitcast(_splat(builder, builder.load(p, align=2), 16), v32bf)
+
+        def units(wp, us):
+            for i, u in enumerate(us):
+                off = builder.shl(u, _c64(6))
+                _prefetch(builder, wp, off)
+                hi, lo = _e4m3_bf16_bytes(builder, _vload(builder, wp, off, v64b, 1))
+                ws = [builder.bitcast(builder.bitcast(builder.shuffle_vector(hi, lo, sh), v32s), v32bf)
+                      for sh in (sh_lo, sh_hi)]
+                for ps, xp in zip(parts, xps):
+                    for h in range(2):
+                        part = ps[2 * i + h]
+                        builder.store(builder.call(dp, [builder.load(part), ws[h], bcast(xp, u, h)]), part)
+
+        with cgutils.for_range(builder, builder.lshr(rows, _c64(4))) as slabs:
+            slab = slabs.index
+            wp = builder.gep(wp0, [builder.mul(slab, builder.shl(k, _c64(4)))])
+            sp = builder.bitcast(builder.gep(sp0, [builder.mul(slab, builder.shl(groups, _c64(4)))]), _F32.as_pointer())
+            for a in accs:
+                builder.store(zero, a)
+            with cgutils.for_range(builder, groups) as grp:
+                g = grp.index
+                u0 = builder.mul(g, upb)
+                n = builder.sub(builder.select(builder.icmp_unsigned("<", builder.add(u0, upb), nunits),
+                                               builder.add(u0, upb), nunits), u0)
+                for ps in parts:
+                    for part in ps:
+                        builder.store(zero, part)
+                with cgutils.for_range(builder, builder.lshr(n, _c64(1))) as pair:
+                    u = builder.add(u0, builder.shl(pair.index, _c64(1)))
+                    units(wp, [u, builder.add(u, _c64(1))])
+                with builder.if_then(builder.trunc(n, ir.IntType(1))):
+                    units(wp, [builder.sub(builder.add(u0, n), _c64(1))])
+                sv = _vload(builder, sp, builder.shl(g, _c64(4)), v16f, 4)
+                for a, ps in zip(accs, parts):
+                    tot = builder.fadd(builder.fadd(builder.load(ps[0]), builder.load(ps[1]), flags=_FAST),
+                                       builder.fadd(builder.load(ps[2]), builder.load(ps[3]), flags=_FAST), flags=_FAST)
+                    builder.store(builder.fadd(builder.load(a), builder.fmul(tot, sv, flags=_FAST), flags=_FAST), a)
+            for j in range(num_x):
+                op = builder.gep(outps[j], [builder.shl(slab, _c64(4))])
+                builder.store(builder.load(accs[j]), builder.bitcast(op, v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _r16_codegen_for(num_x, fmt):
+    return _r16_fp8_codegen(num_x) if fmt == "fp8" else _r16_codegen(num_x, fmt)
+
+
 @intrinsic
 def r16_dot(typingctx, w, s, xq, xg, bpg, out):
     """out[0:R] = R int4 or nvfp4 rows in whole slabs (w uint8 [R, K/2], s [R, G] as r16 holds them:
@@ -1051,14 +1147,14 @@ def r16_dot(typingctx, w, s, xq, xg, bpg, out):
     (natural order, K % 32 == 0), xg = prep_q8r_rows' (int4) / prep_q8r_nv_rows' (nvfp4) s_x and
     offsets; bpg = int4's group size / 32 (nvfp4: unused). AVX-512 VNNI only."""
     fmt = _check_r16(w, s, (xq,), (xg,), (out,))
-    return types.void(w, s, xq, xg, bpg, out), _r16_codegen(1, fmt)
+    return types.void(w, s, xq, xg, bpg, out), _r16_codegen_for(1, fmt)
 
 
 @intrinsic
 def r16_dot4(typingctx, w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3):
     """r16_dot with four activations at once (each slab read once), oj[0:R] each."""
     fmt = _check_r16(w, s, (x0, x1, x2, x3), (g0, g1, g2, g3), (o0, o1, o2, o3))
-    return types.void(w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3), _r16_codegen(4, fmt)
+    return types.void(w, s, x0, x1, x2, x3, g0, g1, g2, g3, bpg, o0, o1, o2, o3), _r16_codegen_for(4, fmt)
 
 
 # --- vector exp (the decode softmax) ---------------------------------------------------------------

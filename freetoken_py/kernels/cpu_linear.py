@@ -21,7 +21,7 @@ from numba import njit, prange
 
 from freetoken_py.kernels._buffers import (R16_SCALES, decode_rows, empty_rows, encode_rows, host_array, is_r16_scales,
                                            r16_fits, r16_pack, r16_unpack)
-from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, R16_OK, VEC, by_layout, pdot, pdot4, prepare, vec_rows
+from freetoken_py.kernels._dots import ANY, BF16_ACT, FORMATS, VEC, by_layout, pdot, pdot4, prepare, r16_cols, r16_ok, vec_rows
 from freetoken_py.kernels._simd import r16_dot, r16_dot4
 
 ROWS_PER_TASK = 32         # output rows per prange task
@@ -105,14 +105,15 @@ class DenseWeight:
 
 
 def dense_layout(fmt: str, n: int, k: int, group_size: int) -> str:
-    """"r16" where this process's kernels run int4 / nvfp4 [n, k] rows in 16-row slabs, else "rows"."""
-    return "r16" if R16_OK and r16_fits(fmt, n, k, group_size) else "rows"
+    """"r16" where this process's kernels run int4 / nvfp4 / fp8 [n, k] rows in 16-row slabs, else "rows"."""
+    return "r16" if r16_ok(fmt) and r16_fits(fmt, n, k, group_size) else "rows"
 
 
 def _check_r16(fmt: str, n: int, k: int, group_size: int) -> None:
     if dense_layout(fmt, n, k, group_size) != "r16":
-        raise ValueError(f"the r16 layout takes int4 / nvfp4 [N % 16 == 0, K % 32 == 0] on AVX-512 VNNI CPUs with "
-                         f"int8 activations; this process cannot hold {fmt} [{n}, {k}] g{group_size} in it")
+        raise ValueError(f"the r16 layout takes int4 / nvfp4 (AVX-512 VNNI, int8 activations) or fp8 (AVX512-BF16 + "
+                         f"VBMI, bf16 activations) [N % 16 == 0, K % 32 == 0]; this process cannot hold {fmt} "
+                         f"[{n}, {k}] g{group_size} in it")
 
 
 def _in_layout(w: np.ndarray, s: np.ndarray, fmt: str, k: int, group_size: int, layout: str):
@@ -160,8 +161,8 @@ def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
     """gemv_block over int4 / nvfp4 rows in 16-row slabs (n0, n1 on slab bounds): one slab-dot call
     for the block's rows per token (or per 4 tokens)."""
     bpg = hb // 16                     # group size / 32
-    if xv.shape[1] != 2 * w.shape[1] or (n1 - n0) % 16 or n0 % 16:
-        raise ValueError("r16 rows: activations of K = 2 x the packed row bytes, row ranges on 16-row slabs")
+    if xv.shape[1] != r16_cols(w, s) or (n1 - n0) % 16 or n0 % 16:
+        raise ValueError("r16 rows: activations of the rows' K, row ranges on 16-row slabs")
     num_t = xv.shape[0]
     for t in range(0, num_t, 4):
         if num_t - t == 1:

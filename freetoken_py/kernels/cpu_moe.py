@@ -17,7 +17,7 @@ import torch
 
 from freetoken_py.kernels._buffers import (R16_ROWS, R16_SCALES, decode_rows, empty_rows, encode_rows, host_array,
                                            is_r16_scales, r16_fits, r16_pack, r16_unpack, scale_dtype)
-from freetoken_py.kernels._dots import ACTIVATIONS, FORMATS, R16_OK
+from freetoken_py.kernels._dots import ACTIVATIONS, FORMATS, r16_ok
 from freetoken_py.kernels._moe_kernels import moe_rows
 from freetoken_py.kernels.cpu_linear import torch_bf16, use_torch_bf16
 
@@ -192,19 +192,20 @@ def r16_layout_fits(fmt: str, inter: int, hidden: int, group_size: int) -> bool:
 
 
 def preferred_layout(fmt: str, inter: int, hidden: int, group_size: int) -> str:
-    """"r16" where this process's CPU kernels run it (int4 / nvfp4, AVX-512 VNNI, int8 activations) and the
-    widths fit, else "rows". A bank that only the CPU reads takes this; the accelerator tiers
-    keep "rows"."""
-    return "r16" if R16_OK and r16_layout_fits(fmt, inter, hidden, group_size) else "rows"
+    """"r16" where this process's CPU kernels run it (int4 / nvfp4: AVX-512 VNNI, int8 activations; fp8:
+    AVX512-BF16 + VBMI, bf16 activations) and the widths fit, else "rows". A bank that only the CPU
+    reads takes this; the accelerator tiers keep "rows"."""
+    return "r16" if r16_ok(fmt) and r16_layout_fits(fmt, inter, hidden, group_size) else "rows"
 
 
 def _check_r16(fmt: str, inter: int, hidden: int, group_size: int) -> None:
-    if not R16_OK:
-        raise ValueError("the r16 layout runs on AVX-512 VNNI CPUs with int8 activations only "
-                         "(this process: FREETOKEN_SIMD / FREETOKEN_INT_ACT or the CPU rule it out)")
+    if not r16_ok(fmt):
+        raise ValueError(f"the r16 layout runs int4 / nvfp4 on AVX-512 VNNI CPUs with int8 activations and fp8 on "
+                         f"AVX512-BF16 + VBMI CPUs with bf16 activations only; this process cannot run {fmt} in it "
+                         "(FREETOKEN_SIMD / FREETOKEN_INT_ACT / FREETOKEN_BF16_ACT or the CPU rule it out)")
     if not r16_layout_fits(fmt, inter, hidden, group_size):
-        raise ValueError(f"the r16 layout takes int4 / nvfp4 experts with I and D multiples of 32 (int4: groups of "
-                         f"whole 32-blocks, nvfp4: 16), got {fmt} I={inter} D={hidden} g{group_size}")
+        raise ValueError(f"the r16 layout takes int4 / nvfp4 / fp8 experts with I and D multiples of 32 (int4 groups "
+                         f"and fp8 blocks of whole 32-blocks, nvfp4: 16), got {fmt} I={inter} D={hidden} g{group_size}")
 
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
