@@ -17,7 +17,7 @@ import torch
 from numba import njit
 
 from freetoken_py.kernels import DenseWeight, ExpertBank, dense_linear, moe_experts
-from freetoken_py.kernels._buffers import decode_rows, r16_fits, r16_pack, r16_unpack
+from freetoken_py.kernels._buffers import R16_SCALES, decode_rows, r16_fits, r16_pack, r16_unpack
 from freetoken_py.kernels._dots import R16_OK, prep_q8r_nv_rows, prep_q8r_rows
 from freetoken_py.kernels.cpu_moe import preferred_layout, r16_layout_fits
 
@@ -80,19 +80,20 @@ def test_pack_places_each_nibble_and_scale_and_unpack_inverts_it():
 
 def test_which_widths_and_formats_take_the_layout():
     assert r16_fits("int4", 32, 64, 32) and not r16_fits("int4", 24, 64, 32) and not r16_fits("int4", 32, 48, 16)
-    assert not r16_fits("int8", 32, 64, 32)
+    assert r16_fits("int8", 32, 64, 32) and not r16_fits("int8", 32, 48, 32) and not r16_fits("bf16", 32, 64, 32)
     assert r16_layout_fits("int4", 768, 2048, 32) and r16_layout_fits("int4", 64, 64, 64)
     assert not r16_layout_fits("int4", 48, 64, 32)           # the up half would start inside a slab
     assert not r16_layout_fits("int4", 40, 64, 32)           # I not whole 32-blocks (the down rows' K)
-    assert preferred_layout("int8", 768, 2048, 32) == "rows" and preferred_layout("int4", 48, 64, 32) == "rows"
+    assert preferred_layout("int8", 768, 2048, 32) == ("r16" if R16_OK else "rows")
+    assert preferred_layout("int4", 48, 64, 32) == "rows" and preferred_layout("int8", 40, 64, 32) == "rows"
     assert preferred_layout("nvfp4", 768, 2048, 16) == ("r16" if R16_OK else "rows")
     assert preferred_layout("bf16", 768, 2048, 32) == "rows"      # fp8: tests/test_kernels_r16_fp8.py
     assert preferred_layout("int4", 768, 2048, 32) == ("r16" if R16_OK else "rows")
     with pytest.raises(ValueError, match="layout"):
         ExpertBank.empty("int4", 2, 64, 64, 32, layout="cols")
     if R16_OK:
-        with pytest.raises(ValueError, match="r16 layout takes int4"):
-            ExpertBank.empty("int8", 2, 64, 64, 32, layout="r16")
+        with pytest.raises(ValueError, match="r16 layout runs int4"):
+            ExpertBank.empty("bf16", 2, 64, 64, 32, layout="r16")
 
 
 @pytest.mark.parametrize("env", [{"FREETOKEN_SIMD": "avx2"}, {"FREETOKEN_INT_ACT": "fp32"}])
@@ -201,13 +202,15 @@ def reference(bank: ExpertBank, x, ids, wts, activation="silu"):
     ("int4", 40, 4, 128, 256, 64, 2),      # prefill: 20 pairs per expert, row blocks of 16
     ("int4", 9, 6, 128, 384, 128, 3),      # group 128
     ("nvfp4", 1, 8, 768, 2048, 16, 8), ("nvfp4", 3, 8, 96, 256, 16, 2), ("nvfp4", 40, 4, 128, 256, 16, 2),
+    ("int8", 1, 8, 768, 2048, 32, 8), ("int8", 1, 8, 64, 576, 32, 8), ("int8", 3, 8, 96, 256, 32, 2),
+    ("int8", 40, 4, 128, 256, 32, 2),
 ])
 def test_expert_call_equals_rows_and_float64(fmt, tokens, e, i, d, g, topk):
     gate, up, down = expert_weights(e, i, d, tokens + i)
     rows = ExpertBank.from_weights(gate, up, down, fmt, g)
     slabs = ExpertBank.from_weights(gate, up, down, fmt, g, layout="r16")
     assert rows.layout == "rows" and slabs.layout == "r16" and not np.array_equal(slabs.w13, rows.w13)
-    assert slabs.s13.dtype == (np.int16 if fmt == "int4" else np.int8)
+    assert slabs.s13.dtype == R16_SCALES[fmt]
     assert all(torch.equal(a, b) for a, b in zip(rows.dequantized(), slabs.dequantized()))
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, d, generator=gen)
@@ -330,7 +333,7 @@ def test_nvfp4_slab_dot_equals_float64(k, rows, positive_factor):
 
 
 @needs_r16
-@pytest.mark.parametrize("fmt,g", [("int4", 32), ("int4", 128), ("nvfp4", 16)])
+@pytest.mark.parametrize("fmt,g", [("int4", 32), ("int4", 128), ("nvfp4", 16), ("int8", 32)])
 def test_dense_weights_take_the_slabs_and_equal_rows(fmt, g):
     w = torch.randn(80, 256, generator=torch.Generator().manual_seed(5))    # 80 rows: a last task of one 16-row slab
     rows, slabs = DenseWeight.from_tensor(w, fmt, g, layout="rows"), DenseWeight.from_tensor(w, fmt, g)
@@ -341,3 +344,49 @@ def test_dense_weights_take_the_slabs_and_equal_rows(fmt, g):
         a, b = dense_linear(rows, x), dense_linear(slabs, x)
         assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
     assert DenseWeight.from_tensor(torch.randn(40, 256), fmt, g).layout == "rows"     # 40 rows: not whole slabs
+
+
+def int8_rows(n: int, k: int, seed: int):
+    """Random int8 rows (codes in [-127, 127], one fp32 scale per row) and their float64 values."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    s = (rng.random((n, 1)) * 0.02 + 1e-3).astype(np.float32)
+    return w, s, w.astype(np.float64) * s.astype(np.float64)
+
+
+def test_int8_pack_places_each_byte_and_scale():
+    n, k = 32, 96
+    w, s, _ = int8_rows(n, k, 1)
+    wr, sr = r16_pack(w, s)
+    assert wr.dtype == np.int8 and sr.dtype == np.int32 and wr.shape == w.shape and sr.shape == s.shape
+    flat, sflat = wr.reshape(n // 16, -1), sr.view(np.float32).reshape(n // 16, 16)
+    for slab in range(n // 16):
+        for r in range(16):
+            for col in range(k):
+                assert flat[slab, 64 * (col // 4) + 4 * r + col % 4] == w[16 * slab + r, col]
+            assert sflat[slab, r] == s[16 * slab + r, 0]
+    back_w, back_s = r16_unpack(wr, sr)
+    assert np.array_equal(back_w, w) and np.array_equal(back_s, s) and back_s.dtype == np.float32
+
+
+@needs_r16
+@pytest.mark.parametrize("k", [32, 96, 2048, 7168])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_int8_slab_dot_equals_float64(k, rows):
+    """The xor-flipped codes (w + 128) and the 128 s_x sum(q) removed per block give the signed
+    products: against float64 on the codes times the row scale, the activations as quantised."""
+    from freetoken_py.kernels._dots import prep_q8r_rows_as
+    n = 48
+    w, s, ref = int8_rows(n, k, k + rows)
+    wr, sr = r16_pack(w, s)
+    x = np.random.default_rng(k).standard_normal((rows, k)).astype(np.float32) * 3
+    xq, xg = prep_q8r_rows_as(x, 32, 128.0)
+    nb = k // 32
+    assert np.allclose(xg[:, nb:], 128 * xg[:, :nb] * xq.reshape(rows, nb, 32).sum(-1), rtol=1e-6)
+    xdq = (xq.reshape(rows, nb, 32).astype(np.float64) * xg[:, :nb, None].astype(np.float64)).reshape(rows, k)
+    want = xdq @ ref.T
+    scale = np.abs(want).max()
+    for step in (16, n):
+        got = slab_mv(wr, sr, xq, xg, 1, step)
+        assert np.abs(got - want).max() <= 2e-6 * scale, (step, np.abs(got - want).max() / scale)
+    assert np.abs(slab_mv(w, s.view(np.int32), xq, xg, 1, n) - want).max() > 0.05 * scale

@@ -104,7 +104,7 @@ R16_ROWS = 16     # rows per slab of the "r16" int4 / nvfp4 layout (_simd "weigh
 # The layout travels in the scales' dtype: the same bytes held as int16 (int4's fp16 bits, uint16 in
 # rows) or int8 (nvfp4's e4m3 bytes and row factors, uint8 in rows), so the kernels pick the slab
 # loops at compile time from the arrays alone (no flag to thread through).
-R16_SCALES = {"int4": np.dtype(np.int16), "nvfp4": np.dtype(np.int8), "fp8": np.dtype(np.int32)}
+R16_SCALES = {"int4": np.dtype(np.int16), "nvfp4": np.dtype(np.int8), "fp8": np.dtype(np.int32), "int8": np.dtype(np.int32)}
 _ROW_SCALES = {np.dtype(np.int16): np.dtype(np.uint16), np.dtype(np.int8): np.dtype(np.uint8),
                np.dtype(np.int32): np.dtype(np.float32)}
 # fp8 slabs (scales int32: the fp32 block scales' bits): per 4-column unit u one 64-byte chunk, row
@@ -124,7 +124,24 @@ def r16_fits(fmt: str, n: int, k: int, group_size: int) -> bool:
     32-column blocks; int4 groups and fp8 scale blocks of whole 32-column blocks, nvfp4 its groups of 16."""
     if n <= 0 or n % R16_ROWS or k % 32:
         return False
-    return (fmt in ("int4", "fp8") and group_size % 32 == 0) or (fmt == "nvfp4" and group_size == 16)
+    return fmt == "int8" or (fmt in ("int4", "fp8") and group_size % 32 == 0) or (fmt == "nvfp4" and group_size == 16)
+
+
+def _i8_slab_bytes(w: np.ndarray) -> np.ndarray:
+    """int8 rows [..., N, K] -> the r16 bytes: per slab and 4-column unit u one 64-byte chunk, byte
+    4r + j = row r's column 4u + j (dword lane r of one vpdpbusd)."""
+    *lead, n, k = w.shape
+    nd = len(lead)
+    q = w.reshape(*lead, n // 16, 16, k // 4, 4)                                  # slab, r, u, j
+    return np.ascontiguousarray(q.transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 2, 1, 3)))).reshape(w.shape)
+
+
+def _i8_row_bytes(w: np.ndarray) -> np.ndarray:
+    """The inverse of _i8_slab_bytes."""
+    *lead, n, k = w.shape
+    nd = len(lead)
+    q = np.ascontiguousarray(w).reshape(*lead, n // 16, k // 4, 16, 4)           # slab, u, r, j
+    return np.ascontiguousarray(q.transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 2, 1, 3)))).reshape(w.shape)
 
 
 def _fp8_slab_bytes(w: np.ndarray) -> np.ndarray:
@@ -175,7 +192,8 @@ def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     row r's columns 32b + 8c + j (low nibble) and 32b + 8c + 4 + j (high nibble). Scales per slab:
     int4 [G, 16] as int16; nvfp4 [K/16, 16] e4m3 bytes then the 16 rows' fp32 factors, as int8.
     fp8 (w uint8 [..., N, K] e4m3, s float32 [..., N, G]): per slab one 64-byte chunk per 4 columns
-    (_FP8_SLOT), scales [G, 16] as int32."""
+    (_FP8_SLOT), scales [G, 16] as int32. int8 (w int8 [..., N, K], s float32 [..., N, 1]): per slab
+    one 64-byte chunk per 4 columns, byte 4r + j = row r's column 4u + j; the 16 row scales as int32."""
     *lead, n, _ = w.shape
     nd = len(lead)
     sperm = tuple(range(nd)) + (nd, nd + 2, nd + 1)
@@ -183,7 +201,7 @@ def r16_pack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         g = s.shape[-1]
         sr = np.ascontiguousarray(s.reshape(*lead, n // 16, 16, g).transpose(sperm)).reshape(s.shape)
         if s.dtype == np.float32:
-            return _fp8_slab_bytes(w), sr.view(R16_SCALES["fp8"])
+            return (_i8_slab_bytes(w) if w.dtype == np.int8 else _fp8_slab_bytes(w)), sr.view(np.int32)
         return _slab_bytes(w), sr.view(R16_SCALES["int4"])
     ng = s.shape[-1] - 4
     e = s[..., :ng].reshape(*lead, n // 16, 16, ng).transpose(sperm).reshape(*lead, n // 16, 16 * ng)
@@ -201,7 +219,9 @@ def r16_unpack(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if s.dtype in (np.uint16, np.float32):
         g = s.shape[-1]
         sr = np.ascontiguousarray(s.reshape(*lead, n // 16, g, 16).transpose(sperm)).reshape(s.shape)
-        return (_fp8_row_bytes(w) if s.dtype == np.float32 else _row_bytes(w)), sr
+        if s.dtype == np.float32:
+            return (_i8_row_bytes(w) if w.dtype == np.int8 else _fp8_row_bytes(w)), sr
+        return _row_bytes(w), sr
     ng = s.shape[-1] - 4
     flat = s.reshape(*lead, n // 16, 16 * (ng + 4))
     e = flat[..., :16 * ng].reshape(*lead, n // 16, ng, 16).transpose(sperm)

@@ -872,13 +872,14 @@ R16_FP8_OK = HAS_AVX512 and FP8_ACT == "bf16"   # ... and fp8 rows (AVX512-BF16 
 
 def r16_ok(fmt: str) -> bool:
     """True where this process's kernels run `fmt` rows in the "r16" slab layout."""
-    return R16_FP8_OK if fmt == "fp8" else R16_OK and fmt in ("int4", "nvfp4")
+    return R16_FP8_OK if fmt == "fp8" else R16_OK and fmt in ("int4", "nvfp4", "int8")
 
 
 def is_r16(w, s):
-    """Typing-time test: int4 / nvfp4 / fp8 rows in the "r16" slab layout (uint8 weights; int16
-    scales: int4, int8 scales: nvfp4, int32 scales: fp8)."""
-    return w.dtype == types.uint8 and s.dtype in (types.int16, types.int8, types.int32)
+    """Typing-time test: rows in the "r16" slab layout (uint8 weights with int16 scales: int4, int8
+    scales: nvfp4, int32 scales: fp8; int8 weights with int32 scales: int8)."""
+    return ((w.dtype == types.uint8 and s.dtype in (types.int16, types.int8, types.int32))
+            or (w.dtype == types.int8 and s.dtype == types.int32))
 
 
 def by_layout(stub, slab, rows):
@@ -889,16 +890,17 @@ def by_layout(stub, slab, rows):
     def _impl(*args):
         if not is_r16(args[0], args[1]):
             return lambda *args: rows(*args)
-        if args[1].dtype == types.int32 and not R16_FP8_OK:
+        fp8 = args[0].dtype == types.uint8 and args[1].dtype == types.int32
+        if fp8 and not R16_FP8_OK:
             raise TypeError("fp8 rows in the r16 layout need this process's AVX512-BF16 / VBMI kernels")
-        if args[1].dtype != types.int32 and not R16_OK:
-            raise TypeError("int4 / nvfp4 rows in the r16 layout need this process's AVX-512 VNNI kernels")
+        if not fp8 and not R16_OK:
+            raise TypeError("int4 / nvfp4 / int8 rows in the r16 layout need this process's AVX-512 VNNI kernels")
         return lambda *args: slab(*args)
 
 
 def r16_cols(w, s):
     """The columns K of rows (w, s) in the "r16" layout: 2 x the row bytes for int4 / nvfp4, the
-    row bytes for fp8 (jitted only)."""
+    row bytes for fp8 and int8 (int32 scales; jitted only)."""
     raise NotImplementedError("r16_cols is only callable from numba-compiled code")
 
 
@@ -957,6 +959,8 @@ def prepare(w, s, x, gs):
 def _prepare_impl(w, s, x, gs):
     if is_r16(w, s) and s.dtype == types.int16:   # int4 in 16-row slabs: natural-order int8, (s_x, offset) per block
         return lambda w, s, x, gs: prep_q8r_rows(x)
+    if is_r16(w, s) and w.dtype == types.int8:    # int8 in slabs: natural-order int8, (s_x, 128 s_x sum(q)) per block
+        return lambda w, s, x, gs: prep_q8r_rows_as(x, 32, 128.0)
     if is_r16(w, s) and s.dtype == types.int32:   # fp8 in slabs: natural-order bf16 (the fp32 rows unused)
         return lambda w, s, x, gs: (prep_bf16_rows(x), np.zeros((x.shape[0], 1), np.float32))
     if is_r16(w, s):                               # nvfp4 in slabs: (s_x per block, offset per 16 columns)

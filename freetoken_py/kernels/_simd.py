@@ -921,6 +921,14 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
 def _check_r16(w, s, xqs, xgs, outs):
     """"int4" (int16 scales), "nvfp4" (int8 scales) or "fp8" (int32 scales): which slab dot these arrays are for."""
     _check_avx512()
+    if w.dtype == types.int8 and s.dtype == types.int32:
+        if w.ndim != 2 or s.ndim != 2 or any(x.dtype != types.int8 or x.ndim != 1 for x in xqs) \
+                or any(g.dtype != types.float32 or g.ndim != 1 for g in xgs):
+            raise TypeError("the int8 slab dot takes int8 [R, K] slabs, int32 [R, 1] scale bits, int8 activations "
+                            "[K] and their float32 (s_x, offsets) rows")
+        if any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
+            raise TypeError("r16_dot writes float32 outputs (1-D float32 arrays)")
+        return "int8"
     if w.dtype == types.uint8 and s.dtype == types.int32:
         if not (HAS_AVX512BF16 and HAS_AVX512VBMI):
             raise TypeError("fp8 slabs need AVX512-BF16 and AVX512-VBMI")
@@ -1136,7 +1144,79 @@ def _r16_fp8_codegen(num_x):
     return codegen
 
 
+# int8 (one fp32 scale per row) in the same slabs (weights int8, scales int32: the 16 rows' fp32
+# scale bits per slab): per 4-column unit one 64-byte chunk, byte 4r + j = row r's column 4u + j,
+# so one vpdpbusd against the dword broadcast of q[4u .. 4u + 3] sums 16 rows' 4 products. vpdpbusd
+# multiplies unsigned by signed bytes: the weights are flipped to w + 128 (one xor per chunk) and
+# 128 s_x sum(q) is removed per 32-column block (`prep_q8r_rows_as(x, 32, 128)`), as int4 removes its
+# nibble offset; the row scales multiply once per slab. |a block's sum| <= 32 * 255 * 127.
+
+
+def _r16_i8_codegen(num_x):
+    """Codegen of r16_dot / r16_dot4 for int8 slabs: w int8 [R, K], s int32 [R, 1], x_j int8 [K]
+    (natural order), g_j float32 [2 K/32] (s_x per block, then 128 s_x sum(q) per block), out_j [R]."""
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
+                  for t, v in zip(signature.args, args)]
+        wp0, sp0 = arrays[0].data, arrays[1].data
+        qps = [a.data for a in arrays[2:2 + num_x]]
+        xgps = [a.data for a in arrays[2 + num_x:2 + 2 * num_x]]
+        outps = [a.data for a in arrays[3 + 2 * num_x:]]
+        rows, k = cgutils.unpack_tuple(builder, arrays[0].shape)
+        nb = builder.lshr(k, _c64(5))
+        v64b, v16i, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+        flip = ir.Constant(v64b, [-128] * 64)
+        zero = ir.Constant(v16i, None)
+        accs = [[cgutils.alloca_once(builder, v16f) for _ in range(num_x)] for _ in range(2)]
+
+        def bcast(qp, off):
+            p = builder.bitcast(builder.gep(qp, [off]), _I32.as_pointer())
+            return builder.bitcast(_splat(builder, builder.load(p, align=1), 16), v64b)
+
+        def block(wp, b, aset):
+            base = builder.shl(b, _c64(9))                      # 8 chunks of 64 bytes per 32 columns
+            ia = [[zero, zero] for _ in range(num_x)]
+            for c in range(8):
+                off = builder.add(base, _c64(64 * c))
+                _prefetch(builder, wp, off)
+                u = builder.xor(_vload(builder, wp, off, v64b, 1), flip)
+                xo = builder.add(builder.shl(b, _c64(5)), _c64(4 * c))
+                for j in range(num_x):
+                    ia[j][c % 2] = _dpbusd(builder, ia[j][c % 2], u, bcast(qps[j], xo))
+            for j in range(num_x):
+                f = builder.sitofp(builder.add(ia[j][0], ia[j][1]), v16f)
+                xs = _splat(builder, builder.load(builder.gep(xgps[j], [b])), 16)
+                xc = _splat(builder, builder.load(builder.gep(xgps[j], [builder.add(nb, b)])), 16)
+                a = accs[aset][j]
+                builder.store(builder.fadd(builder.load(a), builder.fsub(builder.fmul(f, xs, flags=_FAST), xc,
+                                                                       flags=_FAST), flags=_FAST), a)
+
+        with cgutils.for_range(builder, builder.lshr(rows, _c64(4))) as slabs:
+            slab = slabs.index
+            wp = builder.gep(wp0, [builder.mul(slab, builder.shl(k, _c64(4)))])
+            sp = builder.bitcast(builder.gep(sp0, [builder.shl(slab, _c64(4))]), _F32.as_pointer())
+            for aset in accs:
+                for a in aset:
+                    builder.store(ir.Constant(v16f, None), a)
+            with cgutils.for_range(builder, builder.lshr(nb, _c64(1))) as loop:
+                b0 = builder.shl(loop.index, _c64(1))
+                block(wp, b0, 0)
+                block(wp, builder.add(b0, _c64(1)), 1)
+            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+                block(wp, builder.sub(nb, _c64(1)), 0)
+            sv = _vload(builder, sp, _c64(0), v16f, 4)
+            for j in range(num_x):
+                r = builder.fadd(builder.load(accs[0][j]), builder.load(accs[1][j]), flags=_FAST)
+                op = builder.gep(outps[j], [builder.shl(slab, _c64(4))])
+                builder.store(builder.fmul(r, sv, flags=_FAST), builder.bitcast(op, v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 def _r16_codegen_for(num_x, fmt):
+    if fmt == "int8":
+        return _r16_i8_codegen(num_x)
     return _r16_fp8_codegen(num_x) if fmt == "fp8" else _r16_codegen(num_x, fmt)
 
 

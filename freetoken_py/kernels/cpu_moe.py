@@ -200,11 +200,11 @@ def preferred_layout(fmt: str, inter: int, hidden: int, group_size: int) -> str:
 
 def _check_r16(fmt: str, inter: int, hidden: int, group_size: int) -> None:
     if not r16_ok(fmt):
-        raise ValueError(f"the r16 layout runs int4 / nvfp4 on AVX-512 VNNI CPUs with int8 activations and fp8 on "
+        raise ValueError(f"the r16 layout runs int4 / nvfp4 / int8 on AVX-512 VNNI CPUs with int8 activations and fp8 on "
                          f"AVX512-BF16 + VBMI CPUs with bf16 activations only; this process cannot run {fmt} in it "
                          "(FREETOKEN_SIMD / FREETOKEN_INT_ACT / FREETOKEN_BF16_ACT or the CPU rule it out)")
     if not r16_layout_fits(fmt, inter, hidden, group_size):
-        raise ValueError(f"the r16 layout takes int4 / nvfp4 / fp8 experts with I and D multiples of 32 (int4 groups "
+        raise ValueError(f"the r16 layout takes int4 / nvfp4 / fp8 / int8 experts with I and D multiples of 32 (int4 groups "
                          f"and fp8 blocks of whole 32-blocks, nvfp4: 16), got {fmt} I={inter} D={hidden} g{group_size}")
 
 
