@@ -26,6 +26,14 @@ in short pieces per task); the combine adds the same products in the same order 
 row-block form (fast-math may contract a multiply-add differently: equal to ~1e-7, not bit for
 bit). On a Zen 4 VM (2 threads, Qwen3-30B-A3B widths, one decode token, interleaved) the whole
 call read 2-12 % faster for int4 / nvfp4 / fp8 / int8 (docs/kernels.md, "Expert-major down stage").
+Where the decode call's experts also deal evenly over the workers (``whole_experts``), the three
+become one parallel region:
+
+    whole    prange over workers j: experts j, j + W, ... each whole (stage 1 over all I rows,
+             its pairs' h prepared, stage 2' over all D rows into y); then the combine, sequential
+
+no barrier between the stages, each expert's rows streamed start to end by one core (Zen 4, the
+call 2-27 % faster by format; docs/kernels.md "fp8 and int8 in 16-row slabs; whole experts").
 
 Stage 1 puts a block's gates in h and its up projections in a buffer, then the activation runs
 once per pair over the block (``_act_rows``: the vector SwiGLU); every stage tests the vector dot's

@@ -43,9 +43,10 @@ def use_torch_bf16(fmt: str, num_tokens: int) -> bool:
 class DenseWeight:
     """A [N, K] weight in execution format: w [N, K] float32 | uint16 (bf16 bits) | int8, or
     uint8 [N, K/2] (int4, nvfp4); s [N, G] scales: float32 (G = 0, 1 for int8), int4 fp16 bits as
-    uint16 (G = K/group_size), nvfp4 uint8 (e4m3 per 16, then the row factor). int4 / nvfp4 on
-    AVX-512 VNNI CPUs where N % 16 == 0 and K % 32 == 0: in 16-row slabs, the scales' bytes as
-    int16 / int8 (`layout` "r16", ExpertBank's; the default "auto" picks it)."""
+    uint16 (G = K/group_size), nvfp4 uint8 (e4m3 per 16, then the row factor), fp8 uint8 [N, K]
+    with float32 block scales. int4 / nvfp4 / int8 on AVX-512 VNNI CPUs, fp8 on AVX512-BF16 + VBMI
+    ones, where N % 16 == 0 and K % 32 == 0: in 16-row slabs, the scales' bytes as int16 / int8 /
+    int32 (`layout` "r16", ExpertBank's; the default "auto" picks it: `dense_layout`)."""
 
     def __post_init__(self):
         if is_r16_scales(self.s):

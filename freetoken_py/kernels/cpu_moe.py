@@ -33,10 +33,11 @@ class ExpertBank:
     w2   [E, D, I]    down rows, same encoding (uint8 [E, D, I/2] for int4)
     s2   [E, D, G']           as s13
 
-    layout "rows" (above) or "r16" (int4 / nvfp4, AVX-512 VNNI CPUs: `preferred_layout`): the same
-    shapes and bytes, each slab of 16 rows permuted within itself so one vector load serves 16
-    rows, the scales held as int16 / int8 (_buffers.r16_pack, _simd "int4 / nvfp4 weights in 16-row
-    interleaved slabs"); the scales' dtype is the layout, so the kernels pick their loops from the arrays.
+    layout "rows" (above) or "r16" (int4 / nvfp4 / int8 on AVX-512 VNNI CPUs, fp8 on AVX512-BF16 +
+    VBMI ones: `preferred_layout`): the same shapes and bytes, each slab of 16 rows permuted within
+    itself so one vector load serves 16 rows, the scales held as int16 / int8 / int32 (_buffers.r16_pack,
+    _simd "int4 / nvfp4 weights in 16-row interleaved slabs" and the fp8 / int8 slab notes); the
+    scales' dtype is the layout, so the kernels pick their loops from the arrays.
     `dequantized()` undoes it; the accelerator tiers take "rows" only.
     """
 
