@@ -320,11 +320,11 @@ def test_whole_experts_decision():
 
 @pytest.mark.parametrize("fmt, group_size", [("fp32", 32), ("int8", 32), ("int4", 32), ("fp8", 128), ("nvfp4", 16),
                                              ("bf16", 32)])
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [2, 3])
 def test_whole_expert_decode_equals_the_row_block_form(fmt, group_size, threads):
-    """One decode token, top-8 of 9 experts: 1 and 2 workers run whole experts (`_experts_whole`), 3
-    the staged expert-major form; each equals the row-block form (1e-6) — the same dots, summed in
-    the same order."""
+    """One decode token, top-8 of 9 experts: 2 workers run whole experts (`_experts_whole`), 3 the
+    staged expert-major form; each equals the row-block form (1e-6) — the same dots, summed in the
+    same order."""
     from freetoken_py.kernels._dots import ACTIVATIONS
     from freetoken_py.kernels._moe_kernels import group_pairs, moe_rows, whole_experts
 
@@ -343,21 +343,25 @@ def test_whole_expert_decode_equals_the_row_block_form(fmt, group_size, threads)
 
 
 @pytest.mark.parametrize("fmt, group_size", [("fp32", 32), ("int8", 32), ("int4", 32), ("fp8", 128), ("nvfp4", 16)])
-@pytest.mark.parametrize("num_t, k, biased", [(1, 8, False), (2, 3, False), (3, 4, True)])
-def test_expert_major_down_stage_equals_the_row_block_form(fmt, group_size, num_t, k, biased):
+@pytest.mark.parametrize("num_t, k, biased, whole", [(1, 8, False, True), (2, 3, False, True), (3, 4, True, True),
+                                                     (1, 3, False, False), (1, 5, True, False)])
+def test_expert_major_down_stage_equals_the_row_block_form(fmt, group_size, num_t, k, biased, whole):
     """Decode routing (<= 4 pairs per expert) at a hidden width with a partial last expert-major
-    block (D = 576 = 2 x 256 + 64) takes the expert-major down stage. Its output equals the
-    row-block form's (the same dots, the same products added in the same order; fast-math may
-    contract the multiply-add differently in the two, so to 1e-6 rather than bit for bit) and, for
-    the unbiased experts, the float64 reference (gpt-oss's biases: tests/test_gpt_oss.py)."""
+    block (D = 576 = 2 x 256 + 64) takes the expert-major down stage: whole experts per worker
+    where the 6 or 8 experts hit deal evenly over the 2 workers, the staged form (stage 1, stage 2',
+    the combine) where 3 or 5 do. Its output equals the row-block form's (the same dots, the same
+    products added in the same order; fast-math may contract the multiply-add differently in the
+    two, so to 1e-6 rather than bit for bit) and, for the unbiased experts, the float64 reference
+    (gpt-oss's biases: tests/test_gpt_oss.py)."""
     from freetoken_py.kernels._dots import ACTIVATIONS
-    from freetoken_py.kernels._moe_kernels import down_expert_major, group_pairs, moe_rows
+    from freetoken_py.kernels._moe_kernels import down_expert_major, group_pairs, moe_rows, whole_experts
 
     num_e, inter, hidden = 9, 128, 576
     ids, w = routing(num_t, num_e, k, seed=3 + num_t)
     off = group_pairs(ids.reshape(-1).numpy().astype(np.int64), num_e)[2]
     threads = 2   # the block plan's thread count (the kernel runs on all of numba's): the same path on any CPU
     assert down_expert_major(off, hidden, threads)                     # the path under test
+    assert whole_experts(off, hidden, threads) == whole
     assert not down_expert_major(np.array([0, 5], np.int64), hidden, threads)   # 5 pairs: the row-block form
     bank = ExpertBank.from_weights(*random_experts(num_e, inter, hidden, seed=2), fmt=fmt, group_size=group_size)
     activation = "silu"

@@ -106,7 +106,7 @@ import torch, numpy as np
 from freetoken_py.kernels import ExpertBank, moe_experts
 from freetoken_py.kernels._dots import R16_OK
 from freetoken_py.kernels.cpu_moe import preferred_layout
-assert not R16_OK and preferred_layout("int4", 64, 128, 32) == "rows"
+assert not R16_OK and preferred_layout("int4", 64, 128, 32) == "rows" and preferred_layout("int8", 64, 128, 32) == "rows"
 g = torch.Generator().manual_seed(0)
 gate, up, down = torch.randn(4, 64, 128, generator=g), torch.randn(4, 64, 128, generator=g), torch.randn(4, 128, 64, generator=g)
 bank = ExpertBank.from_weights(gate, up, down, "int4", 32)
@@ -224,20 +224,36 @@ def test_expert_call_equals_rows_and_float64(fmt, tokens, e, i, d, g, topk):
 
 
 @needs_r16
-@pytest.mark.parametrize("tokens", [1, 6])
-def test_biases_and_gptoss_activation_in_slabs(tokens):
-    e, i, d = 4, 64, 128
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("tokens,e,d,topk,threads", [(1, 4, 128, 2, 2), (6, 4, 128, 2, 2), (1, 8, 576, 8, 2),
+                                                     (1, 8, 576, 5, 2)])
+def test_biases_and_gptoss_activation_in_slabs(fmt, tokens, e, d, topk, threads):
+    """Biased experts (gpt-oss) in slabs against rows and float64: the row-block form (4 experts),
+    whole experts per worker (8 hit over 2 workers) and the staged expert-major form (5 hit); the
+    block plan's thread count is passed, so the path is the same on any CPU."""
+    from freetoken_py.kernels._dots import ACTIVATIONS
+    from freetoken_py.kernels._moe_kernels import down_expert_major, group_pairs, moe_rows, whole_experts
+    i = 64
     gate, up, down = expert_weights(e, i, d, 7)
     g = torch.Generator().manual_seed(8)
     b13, b2 = torch.randn(e, 2 * i, generator=g), torch.randn(e, d, generator=g)
-    rows = ExpertBank.from_weights(gate, up, down, "int4", 32).with_biases(b13, b2)
-    slabs = ExpertBank.from_weights(gate, up, down, "int4", 32, layout="r16").with_biases(b13, b2)
+    rows = ExpertBank.from_weights(gate, up, down, fmt, 32).with_biases(b13, b2)
+    slabs = ExpertBank.from_weights(gate, up, down, fmt, 32, layout="r16").with_biases(b13, b2)
     assert slabs.layout == "r16"
     x = torch.randn(tokens, d, generator=g)
-    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(tokens)])
-    wts = torch.rand(tokens, 2, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)])
+    wts = torch.rand(tokens, topk, generator=g)
+    off = group_pairs(ids.reshape(-1).numpy().astype(np.int64), e)[2]
+    assert whole_experts(off, d, threads) == (topk == 8)
+    assert down_expert_major(off, d, threads) == (d == 576)
     for act in ("silu", "gptoss"):
-        a, b = moe_experts(rows, x, ids, wts, act), moe_experts(slabs, x, ids, wts, act)
+        outs = []
+        for bank in (rows, slabs):
+            out = np.zeros((tokens, d), np.float32)
+            moe_rows(bank.w13, bank.s13, bank.w2, bank.s2, x.numpy(), ids.numpy().astype(np.int64),
+                     wts.numpy().astype(np.float32), ACTIVATIONS[act], bank.group_size, threads, out, bank.b13, bank.b2)
+            outs.append(torch.from_numpy(out))
+        a, b = outs
         assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max()), act
         ref = reference(slabs, x, ids, wts, act)
         assert float((b.double() - ref).abs().max()) <= 5e-3 * float(ref.abs().max()), act

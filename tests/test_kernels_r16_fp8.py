@@ -115,8 +115,8 @@ def reference(bank: ExpertBank, x, ids, wts):
 
 @needs_fp8_slabs
 @pytest.mark.parametrize("tokens,e,i,d,bk,topk,vs_rows", [
-    (1, 8, 768, 2048, 128, 8, True),     # decode at Qwen3-30B-A3B widths: whole experts per worker
-    (1, 9, 128, 576, 128, 8, True),      # decode, a short last expert-major block
+    (1, 8, 768, 2048, 128, 8, True),     # decode at Qwen3-30B-A3B widths (whole experts or staged by the threads)
+    (1, 9, 128, 576, 128, 8, True),      # decode, a short last down block
     (3, 8, 128, 256, 128, 2, True),      # a few tokens: 1-4 pairs per expert
     (40, 4, 128, 256, 128, 2, True),     # prefill: row blocks, 4 pairs per slab pass
     (5, 6, 96, 320, 128, 3, False),      # partial last block in both stages (the rows' dot takes fp32 here)

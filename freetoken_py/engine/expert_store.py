@@ -53,8 +53,8 @@ def open_expert_store(model_dir: Path | str, args: ModelArgs, dtype: torch.dtype
     """Banks for every layer. `dtype` is the load dtype: tensors are cast to it before encoding,
     exactly as the torch loader would, so the bytes match `ExpertBank.from_weights` on its stacks.
     layout: the banks' layout ("rows"; "auto" for banks only the CPU kernels read: what
-    `cpu_moe.preferred_layout` picks on this CPU, "r16" int4 / nvfp4 slabs on AVX-512 VNNI); an "r16"
-    store has its own cache file."""
+    `cpu_moe.preferred_layout` picks on this CPU, "r16" int4 / nvfp4 / int8 slabs on AVX-512 VNNI,
+    fp8 slabs with AVX512-BF16 + VBMI); an "r16" store has its own cache file."""
     if cache not in CACHE_MODES:
         raise FreetokenError(f"expert cache must be one of {', '.join(CACHE_MODES)} (got {cache!r})")
     model_dir = Path(model_dir)
@@ -165,7 +165,7 @@ class _Job:
         e, i, d = a.num_experts, a.moe_intermediate_size, a.hidden_size
         dt13, items13, g13 = row_layout(self.fmt, d, self.group_size)
         dt2, items2, g2 = row_layout(self.fmt, i, self.group_size)
-        sdt = (R16_SCALES[self.fmt] if self.layout == "r16" else scale_dtype(self.fmt)).str   # r16: int16 / int8
+        sdt = (R16_SCALES[self.fmt] if self.layout == "r16" else scale_dtype(self.fmt)).str   # r16: int16 / int8 / int32
         return {"w13": (dt13.str, (e, 2 * i, items13)), "s13": (sdt, (e, 2 * i, g13)),
                 "w2": (dt2.str, (e, d, items2)), "s2": (sdt, (e, d, g2))}
 

@@ -100,7 +100,7 @@ def decode_rows(w: np.ndarray, scales: np.ndarray, fmt: str, group_size: int) ->
                            group_size)
 
 
-R16_ROWS = 16     # rows per slab of the "r16" int4 / nvfp4 layout (_simd "weights in 16-row interleaved slabs")
+R16_ROWS = 16     # rows per slab of the "r16" layout (int4 / nvfp4 / fp8 / int8; _simd "weights in 16-row interleaved slabs")
 # The layout travels in the scales' dtype: the same bytes held as int16 (int4's fp16 bits, uint16 in
 # rows) or int8 (nvfp4's e4m3 bytes and row factors, uint8 in rows), so the kernels pick the slab
 # loops at compile time from the arrays alone (no flag to thread through).

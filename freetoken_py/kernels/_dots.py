@@ -866,7 +866,7 @@ def prep_q8r_nv_rows(x):
     return prep_q8r_rows_as(x, 16, 12.0)
 
 
-R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 / nvfp4 rows in the "r16" layout (_simd)
+R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 / nvfp4 / int8 rows in the "r16" layout (_simd)
 R16_FP8_OK = HAS_AVX512 and FP8_ACT == "bf16"   # ... and fp8 rows (AVX512-BF16 + VBMI, bf16 activations)
 
 

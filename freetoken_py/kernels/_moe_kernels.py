@@ -25,15 +25,16 @@ so each task streams one expert's contiguous rows (the row-block form reads ever
 in short pieces per task); the combine adds the same products in the same order as the
 row-block form (fast-math may contract a multiply-add differently: equal to ~1e-7, not bit for
 bit). On a Zen 4 VM (2 threads, Qwen3-30B-A3B widths, one decode token, interleaved) the whole
-call read 2-12 % faster for int4 / nvfp4 / fp8 / int8 (docs/kernels.md, "Expert-major down stage").
+call read 2-12 % faster for int4 / nvfp4 / fp8 / int8 (docs/kernels.md, "Expert-major down stage")
 Where the decode call's experts also deal evenly over the workers (``whole_experts``), the three
 become one parallel region:
 
     whole    prange over workers j: experts j, j + W, ... each whole (stage 1 over all I rows,
              its pairs' h prepared, stage 2' over all D rows into y); then the combine, sequential
 
-no barrier between the stages, each expert's rows streamed start to end by one core (Zen 4, the
-call 2-27 % faster by format; docs/kernels.md "fp8 and int8 in 16-row slabs; whole experts").
+no barrier between the stages, each expert's rows streamed start to end by one core (Zen 4,
+paired against the staged form: int4 1.04-1.13x, nvfp4 1.18-1.27x, int8 / fp8 1.00-1.03x, bf16
+0.97-1.02x, i.e. within noise there; docs/kernels.md "fp8 and int8 in 16-row slabs; whole experts").
 
 Stage 1 puts a block's gates in h and its up projections in a buffer, then the activation runs
 once per pair over the block (``_act_rows``: the vector SwiGLU); every stage tests the vector dot's
@@ -362,7 +363,7 @@ def _combine(y, order, wts, k, d0, d1, out):
             out[t, d] += wts[p] * y[q, d]
 
 
-# int4 / nvfp4 banks in 16-row slabs (layout "r16": int16 / int8 scales; _simd "int4 / nvfp4 weights
+# int4 / nvfp4 / fp8 / int8 banks in 16-row slabs (layout "r16": int16 / int8 / int32 scales; _simd "int4 / nvfp4 weights
 # in 16-row interleaved slabs"): the same stages with whole slabs of 16 rows per dot call, picked at
 # compile time from the scales' dtype (`gate_up_block`, `down_block`; the expert-major down stage's cpu_linear.gemv_block picks
 # the same way). Every row block (RB1, RB2, RB_FEW, RB_DOWN_FEW) is a multiple of 16 and such a
@@ -480,8 +481,8 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
     """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed;
     threads = numba's thread count for the row blocks (an argument: numba.get_num_threads inside
     the kernel would stop it from being cached). b13 [E, 2I] / b2 [E, D]: expert biases (gpt-oss;
-    0 rows: none), b2 added as w_p * b2[e] per pair. int4 / nvfp4 banks in 16-row slabs ("r16",
-    int16 / int8 scales) take the slab stages (above)."""
+    0 rows: none), b2 added as w_p * b2[e] per pair. Banks in 16-row slabs ("r16": int4 / nvfp4 /
+    fp8 / int8, int16 / int8 / int32 scales) take the slab stages (above)."""
     k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1)          # pair p = t * k + j
     wts = topk_weights.reshape(-1)

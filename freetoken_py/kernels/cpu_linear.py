@@ -73,7 +73,7 @@ class DenseWeight:
     @classmethod
     def from_tensor(cls, w, fmt: str = "bf16", group_size: int = 32, layout: str = "auto") -> "DenseWeight":
         """w [N, K] (torch, any float dtype) -> page-aligned weight in `fmt` (int4 needs K % group_size == 0);
-        layout "auto" (int4 / nvfp4 in 16-row slabs where this CPU runs them: dense_layout) or "rows"."""
+        layout "auto" (int4 / nvfp4 / int8 / fp8 in 16-row slabs where this CPU runs them: dense_layout) or "rows"."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown dense format {fmt!r}; expected one of {FORMATS}")
         w = w.detach().to("cpu") if isinstance(w, torch.Tensor) else torch.as_tensor(w)
@@ -106,7 +106,7 @@ class DenseWeight:
 
 
 def dense_layout(fmt: str, n: int, k: int, group_size: int) -> str:
-    """"r16" where this process's kernels run int4 / nvfp4 / fp8 [n, k] rows in 16-row slabs, else "rows"."""
+    """"r16" where this process's kernels run int4 / nvfp4 / int8 / fp8 [n, k] rows in 16-row slabs, else "rows"."""
     return "r16" if r16_ok(fmt) and r16_fits(fmt, n, k, group_size) else "rows"
 
 
@@ -159,7 +159,7 @@ def _gemv_block_rows(w, s, xv, xg, hb, n0, n1, out):
 
 @njit(fastmath=True, cache=True)
 def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
-    """gemv_block over int4 / nvfp4 rows in 16-row slabs (n0, n1 on slab bounds): one slab-dot call
+    """gemv_block over int4 / nvfp4 / int8 / fp8 rows in 16-row slabs (n0, n1 on slab bounds): one slab-dot call
     for the block's rows per token (or per 4 tokens)."""
     bpg = hb // 16                     # group size / 32
     if xv.shape[1] != r16_cols(w, s) or (n1 - n0) % 16 or n0 % 16:
@@ -176,7 +176,7 @@ def _gemv_block_r16(w, s, xv, xg, hb, n0, n1, out):
 
 def gemv_block(w, s, xv, xg, hb, n0, n1, out):
     """out[:, n0:n1]: 4 tokens per pass over the rows (a 2-3 token tail padded with repeats); the
-    vector dot's shape test made once here, not per row (_dots "Path tags"). int4 / nvfp4 rows in
+    vector dot's shape test made once here, not per row (_dots "Path tags"). int4 / nvfp4 / int8 / fp8 rows in
     16-row slabs (layout "r16") take the slab dot, the block's rows in one call (jitted only)."""
     raise NotImplementedError("gemv_block is only callable from numba-compiled code")
 

@@ -62,7 +62,7 @@ class ExpertBank:
 
     @property
     def layout(self) -> str:
-        """"r16" (int4 / nvfp4 in 16-row slabs: int16 / int8 scales) or "rows"."""
+        """"r16" (16-row slabs: int4 int16, nvfp4 int8, fp8 / int8 int32 scales) or "rows"."""
         return "r16" if is_r16_scales(self.s13) else "rows"
 
     @property
@@ -193,7 +193,7 @@ def r16_layout_fits(fmt: str, inter: int, hidden: int, group_size: int) -> bool:
 
 
 def preferred_layout(fmt: str, inter: int, hidden: int, group_size: int) -> str:
-    """"r16" where this process's CPU kernels run it (int4 / nvfp4: AVX-512 VNNI, int8 activations; fp8:
+    """"r16" where this process's CPU kernels run it (int4 / nvfp4 / int8: AVX-512 VNNI, int8 activations; fp8:
     AVX512-BF16 + VBMI, bf16 activations) and the widths fit, else "rows". A bank that only the CPU
     reads takes this; the accelerator tiers keep "rows"."""
     return "r16" if r16_ok(fmt) and r16_layout_fits(fmt, inter, hidden, group_size) else "rows"
