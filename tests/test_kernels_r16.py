@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from numba import njit
+from r16_util import assert_dense_slabs_equal_rows, assert_slabs_match
 
-from freetoken_py.kernels import DenseWeight, ExpertBank, dense_linear, moe_experts
+from freetoken_py.kernels import ExpertBank, moe_experts
 from freetoken_py.kernels._buffers import R16_SCALES, decode_rows, r16_fits, r16_pack, r16_unpack
 from freetoken_py.kernels._dots import R16_OK, prep_q8r_nv_rows, prep_q8r_rows
 from freetoken_py.kernels.cpu_moe import preferred_layout, r16_layout_fits
@@ -152,13 +153,8 @@ def test_slab_dot_equals_float64(k, g, rows):
     xs = xg[:, :nb].astype(np.float64)
     assert np.allclose(xg[:, nb:], 8 * xg[:, :nb] * xq.reshape(rows, nb, 32).sum(-1), rtol=1e-6)
     xdq = (xq.reshape(rows, nb, 32).astype(np.float64) * xs[:, :, None]).reshape(rows, k)
-    want = xdq @ ref.T
-    scale = np.abs(want).max()
-    for step in (16, n):                  # a call per slab, and all three slabs in one call
-        got = slab_mv(wr, sr, xq, xg, g // 32, step)
-        assert np.abs(got - want).max() <= 2e-6 * scale, (step, np.abs(got - want).max() / scale)
-    # a wrong slab layout (the row layout read as r16) is far off
-    assert np.abs(slab_mv(w, s.view(np.int16), xq, xg, g // 32, n) - want).max() > 0.05 * scale
+    assert_slabs_match(xdq @ ref.T, lambda step, ok: slab_mv(wr if ok else w, sr if ok else s.view(np.int16), xq, xg,
+                                                             g // 32, step), n)
 
 
 def expert_weights(e, i, d, seed):
@@ -340,26 +336,14 @@ def test_nvfp4_slab_dot_equals_float64(k, rows, positive_factor):
     q = xq.reshape(rows, nb, 2, 16).astype(np.float64)
     assert np.allclose(xg[:, nb:].reshape(rows, nb, 2), 12 * xg[:, :nb, None] * q.sum(-1), rtol=1e-6)
     xdq = (xq.reshape(rows, nb, 32).astype(np.float64) * xg[:, :nb, None].astype(np.float64)).reshape(rows, k)
-    want = xdq @ ref.T
-    scale = np.abs(want).max()
-    for step in (16, n):
-        got = slab_mv(wr, sr, xq, xg, 0, step)
-        assert np.abs(got - want).max() <= 2e-6 * scale, (step, np.abs(got - want).max() / scale)
-    assert np.abs(slab_mv(w, s.view(np.int8), xq, xg, 0, n) - want).max() > 0.05 * scale
+    assert_slabs_match(xdq @ ref.T, lambda step, ok: slab_mv(wr if ok else w, sr if ok else s.view(np.int8), xq, xg,
+                                                             0, step), n)
 
 
 @needs_r16
 @pytest.mark.parametrize("fmt,g", [("int4", 32), ("int4", 128), ("nvfp4", 16), ("int8", 32)])
 def test_dense_weights_take_the_slabs_and_equal_rows(fmt, g):
-    w = torch.randn(80, 256, generator=torch.Generator().manual_seed(5))    # 80 rows: a last task of one 16-row slab
-    rows, slabs = DenseWeight.from_tensor(w, fmt, g, layout="rows"), DenseWeight.from_tensor(w, fmt, g)
-    assert rows.layout == "rows" and slabs.layout == "r16"
-    assert torch.equal(rows.dequantized(), slabs.dequantized())
-    for t in (1, 3, 6):
-        x = torch.randn(t, 256, generator=torch.Generator().manual_seed(t))
-        a, b = dense_linear(rows, x), dense_linear(slabs, x)
-        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
-    assert DenseWeight.from_tensor(torch.randn(40, 256), fmt, g).layout == "rows"     # 40 rows: not whole slabs
+    assert_dense_slabs_equal_rows(fmt, g)
 
 
 def int8_rows(n: int, k: int, seed: int):
@@ -400,9 +384,5 @@ def test_int8_slab_dot_equals_float64(k, rows):
     nb = k // 32
     assert np.allclose(xg[:, nb:], 128 * xg[:, :nb] * xq.reshape(rows, nb, 32).sum(-1), rtol=1e-6)
     xdq = (xq.reshape(rows, nb, 32).astype(np.float64) * xg[:, :nb, None].astype(np.float64)).reshape(rows, k)
-    want = xdq @ ref.T
-    scale = np.abs(want).max()
-    for step in (16, n):
-        got = slab_mv(wr, sr, xq, xg, 1, step)
-        assert np.abs(got - want).max() <= 2e-6 * scale, (step, np.abs(got - want).max() / scale)
-    assert np.abs(slab_mv(w, s.view(np.int32), xq, xg, 1, n) - want).max() > 0.05 * scale
+    assert_slabs_match(xdq @ ref.T, lambda step, ok: slab_mv(wr if ok else w, sr if ok else s.view(np.int32), xq, xg,
+                                                             1, step), n)

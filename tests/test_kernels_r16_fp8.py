@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 from numba import njit
+from r16_util import assert_dense_slabs_equal_rows, assert_slabs_match
 
-from freetoken_py.kernels import DenseWeight, ExpertBank, dense_linear, moe_experts
+from freetoken_py.kernels import ExpertBank, moe_experts
 from freetoken_py.kernels._buffers import _FP8_SLOT, r16_fits, r16_pack, r16_unpack
 from freetoken_py.kernels._dots import R16_FP8_OK, prep_bf16_rows
 from freetoken_py.kernels._simd import HAS_AVX512BF16, HAS_AVX512VBMI
@@ -90,13 +91,8 @@ def test_slab_dot_equals_float64(k, bk, rows):
     x = np.random.default_rng(k).standard_normal((rows, k)).astype(np.float32) * 3
     xb = prep_bf16_rows(x)
     xr = (xb.astype(np.uint32) << 16).view(np.float32).astype(np.float64)     # the bf16 activations' values
-    want = xr @ ref.T
-    scale = np.abs(want).max()
-    for step in (16, n):                  # a call per slab, and all three slabs in one call
-        got = slab_mv(wr, sr, xb, bk // 32, step)
-        assert np.abs(got - want).max() <= 2e-6 * scale, (step, np.abs(got - want).max() / scale)
-    # the row layout read as slabs is far off
-    assert np.abs(slab_mv(w, s.view(np.int32), xb, bk // 32, n) - want).max() > 0.05 * scale
+    assert_slabs_match(xr @ ref.T, lambda step, ok: slab_mv(wr if ok else w, sr if ok else s.view(np.int32), xb,
+                                                            bk // 32, step), n)
 
 
 def reference(bank: ExpertBank, x, ids, wts):
@@ -142,14 +138,7 @@ def test_expert_call_equals_rows_and_float64(tokens, e, i, d, bk, topk, vs_rows)
 
 @needs_fp8_slabs
 def test_dense_weights_take_the_slabs_and_equal_rows():
-    w = torch.randn(80, 256, generator=torch.Generator().manual_seed(5))    # 80 rows: a last task of one slab
-    rows, slabs = DenseWeight.from_tensor(w, "fp8", 128, layout="rows"), DenseWeight.from_tensor(w, "fp8", 128)
-    assert rows.layout == "rows" and slabs.layout == "r16"
-    assert torch.equal(rows.dequantized(), slabs.dequantized())
-    for t in (1, 3, 6):
-        x = torch.randn(t, 256, generator=torch.Generator().manual_seed(t))
-        a, b = dense_linear(rows, x), dense_linear(slabs, x)
-        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+    assert_dense_slabs_equal_rows("fp8", 128)
 
 
 @pytest.mark.parametrize("env", [{"FREETOKEN_SIMD": "avx2"}, {"FREETOKEN_BF16_ACT": "fp32"}])

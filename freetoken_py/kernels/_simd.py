@@ -948,6 +948,14 @@ def _check_r16(w, s, xqs, xgs, outs):
     return "int4" if s.dtype == types.int16 else "nvfp4"
 
 
+def _r16_arrays(context, builder, signature, args, num_x):
+    """(w, s, activation rows, their xg rows, outputs) data pointers of an r16_dot / r16_dot4 call."""
+    arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
+              for t, v in zip(signature.args, args)]
+    return (arrays, arrays[0].data, arrays[1].data, [a.data for a in arrays[2:2 + num_x]],
+            [a.data for a in arrays[2 + num_x:2 + 2 * num_x]], [a.data for a in arrays[3 + 2 * num_x:]])
+
+
 def _r16_codegen(num_x, fmt):
     """Codegen of r16_dot / r16_dot4: rows in whole slabs of 16 x num_x activations -> out[j][0:rows],
     one slab after the other in one loop (no call per slab). fmt "int4": the nibbles as codes q + 8,
@@ -957,12 +965,7 @@ def _r16_codegen(num_x, fmt):
     nv = fmt == "nvfp4"
 
     def codegen(context, builder, signature, args):
-        arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
-                  for t, v in zip(signature.args, args)]
-        wp0, sp0 = arrays[0].data, arrays[1].data
-        qps = [a.data for a in arrays[2:2 + num_x]]
-        xgps = [a.data for a in arrays[2 + num_x:2 + 2 * num_x]]
-        outps = [a.data for a in arrays[3 + 2 * num_x:]]
+        arrays, wp0, sp0, qps, xgps, outps = _r16_arrays(context, builder, signature, args, num_x)
         bpg = context.cast(builder, args[2 + 2 * num_x], signature.args[2 + 2 * num_x], types.int64)
         rows, half_k = cgutils.unpack_tuple(builder, arrays[0].shape)
         groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
@@ -1075,11 +1078,7 @@ def _r16_fp8_codegen(num_x):
     """Codegen of r16_dot / r16_dot4 for fp8 slabs: w uint8 [R, K], s int32 [R, G], x_j uint16 [K]
     (bf16 bits, natural order), g_j (unused), bpg (block = 32 bpg columns), out_j [R]."""
     def codegen(context, builder, signature, args):
-        arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
-                  for t, v in zip(signature.args, args)]
-        wp0, sp0 = arrays[0].data, arrays[1].data
-        xps = [a.data for a in arrays[2:2 + num_x]]
-        outps = [a.data for a in arrays[3 + 2 * num_x:]]
+        arrays, wp0, sp0, xps, _, outps = _r16_arrays(context, builder, signature, args, num_x)
         bpg = context.cast(builder, args[2 + 2 * num_x], signature.args[2 + 2 * num_x], types.int64)
         rows, k = cgutils.unpack_tuple(builder, arrays[0].shape)
         groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
@@ -1156,12 +1155,7 @@ def _r16_i8_codegen(num_x):
     """Codegen of r16_dot / r16_dot4 for int8 slabs: w int8 [R, K], s int32 [R, 1], x_j int8 [K]
     (natural order), g_j float32 [2 K/32] (s_x per block, then 128 s_x sum(q) per block), out_j [R]."""
     def codegen(context, builder, signature, args):
-        arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
-                  for t, v in zip(signature.args, args)]
-        wp0, sp0 = arrays[0].data, arrays[1].data
-        qps = [a.data for a in arrays[2:2 + num_x]]
-        xgps = [a.data for a in arrays[2 + num_x:2 + 2 * num_x]]
-        outps = [a.data for a in arrays[3 + 2 * num_x:]]
+        arrays, wp0, sp0, qps, xgps, outps = _r16_arrays(context, builder, signature, args, num_x)
         rows, k = cgutils.unpack_tuple(builder, arrays[0].shape)
         nb = builder.lshr(k, _c64(5))
         v64b, v16i, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
