@@ -144,22 +144,20 @@ def _i8_row_bytes(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(q.transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 2, 1, 3)))).reshape(w.shape)
 
 
+def _permute_chunks(w: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Every 64 consecutive bytes of w (a slab's unit chunk: N % 16 == 0, K % 4 == 0) reordered,
+    byte i <- order[i]."""
+    return np.ascontiguousarray(np.ascontiguousarray(w).reshape(-1, 64)[:, order]).reshape(w.shape)
+
+
 def _fp8_slab_bytes(w: np.ndarray) -> np.ndarray:
-    """fp8 rows [..., N, K] -> the r16 bytes (per slab and 4-column unit, the 64-byte chunk above)."""
-    *lead, n, k = w.shape
-    nd = len(lead)
-    q = w.reshape(*lead, n // 16, 16, k // 4, 4)                                  # slab, r, u, j
-    q = q.transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 2, 1, 3))).reshape(*lead, n // 16, k // 4, 64)
-    return np.ascontiguousarray(q[..., _FP8_FROM]).reshape(w.shape)
+    """fp8 rows [..., N, K] -> the r16 bytes: int8's 4-column unit chunks, each in _FP8_SLOT's order."""
+    return _permute_chunks(_i8_slab_bytes(w), _FP8_FROM)
 
 
 def _fp8_row_bytes(w: np.ndarray) -> np.ndarray:
     """The inverse of _fp8_slab_bytes."""
-    *lead, n, k = w.shape
-    nd = len(lead)
-    q = np.ascontiguousarray(w).reshape(*lead, n // 16, k // 4, 64)[..., _FP8_SLOT.reshape(-1)]
-    q = q.reshape(*lead, n // 16, k // 4, 16, 4).transpose(tuple(range(nd)) + tuple(nd + a for a in (0, 2, 1, 3)))
-    return np.ascontiguousarray(q).reshape(w.shape)
+    return _i8_row_bytes(_permute_chunks(w, _FP8_SLOT.reshape(-1)))
 
 
 def _slab_bytes(w: np.ndarray) -> np.ndarray:

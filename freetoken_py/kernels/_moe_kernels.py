@@ -476,6 +476,16 @@ def _experts_whole(w13, s13, w2, s2, xv, xg, order, eids, off, k, kind, gs, work
             gemv_block(w2[e], s2[e], hv, hg, gs // 2, 0, hidden, y[a:b])
 
 
+@njit(fastmath=True, cache=True)
+def _add_down_biases(b2, ids, wts, k, out):
+    """out[t] += w_p * b2[e_p] per pair (gpt-oss's down biases; b2 with 0 rows: none)."""
+    if b2.shape[0]:
+        for p in range(ids.shape[0]):
+            t = p // k
+            for d in range(out.shape[1]):
+                out[t, d] += wts[p] * b2[ids[p], d]
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out, b13, b2):
     """Routed-expert MLP for all tokens x [T, D]; topk ids/weights [T, k]; out [T, D] zeroed;
@@ -490,19 +500,15 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
     inter = w13.shape[1] // 2
     hidden = w2.shape[1]
     order, eids, off = group_pairs(ids, w13.shape[0])
-    rb1, rb2 = row_blocks(off, inter, hidden, threads)
     num_pairs = ids.shape[0]
     h = np.empty((num_pairs, inter), np.float32)
     if whole_experts(off, hidden, threads):        # decode: one region, whole experts per worker
         y = np.empty((num_pairs, hidden), np.float32)    # y[q]: pair order[q]'s down projection
         _experts_whole(w13, s13, w2, s2, xv, xg, order, eids, off, k, kind, gs, threads, b13, h, y)
         _combine(y, order, wts, k, 0, hidden, out)
-        if b2.shape[0]:
-            for p in range(num_pairs):
-                t = p // k
-                for d in range(hidden):
-                    out[t, d] += wts[p] * b2[ids[p], d]
+        _add_down_biases(b2, ids, wts, k, out)
         return
+    rb1, rb2 = row_blocks(off, inter, hidden, threads)
     no_bias = np.zeros(0, np.float32)
     nb1 = (inter + rb1 - 1) // rb1
     ub = np.empty((eids.shape[0] * nb1, 4, rb1), np.float32)   # each stage-1 task's up projections
@@ -530,8 +536,4 @@ def moe_rows(w13, s13, w2, s2, x, topk_ids, topk_weights, kind, gs, threads, out
         for task in prange(nb2):
             d0 = task * rb2
             down_block(w2, s2, hv, hg, order, eids, off, wts, k, d0, min(hidden, d0 + rb2), gs // 2, out)
-    if b2.shape[0]:
-        for p in range(num_pairs):
-            t = p // k
-            for d in range(hidden):
-                out[t, d] += wts[p] * b2[ids[p], d]
+    _add_down_biases(b2, ids, wts, k, out)

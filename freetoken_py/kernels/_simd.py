@@ -919,33 +919,24 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
 
 
 def _check_r16(w, s, xqs, xgs, outs):
-    """"int4" (int16 scales), "nvfp4" (int8 scales) or "fp8" (int32 scales): which slab dot these arrays are for."""
+    """"int4" (uint8 weights, int16 scales), "nvfp4" (uint8, int8), "fp8" (uint8, int32) or "int8"
+    (int8, int32): which slab dot these arrays are for."""
     _check_avx512()
-    if w.dtype == types.int8 and s.dtype == types.int32:
-        if w.ndim != 2 or s.ndim != 2 or any(x.dtype != types.int8 or x.ndim != 1 for x in xqs) \
-                or any(g.dtype != types.float32 or g.ndim != 1 for g in xgs):
-            raise TypeError("the int8 slab dot takes int8 [R, K] slabs, int32 [R, 1] scale bits, int8 activations "
-                            "[K] and their float32 (s_x, offsets) rows")
-        if any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
-            raise TypeError("r16_dot writes float32 outputs (1-D float32 arrays)")
-        return "int8"
+    if w.ndim != 2 or s.ndim != 2 or any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
+        raise TypeError("r16_dot takes 2-D slabs and scales and writes float32 outputs (1-D float32 arrays)")
     if w.dtype == types.uint8 and s.dtype == types.int32:
         if not (HAS_AVX512BF16 and HAS_AVX512VBMI):
             raise TypeError("fp8 slabs need AVX512-BF16 and AVX512-VBMI")
-        if w.ndim != 2 or s.ndim != 2 or any(x.dtype != types.uint16 or x.ndim != 1 for x in xqs):
-            raise TypeError("the fp8 slab dot takes uint8 [R, K] e4m3 slabs, int32 [R, G] scale bits and bf16 "
-                            "activations (uint16 [K], natural order)")
-        if any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
-            raise TypeError("r16_dot writes float32 outputs (1-D float32 arrays)")
+        if any(x.dtype != types.uint16 or x.ndim != 1 for x in xqs):
+            raise TypeError("the fp8 slab dot takes bf16 activations (uint16 [K], natural order)")
         return "fp8"
-    if w.dtype != types.uint8 or s.dtype not in (types.int16, types.int8) or w.ndim != 2 or s.ndim != 2:
-        raise TypeError("r16_dot takes slabs of 16 int4 / nvfp4 rows (uint8 [R, K/2]) and their scales as r16 "
-                        "holds them (int16 fp16 bits for int4, int8 e4m3 bytes + row factors for nvfp4)")
+    if (w.dtype, s.dtype) not in ((types.uint8, types.int16), (types.uint8, types.int8), (types.int8, types.int32)):
+        raise TypeError("r16_dot takes slabs of 16 rows and their scales as r16 holds them (int4: uint8 [R, K/2] with "
+                        "int16 fp16 bits; nvfp4: uint8 [R, K/2] with int8 e4m3 bytes + row factors; fp8: uint8 [R, K] "
+                        "with int32 fp32 bits; int8: int8 [R, K] with int32 fp32 row-scale bits)")
     if any(x.dtype != types.int8 or x.ndim != 1 for x in xqs) or any(g.dtype != types.float32 or g.ndim != 1 for g in xgs):
         raise TypeError("r16_dot takes int8 activations [K] and their float32 (s_x, corrections) rows")
-    if any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
-        raise TypeError("r16_dot writes float32 outputs (1-D float32 arrays)")
-    return "int4" if s.dtype == types.int16 else "nvfp4"
+    return {types.int16: "int4", types.int8: "nvfp4", types.int32: "int8"}[s.dtype]
 
 
 def _r16_arrays(context, builder, signature, args, num_x):
