@@ -148,7 +148,7 @@ def test_fp8_kernel_decodes_every_e4m3_byte_exactly():
     codes[codes == 0x7F], codes[codes == 0xFF] = 0, 0
     scales = np.array([[0.5, 2.0], [1.0, 0.25], [3.0, 1.0]], np.float32)     # one per 128 columns
     dw = DenseWeight.from_arrays("fp8", 128, codes, scales, 256)
-    x = torch.randn(5, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))   # unseeded, a cancelling sum once missed atol
     assert torch.allclose(dense_linear(dw, x), x @ dw.dequantized().T, rtol=1e-5, atol=1e-4)
 
 
