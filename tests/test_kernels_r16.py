@@ -19,10 +19,17 @@ from r16_util import assert_dense_slabs_equal_rows, assert_slabs_match
 
 from freetoken_py.kernels import ExpertBank, moe_experts
 from freetoken_py.kernels._buffers import R16_SCALES, decode_rows, r16_fits, r16_pack, r16_unpack
-from freetoken_py.kernels._dots import R16_OK, prep_q8r_nv_rows, prep_q8r_rows
+from freetoken_py.kernels._dots import R16_I8_OK, R16_OK, prep_q8r_nv_rows, prep_q8r_rows, r16_ok
+from freetoken_py.kernels._simd import HAS_AVX512
 from freetoken_py.kernels.cpu_moe import preferred_layout, r16_layout_fits
 
-needs_r16 = pytest.mark.skipif(not R16_OK, reason="the r16 kernels run on AVX-512 VNNI with int8 activations only")
+needs_r16 = pytest.mark.skipif(not R16_OK, reason="the int4 / nvfp4 slab kernels run with int8 activations (AVX2 or "
+                                                  "AVX-512 VNNI) only")
+
+
+def need(fmt: str) -> None:
+    if not r16_ok(fmt):
+        pytest.skip(f"this process runs no {fmt} slab kernel (int8: AVX-512 VNNI only)")
 
 if R16_OK:
     from freetoken_py.kernels._simd import r16_dot, r16_dot4
@@ -85,7 +92,7 @@ def test_which_widths_and_formats_take_the_layout():
     assert r16_layout_fits("int4", 768, 2048, 32) and r16_layout_fits("int4", 64, 64, 64)
     assert not r16_layout_fits("int4", 48, 64, 32)           # the up half would start inside a slab
     assert not r16_layout_fits("int4", 40, 64, 32)           # I not whole 32-blocks (the down rows' K)
-    assert preferred_layout("int8", 768, 2048, 32) == ("r16" if R16_OK else "rows")
+    assert preferred_layout("int8", 768, 2048, 32) == ("r16" if R16_I8_OK else "rows")
     assert preferred_layout("int4", 48, 64, 32) == "rows" and preferred_layout("int8", 40, 64, 32) == "rows"
     assert preferred_layout("nvfp4", 768, 2048, 16) == ("r16" if R16_OK else "rows")
     assert preferred_layout("bf16", 768, 2048, 32) == "rows"      # fp8: tests/test_kernels_r16_fp8.py
@@ -98,32 +105,39 @@ def test_which_widths_and_formats_take_the_layout():
 
 
 @pytest.mark.parametrize("env", [{"FREETOKEN_SIMD": "avx2"}, {"FREETOKEN_INT_ACT": "fp32"}])
-def test_forced_avx2_never_builds_r16_banks(env):
-    """FREETOKEN_SIMD=avx2 (the AVX2 kernels on an AVX-512 machine) or FREETOKEN_INT_ACT=fp32: banks
-    stay in rows, a bank claiming r16 is refused, and the expert call equals float64 on the bank's
-    dequantisation (activations as that process's dot quantises them)."""
+def test_forced_avx2_and_fp32_activations_choose_their_layouts(env):
+    """FREETOKEN_SIMD=avx2 (the AVX2 kernels on an AVX-512 machine): int4 / nvfp4 banks take the
+    slabs (the AVX2 slab dot), int8 stays in rows and an int8 bank claiming slabs is refused.
+    FREETOKEN_INT_ACT=fp32: every bank stays in rows and an int4 bank claiming slabs is refused.
+    Either way the expert call equals float64 on the bank's dequantisation (activations as that
+    process's dot quantises them)."""
     code = """
 import torch, numpy as np
 from freetoken_py.kernels import ExpertBank, moe_experts
-from freetoken_py.kernels._dots import R16_OK
+from freetoken_py.kernels._dots import INT_ACT, R16_I8_OK, R16_OK
 from freetoken_py.kernels.cpu_moe import preferred_layout
-assert not R16_OK and preferred_layout("int4", 64, 128, 32) == "rows" and preferred_layout("int8", 64, 128, 32) == "rows"
+avx2 = INT_ACT == "int8"
+assert R16_OK == avx2 and not R16_I8_OK
+assert preferred_layout("int4", 64, 128, 32) == preferred_layout("nvfp4", 64, 128, 16) == ("r16" if avx2 else "rows")
+assert preferred_layout("int8", 64, 128, 32) == "rows"
 g = torch.Generator().manual_seed(0)
 gate, up, down = torch.randn(4, 64, 128, generator=g), torch.randn(4, 64, 128, generator=g), torch.randn(4, 128, 64, generator=g)
-bank = ExpertBank.from_weights(gate, up, down, "int4", 32)
-assert bank.layout == "rows"
+refused = ExpertBank.from_weights(gate, up, down, "int8" if avx2 else "int4", 32)
+assert refused.layout == "rows"
 try:
-    ExpertBank(bank.fmt, bank.group_size, bank.w13, bank.s13.view(np.int16), bank.w2, bank.s2.view(np.int16))
-    raise SystemExit("an r16 bank was accepted without the r16 kernels")
+    ExpertBank(refused.fmt, refused.group_size, refused.w13, refused.s13.view(np.int32 if avx2 else np.int16),
+               refused.w2, refused.s2.view(np.int32 if avx2 else np.int16))
+    raise SystemExit("a slab bank was accepted without its kernels")
 except ValueError as e:
-    assert "AVX-512 VNNI" in str(e)
+    assert "r16 layout runs" in str(e)
+bank = ExpertBank.from_weights(gate, up, down, "int4", 32, layout=preferred_layout("int4", 64, 128, 32))
+assert bank.layout == ("r16" if avx2 else "rows")
 x = torch.randn(3, 128, generator=g)
 ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
 out = moe_experts(bank, x, ids, torch.full((3, 2), 0.5))
 # float64 on the bank's own dequantisation, activations as this process's int4 dot sees them
-from freetoken_py.kernels._dots import INT_ACT
 from freetoken_py.quant import roundtrip_act_q8
-q = (lambda v: roundtrip_act_q8(v.float()).double()) if INT_ACT == "int8" else (lambda v: v.double())
+q = (lambda v: roundtrip_act_q8(v.float()).double()) if avx2 else (lambda v: v.double())
 w13, w2 = (t.double() for t in bank.dequantized())
 ref = torch.zeros(3, 128, dtype=torch.float64)
 for t in range(3):
@@ -138,6 +152,22 @@ print("ok")
     env = dict(os.environ, **env)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not (R16_OK and HAS_AVX512), reason="the AVX-512 process runs the AVX2 slab dot in a child")
+def test_the_avx2_slab_dot_in_a_forced_avx2_process():
+    """This module's int4 / nvfp4 slab tests again in a FREETOKEN_SIMD=avx2 child (the AVX2 form
+    of the slab dot, as a Zen 3 runs it): the slab dots against float64, expert calls against rows
+    and float64 (decode at Qwen3 widths, expert-major, few pairs, prefill, groups 64 / 128), biases
+    in every stage form and dense weights."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "(slab_dot or expert_call or biases or dense) and not int8 and not avx2"],
+                       env=dict(os.environ, FREETOKEN_SIMD="avx2"), capture_output=True, text=True, timeout=900)
+    tail = r.stdout[-3000:]
+    assert r.returncode == 0, tail
+    import re
+    passed = int(re.search(r"(\d+) passed", tail).group(1))
+    assert passed >= 40 and "failed" not in tail, tail
 
 
 @needs_r16
@@ -202,6 +232,7 @@ def reference(bank: ExpertBank, x, ids, wts, activation="silu"):
     ("int8", 40, 4, 128, 256, 32, 2),
 ])
 def test_expert_call_equals_rows_and_float64(fmt, tokens, e, i, d, g, topk):
+    need(fmt)
     gate, up, down = expert_weights(e, i, d, tokens + i)
     rows = ExpertBank.from_weights(gate, up, down, fmt, g)
     slabs = ExpertBank.from_weights(gate, up, down, fmt, g, layout="r16")
@@ -227,6 +258,7 @@ def test_biases_and_gptoss_activation_in_slabs(fmt, tokens, e, d, topk, threads)
     """Biased experts (gpt-oss) in slabs against rows and float64: the row-block form (4 experts),
     whole experts per worker (8 hit over 2 workers) and the staged expert-major form (5 hit); the
     block plan's thread count is passed, so the path is the same on any CPU."""
+    need(fmt)
     from freetoken_py.kernels._dots import ACTIVATIONS
     from freetoken_py.kernels._moe_kernels import down_expert_major, group_pairs, moe_rows, whole_experts
     i = 64
@@ -343,6 +375,7 @@ def test_nvfp4_slab_dot_equals_float64(k, rows, positive_factor):
 @needs_r16
 @pytest.mark.parametrize("fmt,g", [("int4", 32), ("int4", 128), ("nvfp4", 16), ("int8", 32)])
 def test_dense_weights_take_the_slabs_and_equal_rows(fmt, g):
+    need(fmt)
     assert_dense_slabs_equal_rows(fmt, g)
 
 
@@ -369,7 +402,7 @@ def test_int8_pack_places_each_byte_and_scale():
     assert np.array_equal(back_w, w) and np.array_equal(back_s, s) and back_s.dtype == np.float32
 
 
-@needs_r16
+@pytest.mark.skipif(not R16_I8_OK, reason="the int8 slab kernel runs on AVX-512 VNNI only")
 @pytest.mark.parametrize("k", [32, 96, 2048, 7168])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_int8_slab_dot_equals_float64(k, rows):

@@ -53,8 +53,8 @@ def open_expert_store(model_dir: Path | str, args: ModelArgs, dtype: torch.dtype
     """Banks for every layer. `dtype` is the load dtype: tensors are cast to it before encoding,
     exactly as the torch loader would, so the bytes match `ExpertBank.from_weights` on its stacks.
     layout: the banks' layout ("rows"; "auto" for banks only the CPU kernels read: what
-    `cpu_moe.preferred_layout` picks on this CPU, "r16" int4 / nvfp4 / int8 slabs on AVX-512 VNNI,
-    fp8 slabs with AVX512-BF16 + VBMI); an "r16" store has its own cache file."""
+    `cpu_moe.preferred_layout` picks on this CPU, "r16" int4 / nvfp4 slabs with int8 activations
+    (AVX2 or AVX-512 VNNI), int8 slabs on AVX-512 VNNI, fp8 slabs with AVX512-BF16 + VBMI); an "r16" store has its own cache file."""
     if cache not in CACHE_MODES:
         raise FreetokenError(f"expert cache must be one of {', '.join(CACHE_MODES)} (got {cache!r})")
     model_dir = Path(model_dir)

@@ -866,13 +866,14 @@ def prep_q8r_nv_rows(x):
     return prep_q8r_rows_as(x, 16, 12.0)
 
 
-R16_OK = HAS_AVX512 and INT_ACT == "int8"   # this process runs int4 / nvfp4 / int8 rows in the "r16" layout (_simd)
+R16_OK = HAS_AVX2 and INT_ACT == "int8"   # this process runs int4 / nvfp4 rows in the "r16" layout (_simd: VNNI or AVX2 form)
+R16_I8_OK = HAS_AVX512 and INT_ACT == "int8"   # ... int8 rows (AVX-512 VNNI only)
 R16_FP8_OK = HAS_AVX512 and FP8_ACT == "bf16"   # ... and fp8 rows (AVX512-BF16 + VBMI, bf16 activations)
 
 
 def r16_ok(fmt: str) -> bool:
     """True where this process's kernels run `fmt` rows in the "r16" slab layout."""
-    return R16_FP8_OK if fmt == "fp8" else R16_OK and fmt in ("int4", "nvfp4", "int8")
+    return {"fp8": R16_FP8_OK, "int8": R16_I8_OK, "int4": R16_OK, "nvfp4": R16_OK}.get(fmt, False)
 
 
 def is_r16(w, s):
@@ -893,8 +894,10 @@ def by_layout(stub, slab, rows):
         fp8 = args[0].dtype == types.uint8 and args[1].dtype == types.int32
         if fp8 and not R16_FP8_OK:
             raise TypeError("fp8 rows in the r16 layout need this process's AVX512-BF16 / VBMI kernels")
-        if not fp8 and not R16_OK:
-            raise TypeError("int4 / nvfp4 / int8 rows in the r16 layout need this process's AVX-512 VNNI kernels")
+        if args[0].dtype == types.int8 and not R16_I8_OK:
+            raise TypeError("int8 rows in the r16 layout need this process's AVX-512 VNNI kernels")
+        if not R16_OK:
+            raise TypeError("int4 / nvfp4 rows in the r16 layout need this process's int8-activation kernels (AVX2)")
         return lambda *args: slab(*args)
 
 

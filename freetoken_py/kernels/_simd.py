@@ -921,10 +921,10 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
 def _check_r16(w, s, xqs, xgs, outs):
     """"int4" (uint8 weights, int16 scales), "nvfp4" (uint8, int8), "fp8" (uint8, int32) or "int8"
     (int8, int32): which slab dot these arrays are for."""
-    _check_avx512()
     if w.ndim != 2 or s.ndim != 2 or any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
         raise TypeError("r16_dot takes 2-D slabs and scales and writes float32 outputs (1-D float32 arrays)")
     if w.dtype == types.uint8 and s.dtype == types.int32:
+        _check_avx512()
         if not (HAS_AVX512BF16 and HAS_AVX512VBMI):
             raise TypeError("fp8 slabs need AVX512-BF16 and AVX512-VBMI")
         if any(x.dtype != types.uint16 or x.ndim != 1 for x in xqs):
@@ -936,7 +936,12 @@ def _check_r16(w, s, xqs, xgs, outs):
                         "with int32 fp32 bits; int8: int8 [R, K] with int32 fp32 row-scale bits)")
     if any(x.dtype != types.int8 or x.ndim != 1 for x in xqs) or any(g.dtype != types.float32 or g.ndim != 1 for g in xgs):
         raise TypeError("r16_dot takes int8 activations [K] and their float32 (s_x, corrections) rows")
-    return {types.int16: "int4", types.int8: "nvfp4", types.int32: "int8"}[s.dtype]
+    fmt = {types.int16: "int4", types.int8: "nvfp4", types.int32: "int8"}[s.dtype]
+    if fmt == "int8" or HAS_AVX512:
+        _check_avx512()            # int8 slabs: VNNI only (vpmaddubsw's pairs of u8 x s8 saturate int16)
+    else:
+        _check_avx2()
+    return fmt
 
 
 def _r16_arrays(context, builder, signature, args, num_x):
@@ -1199,10 +1204,145 @@ def _r16_i8_codegen(num_x):
     return codegen
 
 
+# The AVX2 form of the int4 / nvfp4 slab dot (CPUs without AVX-512 VNNI: Zen 3, Intel client
+# cores; FREETOKEN_SIMD=avx2): the same slabs and activations, each 64-byte chunk taken as two
+# 32-byte halves — rows 0-7 (bytes 0-31) and rows 8-15 (bytes 32-63), dword lane r of a half
+# holding its row r's four columns. Per half and chunk: the nibbles (and / shift / and, nvfp4: two
+# vpshufb through the e2m1 table), two vpmaddubsw against the dword broadcasts of the chunk's 4 + 4
+# activation codes, summed in int16 over the block (int4: 8 products of pairs, |sum| <= 8 x 2 x 15
+# x 127 = 30480) or the group of 16 columns (nvfp4: 4, <= 4 x 2 x 24 x 127 = 24384), then one
+# vpmaddwd with ones to the 8 rows' int32 sums and the row form's per-block scaling on 8 lanes
+# (`accumulate`), no per-row reduction. One activation: both halves per chunk (the broadcasts
+# shared, one prefetch per 64 bytes, two 8-lane FMA chains per half); four: one half after the
+# other over the slab (fewer live registers: AVX2 has 16), the second pass reading the slab from
+# L1 / L2.
+
+
+def _r16_avx2_codegen(num_x, fmt):
+    """Codegen of r16_dot / r16_dot4 for int4 / nvfp4 slabs on AVX2 (same arguments as _r16_codegen)."""
+    nv = fmt == "nvfp4"
+
+    def codegen(context, builder, signature, args):
+        arrays, wp0, sp0, qps, xgps, outps = _r16_arrays(context, builder, signature, args, num_x)
+        bpg = context.cast(builder, args[2 + 2 * num_x], signature.args[2 + 2 * num_x], types.int64)
+        rows, half_k = cgutils.unpack_tuple(builder, arrays[0].shape)
+        groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
+        nb = builder.lshr(half_k, _c64(4))                   # K/32 blocks
+        v32b, v16s, v8i, v8f = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8),
+                                ir.VectorType(_F32, 8))
+        ubsw, wd = _pmadd_intrinsics(builder)
+        ones = ir.Constant(v16s, [1] * 16)
+        m15, s4 = ir.Constant(v32b, [15] * 32), ir.Constant(v32b, [4] * 32)
+        together = num_x == 1
+        nsets = 2 if together else 1
+        accs = [[[cgutils.alloca_once(builder, v8f) for _ in range(num_x)] for _ in range(nsets)] for _ in range(2)]
+
+        def bcast(qp, off):        # 4 activation bytes splat over the 8 dword lanes
+            p = builder.bitcast(builder.gep(qp, [off]), _I32.as_pointer())
+            return builder.bitcast(_splat(builder, builder.load(p, align=1), 8), v32b)
+
+        def codes(v):
+            if nv:
+                return _nv_lookup(builder, v, 32)
+            return builder.and_(v, m15), builder.and_(builder.lshr(v, s4), m15)
+
+        def chunks(wp, b, cs, hs):
+            """int32 sums [h][j] over chunks cs of block b for halves hs (int16 within the span)."""
+            base = builder.shl(b, _c64(8))
+            s16 = {(h, j): None for h in hs for j in range(num_x)}
+            for c in cs:
+                off = builder.add(base, _c64(64 * c))
+                if hs[0] == 0:
+                    _prefetch(builder, wp, off)
+                xo = builder.add(builder.shl(b, _c64(5)), _c64(8 * c))
+                bx = [(bcast(qp, xo), bcast(qp, builder.add(xo, _c64(4)))) for qp in qps]
+                for h in hs:
+                    lo, hi = codes(_vload(builder, wp, builder.add(off, _c64(32 * h)), v32b, 1))
+                    for j, (bl, bh) in enumerate(bx):
+                        t = builder.add(builder.call(ubsw, [lo, bl]), builder.call(ubsw, [hi, bh]))
+                        s16[h, j] = t if s16[h, j] is None else builder.add(s16[h, j], t)
+            return {key: builder.sitofp(builder.call(wd, [v, ones]), v8f) for key, v in s16.items()}
+
+        def accumulate(aset, fs, hs, b, corr_idx, sws):
+            for j in range(num_x):
+                xs = _splat(builder, builder.load(builder.gep(xgps[j], [b])), 8)
+                xc = _splat(builder, builder.load(builder.gep(xgps[j], [builder.add(nb, corr_idx)])), 8)
+                for h in hs:
+                    t = builder.fsub(builder.fmul(fs[h, j], xs, flags=_FAST), xc, flags=_FAST)
+                    a = accs[h][aset][j]
+                    builder.store(builder.fadd(builder.load(a), builder.fmul(t, sws[h], flags=_FAST), flags=_FAST), a)
+
+        def block(wp, sp, b, sidx, aset, hs):
+            if nv:        # two groups of 16 columns: chunks 0-1 and 2-3, each its e4m3 scales and offset
+                for half in range(2):
+                    g = builder.add(builder.shl(b, _c64(1)), _c64(half))
+                    fs = chunks(wp, b, (2 * half, 2 * half + 1), hs)
+                    sws = {h: _e4m3_half(builder, _vload(builder, sp, builder.add(builder.shl(g, _c64(4)), _c64(8 * h)),
+                                                         ir.VectorType(_I8, 8), 1), 8) for h in hs}
+                    accumulate(aset, fs, hs, b, g, sws)
+            else:
+                fs = chunks(wp, b, range(4), hs)
+                sws = {h: _half_to_float(builder, _vload(builder, sp, builder.add(builder.shl(sidx, _c64(4)), _c64(8 * h)),
+                                                         ir.VectorType(_I16, 8), 2), 8) for h in hs}
+                accumulate(aset, fs, hs, b, b, sws)
+
+        def walk(wp, sp, sidx_of, hs):
+            if nsets == 1:
+                with cgutils.for_range(builder, nb) as loop:
+                    block(wp, sp, loop.index, sidx_of(loop.index), 0, hs)
+                return
+            with cgutils.for_range(builder, builder.lshr(nb, _c64(1))) as loop:
+                b0 = builder.shl(loop.index, _c64(1))
+                b1 = builder.add(b0, _c64(1))
+                block(wp, sp, b0, sidx_of(b0), 0, hs)
+                block(wp, sp, b1, sidx_of(b1), 1, hs)
+            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+                last = builder.sub(nb, _c64(1))
+                block(wp, sp, last, sidx_of(last), 0, hs)
+
+        with cgutils.for_range(builder, builder.lshr(rows, _c64(4))) as slabs:
+            slab = slabs.index
+            wp = builder.gep(wp0, [builder.mul(slab, builder.shl(half_k, _c64(4)))])
+            sp = builder.gep(sp0, [builder.mul(slab, builder.shl(groups, _c64(4)))])
+            for hs in ([0, 1],) if together else ([0], [1]):
+                for h in hs:
+                    for aset in accs[h]:
+                        for a in aset:
+                            builder.store(ir.Constant(v8f, None), a)
+                if nv:
+                    walk(wp, sp, lambda b: b, hs)
+                else:
+                    with builder.if_else(builder.icmp_unsigned("==", bpg, _c64(1))) as (g32, wider):
+                        with g32:
+                            walk(wp, sp, lambda b: b, hs)
+                        with wider:
+                            walk(wp, sp, lambda b: builder.udiv(b, bpg), hs)
+                for h in hs:
+                    if nv:   # the 8 rows' fp32 factors (after the slab's K/16 x 16 scale bytes), as _r16_codegen
+                        fo = builder.add(builder.shl(builder.lshr(half_k, _c64(3)), _c64(4)), _c64(32 * h))
+                        f = builder.load(builder.bitcast(builder.gep(sp, [fo]), v8f.as_pointer()), align=1)
+                        mult = builder.select(builder.fcmp_ordered(">", f, ir.Constant(v8f, None)), f,
+                                              builder.fdiv(ir.Constant(v8f, [1.0] * 8), builder.fneg(f)))
+                        mult = builder.fmul(mult, ir.Constant(v8f, [128.0] * 8))
+                    for j in range(num_x):
+                        r = builder.load(accs[h][0][j])
+                        if nsets == 2:
+                            r = builder.fadd(r, builder.load(accs[h][1][j]), flags=_FAST)
+                        if nv:
+                            r = builder.fmul(r, mult, flags=_FAST)
+                        op = builder.gep(outps[j], [builder.add(builder.shl(slab, _c64(4)), _c64(8 * h))])
+                        builder.store(r, builder.bitcast(op, v8f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 def _r16_codegen_for(num_x, fmt):
     if fmt == "int8":
         return _r16_i8_codegen(num_x)
-    return _r16_fp8_codegen(num_x) if fmt == "fp8" else _r16_codegen(num_x, fmt)
+    if fmt == "fp8":
+        return _r16_fp8_codegen(num_x)
+    return _r16_codegen(num_x, fmt) if HAS_AVX512 else _r16_avx2_codegen(num_x, fmt)
 
 
 @intrinsic
@@ -1210,7 +1350,8 @@ def r16_dot(typingctx, w, s, xq, xg, bpg, out):
     """out[0:R] = R int4 or nvfp4 rows in whole slabs (w uint8 [R, K/2], s [R, G] as r16 holds them:
     int16 for int4, int8 for nvfp4; R % 16 == 0, both C-contiguous) . the int8 activation xq [K]
     (natural order, K % 32 == 0), xg = prep_q8r_rows' (int4) / prep_q8r_nv_rows' (nvfp4) s_x and
-    offsets; bpg = int4's group size / 32 (nvfp4: unused). AVX-512 VNNI only."""
+    offsets; bpg = int4's group size / 32 (nvfp4: unused). AVX-512 VNNI, or the AVX2 form
+    (_r16_avx2_codegen) where this process runs AVX2; int8 slabs AVX-512 VNNI only, fp8 AVX512-BF16 + VBMI."""
     fmt = _check_r16(w, s, (xq,), (xg,), (out,))
     return types.void(w, s, xq, xg, bpg, out), _r16_codegen_for(1, fmt)
 

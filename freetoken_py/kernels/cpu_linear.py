@@ -112,7 +112,7 @@ def dense_layout(fmt: str, n: int, k: int, group_size: int) -> str:
 
 def _check_r16(fmt: str, n: int, k: int, group_size: int) -> None:
     if dense_layout(fmt, n, k, group_size) != "r16":
-        raise ValueError(f"the r16 layout takes int4 / nvfp4 / int8 (AVX-512 VNNI, int8 activations) or fp8 (AVX512-BF16 + "
+        raise ValueError(f"the r16 layout takes int4 / nvfp4 (AVX2 or AVX-512 VNNI, int8 activations), int8 (AVX-512 VNNI) or fp8 (AVX512-BF16 + "
                          f"VBMI, bf16 activations) [N % 16 == 0, K % 32 == 0]; this process cannot hold {fmt} "
                          f"[{n}, {k}] g{group_size} in it")
 

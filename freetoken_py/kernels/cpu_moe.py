@@ -33,8 +33,8 @@ class ExpertBank:
     w2   [E, D, I]    down rows, same encoding (uint8 [E, D, I/2] for int4)
     s2   [E, D, G']           as s13
 
-    layout "rows" (above) or "r16" (int4 / nvfp4 / int8 on AVX-512 VNNI CPUs, fp8 on AVX512-BF16 +
-    VBMI ones: `preferred_layout`): the same shapes and bytes, each slab of 16 rows permuted within
+    layout "rows" (above) or "r16" (int4 / nvfp4 on AVX2 and AVX-512 VNNI CPUs, int8 on AVX-512 VNNI,
+    fp8 on AVX512-BF16 + VBMI ones: `preferred_layout`): the same shapes and bytes, each slab of 16 rows permuted within
     itself so one vector load serves 16 rows, the scales held as int16 / int8 / int32 (_buffers.r16_pack,
     _simd "int4 / nvfp4 weights in 16-row interleaved slabs" and the fp8 / int8 slab notes); the
     scales' dtype is the layout, so the kernels pick their loops from the arrays.
@@ -193,16 +193,16 @@ def r16_layout_fits(fmt: str, inter: int, hidden: int, group_size: int) -> bool:
 
 
 def preferred_layout(fmt: str, inter: int, hidden: int, group_size: int) -> str:
-    """"r16" where this process's CPU kernels run it (int4 / nvfp4 / int8: AVX-512 VNNI, int8 activations; fp8:
-    AVX512-BF16 + VBMI, bf16 activations) and the widths fit, else "rows". A bank that only the CPU
+    """"r16" where this process's CPU kernels run it (int4 / nvfp4: AVX2 or AVX-512 VNNI, int8 activations; int8:
+    AVX-512 VNNI; fp8: AVX512-BF16 + VBMI, bf16 activations) and the widths fit, else "rows". A bank that only the CPU
     reads takes this; the accelerator tiers keep "rows"."""
     return "r16" if r16_ok(fmt) and r16_layout_fits(fmt, inter, hidden, group_size) else "rows"
 
 
 def _check_r16(fmt: str, inter: int, hidden: int, group_size: int) -> None:
     if not r16_ok(fmt):
-        raise ValueError(f"the r16 layout runs int4 / nvfp4 / int8 on AVX-512 VNNI CPUs with int8 activations and fp8 on "
-                         f"AVX512-BF16 + VBMI CPUs with bf16 activations only; this process cannot run {fmt} in it "
+        raise ValueError(f"the r16 layout runs int4 / nvfp4 with int8 activations (AVX2 or AVX-512 VNNI), int8 on AVX-512 "
+                         f"VNNI and fp8 on AVX512-BF16 + VBMI CPUs with bf16 activations only; this process cannot run {fmt} in it "
                          "(FREETOKEN_SIMD / FREETOKEN_INT_ACT / FREETOKEN_BF16_ACT or the CPU rule it out)")
     if not r16_layout_fits(fmt, inter, hidden, group_size):
         raise ValueError(f"the r16 layout takes int4 / nvfp4 / fp8 / int8 experts with I and D multiples of 32 (int4 groups "
