@@ -163,7 +163,9 @@ _MODEL = textwrap.dedent("""
     from formats_util import first_logits
     from freetoken_py.kernels._dots import FP8_ACT
     logits, llm = first_logits(sys.argv[1], "cpu", expert_cache="off")
-    torch.save(dict(mode=FP8_ACT, logits=logits), sys.argv[2])
+    layer = next(i for i, s in enumerate(llm.args.sparse_layers) if s)
+    torch.save(dict(mode=FP8_ACT, logits=logits, bank=llm.loaded.expert_store.banks[layer].layout,
+                    qkv=llm.model.weights.layers[layer].qkv.dense.layout), sys.argv[2])
 """)
 # measured (2026-12-05, Xeon 6 VM, this checkpoint and prompt): KL 4.6e-4 (every fp8 linear, attention
 # and experts, multiplies bf16-rounded activations; the random tiny model's logits amplify it); the
@@ -173,14 +175,16 @@ FP8_MODEL_KL_BUDGET = 2e-3
 
 
 @needs_isa
-def test_fp8_checkpoint_in_the_default_mode_within_a_kl_budget(checkpoint_factory, tmp_path):
-    """An FP8 block-scaled qwen3_moe checkpoint (blocks of 64: the vector dots) on the cpu backend
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_step2"])   # experts I = 48 (rows) and 64 (fp8 slabs)
+def test_fp8_checkpoint_in_the_default_mode_within_a_kl_budget(checkpoint_factory, tmp_path, name):
+    """An FP8 block-scaled qwen3_moe checkpoint (blocks of 64: the vector dots; with experts of I = 64
+    the experts in fp8 slabs, the attention's dense weights in slabs in both) on the cpu backend
     in the default mode (bf16 activations for the fp8 weights), against transformers' fp32 forward
     of the dequantised weights: KL of the next-token distribution within the budget, and not the
     exact path's logits."""
     from formats_util import reference_logits, write_fp8
 
-    ckpt = write_fp8(checkpoint_factory("qwen3_moe"), tmp_path / "fp8", block=(64, 64))
+    ckpt = write_fp8(checkpoint_factory(name), tmp_path / "fp8", block=(64, 64))
     out = tmp_path / "run.pt"
     subprocess.run([sys.executable, "-c", _MODEL, str(ckpt), str(out), os.path.dirname(__file__)], check=True,
                    env=dict(os.environ, FREETOKEN_BF16_ACT=""), timeout=900)
@@ -190,4 +194,8 @@ def test_fp8_checkpoint_in_the_default_mode_within_a_kl_budget(checkpoint_factor
     kl = float((ref.softmax(-1) * (ref.log_softmax(-1) - ours.log_softmax(-1))).sum())
     print(f"fp8 x bf16 KL {kl:.3g}, max |dlogit| {(ref - ours).abs().max().item():.3g}")
     assert r["mode"] == "bf16"
+    # the fp8 slabs (AVX-512 + BF16 + VBMI) through the checkpoint path: experts and dense weights
+    from freetoken_py.kernels._simd import HAS_AVX512
+    slabs = HAS_AVX512 and name == "qwen3_moe_step2"
+    assert (r["bank"], r["qkv"]) == ("r16" if slabs else "rows", "r16" if HAS_AVX512 else "rows"), r
     assert 0 <= kl <= FP8_MODEL_KL_BUDGET and (ref - ours).abs().max().item() > 1e-5
