@@ -156,18 +156,22 @@ print("ok")
 
 @pytest.mark.skipif(not (R16_OK and HAS_AVX512), reason="the AVX-512 process runs the AVX2 slab dot in a child")
 def test_the_avx2_slab_dot_in_a_forced_avx2_process():
-    """This module's int4 / nvfp4 slab tests again in a FREETOKEN_SIMD=avx2 child (the AVX2 form
-    of the slab dot, as a Zen 3 runs it): the slab dots against float64, expert calls against rows
-    and float64 (decode at Qwen3 widths, expert-major, few pairs, prefill, groups 64 / 128), biases
-    in every stage form and dense weights."""
+    """This module's int4 / nvfp4 slab-dot tests again in a FREETOKEN_SIMD=avx2 child (the AVX2
+    form of the slab dot, as a Zen 3 runs it): against float64 at K 32 .. 2048, groups 32 / 64 /
+    128, nvfp4's multiplier and reciprocal factors, 1 and 4 activations, a call per slab and all
+    rows in one; and dense weights. The expert call in slabs (the stage forms are the same code on
+    either instruction set) runs in that process in
+    `test_forced_avx2_and_fp32_activations_choose_their_layouts`; every stage form here (VNNI).
+    Expert calls are left out of the child for CI time (each format's expert kernel is a cold
+    compile of ~30-60 s in a new kernel-cache variant)."""
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "(slab_dot or expert_call or biases or dense) and not int8 and not avx2"],
+                        "(slab_dot or dense) and not int8 and not avx2"],
                        env=dict(os.environ, FREETOKEN_SIMD="avx2"), capture_output=True, text=True, timeout=900)
     tail = r.stdout[-3000:]
     assert r.returncode == 0, tail
     import re
     passed = int(re.search(r"(\d+) passed", tail).group(1))
-    assert passed >= 40 and "failed" not in tail, tail
+    assert passed >= 29 and "failed" not in tail, tail
 
 
 @needs_r16
