@@ -952,6 +952,27 @@ def _r16_arrays(context, builder, signature, args, num_x):
             [a.data for a in arrays[2 + num_x:2 + 2 * num_x]], [a.data for a in arrays[3 + 2 * num_x:]])
 
 
+def _r16_nibble_args(context, builder, signature, args, num_x):
+    """An int4 / nvfp4 r16_dot call's pointers (as _r16_arrays), then bpg, rows, K/2, the scale
+    columns and K/32."""
+    arrays, wp0, sp0, qps, xgps, outps = _r16_arrays(context, builder, signature, args, num_x)
+    bpg = context.cast(builder, args[2 + 2 * num_x], signature.args[2 + 2 * num_x], types.int64)
+    rows, half_k = cgutils.unpack_tuple(builder, arrays[0].shape)
+    groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
+    return wp0, sp0, qps, xgps, outps, bpg, rows, half_k, groups, builder.lshr(half_k, _c64(4))
+
+
+def _nv_row_mult(builder, sp, half_k, first, lanes):
+    """The nvfp4 slab's row factors first .. first + lanes - 1 (after its K/16 x 16 scale bytes) as
+    multipliers: f (f > 0) or the reciprocal 1 / -f, times 2^7 (the e4m3 / 2^8 scales, 2 e2m1 codes)."""
+    vf = ir.VectorType(_F32, lanes)
+    off = builder.add(builder.shl(builder.lshr(half_k, _c64(3)), _c64(4)), _c64(4 * first))
+    f = builder.load(builder.bitcast(builder.gep(sp, [off]), vf.as_pointer()), align=1)
+    mult = builder.select(builder.fcmp_ordered(">", f, ir.Constant(vf, None)), f,
+                          builder.fdiv(ir.Constant(vf, [1.0] * lanes), builder.fneg(f)))
+    return builder.fmul(mult, ir.Constant(vf, [128.0] * lanes))
+
+
 def _r16_codegen(num_x, fmt):
     """Codegen of r16_dot / r16_dot4: rows in whole slabs of 16 x num_x activations -> out[j][0:rows],
     one slab after the other in one loop (no call per slab). fmt "int4": the nibbles as codes q + 8,
@@ -961,11 +982,8 @@ def _r16_codegen(num_x, fmt):
     nv = fmt == "nvfp4"
 
     def codegen(context, builder, signature, args):
-        arrays, wp0, sp0, qps, xgps, outps = _r16_arrays(context, builder, signature, args, num_x)
-        bpg = context.cast(builder, args[2 + 2 * num_x], signature.args[2 + 2 * num_x], types.int64)
-        rows, half_k = cgutils.unpack_tuple(builder, arrays[0].shape)
-        groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
-        nb = builder.lshr(half_k, _c64(4))                   # K/2 / 16 = K/32 blocks
+        wp0, sp0, qps, xgps, outps, bpg, rows, half_k, groups, nb = _r16_nibble_args(context, builder, signature,
+                                                                                 args, num_x)
         v64b, v16i, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
         v16h, v16b = ir.VectorType(_I16, 16), ir.VectorType(_I8, 16)
         m15, s4 = ir.Constant(v64b, [15] * 64), ir.Constant(v64b, [4] * 64)
@@ -1035,14 +1053,7 @@ def _r16_codegen(num_x, fmt):
                     builder.store(ir.Constant(v16f, None), a)
             if nv:
                 walk(wp, sp, lambda b: b)
-                # the 16 rows' fp32 factors after the slab's K/16 x 16 scale bytes; a multiplier f
-                # (f > 0) or a reciprocal 1 / -f; times 2^7 (the e4m3 / 2^8 scales, 2 e2m1 codes)
-                fp = builder.bitcast(builder.gep(sp, [builder.shl(builder.lshr(half_k, _c64(3)), _c64(4))]),
-                                     v16f.as_pointer())
-                f = builder.load(fp, align=1)
-                mult = builder.select(builder.fcmp_ordered(">", f, ir.Constant(v16f, None)), f,
-                                      builder.fdiv(ir.Constant(v16f, [1.0] * 16), builder.fneg(f)))
-                mult = builder.fmul(mult, ir.Constant(v16f, [128.0] * 16))
+                mult = _nv_row_mult(builder, sp, half_k, 0, 16)
             else:
                 with builder.if_else(builder.icmp_unsigned("==", bpg, _c64(1))) as (g32, wider):
                     with g32:
@@ -1223,13 +1234,9 @@ def _r16_avx2_codegen(num_x, fmt):
     nv = fmt == "nvfp4"
 
     def codegen(context, builder, signature, args):
-        arrays, wp0, sp0, qps, xgps, outps = _r16_arrays(context, builder, signature, args, num_x)
-        bpg = context.cast(builder, args[2 + 2 * num_x], signature.args[2 + 2 * num_x], types.int64)
-        rows, half_k = cgutils.unpack_tuple(builder, arrays[0].shape)
-        groups = cgutils.unpack_tuple(builder, arrays[1].shape)[1]
-        nb = builder.lshr(half_k, _c64(4))                   # K/32 blocks
-        v32b, v16s, v8i, v8f = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8),
-                                ir.VectorType(_F32, 8))
+        wp0, sp0, qps, xgps, outps, bpg, rows, half_k, groups, nb = _r16_nibble_args(context, builder, signature,
+                                                                                 args, num_x)
+        v32b, v16s, v8f = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_F32, 8)
         ubsw, wd = _pmadd_intrinsics(builder)
         ones = ir.Constant(v16s, [1] * 16)
         m15, s4 = ir.Constant(v32b, [15] * 32), ir.Constant(v32b, [4] * 32)
@@ -1318,12 +1325,7 @@ def _r16_avx2_codegen(num_x, fmt):
                         with wider:
                             walk(wp, sp, lambda b: builder.udiv(b, bpg), hs)
                 for h in hs:
-                    if nv:   # the 8 rows' fp32 factors (after the slab's K/16 x 16 scale bytes), as _r16_codegen
-                        fo = builder.add(builder.shl(builder.lshr(half_k, _c64(3)), _c64(4)), _c64(32 * h))
-                        f = builder.load(builder.bitcast(builder.gep(sp, [fo]), v8f.as_pointer()), align=1)
-                        mult = builder.select(builder.fcmp_ordered(">", f, ir.Constant(v8f, None)), f,
-                                              builder.fdiv(ir.Constant(v8f, [1.0] * 8), builder.fneg(f)))
-                        mult = builder.fmul(mult, ir.Constant(v8f, [128.0] * 8))
+                    mult = _nv_row_mult(builder, sp, half_k, 8 * h, 8) if nv else None
                     for j in range(num_x):
                         r = builder.load(accs[h][0][j])
                         if nsets == 2:
