@@ -16,7 +16,8 @@ losslessly (its bytes and kernel are nvfp4's), so the nvfp4 line is MXFP4's as w
 activation path is this process's default (kernels._dots.INT_ACT / BF16_ACT: "act" in each line);
 FREETOKEN_INT_ACT=fp32 or FREETOKEN_SIMD=avx2 select the other paths (each its own kernel cache).
 Banks take the layout the CPU backend gives them (`cpu_moe.preferred_layout`: int4 / nvfp4 in 16-row
-slabs, "r16", with int8 activations on AVX2 and AVX-512 VNNI CPUs, int8 / fp8 on AVX-512 ones); a format written `int4:rows` forces the row layout, so
+slabs, "r16", with int8 activations on AVX2 and AVX-512 VNNI CPUs, int8 on AVX-512 VNNI, fp8 on
+AVX512-BF16 + VBMI with bf16 activations); a format written `int4:rows` forces the row layout, so
 `--formats int4,int4:rows` compares the two in one interleaved run ("layout" in each shape).
 Weights: uniform in +-0.05 (default; an fp8 bank of them holds almost no subnormal e4m3 codes), or
 Student-t with 3 degrees of freedom (heavy tails, as layers with outliers: ~1e-3 of the fp8 codes

@@ -73,7 +73,7 @@ def test_ct_int4_banks_are_the_checkpoint_bytes(ct_ckpt):
                                     (slice(inter, None), "up_proj", w13[e, inter:]),
                                     (slice(None), "down_proj", w2[e])):
                 packed = t[f"{x}{name}.weight_packed"].view(torch.uint8).numpy()
-                # in the row layout: the bank's own (r16 slabs on AVX-512 VNNI) undone exactly
+                # in the row layout: the bank's own (r16 slabs with int8 activations: AVX2 / AVX-512 VNNI) undone exactly
                 w_rows, s_rows = (bank.row_arrays(bank.w13[e], bank.s13[e]) if name != "down_proj" else
                                   bank.row_arrays(bank.w2[e], bank.s2[e]))
                 codes, scales = w_rows[rows], s_rows[rows]

@@ -83,7 +83,7 @@ def test_nvfp4_banks_and_dense_weights_equal_the_checkpoint_exactly(ct_qwen, mo_
     for layer in (i for i, s in enumerate(a.sparse_layers) if s):
         bank = llm.loaded.expert_store.banks[layer]
         assert (bank.fmt, bank.group_size, bank.w13.dtype) == ("nvfp4", 16, np.uint8)
-        assert bank.s13.dtype == (np.int8 if bank.layout == "r16" else np.uint8)   # r16: 16-row slabs (AVX-512 VNNI)
+        assert bank.s13.dtype == (np.int8 if bank.layout == "r16" else np.uint8)   # r16: 16-row slabs (AVX2 / AVX-512 VNNI)
         w13, w2 = bank.dequantized()
         inter = bank.inter
         for e in range(a.num_experts):

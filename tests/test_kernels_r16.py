@@ -1,10 +1,11 @@
-"""int4 and nvfp4 weights in 16-row slabs (layout "r16", _simd "int4 / nvfp4 weights in 16-row
+"""int4, nvfp4 and int8 weights in 16-row slabs (layout "r16", _simd "int4 / nvfp4 weights in 16-row
 interleaved slabs"): the layout's byte placement and round trip (any CPU), the slab dot against
-float64 on the format's own dequantisation (AVX-512 VNNI), whole expert calls against the row
-layout and against float64 in every stage form (decode expert-major, few pairs, prefill row blocks,
-biases, GPT-OSS's activation, int4 groups 32 / 64 / 128, nvfp4 with multiplier and reciprocal row
-factors), dense weights, the choice of layout (forced AVX2: rows, never r16), and the expert
-store's own cache file for it."""
+float64 on the format's own dequantisation (int4 / nvfp4: AVX-512 VNNI here, the AVX2 form in a
+forced-AVX2 child compiled for a Zen 3 target; int8: AVX-512 VNNI), whole expert calls against the
+row layout and against float64 in every stage form (decode expert-major, few pairs, prefill row
+blocks, biases, GPT-OSS's activation, int4 groups 32 / 64 / 128, nvfp4 with multiplier and
+reciprocal row factors), dense weights, the choice of layout per process (forced AVX2: int4 / nvfp4
+slabs, int8 rows; fp32 activations: rows), and the expert store's own cache file for it."""
 from __future__ import annotations
 
 import os
@@ -154,8 +155,12 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
+ZEN3_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,+sse3,"
+                 "+sse4.1,+sse4.2,+ssse3")
+
+
 @pytest.mark.skipif(not (R16_OK and HAS_AVX512), reason="the AVX-512 process runs the AVX2 slab dot in a child")
-def test_the_avx2_slab_dot_in_a_forced_avx2_process():
+def test_the_avx2_slab_dot_in_a_forced_avx2_process(tmp_path):
     """This module's int4 / nvfp4 slab-dot tests again in a FREETOKEN_SIMD=avx2 child (the AVX2
     form of the slab dot, as a Zen 3 runs it): against float64 at K 32 .. 2048, groups 32 / 64 /
     128, nvfp4's multiplier and reciprocal factors, 1 and 4 activations, a call per slab and all
@@ -164,9 +169,12 @@ def test_the_avx2_slab_dot_in_a_forced_avx2_process():
     `test_forced_avx2_and_fp32_activations_choose_their_layouts`; every stage form here (VNNI).
     Expert calls are left out of the child for CI time (each format's expert kernel is a cold
     compile of ~30-60 s in a new kernel-cache variant)."""
+    # compiled for a Zen 3 (AVX2 / FMA / F16C / BMI2, no AVX-512, no GFNI) in its own kernel cache: an
+    # encoding a Zen 3 lacks cannot slip into the AVX2 form unnoticed
+    zen3 = dict(NUMBA_CPU_NAME="znver3", NUMBA_CACHE_DIR=str(tmp_path / "numba"), NUMBA_CPU_FEATURES=ZEN3_FEATURES)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                         "(slab_dot or dense) and not int8 and not avx2"],
-                       env=dict(os.environ, FREETOKEN_SIMD="avx2"), capture_output=True, text=True, timeout=900)
+                       env=dict(os.environ, FREETOKEN_SIMD="avx2", **zen3), capture_output=True, text=True, timeout=900)
     tail = r.stdout[-3000:]
     assert r.returncode == 0, tail
     import re

@@ -173,7 +173,10 @@ def test_in_a_bf16_process():
     """The suite's processes take fp32 activations (tests/conftest.py), where fp8 never takes the
     slabs: this module's kernel tests again in a process with bf16 activations (the default on
     CPUs with AVX512-BF16 + VBMI, where production takes the slabs)."""
-    env = dict(os.environ, FREETOKEN_BF16_ACT="bf16")
+    # FREETOKEN_INT_ACT=fp32 too: fp8 slabs do not depend on the int8-activation kernels (a process
+    # with fp32 activations for int4 / int8 still runs fp8 in slabs); the default mode's fp8 slabs
+    # run in tests/test_kernels_fp8_bf16act.py's checkpoint test
+    env = dict(os.environ, FREETOKEN_BF16_ACT="bf16", FREETOKEN_INT_ACT="fp32")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__],
                        env=env, capture_output=True, text=True, timeout=1200)
     tail = r.stdout[-3000:] + r.stderr[-2000:]

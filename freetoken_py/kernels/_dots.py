@@ -894,9 +894,9 @@ def by_layout(stub, slab, rows):
         fp8 = args[0].dtype == types.uint8 and args[1].dtype == types.int32
         if fp8 and not R16_FP8_OK:
             raise TypeError("fp8 rows in the r16 layout need this process's AVX512-BF16 / VBMI kernels")
-        if args[0].dtype == types.int8 and not R16_I8_OK:
+        if not fp8 and args[0].dtype == types.int8 and not R16_I8_OK:
             raise TypeError("int8 rows in the r16 layout need this process's AVX-512 VNNI kernels")
-        if not R16_OK:
+        if not fp8 and args[0].dtype != types.int8 and not R16_OK:
             raise TypeError("int4 / nvfp4 rows in the r16 layout need this process's int8-activation kernels (AVX2)")
         return lambda *args: slab(*args)
 
