@@ -115,7 +115,7 @@ _FP8_FROM = np.argsort(_FP8_SLOT.reshape(-1))     # chunk byte i <- row-major (r
 
 
 def is_r16_scales(s: np.ndarray) -> bool:
-    """True for scales in the "r16" layout (int16 / int8)."""
+    """True for scales in the "r16" layout (int16 / int8 / int32)."""
     return s.dtype in _ROW_SCALES
 
 

@@ -33,7 +33,7 @@ from numba.extending import overload
 from freetoken_py.envs import bf16_act, int_act, simd
 from freetoken_py.kernels import _cache  # noqa: F401  (package-wide cache stamp; before any @njit)
 from freetoken_py.quant.fp8 import e4m3_table
-from freetoken_py.kernels._simd import (TILE_LANES, HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, HAS_AVX512VBMI, bf16_row_dot, bf16_row_dot4,
+from freetoken_py.kernels._simd import (TILE_LANES, r16_kind, HAS_AVX2, HAS_AVX512, HAS_AVX512BF16, HAS_AVX512VBMI, bf16_row_dot, bf16_row_dot4,
                                         bf16f_row_dot, bf16f_row_dot4,
                                         fp8_widen_row, fp8bf_row_dot, fp8bf_row_dot4, fp8f_row_dot,
                                         fp8f_row_dot4, fp8_row_dot4_v, fp8_row_dot_v, i8q8_row_dot, i8q8_row_dot4, i8q8v_row_dot,
@@ -876,28 +876,22 @@ def r16_ok(fmt: str) -> bool:
     return {"fp8": R16_FP8_OK, "int8": R16_I8_OK, "int4": R16_OK, "nvfp4": R16_OK}.get(fmt, False)
 
 
-def is_r16(w, s):
-    """Typing-time test: rows in the "r16" slab layout (uint8 weights with int16 scales: int4, int8
-    scales: nvfp4, int32 scales: fp8; int8 weights with int32 scales: int8)."""
-    return ((w.dtype == types.uint8 and s.dtype in (types.int16, types.int8, types.int32))
-            or (w.dtype == types.int8 and s.dtype == types.int32))
+_R16_NEEDS = {"fp8": "AVX512-BF16 / VBMI kernels with bf16 activations", "int8": "AVX-512 VNNI kernels",
+              "int4": "int8-activation kernels (AVX2)", "nvfp4": "int8-activation kernels (AVX2)"}
 
 
 def by_layout(stub, slab, rows):
     """Overload `stub` (jitted only; its first two arguments a weight block and its scales) to run
     `slab` for rows in the "r16" layout and `rows` otherwise, picked at compile time from the
-    scales' dtype; r16 arrays in a process that cannot run them are a typing error."""
+    weights' and scales' dtypes (_simd.r16_kind); r16 arrays in a process that cannot run them
+    (r16_ok) are a typing error."""
     @overload(stub, jit_options={"fastmath": True})
     def _impl(*args):
-        if not is_r16(args[0], args[1]):
+        kind = r16_kind(args[0], args[1])
+        if kind is None:
             return lambda *args: rows(*args)
-        fp8 = args[0].dtype == types.uint8 and args[1].dtype == types.int32
-        if fp8 and not R16_FP8_OK:
-            raise TypeError("fp8 rows in the r16 layout need this process's AVX512-BF16 / VBMI kernels")
-        if not fp8 and args[0].dtype == types.int8 and not R16_I8_OK:
-            raise TypeError("int8 rows in the r16 layout need this process's AVX-512 VNNI kernels")
-        if not fp8 and args[0].dtype != types.int8 and not R16_OK:
-            raise TypeError("int4 / nvfp4 rows in the r16 layout need this process's int8-activation kernels (AVX2)")
+        if not r16_ok(kind):
+            raise TypeError(f"{kind} rows in the r16 layout need this process's {_R16_NEEDS[kind]}")
         return lambda *args: slab(*args)
 
 
@@ -960,13 +954,14 @@ def prepare(w, s, x, gs):
 
 @overload(prepare, jit_options={"fastmath": True})
 def _prepare_impl(w, s, x, gs):
-    if is_r16(w, s) and s.dtype == types.int16:   # int4 in 16-row slabs: natural-order int8, (s_x, offset) per block
+    kind = r16_kind(w, s)
+    if kind == "int4":     # in 16-row slabs: natural-order int8, (s_x, offset) per block
         return lambda w, s, x, gs: prep_q8r_rows(x)
-    if is_r16(w, s) and w.dtype == types.int8:    # int8 in slabs: natural-order int8, (s_x, 128 s_x sum(q)) per block
+    if kind == "int8":     # in slabs: natural-order int8, (s_x, 128 s_x sum(q)) per block
         return lambda w, s, x, gs: prep_q8r_rows_as(x, 32, 128.0)
-    if is_r16(w, s) and s.dtype == types.int32:   # fp8 in slabs: natural-order bf16 (the fp32 rows unused)
+    if kind == "fp8":      # in slabs: natural-order bf16 (the fp32 rows unused)
         return lambda w, s, x, gs: (prep_bf16_rows(x), np.zeros((x.shape[0], 1), np.float32))
-    if is_r16(w, s):                               # nvfp4 in slabs: (s_x per block, offset per 16 columns)
+    if kind == "nvfp4":    # in slabs: (s_x per block, offset per 16 columns)
         return lambda w, s, x, gs: prep_q8r_nv_rows(x)
     if w.dtype == types.uint8 and s.dtype == types.uint8 and INT_ACT == "int8":   # nvfp4 x int8 activations
         return lambda w, s, x, gs: prep_nv8_rows(x)

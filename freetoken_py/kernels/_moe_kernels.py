@@ -25,7 +25,7 @@ so each task streams one expert's contiguous rows (the row-block form reads ever
 in short pieces per task); the combine adds the same products in the same order as the
 row-block form (fast-math may contract a multiply-add differently: equal to ~1e-7, not bit for
 bit). On a Zen 4 VM (2 threads, Qwen3-30B-A3B widths, one decode token, interleaved) the whole
-call read 2-12 % faster for int4 / nvfp4 / fp8 / int8 (docs/kernels.md, "Expert-major down stage")
+call read 2-12 % faster for int4 / nvfp4 / fp8 / int8 (docs/kernels.md, "Expert-major down stage").
 Where the decode call's experts also deal evenly over the workers (``whole_experts``), the three
 become one parallel region:
 

@@ -918,30 +918,51 @@ def i8q8v_row_dot4(typingctx, w, x0, x1, x2, x3, s0, s1, s2, s3):
 # the same as 4096 within noise: docs/kernels.md). Rows per slab: _buffers.R16_ROWS.
 
 
+_R16_KINDS = {(types.uint8, types.int16): "int4", (types.uint8, types.int8): "nvfp4",
+              (types.uint8, types.int32): "fp8", (types.int8, types.int32): "int8"}
+
+
+def r16_kind(w, s):
+    """Typing time: the format of rows (w, s) held in the "r16" slab layout, from the weights' and
+    scales' dtypes (int4: uint8 + int16, nvfp4: uint8 + int8, fp8: uint8 + int32, int8: int8 +
+    int32), or None for any other pair (the row layout)."""
+    return _R16_KINDS.get((w.dtype, s.dtype))
+
+
 def _check_r16(w, s, xqs, xgs, outs):
-    """"int4" (uint8 weights, int16 scales), "nvfp4" (uint8, int8), "fp8" (uint8, int32) or "int8"
-    (int8, int32): which slab dot these arrays are for."""
+    """r16_kind of these arrays (which slab dot they are for), checked against this target."""
     if w.ndim != 2 or s.ndim != 2 or any(o.dtype != types.float32 or o.ndim != 1 for o in outs):
         raise TypeError("r16_dot takes 2-D slabs and scales and writes float32 outputs (1-D float32 arrays)")
-    if w.dtype == types.uint8 and s.dtype == types.int32:
+    fmt = r16_kind(w, s)
+    if fmt == "fp8":
         _check_avx512()
         if not (HAS_AVX512BF16 and HAS_AVX512VBMI):
             raise TypeError("fp8 slabs need AVX512-BF16 and AVX512-VBMI")
         if any(x.dtype != types.uint16 or x.ndim != 1 for x in xqs):
             raise TypeError("the fp8 slab dot takes bf16 activations (uint16 [K], natural order)")
-        return "fp8"
-    if (w.dtype, s.dtype) not in ((types.uint8, types.int16), (types.uint8, types.int8), (types.int8, types.int32)):
+        return fmt
+    if fmt is None:
         raise TypeError("r16_dot takes slabs of 16 rows and their scales as r16 holds them (int4: uint8 [R, K/2] with "
                         "int16 fp16 bits; nvfp4: uint8 [R, K/2] with int8 e4m3 bytes + row factors; fp8: uint8 [R, K] "
                         "with int32 fp32 bits; int8: int8 [R, K] with int32 fp32 row-scale bits)")
     if any(x.dtype != types.int8 or x.ndim != 1 for x in xqs) or any(g.dtype != types.float32 or g.ndim != 1 for g in xgs):
         raise TypeError("r16_dot takes int8 activations [K] and their float32 (s_x, corrections) rows")
-    fmt = {types.int16: "int4", types.int8: "nvfp4", types.int32: "int8"}[s.dtype]
     if fmt == "int8" or HAS_AVX512:
         _check_avx512()            # int8 slabs: VNNI only (vpmaddubsw's pairs of u8 x s8 saturate int16)
     else:
         _check_avx2()
     return fmt
+
+
+def _blocks_in_pairs(builder, nb, visit):
+    """visit(b, chain) for the nb blocks: two per trip into chains 0 and 1 (one FMA chain per block
+    is latency-bound), an odd last block into chain 0."""
+    with cgutils.for_range(builder, builder.lshr(nb, _c64(1))) as loop:
+        b0 = builder.shl(loop.index, _c64(1))
+        visit(b0, 0)
+        visit(builder.add(b0, _c64(1)), 1)
+    with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+        visit(builder.sub(nb, _c64(1)), 0)
 
 
 def _r16_arrays(context, builder, signature, args, num_x):
@@ -1035,14 +1056,7 @@ def _r16_codegen(num_x, fmt):
                 accumulate(aset, fs, b, b, sw)
 
         def walk(wp, sp, sidx_of):
-            with cgutils.for_range(builder, builder.lshr(nb, _c64(1))) as loop:
-                b0 = builder.shl(loop.index, _c64(1))
-                b1 = builder.add(b0, _c64(1))
-                block(wp, sp, b0, sidx_of(b0), 0)
-                block(wp, sp, b1, sidx_of(b1), 1)
-            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                last = builder.sub(nb, _c64(1))
-                block(wp, sp, last, sidx_of(last), 0)
+            _blocks_in_pairs(builder, nb, lambda b, chain: block(wp, sp, b, sidx_of(b), chain))
 
         with cgutils.for_range(builder, builder.lshr(rows, _c64(4))) as slabs:
             slab = slabs.index
@@ -1199,12 +1213,7 @@ def _r16_i8_codegen(num_x):
             for aset in accs:
                 for a in aset:
                     builder.store(ir.Constant(v16f, None), a)
-            with cgutils.for_range(builder, builder.lshr(nb, _c64(1))) as loop:
-                b0 = builder.shl(loop.index, _c64(1))
-                block(wp, b0, 0)
-                block(wp, builder.add(b0, _c64(1)), 1)
-            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                block(wp, builder.sub(nb, _c64(1)), 0)
+            _blocks_in_pairs(builder, nb, lambda b, chain: block(wp, b, chain))
             sv = _vload(builder, sp, _c64(0), v16f, 4)
             for j in range(num_x):
                 r = builder.fadd(builder.load(accs[0][j]), builder.load(accs[1][j]), flags=_FAST)
@@ -1298,14 +1307,7 @@ def _r16_avx2_codegen(num_x, fmt):
                 with cgutils.for_range(builder, nb) as loop:
                     block(wp, sp, loop.index, sidx_of(loop.index), 0, hs)
                 return
-            with cgutils.for_range(builder, builder.lshr(nb, _c64(1))) as loop:
-                b0 = builder.shl(loop.index, _c64(1))
-                b1 = builder.add(b0, _c64(1))
-                block(wp, sp, b0, sidx_of(b0), 0, hs)
-                block(wp, sp, b1, sidx_of(b1), 1, hs)
-            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                last = builder.sub(nb, _c64(1))
-                block(wp, sp, last, sidx_of(last), 0, hs)
+            _blocks_in_pairs(builder, nb, lambda b, chain: block(wp, sp, b, sidx_of(b), chain, hs))
 
         with cgutils.for_range(builder, builder.lshr(rows, _c64(4))) as slabs:
             slab = slabs.index
